@@ -1,0 +1,28 @@
+//! The per-world rendezvous store of multiworld.
+//!
+//! Every world owns a small key-value store through which its members find
+//! each other (transport addresses, NCCL ids) and agree on things (counters,
+//! barriers, "this world is broken"). One server, on one port, hosts the
+//! stores of many worlds, each with its own table, waiters, bounds, secret
+//! and lifetime.
+//!
+//! Module map:
+//! - [`table`]: the I/O-free table of one world (every operation, waits with
+//!   deadlines, close), tested with a fake clock.
+//! - [`limits`]: the bounds a world's store enforces, with their defaults.
+//! - [`auth`]: shared-secret proofs (HMAC-SHA256; the secret never crosses
+//!   the wire).
+//! - [`server`]: the gRPC service hosting many worlds' tables
+//!   ([`StoreServer`]), embedded in a process or run standalone.
+//! - [`client`]: [`StoreClient`] (one connection, retrying with backoff) and
+//!   [`WorldStore`] (one world's store over it).
+//! - [`error`]: [`StoreError`] and its mapping to gRPC statuses.
+
+pub mod auth;
+pub mod error;
+pub mod limits;
+pub mod table;
+
+pub use auth::Secret;
+pub use error::{Limit, StoreError};
+pub use limits::Limits;
