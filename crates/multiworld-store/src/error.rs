@@ -14,6 +14,9 @@ use tonic::{Code, Status, metadata::MetadataValue};
 
 /// The metadata entry that carries [`StoreError::kind`] in an error status.
 pub const ERROR_KIND_METADATA: &str = "mw-error";
+/// The metadata entry that carries a [`StoreError::StaleGeneration`]'s
+/// current generation, when there is one.
+pub const ERROR_GENERATION_METADATA: &str = "mw-generation";
 /// The metadata entry that carries a [`StoreError::LimitExceeded`]'s
 /// `limit max requested`, space separated.
 pub const ERROR_LIMIT_METADATA: &str = "mw-limit";
@@ -125,6 +128,15 @@ pub enum StoreError {
         /// The generation that is open now, if any.
         current: Option<u64>,
     },
+    /// A world of that name is already open (close it to start a new
+    /// generation).
+    #[error("world '{world}' is already open at generation {generation}")]
+    AlreadyOpen {
+        /// The world.
+        world: String,
+        /// The generation that is open.
+        generation: u64,
+    },
     /// The request did not prove knowledge of the world's secret.
     #[error("unauthenticated for world '{world}': {reason}")]
     Unauthenticated {
@@ -168,6 +180,7 @@ impl StoreError {
             StoreError::Closed { .. } => "closed",
             StoreError::WorldNotFound { .. } => "world-not-found",
             StoreError::StaleGeneration { .. } => "stale-generation",
+            StoreError::AlreadyOpen { .. } => "already-open",
             StoreError::Unauthenticated { .. } => "unauthenticated",
             StoreError::LimitExceeded { .. } => "limit-exceeded",
             StoreError::InvalidArgument(_) => "invalid-argument",
@@ -195,6 +208,7 @@ impl StoreError {
                 Code::FailedPrecondition
             }
             StoreError::WorldNotFound { .. } => Code::NotFound,
+            StoreError::AlreadyOpen { .. } => Code::AlreadyExists,
             StoreError::Unauthenticated { .. } => Code::Unauthenticated,
             StoreError::LimitExceeded { .. } => Code::ResourceExhausted,
             StoreError::InvalidArgument(_) => Code::InvalidArgument,
@@ -220,10 +234,18 @@ impl StoreError {
             },
             (_, "closed") => StoreError::Closed { world },
             (_, "world-not-found") | (Code::NotFound, _) => StoreError::WorldNotFound { world },
+            (_, "already-open") | (Code::AlreadyExists, _) => StoreError::AlreadyOpen {
+                world,
+                generation: 0,
+            },
             (_, "stale-generation") => StoreError::StaleGeneration {
                 world,
                 requested: 0,
-                current: None,
+                current: status
+                    .metadata()
+                    .get(ERROR_GENERATION_METADATA)
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|v| v.parse().ok()),
             },
             (_, "unauthenticated") | (Code::Unauthenticated, _) => {
                 StoreError::Unauthenticated { world, reason: msg }
@@ -265,16 +287,24 @@ impl From<StoreError> for Status {
         let mut status = Status::new(err.code(), err.to_string());
         let meta = status.metadata_mut();
         meta.insert(ERROR_KIND_METADATA, MetadataValue::from_static(err.kind()));
-        if let StoreError::LimitExceeded {
-            limit,
-            max,
-            requested,
-        } = err
-        {
-            let text = format!("{} {max} {requested}", limit.code());
-            if let Ok(value) = MetadataValue::try_from(text) {
-                meta.insert(ERROR_LIMIT_METADATA, value);
+        match err {
+            StoreError::LimitExceeded {
+                limit,
+                max,
+                requested,
+            } => {
+                let text = format!("{} {max} {requested}", limit.code());
+                if let Ok(value) = MetadataValue::try_from(text) {
+                    meta.insert(ERROR_LIMIT_METADATA, value);
+                }
             }
+            StoreError::StaleGeneration {
+                current: Some(current),
+                ..
+            } => {
+                meta.insert(ERROR_GENERATION_METADATA, MetadataValue::from(current));
+            }
+            _ => {}
         }
         status
     }
@@ -303,6 +333,10 @@ mod tests {
                 reason: "no proof".into(),
             },
             StoreError::InvalidArgument("empty key".into()),
+            StoreError::AlreadyOpen {
+                world: "w".into(),
+                generation: 3,
+            },
             StoreError::Unavailable {
                 addr: "x".into(),
                 reason: "y".into(),

@@ -19,10 +19,15 @@
 //! - [`error`]: [`StoreError`] and its mapping to gRPC statuses.
 
 pub mod auth;
+pub mod client;
 pub mod error;
 pub mod limits;
+pub mod server;
 pub mod table;
 
 pub use auth::Secret;
+pub use client::{ClientConfig, OpenOptions, StoreClient, WorldStore};
 pub use error::{Limit, StoreError};
 pub use limits::Limits;
+pub use server::{ServerConfig, StoreServer, WorldOptions, WorldStats};
+pub use table::CasOutcome;

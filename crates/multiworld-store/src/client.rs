@@ -1,0 +1,521 @@
+//! The store client: [`StoreClient`] is one connection to a store server
+//! (made with retry and backoff until a deadline), and [`WorldStore`] is one
+//! world's store over it. Both are cheap to clone and safe to share.
+//!
+//! Every call has a client-side deadline (the wait's own timeout plus a grace
+//! for waiting calls, [`ClientConfig::op_timeout`] for the others), so a
+//! frozen server never hangs a caller. When the call's future is dropped or
+//! its deadline passes, the HTTP/2 stream is reset and the server forgets the
+//! wait. When the server's process dies, its connection closes and every
+//! in-flight call fails with `Unavailable` at once.
+
+use std::{
+    future::Future,
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use bytes::Bytes;
+use multiworld_proto::store::v1::{self as pb, store_client};
+use tonic::{
+    Request, Response, Status,
+    metadata::{Ascii, MetadataValue},
+    transport::{Channel, Endpoint},
+};
+
+use crate::{
+    auth::{AUTH_METADATA, Secret},
+    error::StoreError,
+    table::CasOutcome,
+};
+
+type Rpc = store_client::StoreClient<Channel>;
+
+/// How a client connects and how long it waits. `Default` gives the
+/// documented defaults.
+#[derive(Debug, Clone)]
+pub struct ClientConfig {
+    /// How long [`StoreClient::connect`] keeps retrying (default 30 s).
+    pub connect_timeout: Duration,
+    /// First pause between connection attempts (default 10 ms); it doubles
+    /// after each failure up to `backoff_max`.
+    pub backoff_initial: Duration,
+    /// Longest pause between connection attempts (default 500 ms).
+    pub backoff_max: Duration,
+    /// Client-side deadline of calls that do not wait for keys (default 30 s).
+    pub op_timeout: Duration,
+    /// Added to a waiting call's own timeout to form its client-side deadline
+    /// (default 5 s).
+    pub wait_grace: Duration,
+    /// HTTP/2 keepalive ping interval (default 1 s): notices a host that is
+    /// frozen or cut off rather than dead.
+    pub keepalive_interval: Duration,
+    /// How long a keepalive ping may go unanswered (default 3 s).
+    pub keepalive_timeout: Duration,
+    /// Largest reply decoded (default 64 MiB).
+    pub max_message_bytes: usize,
+}
+
+impl Default for ClientConfig {
+    fn default() -> Self {
+        ClientConfig {
+            connect_timeout: Duration::from_secs(30),
+            backoff_initial: Duration::from_millis(10),
+            backoff_max: Duration::from_millis(500),
+            op_timeout: Duration::from_secs(30),
+            wait_grace: Duration::from_secs(5),
+            keepalive_interval: Duration::from_secs(1),
+            keepalive_timeout: Duration::from_secs(3),
+            max_message_bytes: 64 << 20,
+        }
+    }
+}
+
+/// How to open a world's store.
+#[derive(Debug, Clone)]
+pub struct OpenOptions {
+    /// The world's secret, if it has one.
+    pub secret: Option<Secret>,
+    /// Ask the server to create the world if it is not open (only servers
+    /// that allow remote creation do).
+    pub create: bool,
+    /// How long to keep asking while the world is not open yet, e.g. because
+    /// its hosting rank has not got there (default 30 s).
+    pub timeout: Duration,
+}
+
+impl Default for OpenOptions {
+    fn default() -> Self {
+        OpenOptions {
+            secret: None,
+            create: false,
+            timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// One connection to a store server.
+#[derive(Clone)]
+pub struct StoreClient {
+    rpc: Rpc,
+    addr: Arc<str>,
+    config: Arc<ClientConfig>,
+}
+
+impl std::fmt::Debug for StoreClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StoreClient").field("addr", &self.addr).finish()
+    }
+}
+
+impl StoreClient {
+    /// Connects to the server at `addr` (`host:port`), retrying with
+    /// exponential backoff until `config.connect_timeout`, and checks that a
+    /// store answers there.
+    pub async fn connect(addr: &str, config: ClientConfig) -> Result<StoreClient, StoreError> {
+        let started = Instant::now();
+        let deadline = started + config.connect_timeout;
+        let endpoint = Endpoint::from_shared(format!("http://{addr}"))
+            .map_err(|e| StoreError::InvalidArgument(format!("bad store address '{addr}': {e}")))?
+            .tcp_nodelay(true)
+            .http2_keep_alive_interval(config.keepalive_interval)
+            .keep_alive_timeout(config.keepalive_timeout)
+            .keep_alive_while_idle(true);
+        let mut pause = config.backoff_initial;
+        let mut attempts = 0u32;
+        loop {
+            attempts += 1;
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            let last_error = match try_connect(&endpoint, remaining.min(Duration::from_secs(2))).await {
+                Ok(channel) => {
+                    let rpc = store_client::StoreClient::new(channel)
+                        .max_decoding_message_size(config.max_message_bytes)
+                        .max_encoding_message_size(config.max_message_bytes);
+                    let client = StoreClient {
+                        rpc,
+                        addr: Arc::from(addr),
+                        config: Arc::new(config.clone()),
+                    };
+                    match client.ping().await {
+                        Ok(_) => {
+                            tracing::debug!(addr, attempts, "connected to store");
+                            return Ok(client);
+                        }
+                        Err(e) => e.to_string(),
+                    }
+                }
+                Err(e) => e,
+            };
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(StoreError::Unavailable {
+                    addr: addr.to_string(),
+                    reason: format!(
+                        "no store answered after {attempts} attempts in {:?}: {last_error}",
+                        now - started
+                    ),
+                });
+            }
+            tracing::trace!(addr, attempts, error = %last_error, "store not reachable yet");
+            tokio::time::sleep(pause.min(deadline - now)).await;
+            pause = (pause * 2).min(config.backoff_max);
+        }
+    }
+
+    /// The server's address as given to `connect`.
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    /// Round trip to the server (not to any world).
+    pub async fn ping(&self) -> Result<Duration, StoreError> {
+        let started = Instant::now();
+        let req = Request::new(pb::PingRequest { world: None });
+        let mut rpc = self.rpc.clone();
+        let fut = rpc.ping(req);
+        match tokio::time::timeout(self.config.op_timeout, fut).await {
+            Ok(Ok(_)) => Ok(started.elapsed()),
+            Ok(Err(status)) => Err(StoreError::from_status(&status, "", &self.addr)),
+            Err(_) => Err(self.deadline_passed(self.config.op_timeout)),
+        }
+    }
+
+    /// Opens a world's store on this server: waits (up to `options.timeout`)
+    /// until the world is open there, or creates it if asked and allowed.
+    pub async fn open(&self, name: &str, options: OpenOptions) -> Result<WorldStore, StoreError> {
+        let auth = match &options.secret {
+            Some(secret) => Some(
+                MetadataValue::try_from(secret.proof(name))
+                    .map_err(|e| StoreError::Protocol(format!("proof is not ASCII: {e}")))?,
+            ),
+            None => None,
+        };
+        let started = Instant::now();
+        let mut pause = self.config.backoff_initial;
+        loop {
+            let mut req = Request::new(pb::OpenRequest {
+                name: name.to_string(),
+                create: options.create,
+            });
+            if let Some(a) = &auth {
+                req.metadata_mut().insert(AUTH_METADATA, a.clone());
+            }
+            let mut rpc = self.rpc.clone();
+            let fut = rpc.open(req);
+            let err = match tokio::time::timeout(self.config.op_timeout, fut).await {
+                Ok(Ok(resp)) => {
+                    return Ok(WorldStore {
+                        client: self.clone(),
+                        world: pb::WorldRef {
+                            name: name.to_string(),
+                            generation: resp.into_inner().generation,
+                        },
+                        auth,
+                    });
+                }
+                Ok(Err(status)) => StoreError::from_status(&status, name, &self.addr),
+                Err(_) => return Err(self.deadline_passed(self.config.op_timeout)),
+            };
+            let elapsed = started.elapsed();
+            if !matches!(err, StoreError::WorldNotFound { .. }) {
+                return Err(err);
+            }
+            if elapsed >= options.timeout {
+                return Err(StoreError::Timeout {
+                    what: format!("world '{name}' to be opened on the store at {}", self.addr),
+                    after: elapsed,
+                });
+            }
+            tokio::time::sleep(pause.min(options.timeout - elapsed)).await;
+            pause = (pause * 2).min(self.config.backoff_max);
+        }
+    }
+
+    fn deadline_passed(&self, after: Duration) -> StoreError {
+        StoreError::Timeout {
+            what: format!("a reply from the store at {}", self.addr),
+            after,
+        }
+    }
+}
+
+async fn try_connect(endpoint: &Endpoint, limit: Duration) -> Result<Channel, String> {
+    match tokio::time::timeout(limit.max(Duration::from_millis(1)), endpoint.connect()).await {
+        Ok(Ok(channel)) => Ok(channel),
+        Ok(Err(e)) => {
+            let mut text = e.to_string();
+            let mut source = std::error::Error::source(&e);
+            while let Some(s) = source {
+                text = format!("{text}: {s}");
+                source = s.source();
+            }
+            Err(text)
+        }
+        Err(_) => Err(format!("connect attempt took longer than {limit:?}")),
+    }
+}
+
+fn key(k: impl AsRef<[u8]>) -> Bytes {
+    Bytes::copy_from_slice(k.as_ref())
+}
+
+fn keys<K: AsRef<[u8]>>(ks: &[K]) -> Vec<Bytes> {
+    ks.iter().map(key).collect()
+}
+
+/// A wait's timeout on the wire: at least 1 ms, since 0 means "the server's
+/// default".
+fn wire_ms(timeout: Duration) -> u64 {
+    (timeout.as_millis() as u64).max(1)
+}
+
+/// One world's store, reached through a [`StoreClient`].
+#[derive(Clone)]
+pub struct WorldStore {
+    client: StoreClient,
+    world: pb::WorldRef,
+    auth: Option<MetadataValue<Ascii>>,
+}
+
+impl std::fmt::Debug for WorldStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WorldStore")
+            .field("addr", &self.client.addr)
+            .field("world", &self.world.name)
+            .field("generation", &self.world.generation)
+            .finish()
+    }
+}
+
+impl WorldStore {
+    /// The world's name.
+    pub fn name(&self) -> &str {
+        &self.world.name
+    }
+
+    /// The generation this handle talks to.
+    pub fn generation(&self) -> u64 {
+        self.world.generation
+    }
+
+    /// The connection this handle uses.
+    pub fn client(&self) -> &StoreClient {
+        &self.client
+    }
+
+    fn world(&self) -> Option<pb::WorldRef> {
+        Some(self.world.clone())
+    }
+
+    fn error(&self, status: &Status, waited: Option<Duration>) -> StoreError {
+        match StoreError::from_status(status, &self.world.name, &self.client.addr) {
+            StoreError::StaleGeneration { world, current, .. } => StoreError::StaleGeneration {
+                world,
+                requested: self.world.generation,
+                current,
+            },
+            StoreError::Timeout { what, .. } => StoreError::Timeout {
+                what,
+                after: waited.unwrap_or_default(),
+            },
+            other => other,
+        }
+    }
+
+    /// Sends one request with this world's proof and a client-side deadline.
+    async fn call<Q, R, F, Fut>(&self, message: Q, waited: Option<Duration>, rpc: F) -> Result<R, StoreError>
+    where
+        F: FnOnce(Rpc, Request<Q>) -> Fut,
+        Fut: Future<Output = Result<Response<R>, Status>>,
+    {
+        let mut req = Request::new(message);
+        if let Some(a) = &self.auth {
+            req.metadata_mut().insert(AUTH_METADATA, a.clone());
+        }
+        let config = &self.client.config;
+        let deadline = match waited {
+            Some(w) => w.saturating_add(config.wait_grace),
+            None => config.op_timeout,
+        };
+        match tokio::time::timeout(deadline, rpc(self.client.rpc.clone(), req)).await {
+            Ok(Ok(resp)) => Ok(resp.into_inner()),
+            Ok(Err(status)) => Err(self.error(&status, waited)),
+            Err(_) => Err(self.client.deadline_passed(deadline)),
+        }
+    }
+
+    /// Sets `key` to `value`.
+    pub async fn set(&self, k: impl AsRef<[u8]>, value: impl Into<Bytes>) -> Result<(), StoreError> {
+        let m = pb::SetRequest {
+            world: self.world(),
+            key: key(k),
+            value: value.into(),
+        };
+        self.call(m, None, |mut c, r| async move { c.set(r).await }).await?;
+        Ok(())
+    }
+
+    /// Waits up to `timeout` for `key` to exist and returns its value.
+    pub async fn get(&self, k: impl AsRef<[u8]>, timeout: Duration) -> Result<Bytes, StoreError> {
+        let m = pb::GetRequest {
+            world: self.world(),
+            key: key(k),
+            timeout_ms: wire_ms(timeout),
+        };
+        let r = self.call(m, Some(timeout), |mut c, r| async move { c.get(r).await }).await?;
+        Ok(r.value)
+    }
+
+    /// The value of `key` if it exists, without waiting.
+    pub async fn try_get(&self, k: impl AsRef<[u8]>) -> Result<Option<Bytes>, StoreError> {
+        let m = pb::TryGetRequest {
+            world: self.world(),
+            key: key(k),
+        };
+        let r = self.call(m, None, |mut c, r| async move { c.try_get(r).await }).await?;
+        Ok(r.value)
+    }
+
+    /// Atomically adds `delta` to the counter at `key` (absent = 0) and
+    /// returns the new value.
+    pub async fn add(&self, k: impl AsRef<[u8]>, delta: i64) -> Result<i64, StoreError> {
+        let m = pb::AddRequest {
+            world: self.world(),
+            key: key(k),
+            delta,
+        };
+        let r = self.call(m, None, |mut c, r| async move { c.add(r).await }).await?;
+        Ok(r.value)
+    }
+
+    /// Sets `key` to `desired` if its value is `expected` (`None`: if the key
+    /// does not exist).
+    pub async fn compare_and_set(
+        &self,
+        k: impl AsRef<[u8]>,
+        expected: Option<&[u8]>,
+        desired: impl Into<Bytes>,
+    ) -> Result<CasOutcome, StoreError> {
+        let m = pb::CompareAndSetRequest {
+            world: self.world(),
+            key: key(k),
+            expected: expected.map(Bytes::copy_from_slice),
+            desired: desired.into(),
+        };
+        let r = self
+            .call(m, None, |mut c, r| async move { c.compare_and_set(r).await })
+            .await?;
+        Ok(CasOutcome {
+            swapped: r.swapped,
+            current: r.current,
+        })
+    }
+
+    /// Waits up to `timeout` until every key exists.
+    pub async fn wait<K: AsRef<[u8]>>(&self, ks: &[K], timeout: Duration) -> Result<(), StoreError> {
+        let m = pb::WaitRequest {
+            world: self.world(),
+            keys: keys(ks),
+            timeout_ms: wire_ms(timeout),
+        };
+        self.call(m, Some(timeout), |mut c, r| async move { c.wait(r).await })
+            .await?;
+        Ok(())
+    }
+
+    /// Whether every key exists, without waiting.
+    pub async fn check<K: AsRef<[u8]>>(&self, ks: &[K]) -> Result<bool, StoreError> {
+        let m = pb::CheckRequest {
+            world: self.world(),
+            keys: keys(ks),
+        };
+        let r = self.call(m, None, |mut c, r| async move { c.check(r).await }).await?;
+        Ok(r.all_present)
+    }
+
+    /// Deletes `key`; returns whether it existed.
+    pub async fn delete(&self, k: impl AsRef<[u8]>) -> Result<bool, StoreError> {
+        let m = pb::DeleteRequest {
+            world: self.world(),
+            key: key(k),
+        };
+        let r = self.call(m, None, |mut c, r| async move { c.delete(r).await }).await?;
+        Ok(r.existed)
+    }
+
+    /// Waits up to `timeout` until every key exists and returns their values
+    /// in the order asked.
+    pub async fn multi_get<K: AsRef<[u8]>>(&self, ks: &[K], timeout: Duration) -> Result<Vec<Bytes>, StoreError> {
+        let m = pb::MultiGetRequest {
+            world: self.world(),
+            keys: keys(ks),
+            timeout_ms: wire_ms(timeout),
+        };
+        let r = self
+            .call(m, Some(timeout), |mut c, r| async move { c.multi_get(r).await })
+            .await?;
+        if r.values.len() != ks.len() {
+            return Err(StoreError::Protocol(format!(
+                "asked for {} keys, got {} values",
+                ks.len(),
+                r.values.len()
+            )));
+        }
+        Ok(r.values)
+    }
+
+    /// Sets every entry at once (all or none).
+    pub async fn multi_set<K, V>(&self, entries: impl IntoIterator<Item = (K, V)>) -> Result<(), StoreError>
+    where
+        K: AsRef<[u8]>,
+        V: Into<Bytes>,
+    {
+        let m = pb::MultiSetRequest {
+            world: self.world(),
+            entries: entries
+                .into_iter()
+                .map(|(k, v)| pb::KeyValue {
+                    key: key(k),
+                    value: v.into(),
+                })
+                .collect(),
+        };
+        self.call(m, None, |mut c, r| async move { c.multi_set(r).await })
+            .await?;
+        Ok(())
+    }
+
+    /// Appends `value` to `key`'s value (creating it); returns the new length.
+    pub async fn append(&self, k: impl AsRef<[u8]>, value: impl Into<Bytes>) -> Result<u64, StoreError> {
+        let m = pb::AppendRequest {
+            world: self.world(),
+            key: key(k),
+            value: value.into(),
+        };
+        let r = self.call(m, None, |mut c, r| async move { c.append(r).await }).await?;
+        Ok(r.length)
+    }
+
+    /// Number of keys in the world's store.
+    pub async fn num_keys(&self) -> Result<u64, StoreError> {
+        let m = pb::NumKeysRequest { world: self.world() };
+        let r = self.call(m, None, |mut c, r| async move { c.num_keys(r).await }).await?;
+        Ok(r.count)
+    }
+
+    /// Round trip to this world's store (fails if it is closed or replaced).
+    pub async fn ping(&self) -> Result<Duration, StoreError> {
+        let started = Instant::now();
+        let m = pb::PingRequest { world: self.world() };
+        self.call(m, None, |mut c, r| async move { c.ping(r).await }).await?;
+        Ok(started.elapsed())
+    }
+
+    /// Closes this generation of the world's store on the server (waking its
+    /// waiters with `Closed`). Returns whether this call closed it.
+    pub async fn close(&self) -> Result<bool, StoreError> {
+        let m = pb::CloseRequest { world: self.world() };
+        let r = self.call(m, None, |mut c, r| async move { c.close(r).await }).await?;
+        Ok(r.closed)
+    }
+}
