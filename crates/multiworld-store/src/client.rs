@@ -351,7 +351,8 @@ impl WorldStore {
             key: key(k),
             value: value.into(),
         };
-        self.call(m, None, |mut c, r| async move { c.set(r).await }).await?;
+        self.call(m, None, |mut c, r| async move { c.set(r).await })
+            .await?;
         Ok(())
     }
 
@@ -362,7 +363,9 @@ impl WorldStore {
             key: key(k),
             timeout_ms: wire_ms(timeout),
         };
-        let r = self.call(m, Some(timeout), |mut c, r| async move { c.get(r).await }).await?;
+        let r = self
+            .call(m, Some(timeout), |mut c, r| async move { c.get(r).await })
+            .await?;
         Ok(r.value)
     }
 
@@ -372,7 +375,9 @@ impl WorldStore {
             world: self.world(),
             key: key(k),
         };
-        let r = self.call(m, None, |mut c, r| async move { c.try_get(r).await }).await?;
+        let r = self
+            .call(m, None, |mut c, r| async move { c.try_get(r).await })
+            .await?;
         Ok(r.value)
     }
 
@@ -384,7 +389,9 @@ impl WorldStore {
             key: key(k),
             delta,
         };
-        let r = self.call(m, None, |mut c, r| async move { c.add(r).await }).await?;
+        let r = self
+            .call(m, None, |mut c, r| async move { c.add(r).await })
+            .await?;
         Ok(r.value)
     }
 
@@ -429,7 +436,9 @@ impl WorldStore {
             world: self.world(),
             keys: keys(ks),
         };
-        let r = self.call(m, None, |mut c, r| async move { c.check(r).await }).await?;
+        let r = self
+            .call(m, None, |mut c, r| async move { c.check(r).await })
+            .await?;
         Ok(r.all_present)
     }
 
@@ -439,13 +448,19 @@ impl WorldStore {
             world: self.world(),
             key: key(k),
         };
-        let r = self.call(m, None, |mut c, r| async move { c.delete(r).await }).await?;
+        let r = self
+            .call(m, None, |mut c, r| async move { c.delete(r).await })
+            .await?;
         Ok(r.existed)
     }
 
     /// Waits up to `timeout` until every key exists and returns their values
     /// in the order asked.
-    pub async fn multi_get<K: AsRef<[u8]>>(&self, ks: &[K], timeout: Duration) -> Result<Vec<Bytes>, StoreError> {
+    pub async fn multi_get<K: AsRef<[u8]>>(
+        &self,
+        ks: &[K],
+        timeout: Duration,
+    ) -> Result<Vec<Bytes>, StoreError> {
         let m = pb::MultiGetRequest {
             world: self.world(),
             keys: keys(ks),
@@ -492,14 +507,18 @@ impl WorldStore {
             key: key(k),
             value: value.into(),
         };
-        let r = self.call(m, None, |mut c, r| async move { c.append(r).await }).await?;
+        let r = self
+            .call(m, None, |mut c, r| async move { c.append(r).await })
+            .await?;
         Ok(r.length)
     }
 
     /// Number of keys in the world's store.
     pub async fn num_keys(&self) -> Result<u64, StoreError> {
         let m = pb::NumKeysRequest { world: self.world() };
-        let r = self.call(m, None, |mut c, r| async move { c.num_keys(r).await }).await?;
+        let r = self
+            .call(m, None, |mut c, r| async move { c.num_keys(r).await })
+            .await?;
         Ok(r.count)
     }
 
@@ -507,7 +526,8 @@ impl WorldStore {
     pub async fn ping(&self) -> Result<Duration, StoreError> {
         let started = Instant::now();
         let m = pb::PingRequest { world: self.world() };
-        self.call(m, None, |mut c, r| async move { c.ping(r).await }).await?;
+        self.call(m, None, |mut c, r| async move { c.ping(r).await })
+            .await?;
         Ok(started.elapsed())
     }
 
@@ -515,7 +535,9 @@ impl WorldStore {
     /// waiters with `Closed`). Returns whether this call closed it.
     pub async fn close(&self) -> Result<bool, StoreError> {
         let m = pb::CloseRequest { world: self.world() };
-        let r = self.call(m, None, |mut c, r| async move { c.close(r).await }).await?;
+        let r = self
+            .call(m, None, |mut c, r| async move { c.close(r).await })
+            .await?;
         Ok(r.closed)
     }
 }

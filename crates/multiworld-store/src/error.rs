@@ -195,18 +195,14 @@ impl StoreError {
     pub fn is_world_gone(&self) -> bool {
         matches!(
             self,
-            StoreError::Closed { .. }
-                | StoreError::StaleGeneration { .. }
-                | StoreError::Unavailable { .. }
+            StoreError::Closed { .. } | StoreError::StaleGeneration { .. } | StoreError::Unavailable { .. }
         )
     }
 
     fn code(&self) -> Code {
         match self {
             StoreError::Timeout { .. } => Code::DeadlineExceeded,
-            StoreError::Closed { .. } | StoreError::StaleGeneration { .. } => {
-                Code::FailedPrecondition
-            }
+            StoreError::Closed { .. } | StoreError::StaleGeneration { .. } => Code::FailedPrecondition,
             StoreError::WorldNotFound { .. } => Code::NotFound,
             StoreError::AlreadyOpen { .. } => Code::AlreadyExists,
             StoreError::Unauthenticated { .. } => Code::Unauthenticated,
@@ -234,10 +230,9 @@ impl StoreError {
             },
             (_, "closed") => StoreError::Closed { world },
             (_, "world-not-found") | (Code::NotFound, _) => StoreError::WorldNotFound { world },
-            (_, "already-open") | (Code::AlreadyExists, _) => StoreError::AlreadyOpen {
-                world,
-                generation: 0,
-            },
+            (_, "already-open") | (Code::AlreadyExists, _) => {
+                StoreError::AlreadyOpen { world, generation: 0 }
+            }
             (_, "stale-generation") => StoreError::StaleGeneration {
                 world,
                 requested: 0,
@@ -256,15 +251,11 @@ impl StoreError {
                 .and_then(|v| v.to_str().ok())
                 .and_then(parse_limit)
                 .unwrap_or_else(|| StoreError::Protocol(format!("limit exceeded: {msg}"))),
-            (_, "invalid-argument") | (Code::InvalidArgument, _) => {
-                StoreError::InvalidArgument(msg)
-            }
-            (Code::Unavailable, _) | (Code::Cancelled, _) | (Code::Unknown, _) => {
-                StoreError::Unavailable {
-                    addr: addr.to_string(),
-                    reason: msg,
-                }
-            }
+            (_, "invalid-argument") | (Code::InvalidArgument, _) => StoreError::InvalidArgument(msg),
+            (Code::Unavailable, _) | (Code::Cancelled, _) | (Code::Unknown, _) => StoreError::Unavailable {
+                addr: addr.to_string(),
+                reason: msg,
+            },
             _ => StoreError::Protocol(format!("{:?}: {msg}", status.code())),
         }
     }

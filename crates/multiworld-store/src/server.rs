@@ -389,7 +389,12 @@ impl store_server::Store for Service {
 
     async fn get(&self, request: Request<pb::GetRequest>) -> Result<Response<pb::GetResponse>, Status> {
         let values = self
-            .wait(request, |r| r.world.clone(), |r| (vec![r.key], r.timeout_ms), true)
+            .wait(
+                request,
+                |r| r.world.clone(),
+                |r| (vec![r.key], r.timeout_ms),
+                true,
+            )
             .await?;
         let value = values
             .into_iter()
@@ -398,7 +403,10 @@ impl store_server::Store for Service {
         ok(pb::GetResponse { value })
     }
 
-    async fn try_get(&self, request: Request<pb::TryGetRequest>) -> Result<Response<pb::TryGetResponse>, Status> {
+    async fn try_get(
+        &self,
+        request: Request<pb::TryGetRequest>,
+    ) -> Result<Response<pb::TryGetResponse>, Status> {
         let (meta, _, req) = request.into_parts();
         let value = self.with_table(req.world, &meta, |t| Ok((t.try_get(&req.key)?, Vec::new())))?;
         ok(pb::TryGetResponse { value })
@@ -425,7 +433,14 @@ impl store_server::Store for Service {
     }
 
     async fn wait(&self, request: Request<pb::WaitRequest>) -> Result<Response<pb::WaitResponse>, Status> {
-        Service::wait(self, request, |r| r.world.clone(), |r| (r.keys, r.timeout_ms), false).await?;
+        Service::wait(
+            self,
+            request,
+            |r| r.world.clone(),
+            |r| (r.keys, r.timeout_ms),
+            false,
+        )
+        .await?;
         ok(pb::WaitResponse {})
     }
 
@@ -435,27 +450,39 @@ impl store_server::Store for Service {
         ok(pb::CheckResponse { all_present })
     }
 
-    async fn delete(&self, request: Request<pb::DeleteRequest>) -> Result<Response<pb::DeleteResponse>, Status> {
+    async fn delete(
+        &self,
+        request: Request<pb::DeleteRequest>,
+    ) -> Result<Response<pb::DeleteResponse>, Status> {
         let (meta, _, req) = request.into_parts();
         let existed = self.with_table(req.world, &meta, |t| Ok((t.delete(&req.key)?, Vec::new())))?;
         ok(pb::DeleteResponse { existed })
     }
 
-    async fn multi_get(&self, request: Request<pb::MultiGetRequest>) -> Result<Response<pb::MultiGetResponse>, Status> {
+    async fn multi_get(
+        &self,
+        request: Request<pb::MultiGetRequest>,
+    ) -> Result<Response<pb::MultiGetResponse>, Status> {
         let values = self
             .wait(request, |r| r.world.clone(), |r| (r.keys, r.timeout_ms), true)
             .await?;
         ok(pb::MultiGetResponse { values })
     }
 
-    async fn multi_set(&self, request: Request<pb::MultiSetRequest>) -> Result<Response<pb::MultiSetResponse>, Status> {
+    async fn multi_set(
+        &self,
+        request: Request<pb::MultiSetRequest>,
+    ) -> Result<Response<pb::MultiSetResponse>, Status> {
         let (meta, _, req) = request.into_parts();
         let entries = req.entries.into_iter().map(|kv| (kv.key, kv.value)).collect();
         self.with_table(req.world, &meta, |t| Ok(((), t.multi_set(entries)?)))?;
         ok(pb::MultiSetResponse {})
     }
 
-    async fn append(&self, request: Request<pb::AppendRequest>) -> Result<Response<pb::AppendResponse>, Status> {
+    async fn append(
+        &self,
+        request: Request<pb::AppendRequest>,
+    ) -> Result<Response<pb::AppendResponse>, Status> {
         let (meta, _, req) = request.into_parts();
         let length = self.with_table(req.world, &meta, |t| t.append(req.key, &req.value))?;
         ok(pb::AppendResponse {
@@ -463,7 +490,10 @@ impl store_server::Store for Service {
         })
     }
 
-    async fn num_keys(&self, request: Request<pb::NumKeysRequest>) -> Result<Response<pb::NumKeysResponse>, Status> {
+    async fn num_keys(
+        &self,
+        request: Request<pb::NumKeysRequest>,
+    ) -> Result<Response<pb::NumKeysResponse>, Status> {
         let (meta, _, req) = request.into_parts();
         let count = self.with_table(req.world, &meta, |t| Ok((t.num_keys()?, Vec::new())))?;
         ok(pb::NumKeysResponse { count: count as u64 })

@@ -227,10 +227,7 @@ impl<W> WorldTable<W> {
     }
 
     /// Sets every entry, or none if any is out of bounds.
-    pub fn multi_set(
-        &mut self,
-        entries: Vec<(Bytes, Bytes)>,
-    ) -> Result<Vec<Completion<W>>, StoreError> {
+    pub fn multi_set(&mut self, entries: Vec<(Bytes, Bytes)>) -> Result<Vec<Completion<W>>, StoreError> {
         self.ensure_open()?;
         if entries.is_empty() {
             return Err(StoreError::InvalidArgument("no entries given".into()));
@@ -294,9 +291,9 @@ impl<W> WorldTable<W> {
                     ))
                 })?,
         };
-        let new = current.checked_add(delta).ok_or_else(|| {
-            StoreError::InvalidArgument(format!("counter overflow: {current} + {delta}"))
-        })?;
+        let new = current
+            .checked_add(delta)
+            .ok_or_else(|| StoreError::InvalidArgument(format!("counter overflow: {current} + {delta}")))?;
         let text = Bytes::from(new.to_string());
         self.check_put(&key, text.len())?;
         let mut woken = Vec::new();
@@ -334,11 +331,7 @@ impl<W> WorldTable<W> {
     }
 
     /// Appends `value` to `key`'s value (creating it); returns the new length.
-    pub fn append(
-        &mut self,
-        key: Bytes,
-        value: &[u8],
-    ) -> Result<(usize, Vec<Completion<W>>), StoreError> {
+    pub fn append(&mut self, key: Bytes, value: &[u8]) -> Result<(usize, Vec<Completion<W>>), StoreError> {
         self.ensure_open()?;
         self.limits.check_key(&key)?;
         let old = self.data.get(&key).map_or(&[][..], |v| &v[..]);

@@ -67,8 +67,7 @@ fn wait_ready_returns_values_in_key_order() {
 fn set_wakes_the_waiter_only_when_all_keys_exist() {
     let mut t = table();
     let now = Instant::now();
-    let WaitPoll::Pending(_) = t.wait(C1, vec![b("a"), b("b")], true, now, secs(5), 1).unwrap()
-    else {
+    let WaitPoll::Pending(_) = t.wait(C1, vec![b("a"), b("b")], true, now, secs(5), 1).unwrap() else {
         panic!("nothing set yet")
     };
     assert!(t.set(b("a"), b("x")).unwrap().is_empty());
@@ -112,8 +111,10 @@ fn a_key_deleted_before_the_last_key_arrives_keeps_the_wait_pending() {
 fn timeouts_fire_exactly_at_the_deadline_in_order() {
     let mut t = table();
     let t0 = Instant::now();
-    t.wait(C1, vec![b("k")], true, t0, Duration::from_millis(100), 1).unwrap();
-    t.wait(C1, vec![b("k")], true, t0, Duration::from_millis(50), 2).unwrap();
+    t.wait(C1, vec![b("k")], true, t0, Duration::from_millis(100), 1)
+        .unwrap();
+    t.wait(C1, vec![b("k")], true, t0, Duration::from_millis(50), 2)
+        .unwrap();
     assert_eq!(t.next_deadline(), Some(t0 + Duration::from_millis(50)));
     assert!(t.expire(t0 + Duration::from_millis(49)).is_empty());
     let done = t.expire(t0 + Duration::from_millis(50));
@@ -137,8 +138,7 @@ fn timeouts_fire_exactly_at_the_deadline_in_order() {
 fn cancel_removes_every_trace_of_a_waiter() {
     let mut t = table();
     let now = Instant::now();
-    let WaitPoll::Pending(id) = t.wait(C1, vec![b("a"), b("b")], true, now, secs(5), 9).unwrap()
-    else {
+    let WaitPoll::Pending(id) = t.wait(C1, vec![b("a"), b("b")], true, now, secs(5), 9).unwrap() else {
         panic!()
     };
     assert_eq!(t.cancel(id), Some(9));
@@ -155,8 +155,7 @@ fn cancel_removes_every_trace_of_a_waiter() {
 fn waiters_per_client_are_bounded_and_released() {
     let mut t = small(|l| l.max_waiters_per_client = 2);
     let now = Instant::now();
-    let WaitPoll::Pending(first) = t.wait(C1, vec![b("k")], false, now, secs(5), 1).unwrap()
-    else {
+    let WaitPoll::Pending(first) = t.wait(C1, vec![b("k")], false, now, secs(5), 1).unwrap() else {
         panic!()
     };
     t.wait(C1, vec![b("k")], false, now, secs(5), 2).unwrap();
@@ -206,7 +205,10 @@ fn add_refuses_non_integers_and_overflow() {
     ));
     t.add(b("big"), i64::MAX).unwrap();
     assert!(matches!(t.add(b("big"), 1), Err(StoreError::InvalidArgument(m)) if m.contains("overflow")));
-    assert_eq!(t.try_get(b"big").unwrap(), Some(Bytes::from(i64::MAX.to_string())));
+    assert_eq!(
+        t.try_get(b"big").unwrap(),
+        Some(Bytes::from(i64::MAX.to_string()))
+    );
 }
 
 #[test]
@@ -310,10 +312,7 @@ fn bounds_are_checked_before_storing() {
         t.set(Bytes::new(), b("v")),
         Err(StoreError::InvalidArgument(_))
     ));
-    assert_eq!(
-        lim(t.multi_set(vec![(b("a"), b("1")); 4])),
-        Limit::KeysPerRequest
-    );
+    assert_eq!(lim(t.multi_set(vec![(b("a"), b("1")); 4])), Limit::KeysPerRequest);
     // A failed batch leaves nothing behind.
     let before = t.stats();
     assert_eq!(
@@ -362,9 +361,10 @@ fn close_fails_every_waiter_frees_data_and_refuses_later_calls() {
     }
     let done = t.close();
     assert_eq!(tokens(&done), vec![0, 1, 2, 3, 4]);
-    assert!(done
-        .iter()
-        .all(|c| matches!(&c.result, Err(StoreError::Closed { world }) if world == "w")));
+    assert!(
+        done.iter()
+            .all(|c| matches!(&c.result, Err(StoreError::Closed { world }) if world == "w"))
+    );
     assert_eq!(t.stats(), TableStats::default());
     assert!(t.is_closed());
     assert!(matches!(t.set(b("a"), b("1")), Err(StoreError::Closed { .. })));

@@ -18,7 +18,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 const LOOPBACK: &str = "127.0.0.1:0";
 
 async fn server(config: ServerConfig) -> StoreServer {
-    StoreServer::bind(LOOPBACK.parse().unwrap(), config).await.unwrap()
+    StoreServer::bind(LOOPBACK.parse().unwrap(), config)
+        .await
+        .unwrap()
 }
 
 fn quick() -> ClientConfig {
@@ -33,7 +35,11 @@ async fn client(addr: SocketAddr) -> StoreClient {
 }
 
 async fn world(addr: SocketAddr, name: &str) -> WorldStore {
-    client(addr).await.open(name, OpenOptions::default()).await.unwrap()
+    client(addr)
+        .await
+        .open(name, OpenOptions::default())
+        .await
+        .unwrap()
 }
 
 /// Polls `cond` every few milliseconds until it holds or `limit` passes.
@@ -134,7 +140,10 @@ async fn a_get_waits_for_the_set_and_times_out_cleanly() {
         let w = w.clone();
         tokio::spawn(async move { w.get("late", Duration::from_secs(10)).await })
     };
-    eventually(Duration::from_secs(5), "the get is registered", || waiters(&s, "w") == 1).await;
+    eventually(Duration::from_secs(5), "the get is registered", || {
+        waiters(&s, "w") == 1
+    })
+    .await;
     w.set("late", "here").await.unwrap();
     assert_eq!(getter.await.unwrap().unwrap(), Bytes::from("here"));
     assert_eq!(waiters(&s, "w"), 0);
@@ -149,9 +158,15 @@ async fn a_dropped_call_cancels_its_wait_on_the_server() {
         let w = w.clone();
         tokio::spawn(async move { w.get("never", Duration::from_secs(60)).await })
     };
-    eventually(Duration::from_secs(5), "the get is registered", || waiters(&s, "w") == 1).await;
+    eventually(Duration::from_secs(5), "the get is registered", || {
+        waiters(&s, "w") == 1
+    })
+    .await;
     getter.abort();
-    eventually(Duration::from_secs(5), "the server forgot the wait", || waiters(&s, "w") == 0).await;
+    eventually(Duration::from_secs(5), "the server forgot the wait", || {
+        waiters(&s, "w") == 0
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -185,7 +200,9 @@ async fn closing_one_world_wakes_its_waiters_and_leaves_the_other_working() {
     let mut blocked = Vec::new();
     for (w, key) in [(&a, "x"), (&a, "y"), (&b, "z")] {
         let w = w.clone();
-        blocked.push(tokio::spawn(async move { w.get(key, Duration::from_secs(60)).await }));
+        blocked.push(tokio::spawn(
+            async move { w.get(key, Duration::from_secs(60)).await },
+        ));
     }
     eventually(Duration::from_secs(5), "three waits registered", || {
         waiters(&s, "a") == 2 && waiters(&s, "b") == 1
@@ -197,10 +214,16 @@ async fn closing_one_world_wakes_its_waiters_and_leaves_the_other_working() {
     let b_waiter = blocked.pop().unwrap();
     for h in blocked {
         let err = h.await.unwrap().unwrap_err();
-        assert!(matches!(&err, StoreError::Closed { world } if world == "a"), "{err}");
+        assert!(
+            matches!(&err, StoreError::Closed { world } if world == "a"),
+            "{err}"
+        );
     }
     let woke = closed_at.elapsed();
-    assert!(woke < Duration::from_secs(2), "close took {woke:?} to wake waiters");
+    assert!(
+        woke < Duration::from_secs(2),
+        "close took {woke:?} to wake waiters"
+    );
 
     // World b is untouched: its waiter still waits and its keys still work.
     assert!(!b_waiter.is_finished());
@@ -209,7 +232,10 @@ async fn closing_one_world_wakes_its_waiters_and_leaves_the_other_working() {
 
     // The old handle is refused; the name opens again as a new generation
     // that starts empty.
-    assert!(matches!(a.set("k", "v").await.unwrap_err(), StoreError::WorldNotFound { .. }));
+    assert!(matches!(
+        a.set("k", "v").await.unwrap_err(),
+        StoreError::WorldNotFound { .. }
+    ));
     let gen_a2 = s.open_world("a", WorldOptions::default()).unwrap();
     assert!(gen_a2 > gen_a);
     let err = a.set("k", "v").await.unwrap_err();
@@ -233,9 +259,15 @@ async fn a_member_can_close_the_world_remotely() {
         let w = w.clone();
         tokio::spawn(async move { w.get("k", Duration::from_secs(60)).await })
     };
-    eventually(Duration::from_secs(5), "wait registered", || waiters(&s, "w") == 1).await;
+    eventually(Duration::from_secs(5), "wait registered", || {
+        waiters(&s, "w") == 1
+    })
+    .await;
     assert!(w.close().await.unwrap());
-    assert!(matches!(waiter.await.unwrap().unwrap_err(), StoreError::Closed { .. }));
+    assert!(matches!(
+        waiter.await.unwrap().unwrap_err(),
+        StoreError::Closed { .. }
+    ));
     assert!(s.world_stats("w").is_none());
 }
 
@@ -283,7 +315,10 @@ async fn remote_creation_only_where_allowed() {
         timeout: Duration::from_millis(50),
         ..OpenOptions::default()
     };
-    assert!(matches!(c.open("w", opts.clone()).await.unwrap_err(), StoreError::Timeout { .. }));
+    assert!(matches!(
+        c.open("w", opts.clone()).await.unwrap_err(),
+        StoreError::Timeout { .. }
+    ));
 
     let open = server(ServerConfig {
         allow_remote_create: true,
@@ -301,7 +336,11 @@ async fn remote_creation_only_where_allowed() {
 async fn a_client_connects_to_a_server_that_starts_later() {
     // Reserve a port, free it, and start the server there after the client
     // has begun retrying.
-    let port = std::net::TcpListener::bind(LOOPBACK).unwrap().local_addr().unwrap().port();
+    let port = std::net::TcpListener::bind(LOOPBACK)
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     let connecting = tokio::spawn(async move { StoreClient::connect(&addr.to_string(), quick()).await });
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -374,7 +413,10 @@ async fn a_proof_for_one_world_does_not_open_another() {
         ..OpenOptions::default()
     };
     c.open("one", one.clone()).await.unwrap();
-    assert!(matches!(c.open("two", one).await.unwrap_err(), StoreError::Unauthenticated { .. }));
+    assert!(matches!(
+        c.open("two", one).await.unwrap_err(),
+        StoreError::Unauthenticated { .. }
+    ));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -399,8 +441,14 @@ async fn oversized_keys_values_and_requests_are_refused() {
         StoreError::LimitExceeded { limit, .. } => limit,
         other => panic!("{other:?}"),
     };
-    assert_eq!(limit_of(w.set("k".repeat(17), "v").await.unwrap_err()), Limit::KeyLen);
-    assert_eq!(limit_of(w.set("k", vec![0u8; 1025]).await.unwrap_err()), Limit::ValueLen);
+    assert_eq!(
+        limit_of(w.set("k".repeat(17), "v").await.unwrap_err()),
+        Limit::KeyLen
+    );
+    assert_eq!(
+        limit_of(w.set("k", vec![0u8; 1025]).await.unwrap_err()),
+        Limit::ValueLen
+    );
     for i in 0..4 {
         w.set(format!("k{i}"), "v").await.unwrap();
     }
@@ -450,7 +498,11 @@ async fn garbage_and_truncated_frames_leave_the_server_serving_others() {
     // The HTTP/2 preface followed by half a frame header.
     send_raw(addr, b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00").await;
     // The preface and a frame header declaring a 16 MiB frame, then nothing.
-    send_raw(addr, b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\xff\xff\xff\x00\x00\x00\x00\x00\x01").await;
+    send_raw(
+        addr,
+        b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\xff\xff\xff\x00\x00\x00\x00\x00\x01",
+    )
+    .await;
     // An HTTP/1 request.
     send_raw(addr, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").await;
     // A port scan: connect and go away.
@@ -477,7 +529,10 @@ async fn one_set_releases_256_waiting_clients() {
             (v, Instant::now())
         }));
     }
-    eventually(Duration::from_secs(20), "256 waits registered", || waiters(&s, "w") == 256).await;
+    eventually(Duration::from_secs(20), "256 waits registered", || {
+        waiters(&s, "w") == 256
+    })
+    .await;
     let setter = world(addr, "w").await;
     let set_at = Instant::now();
     setter.set("go", "now").await.unwrap();
@@ -500,12 +555,24 @@ async fn shutting_the_server_down_fails_waiters_and_later_calls() {
         let w = w.clone();
         tokio::spawn(async move { w.get("never", Duration::from_secs(60)).await })
     };
-    eventually(Duration::from_secs(5), "wait registered", || waiters(&s, "w") == 1).await;
+    eventually(Duration::from_secs(5), "wait registered", || {
+        waiters(&s, "w") == 1
+    })
+    .await;
     let started = Instant::now();
     s.shutdown(Duration::from_secs(5)).await;
     let err = waiter.await.unwrap().unwrap_err();
-    assert!(matches!(err, StoreError::Closed { .. } | StoreError::Unavailable { .. }), "{err}");
+    assert!(
+        matches!(err, StoreError::Closed { .. } | StoreError::Unavailable { .. }),
+        "{err}"
+    );
     assert!(started.elapsed() < Duration::from_secs(3));
     let err = w.set("k", "v").await.unwrap_err();
-    assert!(matches!(err, StoreError::Unavailable { .. } | StoreError::WorldNotFound { .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            StoreError::Unavailable { .. } | StoreError::WorldNotFound { .. }
+        ),
+        "{err}"
+    );
 }

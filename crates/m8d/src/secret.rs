@@ -1,0 +1,40 @@
+//! Where a world secret comes from on the command line: a file (preferred) or
+//! the `MULTIWORLD_SECRET` environment variable, never an argument (which any
+//! user could read in the process list).
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::Args;
+use multiworld_store::Secret;
+
+/// Flags that name a secret.
+#[derive(Args, Debug, Clone)]
+pub struct SecretArgs {
+    /// Read the world secret from this file (trailing newline ignored).
+    #[arg(long, value_name = "FILE")]
+    pub secret_file: Option<PathBuf>,
+    /// Take the world secret from the MULTIWORLD_SECRET environment variable.
+    #[arg(long)]
+    pub secret_env: bool,
+}
+
+impl SecretArgs {
+    /// The secret the flags name, if any.
+    pub fn load(&self) -> anyhow::Result<Option<Secret>> {
+        if let Some(path) = &self.secret_file {
+            let text =
+                std::fs::read(path).with_context(|| format!("reading secret file {}", path.display()))?;
+            let trimmed = text.strip_suffix(b"\n").unwrap_or(&text);
+            anyhow::ensure!(!trimmed.is_empty(), "secret file {} is empty", path.display());
+            return Ok(Some(Secret::new(trimmed)));
+        }
+        if self.secret_env {
+            let value = std::env::var("MULTIWORLD_SECRET")
+                .context("--secret-env given but MULTIWORLD_SECRET is not set")?;
+            anyhow::ensure!(!value.is_empty(), "MULTIWORLD_SECRET is empty");
+            return Ok(Some(Secret::new(value)));
+        }
+        Ok(None)
+    }
+}
