@@ -17,6 +17,28 @@
 //! - [`client`]: [`StoreClient`] (one connection, retrying with backoff) and
 //!   [`WorldStore`] (one world's store over it).
 //! - [`error`]: [`StoreError`] and its mapping to gRPC statuses.
+//!
+//! ```
+//! use std::time::Duration;
+//! use multiworld_store::*;
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! // Rank 0 hosts the store of world "w" in-process (one port can host many worlds).
+//! let server = StoreServer::bind("127.0.0.1:0".parse()?, ServerConfig::default()).await?;
+//! let secret = Secret::new("s3cret");
+//! server.open_world("w", WorldOptions { secret: Some(secret.clone()), limits: None })?;
+//!
+//! // Any rank, in any process, connects (retrying until the server is up) and opens it.
+//! let client = StoreClient::connect(&server.local_addr().to_string(), ClientConfig::default()).await?;
+//! let w = client.open("w", OpenOptions { secret: Some(secret), ..Default::default() }).await?;
+//! w.set("rank0/addr", "127.0.0.1:4000").await?;
+//! let addr = w.get("rank0/addr", Duration::from_secs(5)).await?;
+//! let arrived = w.add("arrived", 1).await?;
+//! assert_eq!((&addr[..], arrived), (&b"127.0.0.1:4000"[..], 1));
+//! # Ok(())
+//! # }
+//! ```
 
 pub mod auth;
 pub mod client;
