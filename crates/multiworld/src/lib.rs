@@ -6,14 +6,17 @@
 //! manager is built on.
 //!
 //! Module map:
+//! - [`config`]: [`WorldConfig`] (how to join one world) and `from_env()`.
 //! - [`lifecycle`]: a world's state machine (joining → ready → broken →
 //!   removed) and the causes of a break.
 //! - [`watchdog`]: the watchdog's decisions as pure functions of
 //!   `(now, observations, config)` with a human-readable reason, and the
 //!   process monitor's "which watchdog is stuck" decision.
 
+pub mod config;
 pub mod lifecycle;
 pub mod watchdog;
 
+pub use config::{Backend, ConfigError, WorldConfig};
 pub use lifecycle::{BreakCause, Lifecycle, WorldState};
 pub use watchdog::{Decision, Verdict, WatchdogConfig};
