@@ -1,0 +1,1575 @@
+//! The [`Communicator`]: one world, one rank, its sockets and tasks, and the
+//! point-to-point operations on them. Each peer connection has a reader task that
+//! decodes frames and routes each message to the earliest posted receive that
+//! matches `(source, tag)`: the payload is read straight from the socket into that
+//! receive's buffer. A message whose receive is not posted yet is buffered only if
+//! it is small (`eager_limit`) and the peer's budget (`unexpected_budget`) allows,
+//! or if some other receive is waiting behind it on the same connection; otherwise
+//! the reader stops reading that socket until a receive is posted (TCP
+//! backpressure). Sends write the header and the caller's bytes straight to the
+//! socket (one vectored write, no copy) under a per-peer FIFO writer lock, which is
+//! what keeps messages to one peer in call order. A failed connection fails every
+//! pending operation involving that peer at once and is reported as a
+//! [`HealthEvent`]; [`Communicator::abort`] fails everything of this world and
+//! releases its sockets, tasks and buffers. Nothing here is shared with any other
+//! communicator.
+//!
+//! Lock order: a peer's writer lock (async, held across the socket write) may be
+//! held while taking the matching lock (sync, never held across `.await`); never the
+//! other way round.
+
+use std::collections::{HashMap, VecDeque};
+use std::future::{Future, poll_fn};
+use std::io::{self, IoSlice};
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
+use std::task::{Context, Poll, Waker};
+use std::time::Duration;
+
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader, Interest};
+use tokio::net::TcpStream;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::sync::{Notify, broadcast, oneshot};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{debug, info, warn};
+
+use crate::config::CommConfig;
+use crate::error::{Error, MessageDesc, Result};
+use crate::frame::{self, FrameHeader, FrameKind, HEADER_LEN, RxSequencer};
+use crate::id::{Generation, Identity, Rank, Source, Tag, WorldName};
+use crate::mesh;
+use crate::rendezvous::Rendezvous;
+use crate::tensor::{DType, Tensor, TensorView, valid_bool_bytes};
+
+/// Capacity of each connection's read buffer. Headers and small messages come in
+/// with one read; larger payloads bypass it and land in the receive buffer.
+const READ_BUF: usize = 16 << 10;
+/// Large payloads are read in chunks of this size so progress counters move.
+const PROGRESS_CHUNK: usize = 1 << 20;
+/// Most spare buffers kept for small unexpected messages.
+const POOL_MAX: usize = 64;
+/// While a reader holds back (no receive posted, no room to buffer), how often it
+/// checks whether the peer closed or reset the connection. Bounds failure
+/// detection in that state.
+const CLOSED_POLL: Duration = Duration::from_millis(10);
+
+/// Something that happened to the world's connections, for a watchdog.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum HealthEvent {
+    /// The connection to `rank` failed or was closed; operations with it now fail.
+    PeerLost {
+        /// The peer.
+        rank: Rank,
+        /// Why.
+        cause: Arc<str>,
+    },
+    /// The communicator was aborted.
+    Aborted {
+        /// Why.
+        reason: Arc<str>,
+    },
+}
+
+/// A snapshot of the communicator's health.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Health {
+    /// Set once the communicator is aborted.
+    pub aborted: Option<Arc<str>>,
+    /// Lost peers and why, in rank order.
+    pub lost: Vec<(Rank, Arc<str>)>,
+}
+
+impl Health {
+    /// Not aborted and no peer lost.
+    pub fn is_healthy(&self) -> bool {
+        self.aborted.is_none() && self.lost.is_empty()
+    }
+}
+
+/// Traffic counters of one peer connection (monotonic; also a progress signal: a
+/// large transfer moves `bytes_received` every MiB).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PeerStats {
+    /// The peer.
+    pub rank: Rank,
+    /// Payload bytes written to the peer.
+    pub bytes_sent: u64,
+    /// Payload bytes read from the peer.
+    pub bytes_received: u64,
+    /// Messages fully written.
+    pub messages_sent: u64,
+    /// Messages fully read.
+    pub messages_received: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    bytes_sent: AtomicU64,
+    bytes_received: AtomicU64,
+    messages_sent: AtomicU64,
+    messages_received: AtomicU64,
+}
+
+/// A completed receive: who sent it and the filled buffer.
+#[derive(Debug)]
+pub struct Received {
+    /// The sender.
+    pub src: Rank,
+    /// The receive buffer, now holding the message.
+    pub tensor: Tensor,
+}
+
+struct Writer {
+    half: Option<OwnedWriteHalf>,
+    seq: u32,
+}
+
+struct Peer {
+    rank: Rank,
+    /// FIFO (tokio's mutex is fair), so sends to one peer go out in call order.
+    writer: Arc<tokio::sync::Mutex<Writer>>,
+    /// Child of the world token; cancelled when this connection is lost.
+    token: CancellationToken,
+    lost: OnceLock<Arc<str>>,
+    /// Wakes the reader when a receive is posted (it may be waiting for one).
+    wake: Notify,
+    counters: Counters,
+}
+
+/// The outcome handed to a receive: its buffer back, and who sent or what failed.
+struct RecvDone {
+    buf: Tensor,
+    result: Result<Rank>,
+}
+
+struct Posted {
+    id: u64,
+    src: Source,
+    buf: Tensor,
+    tx: oneshot::Sender<RecvDone>,
+}
+
+enum StashData {
+    /// A small message read ahead into a pooled buffer.
+    Bytes(Vec<u8>),
+    /// A message whose receive was cancelled while it was arriving.
+    Tensor(Tensor),
+}
+
+impl StashData {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            StashData::Bytes(v) => v,
+            StashData::Tensor(t) => t.as_bytes(),
+        }
+    }
+}
+
+struct Stashed {
+    arrival: u64,
+    dtype: DType,
+    data: StashData,
+}
+
+/// Posted receives and early messages. Guarded by a `std` mutex that is never held
+/// across `.await` (critical sections are short and never block).
+struct Matching {
+    posted: HashMap<Tag, VecDeque<Posted>>,
+    /// Receives posted for a specific source, per source rank.
+    posted_for: Vec<usize>,
+    /// Any-source receives posted.
+    posted_any: usize,
+    unexpected: HashMap<(Rank, Tag), VecDeque<Stashed>>,
+    /// Bytes held (or being read) for early messages, per source rank.
+    held: Vec<usize>,
+    pool: Vec<Vec<u8>>,
+    next_id: u64,
+    next_arrival: u64,
+}
+
+impl Matching {
+    fn new(size: usize) -> Self {
+        Matching {
+            posted: HashMap::new(),
+            posted_for: vec![0; size],
+            posted_any: 0,
+            unexpected: HashMap::new(),
+            held: vec![0; size],
+            pool: Vec::new(),
+            next_id: 0,
+            next_arrival: 0,
+        }
+    }
+
+    fn count(&mut self, src: Source, up: bool) {
+        let c = match src {
+            Source::Any => &mut self.posted_any,
+            Source::Rank(r) => match self.posted_for.get_mut(r.index()) {
+                Some(c) => c,
+                None => return,
+            },
+        };
+        if up {
+            *c += 1;
+        } else {
+            *c = c.saturating_sub(1);
+        }
+    }
+
+    fn remove_posted(&mut self, tag: Tag, idx: usize) -> Option<Posted> {
+        let q = self.posted.get_mut(&tag)?;
+        let p = q.remove(idx)?;
+        // Keep empty queues of a few tags to avoid reallocating on every receive,
+        // but do not let an ever-changing tag grow the map without bound.
+        if q.is_empty() && self.posted.len() > 64 {
+            self.posted.remove(&tag);
+        }
+        self.count(p.src, false);
+        Some(p)
+    }
+
+    /// The earliest posted receive that a message from `from` on `tag` satisfies.
+    fn take_posted(&mut self, from: Rank, tag: Tag) -> Option<Posted> {
+        loop {
+            let idx = self.posted.get(&tag)?.iter().position(|p| p.src.matches(from))?;
+            let p = self.remove_posted(tag, idx)?;
+            if !p.tx.is_closed() {
+                return Some(p);
+            }
+        }
+    }
+
+    fn take_posted_id(&mut self, tag: Tag, id: u64) -> Option<Posted> {
+        let idx = self.posted.get(&tag)?.iter().position(|p| p.id == id)?;
+        self.remove_posted(tag, idx)
+    }
+
+    fn drain_posted(&mut self, pred: impl Fn(&Posted) -> bool) -> Vec<Posted> {
+        let mut out = Vec::new();
+        for q in self.posted.values_mut() {
+            let mut i = 0;
+            while i < q.len() {
+                if pred(&q[i]) {
+                    if let Some(p) = q.remove(i) {
+                        out.push(p);
+                    }
+                } else {
+                    i += 1;
+                }
+            }
+        }
+        for p in &out {
+            let src = p.src;
+            self.count(src, false);
+        }
+        out
+    }
+
+    /// The earliest buffered message for `src` on `tag` (any-source: earliest
+    /// arrival over all ranks, so each sender's order is kept).
+    fn take_stash(&mut self, src: Source, tag: Tag) -> Option<(Rank, Stashed)> {
+        let from = match src {
+            Source::Rank(r) => r,
+            Source::Any => {
+                let mut best: Option<(u64, Rank)> = None;
+                for r in 0..self.held.len() {
+                    let r = Rank(r as u32);
+                    if let Some(s) = self.unexpected.get(&(r, tag)).and_then(|q| q.front()) {
+                        if best.is_none_or(|(a, _)| s.arrival < a) {
+                            best = Some((s.arrival, r));
+                        }
+                    }
+                }
+                best?.1
+            }
+        };
+        let q = self.unexpected.get_mut(&(from, tag))?;
+        let s = q.pop_front()?;
+        // As for posted receives: keep a few empty queues to avoid an allocation
+        // per message, without letting changing tags grow the map unboundedly.
+        if q.is_empty() && self.unexpected.len() > 64 {
+            self.unexpected.remove(&(from, tag));
+        }
+        if let Some(h) = self.held.get_mut(from.index()) {
+            *h = h.saturating_sub(s.data.bytes().len());
+        }
+        Some((from, s))
+    }
+
+    fn pool_vec(&mut self) -> Vec<u8> {
+        self.pool.pop().unwrap_or_default()
+    }
+
+    fn recycle(&mut self, mut v: Vec<u8>, eager_limit: usize) {
+        if self.pool.len() < POOL_MAX && v.capacity() <= eager_limit.max(4096) {
+            v.clear();
+            self.pool.push(v);
+        }
+    }
+}
+
+/// Result of moving a buffered message into a receive buffer.
+enum Filled {
+    /// The buffer holds the message; a pooled vector may be recycled.
+    Done { spare: Option<Vec<u8>> },
+    /// Type or size mismatch; the data is untouched.
+    Mismatch { err: Error, data: StashData },
+}
+
+fn fill(buf: &mut Tensor, from: Rank, tag: Tag, dtype: DType, data: StashData) -> Filled {
+    let len = data.bytes().len();
+    if buf.dtype() != dtype || buf.nbytes() != len {
+        return Filled::Mismatch {
+            err: mismatch(buf, from, tag, dtype, len as u64),
+            data,
+        };
+    }
+    match data {
+        StashData::Bytes(v) => {
+            // Validated when it arrived, so a bool buffer stays valid.
+            buf.bytes_mut().copy_from_slice(&v);
+            Filled::Done { spare: Some(v) }
+        }
+        StashData::Tensor(t) => {
+            buf.take_storage_from(t);
+            Filled::Done { spare: None }
+        }
+    }
+}
+
+fn mismatch(buf: &Tensor, from: Rank, tag: Tag, dtype: DType, len: u64) -> Error {
+    Error::Mismatch {
+        peer: from,
+        tag,
+        expected: MessageDesc {
+            dtype: buf.dtype(),
+            bytes: buf.nbytes() as u64,
+        },
+        got: MessageDesc { dtype, bytes: len },
+    }
+}
+
+struct Inner {
+    identity: Identity,
+    cfg: CommConfig,
+    local_addr: SocketAddr,
+    token: CancellationToken,
+    tracker: TaskTracker,
+    runtime: tokio::runtime::Handle,
+    peers: Vec<Option<Arc<Peer>>>,
+    matching: Mutex<Matching>,
+    health_tx: broadcast::Sender<HealthEvent>,
+    aborted: OnceLock<Arc<str>>,
+    /// Set by [`Communicator::close`]: sockets then close with FIN, not RST.
+    closing: AtomicBool,
+    rejected: Arc<AtomicU64>,
+}
+
+/// One rank's communicator for one world: owns that world's listener, connections
+/// and tasks, and nothing else. Dropping it aborts it (use [`Communicator::close`]
+/// for an orderly goodbye). Share it between tasks with an `Arc`.
+pub struct Communicator {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Communicator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Communicator")
+            .field("identity", &self.inner.identity)
+            .field("local_addr", &self.inner.local_addr)
+            .field("aborted", &self.inner.aborted.get())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for Communicator {
+    fn drop(&mut self) {
+        self.inner.abort_with("communicator dropped");
+    }
+}
+
+impl Communicator {
+    /// Joins the world described by `cfg`: listens, publishes the address through
+    /// `rdv`, connects to and authenticates every peer, and starts the reader
+    /// tasks. Fails with [`Error::Timeout`] (op `"join"`) after `cfg.join_timeout`,
+    /// or at once when a peer refuses the handshake.
+    pub async fn join(cfg: CommConfig, rdv: &dyn Rendezvous) -> Result<Communicator> {
+        Self::join_with_token(cfg, rdv, CancellationToken::new()).await
+    }
+
+    /// Like [`Communicator::join`], with `token` as the world's cancellation token
+    /// (typically a child of a manager's root token): cancelling it aborts the
+    /// communicator as [`Communicator::abort`] does (pending operations fail with
+    /// [`Error::Aborted`] as soon as a reader task observes it).
+    pub async fn join_with_token(
+        cfg: CommConfig,
+        rdv: &dyn Rendezvous,
+        token: CancellationToken,
+    ) -> Result<Communicator> {
+        cfg.validate()?;
+        let tracker = TaskTracker::new();
+        let rejected = Arc::new(AtomicU64::new(0));
+        // Stops the accept loop if the join fails or is dropped part-way.
+        let guard = token.clone().drop_guard();
+        let built = mesh::build(&cfg, rdv, &token, &tracker, Arc::clone(&rejected)).await?;
+        guard.disarm();
+        tracker.close();
+
+        let size = cfg.size as usize;
+        let mut peers = Vec::with_capacity(size);
+        let mut reads = Vec::new();
+        for (r, stream) in built.streams.into_iter().enumerate() {
+            let Some(stream) = stream else {
+                peers.push(None);
+                continue;
+            };
+            let (rd, wr) = stream.into_split();
+            let peer = Arc::new(Peer {
+                rank: Rank(r as u32),
+                writer: Arc::new(tokio::sync::Mutex::new(Writer {
+                    half: Some(wr),
+                    seq: 0,
+                })),
+                token: token.child_token(),
+                lost: OnceLock::new(),
+                wake: Notify::new(),
+                counters: Counters::default(),
+            });
+            reads.push((Arc::clone(&peer), rd));
+            peers.push(Some(peer));
+        }
+        let (health_tx, _) = broadcast::channel(size + 4);
+        let inner = Arc::new(Inner {
+            identity: cfg.identity(),
+            matching: Mutex::new(Matching::new(size)),
+            cfg,
+            local_addr: built.local_addr,
+            token,
+            tracker,
+            runtime: tokio::runtime::Handle::current(),
+            peers,
+            health_tx,
+            aborted: OnceLock::new(),
+            closing: AtomicBool::new(false),
+            rejected,
+        });
+        for (peer, rd) in reads {
+            inner.tracker.spawn(reader_task(Arc::clone(&inner), peer, rd));
+        }
+        info!(local = %inner.identity, addr = %inner.local_addr, "joined world");
+        Ok(Communicator { inner })
+    }
+
+    /// This member's identity.
+    pub fn identity(&self) -> &Identity {
+        &self.inner.identity
+    }
+
+    /// This member's rank.
+    pub fn rank(&self) -> Rank {
+        self.inner.identity.rank
+    }
+
+    /// Number of ranks in the world.
+    pub fn size(&self) -> u32 {
+        self.inner.identity.size
+    }
+
+    /// World name.
+    pub fn world(&self) -> &WorldName {
+        &self.inner.identity.world
+    }
+
+    /// World generation.
+    pub fn generation(&self) -> Generation {
+        self.inner.identity.generation
+    }
+
+    /// The configuration it was joined with.
+    pub fn config(&self) -> &CommConfig {
+        &self.inner.cfg
+    }
+
+    /// The listener's address.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.inner.local_addr
+    }
+
+    /// The world's cancellation token (cancelled on abort).
+    pub fn cancellation_token(&self) -> &CancellationToken {
+        &self.inner.token
+    }
+
+    /// Sends `data` to `dst` on `tag` and returns once it is written to the socket.
+    /// The bytes go from `data` to the socket without a copy. Messages to one peer
+    /// leave in the order their sends were called (first polled, for this `async`
+    /// method). Uses the configured `op_timeout`. If this future is dropped (or
+    /// times out) after part of the message was written, the connection cannot be
+    /// resynchronised and the peer is reported lost; dropped before that, nothing
+    /// was sent.
+    pub async fn send<'a>(&self, dst: Rank, tag: Tag, data: impl Into<TensorView<'a>>) -> Result<()> {
+        let view = data.into();
+        let fut = self.inner.send_view(dst, tag, view);
+        match self.inner.cfg.op_timeout {
+            None => fut.await,
+            Some(after) => tokio::time::timeout(after, fut)
+                .await
+                .unwrap_or(Err(Error::Timeout { op: "send", after })),
+        }
+    }
+
+    /// Starts sending `data` (owned, not copied) to `dst` on `tag` and returns a
+    /// handle. Its place in the peer's send order is taken now, at the call.
+    /// Dropping the handle does not cancel the send: it completes in the background
+    /// (or fails with the connection), and the tensor is then dropped.
+    pub fn isend(&self, dst: Rank, tag: Tag, data: Tensor) -> SendHandle {
+        let timeout = self.inner.cfg.op_timeout;
+        let peer = match self.inner.check_send(dst, data.nbytes()) {
+            Ok(p) => Arc::clone(p),
+            Err(e) => return SendHandle::ready(Err(e), timeout),
+        };
+        // Poll the lock once now so this send is queued behind earlier ones and in
+        // front of later ones, even though the task that writes runs later.
+        let mut lock = Box::pin(Arc::clone(&peer.writer).lock_owned());
+        let early = lock.as_mut().poll(&mut Context::from_waker(Waker::noop()));
+        let inner = Arc::clone(&self.inner);
+        let task = self.inner.tracker.spawn_on(
+            async move {
+                let mut w = match early {
+                    Poll::Ready(w) => w,
+                    Poll::Pending => tokio::select! {
+                        biased;
+                        _ = peer.token.cancelled() => return Err(inner.peer_error(&peer)),
+                        w = lock => w,
+                    },
+                };
+                inner
+                    .write_locked(&peer, &mut w, tag, data.dtype(), data.as_bytes())
+                    .await?;
+                Ok(data)
+            },
+            &self.inner.runtime,
+        );
+        SendHandle {
+            state: SendState::Running(task),
+            timeout,
+        }
+    }
+
+    /// Receives a message from `src` on `tag` into `buf`, which must have the
+    /// message's dtype and byte size (the shape is the receiver's; only the element
+    /// count must agree); otherwise the message is consumed and
+    /// [`Error::Mismatch`] returned. Large messages are read straight into `buf`.
+    /// Uses the configured `op_timeout`. On any error `buf` is given back
+    /// unchanged, except if the receive was cancelled or timed out while its
+    /// message was being read into it: then `buf` is left empty and the message
+    /// goes to the next matching receive.
+    pub async fn recv(&self, src: Rank, tag: Tag, buf: &mut Tensor) -> Result<()> {
+        self.recv_into(Source::Rank(src), tag, buf, "recv")
+            .await
+            .map(|_| ())
+    }
+
+    /// Like [`Communicator::recv`] from any rank; returns the sender.
+    pub async fn recv_any(&self, tag: Tag, buf: &mut Tensor) -> Result<Rank> {
+        self.recv_into(Source::Any, tag, buf, "recv_any").await
+    }
+
+    /// Posts a receive into `buf` (owned) now and returns a handle. Receives match
+    /// messages in the order they were posted. Dropping the handle cancels the
+    /// receive: a message that arrives later goes to the next matching receive (if
+    /// it was already arriving, it is kept for the next matching receive too).
+    pub fn irecv(&self, src: impl Into<Source>, tag: Tag, buf: Tensor) -> RecvHandle {
+        let state = match self.inner.post_recv(src.into(), tag, buf) {
+            Posting::Done(d) => RecvState::Ready(d),
+            Posting::Waiting { id, rx } => RecvState::Waiting { id, rx },
+        };
+        RecvHandle {
+            inner: Arc::clone(&self.inner),
+            tag,
+            state,
+        }
+    }
+
+    async fn recv_into(&self, src: Source, tag: Tag, buf: &mut Tensor, op: &'static str) -> Result<Rank> {
+        let handle = self.irecv(src, tag, std::mem::take(buf));
+        let mut g = Restore { slot: buf, handle };
+        let spin = self.inner.cfg.recv_spin;
+        let done = match self.inner.cfg.op_timeout {
+            None => g.handle.done_spinning(spin).await,
+            Some(after) => {
+                let r = tokio::time::timeout(after, g.handle.done_spinning(spin)).await;
+                match r {
+                    Ok(d) => d,
+                    Err(_) => {
+                        if let Some(t) = g.handle.cancel() {
+                            *g.slot = t;
+                        }
+                        return Err(Error::Timeout { op, after });
+                    }
+                }
+            }
+        };
+        *g.slot = done.buf;
+        done.result
+    }
+
+    /// Fails every pending and future operation of this world with
+    /// [`Error::Aborted`], stops its tasks and closes its sockets and listener.
+    /// Synchronous and idempotent: pending receives are failed before it returns;
+    /// tasks finish shortly after (await [`Communicator::wait_closed`]).
+    pub fn abort(&self) {
+        self.inner.abort_with("abort() called");
+    }
+
+    /// Says goodbye to every peer (after sends already queued), then aborts with
+    /// reason "closed" and waits for the tasks to finish. Peers see
+    /// [`HealthEvent::PeerLost`] with an "orderly close" cause.
+    pub async fn close(&self) {
+        let inner = &self.inner;
+        let byes = inner.peers.iter().flatten().map(|peer| async move {
+            let w = tokio::select! {
+                biased;
+                _ = peer.token.cancelled() => return,
+                w = peer.writer.lock() => w,
+            };
+            let mut w = w;
+            let seq = w.seq;
+            if let Some(half) = w.half.as_mut() {
+                let hdr = FrameHeader {
+                    kind: FrameKind::Bye,
+                    seq,
+                    generation: inner.identity.generation,
+                }
+                .encode();
+                let _ = tokio::time::timeout(Duration::from_secs(1), half.write_all(&hdr)).await;
+            }
+        });
+        for bye in byes {
+            bye.await;
+        }
+        inner.closing.store(true, Ordering::Relaxed);
+        inner.abort_with("closed");
+        inner.tracker.wait().await;
+    }
+
+    /// Waits until every task of this communicator has finished (after an abort,
+    /// close or peer losses on all connections).
+    pub async fn wait_closed(&self) {
+        self.inner.tracker.wait().await;
+    }
+
+    /// Whether the communicator was aborted.
+    pub fn is_aborted(&self) -> bool {
+        self.inner.aborted.get().is_some()
+    }
+
+    /// A snapshot of the world's health.
+    pub fn health(&self) -> Health {
+        Health {
+            aborted: self.inner.aborted.get().cloned(),
+            lost: self
+                .inner
+                .peers
+                .iter()
+                .flatten()
+                .filter_map(|p| p.lost.get().map(|c| (p.rank, Arc::clone(c))))
+                .collect(),
+        }
+    }
+
+    /// Subscribes to health events from now on (subscribe, then check
+    /// [`Communicator::health`] for what happened before). The channel holds more
+    /// events than one communicator can produce, so a receiver never lags.
+    pub fn health_events(&self) -> broadcast::Receiver<HealthEvent> {
+        self.inner.health_tx.subscribe()
+    }
+
+    /// Traffic counters of the connection to `rank`.
+    pub fn peer_stats(&self, rank: Rank) -> Option<PeerStats> {
+        let p = self.inner.peer(rank)?;
+        Some(PeerStats {
+            rank,
+            bytes_sent: p.counters.bytes_sent.load(Ordering::Relaxed),
+            bytes_received: p.counters.bytes_received.load(Ordering::Relaxed),
+            messages_sent: p.counters.messages_sent.load(Ordering::Relaxed),
+            messages_received: p.counters.messages_received.load(Ordering::Relaxed),
+        })
+    }
+
+    /// Inbound connections refused by the listener so far (strangers, wrong secret,
+    /// wrong world, duplicates, timeouts).
+    pub fn rejected_connections(&self) -> u64 {
+        self.inner.rejected.load(Ordering::Relaxed)
+    }
+}
+
+/// Puts the receive buffer back into the caller's slot if the receive is dropped
+/// before it started.
+struct Restore<'a> {
+    slot: &'a mut Tensor,
+    handle: RecvHandle,
+}
+
+impl Drop for Restore<'_> {
+    fn drop(&mut self) {
+        if let Some(t) = self.handle.cancel() {
+            *self.slot = t;
+        }
+    }
+}
+
+enum Posting {
+    Done(RecvDone),
+    Waiting {
+        id: u64,
+        rx: oneshot::Receiver<RecvDone>,
+    },
+}
+
+impl Inner {
+    fn lock(&self) -> MutexGuard<'_, Matching> {
+        // Critical sections do not panic; if one did, the data is still consistent
+        // enough to fail everything, so ignore poisoning.
+        self.matching.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn peer(&self, rank: Rank) -> Option<&Arc<Peer>> {
+        self.peers.get(rank.index())?.as_ref()
+    }
+
+    fn aborted_error(&self) -> Option<Error> {
+        self.aborted.get().map(|r| Error::Aborted {
+            reason: Arc::clone(r),
+        })
+    }
+
+    /// The error for an operation with `peer` that found the connection unusable.
+    fn peer_error(&self, peer: &Peer) -> Error {
+        if let Some(e) = self.aborted_error() {
+            return e;
+        }
+        match peer.lost.get() {
+            Some(c) => Error::peer_lost(peer.rank, c),
+            None => Error::PeerLost {
+                rank: peer.rank,
+                cause: Arc::from("connection closed"),
+            },
+        }
+    }
+
+    fn check_rank(&self, rank: Rank, what: &str) -> Result<&Arc<Peer>> {
+        if rank.0 >= self.identity.size {
+            return Err(Error::invalid(format!(
+                "{what} rank {rank} is outside a world of {}",
+                self.identity.size
+            )));
+        }
+        if rank == self.identity.rank {
+            return Err(Error::invalid(format!(
+                "{what} rank {rank} is this rank; point-to-point with oneself is not supported"
+            )));
+        }
+        self.peer(rank)
+            .ok_or_else(|| Error::invalid(format!("no connection to rank {rank}")))
+    }
+
+    fn check_send(&self, dst: Rank, bytes: usize) -> Result<&Arc<Peer>> {
+        let peer = self.check_rank(dst, "destination")?;
+        if bytes as u64 > self.cfg.limits.max_message_bytes {
+            return Err(Error::invalid(format!(
+                "message of {bytes} bytes exceeds max_message_bytes ({})",
+                self.cfg.limits.max_message_bytes
+            )));
+        }
+        if self.aborted.get().is_some() || peer.lost.get().is_some() {
+            return Err(self.peer_error(peer));
+        }
+        Ok(peer)
+    }
+
+    async fn send_view(&self, dst: Rank, tag: Tag, view: TensorView<'_>) -> Result<()> {
+        let peer = self.check_send(dst, view.as_bytes().len())?;
+        // Fast path without registering with the cancellation token. `try_lock`
+        // fails while sends are queued (the mutex hands over to waiters), so it
+        // does not jump the FIFO.
+        let mut w = match peer.writer.try_lock() {
+            Ok(w) => w,
+            Err(_) => tokio::select! {
+                biased;
+                _ = peer.token.cancelled() => return Err(self.peer_error(peer)),
+                w = peer.writer.lock() => w,
+            },
+        };
+        self.write_locked(peer, &mut w, tag, view.dtype(), view.as_bytes())
+            .await
+    }
+
+    /// Writes one data frame with the peer's writer lock held.
+    async fn write_locked(
+        &self,
+        peer: &Peer,
+        w: &mut Writer,
+        tag: Tag,
+        dtype: DType,
+        bytes: &[u8],
+    ) -> Result<()> {
+        let seq = w.seq;
+        let Some(half) = w.half.as_mut() else {
+            return Err(self.peer_error(peer));
+        };
+        let header = FrameHeader {
+            kind: FrameKind::Data {
+                dtype,
+                tag,
+                len: bytes.len() as u64,
+            },
+            seq,
+            generation: self.identity.generation,
+        }
+        .encode();
+        let mut guard = MidFrame {
+            inner: self,
+            rank: peer.rank,
+            written: 0,
+            finished: false,
+        };
+        // Fast path: most frames go out in this one non-blocking vectored write.
+        let r = match half.try_write_vectored(&[IoSlice::new(&header), IoSlice::new(bytes)]) {
+            Ok(n) => {
+                guard.written = n;
+                None
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => None,
+            Err(e) => Some(Some(Err(e))),
+        };
+        let r = match r {
+            Some(r) => r,
+            None if guard.written == header.len() + bytes.len() => Some(Ok(())),
+            None => tokio::select! {
+                biased;
+                _ = peer.token.cancelled() => None,
+                r = write_frame(half, &header, bytes, &mut guard.written) => Some(r),
+            },
+        };
+        guard.finished = true;
+        match r {
+            Some(Ok(())) => {
+                w.seq = seq.wrapping_add(1);
+                let c = &peer.counters;
+                c.bytes_sent.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+                c.messages_sent.fetch_add(1, Ordering::Relaxed);
+                Ok(())
+            }
+            Some(Err(e)) => {
+                self.drop_writer(w);
+                self.peer_lost(peer.rank, format!("write failed: {}", describe_io(&e)));
+                Err(self.peer_error(peer))
+            }
+            None => {
+                self.drop_writer(w);
+                Err(self.peer_error(peer))
+            }
+        }
+    }
+
+    fn post_recv(&self, src: Source, tag: Tag, mut buf: Tensor) -> Posting {
+        let fail = |buf, e| Posting::Done(RecvDone { buf, result: Err(e) });
+        if let Source::Rank(r) = src {
+            if let Err(e) = self.check_rank(r, "source") {
+                return fail(buf, e);
+            }
+        }
+        let mut m = self.lock();
+        // Checked under the lock: abort and peer loss set their flag before taking
+        // it to fail posted receives, so a receive is either failed here or there.
+        if let Some(e) = self.aborted_error() {
+            return fail(buf, e);
+        }
+        if let Some((from, st)) = m.take_stash(src, tag) {
+            drop(m);
+            let result = match fill(&mut buf, from, tag, st.dtype, st.data) {
+                Filled::Done { spare } => {
+                    if let Some(v) = spare {
+                        self.lock().recycle(v, self.cfg.eager_limit);
+                    }
+                    Ok(from)
+                }
+                // The message is consumed either way, like a mismatch on the wire.
+                Filled::Mismatch { err, .. } => Err(err),
+            };
+            return Posting::Done(RecvDone { buf, result });
+        }
+        let lost = match src {
+            Source::Rank(r) => self.peer(r).and_then(|p| p.lost.get().map(|c| (r, c))),
+            Source::Any => self
+                .peers
+                .iter()
+                .flatten()
+                .find_map(|p| p.lost.get().map(|c| (p.rank, c))),
+        };
+        if let Some((r, cause)) = lost {
+            let e = Error::peer_lost(r, cause);
+            drop(m);
+            return fail(buf, e);
+        }
+        let (tx, rx) = oneshot::channel();
+        let id = m.next_id;
+        m.next_id += 1;
+        m.posted
+            .entry(tag)
+            .or_default()
+            .push_back(Posted { id, src, buf, tx });
+        m.count(src, true);
+        drop(m);
+        match src {
+            Source::Rank(r) => {
+                if let Some(p) = self.peer(r) {
+                    p.wake.notify_one();
+                }
+            }
+            Source::Any => {
+                for p in self.peers.iter().flatten() {
+                    p.wake.notify_one();
+                }
+            }
+        }
+        Posting::Waiting { id, rx }
+    }
+
+    /// Drops a connection's write half; abortively unless this is an orderly close.
+    fn drop_writer(&self, w: &mut Writer) {
+        if let Some(half) = w.half.take() {
+            if !self.closing.load(Ordering::Relaxed) {
+                reset_on_close(half.as_ref());
+            }
+        }
+    }
+
+    fn release_held(&self, from: Rank, len: usize) {
+        if let Some(h) = self.lock().held.get_mut(from.index()) {
+            *h = h.saturating_sub(len);
+        }
+    }
+
+    fn cancel_posted(&self, tag: Tag, id: u64) -> Option<Tensor> {
+        let p = self.lock().take_posted_id(tag, id)?;
+        Some(p.buf)
+    }
+
+    /// Hands a fully read message to the earliest matching posted receive, or
+    /// keeps it for a later one. `reserved`: its bytes are already counted in
+    /// `held`.
+    fn deliver_or_stash(&self, from: Rank, tag: Tag, dtype: DType, mut data: StashData, reserved: bool) {
+        let len = data.bytes().len();
+        loop {
+            let mut m = self.lock();
+            let Some(mut p) = m.take_posted(from, tag) else {
+                if !reserved {
+                    if let Some(h) = m.held.get_mut(from.index()) {
+                        *h += len;
+                    }
+                }
+                let arrival = m.next_arrival;
+                m.next_arrival += 1;
+                m.unexpected
+                    .entry((from, tag))
+                    .or_default()
+                    .push_back(Stashed { arrival, dtype, data });
+                return;
+            };
+            drop(m);
+            match fill(&mut p.buf, from, tag, dtype, data) {
+                Filled::Done { spare } => {
+                    match p.tx.send(RecvDone {
+                        buf: p.buf,
+                        result: Ok(from),
+                    }) {
+                        Ok(()) => {
+                            let mut m = self.lock();
+                            if reserved {
+                                if let Some(h) = m.held.get_mut(from.index()) {
+                                    *h = h.saturating_sub(len);
+                                }
+                            }
+                            if let Some(v) = spare {
+                                m.recycle(v, self.cfg.eager_limit);
+                            }
+                            return;
+                        }
+                        // Cancelled meanwhile: take the data back and try again.
+                        Err(done) => {
+                            data = match spare {
+                                Some(v) => StashData::Bytes(v),
+                                None => StashData::Tensor(done.buf),
+                            };
+                        }
+                    }
+                }
+                Filled::Mismatch { err, data: back } => {
+                    match p.tx.send(RecvDone {
+                        buf: p.buf,
+                        result: Err(err),
+                    }) {
+                        Ok(()) => {
+                            if reserved {
+                                let mut m = self.lock();
+                                if let Some(h) = m.held.get_mut(from.index()) {
+                                    *h = h.saturating_sub(len);
+                                }
+                            }
+                            return;
+                        }
+                        Err(_) => data = back,
+                    }
+                }
+            }
+        }
+    }
+
+    /// Marks `rank`'s connection lost (once), fails every posted receive that it
+    /// could satisfy (its own and any-source ones), wakes its writers, and reports.
+    fn peer_lost(&self, rank: Rank, cause: impl Into<Arc<str>>) {
+        let Some(peer) = self.peer(rank) else {
+            return;
+        };
+        let cause: Arc<str> = cause.into();
+        if peer.lost.set(Arc::clone(&cause)).is_err() {
+            return;
+        }
+        peer.token.cancel();
+        if let Ok(mut w) = peer.writer.try_lock() {
+            self.drop_writer(&mut w);
+        }
+        let failed = self.lock().drain_posted(|p| p.src.matches(rank));
+        let err = self
+            .aborted_error()
+            .unwrap_or_else(|| Error::peer_lost(rank, &cause));
+        for p in failed {
+            let _ = p.tx.send(RecvDone {
+                buf: p.buf,
+                result: Err(err.clone()),
+            });
+        }
+        if self.aborted.get().is_none() {
+            warn!(local = %self.identity, peer = %rank, %cause, "peer lost");
+            let _ = self.health_tx.send(HealthEvent::PeerLost { rank, cause });
+        }
+    }
+
+    fn abort_with(&self, reason: &str) {
+        let reason: Arc<str> = Arc::from(reason);
+        if self.aborted.set(Arc::clone(&reason)).is_err() {
+            return;
+        }
+        self.token.cancel();
+        let (posted, stash, pool) = {
+            let mut m = self.lock();
+            let posted = m.drain_posted(|_| true);
+            let stash = std::mem::take(&mut m.unexpected);
+            m.held.iter_mut().for_each(|h| *h = 0);
+            (posted, stash, std::mem::take(&mut m.pool))
+        };
+        let err = Error::Aborted {
+            reason: Arc::clone(&reason),
+        };
+        for p in posted {
+            let _ = p.tx.send(RecvDone {
+                buf: p.buf,
+                result: Err(err.clone()),
+            });
+        }
+        drop((stash, pool));
+        for peer in self.peers.iter().flatten() {
+            // A writer that holds the lock sees the cancellation and drops its half.
+            if let Ok(mut w) = peer.writer.try_lock() {
+                self.drop_writer(&mut w);
+            }
+        }
+        info!(local = %self.identity, %reason, "communicator aborted");
+        let _ = self.health_tx.send(HealthEvent::Aborted { reason });
+    }
+
+    /// Reads frames from one peer until the connection ends.
+    async fn read_loop(
+        &self,
+        peer: &Peer,
+        rd: &mut BufReader<OwnedReadHalf>,
+        slot: &mut Option<Posted>,
+    ) -> ReadEnd {
+        let mut seq = RxSequencer::new(self.identity.generation);
+        let mut hb = [0u8; HEADER_LEN];
+        loop {
+            match rd.fill_buf().await {
+                Ok([]) => return ReadEnd::Failed("connection closed by peer".into()),
+                Ok(_) => {}
+                Err(e) => return ReadEnd::Failed(describe_io(&e)),
+            }
+            if let Err(e) = rd.read_exact(&mut hb).await {
+                return ReadEnd::Failed(format!("reading a frame header: {}", describe_io(&e)));
+            }
+            let h = match frame::decode(&hb, &self.cfg.limits).and_then(|h| seq.check(&h).map(|()| h)) {
+                Ok(h) => h,
+                Err(e) => return ReadEnd::Failed(format!("protocol violation: {e}")),
+            };
+            match h.kind {
+                FrameKind::Bye => return ReadEnd::Bye,
+                FrameKind::Data { dtype, tag, len } => {
+                    if let Err(cause) = self.on_data(peer, rd, slot, dtype, tag, len).await {
+                        return ReadEnd::Failed(cause);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Routes one data frame whose header was read.
+    async fn on_data(
+        &self,
+        peer: &Peer,
+        rd: &mut BufReader<OwnedReadHalf>,
+        slot: &mut Option<Posted>,
+        dtype: DType,
+        tag: Tag,
+        len: u64,
+    ) -> std::result::Result<(), String> {
+        let from = peer.rank;
+        let len =
+            usize::try_from(len).map_err(|_| format!("declared length {len} does not fit in memory"))?;
+        let eager = self.cfg.eager_limit;
+        let budget = self.cfg.unexpected_budget;
+        // Find where the payload goes before reading (or allocating) anything.
+        // `draining`: the peer has closed its side, so nothing more is coming; what
+        // is in flight is read into a buffer that grows only with the bytes that
+        // actually arrive (not with the declared length), whatever the budget.
+        let mut draining = false;
+        let stash = loop {
+            let woken = peer.wake.notified();
+            {
+                let mut m = self.lock();
+                if let Some(p) = m.take_posted(from, tag) {
+                    *slot = Some(p);
+                    break None;
+                }
+                // Someone is waiting for a message behind this one on this
+                // connection: read this one ahead so that one is not blocked.
+                let behind = m.posted_for.get(from.index()).copied().unwrap_or(0) > 0 || m.posted_any > 0;
+                let held = m.held.get(from.index()).copied().unwrap_or(0);
+                let fits = held.saturating_add(len) <= budget && (len <= eager || behind);
+                if fits || draining {
+                    if let Some(h) = m.held.get_mut(from.index()) {
+                        *h = h.saturating_add(len);
+                    }
+                    break Some(m.pool_vec());
+                }
+            }
+            // No receive yet and no room: leave the payload in the socket (TCP
+            // backpressure). While waiting, look for the peer closing or resetting
+            // the connection, which reading would otherwise only reveal later.
+            tokio::select! {
+                _ = woken => {}
+                _ = tokio::time::sleep(CLOSED_POLL) => draining = peer_closed(rd),
+            }
+        };
+        let c = &peer.counters;
+        match stash {
+            None => {
+                let Some(p) = slot.as_mut() else {
+                    return Err("internal: receive slot empty".into());
+                };
+                if p.buf.dtype() != dtype || p.buf.nbytes() != len {
+                    discard(rd, len as u64)
+                        .await
+                        .map_err(|e| format!("discarding a mismatched message: {}", describe_io(&e)))?;
+                    c.bytes_received.fetch_add(len as u64, Ordering::Relaxed);
+                    c.messages_received.fetch_add(1, Ordering::Relaxed);
+                    if let Some(p) = slot.take() {
+                        let err = mismatch(&p.buf, from, tag, dtype, len as u64);
+                        debug!(local = %self.identity, %err, "receive mismatch");
+                        let _ = p.tx.send(RecvDone {
+                            buf: p.buf,
+                            result: Err(err),
+                        });
+                    }
+                    return Ok(());
+                }
+                read_payload(rd, p.buf.bytes_mut(), &c.bytes_received)
+                    .await
+                    .map_err(|e| format!("reading a {len}-byte message: {}", describe_io(&e)))?;
+                if !p.buf.validate_after_write() {
+                    return Err("protocol violation: bool payload holds bytes other than 0 and 1".into());
+                }
+                c.messages_received.fetch_add(1, Ordering::Relaxed);
+                if let Some(p) = slot.take() {
+                    if let Err(done) = p.tx.send(RecvDone {
+                        buf: p.buf,
+                        result: Ok(from),
+                    }) {
+                        // Cancelled while arriving: keep it for the next receive.
+                        self.deliver_or_stash(from, tag, dtype, StashData::Tensor(done.buf), false);
+                    }
+                }
+            }
+            Some(mut v) => {
+                let read = if draining {
+                    read_growing(rd, &mut v, len, &c.bytes_received).await
+                } else {
+                    v.resize(len, 0);
+                    read_payload(rd, &mut v, &c.bytes_received).await
+                };
+                if let Err(e) = read {
+                    self.release_held(from, len);
+                    return Err(format!("reading a {len}-byte message: {}", describe_io(&e)));
+                }
+                if dtype == DType::Bool && !valid_bool_bytes(&v) {
+                    return Err("protocol violation: bool payload holds bytes other than 0 and 1".into());
+                }
+                c.messages_received.fetch_add(1, Ordering::Relaxed);
+                self.deliver_or_stash(from, tag, dtype, StashData::Bytes(v), true);
+            }
+        }
+        Ok(())
+    }
+}
+
+enum ReadEnd {
+    Bye,
+    Failed(String),
+}
+
+async fn reader_task(inner: Arc<Inner>, peer: Arc<Peer>, half: OwnedReadHalf) {
+    let mut rd = BufReader::with_capacity(READ_BUF, half);
+    // The receive whose buffer is being filled, kept out here so that it can be
+    // failed (and its buffer returned) whatever ends the loop.
+    let mut slot: Option<Posted> = None;
+    let end = tokio::select! {
+        biased;
+        _ = peer.token.cancelled() => None,
+        end = inner.read_loop(&peer, &mut rd, &mut slot) => Some(end),
+    };
+    let cause: Option<Arc<str>> = match end {
+        None => None,
+        Some(ReadEnd::Bye) => Some(Arc::from("peer closed its communicator (orderly close)")),
+        Some(ReadEnd::Failed(c)) => Some(Arc::from(c)),
+    };
+    match &cause {
+        Some(c) => inner.peer_lost(peer.rank, Arc::clone(c)),
+        // Cancelled from outside (the token given to `join_with_token`): turn it
+        // into a full abort so no posted receive is left waiting.
+        None if peer.lost.get().is_none() => {
+            inner.abort_with("the world's cancellation token was cancelled");
+        }
+        None => {}
+    }
+    if !inner.closing.load(Ordering::Relaxed) {
+        reset_on_close(rd.get_ref().as_ref());
+    }
+    if let Some(p) = slot.take() {
+        let _ = p.tx.send(RecvDone {
+            buf: p.buf,
+            result: Err(inner.peer_error(&peer)),
+        });
+    }
+}
+
+/// Writes the rest of a header and payload (from offset `written`) straight from
+/// the caller's buffer. `written` counts progress so a cancelled write can tell
+/// whether the stream is now broken.
+async fn write_frame(
+    w: &mut OwnedWriteHalf,
+    header: &[u8],
+    payload: &[u8],
+    written: &mut usize,
+) -> io::Result<()> {
+    let total = header.len() + payload.len();
+    let mut bufs = [IoSlice::new(header), IoSlice::new(payload)];
+    let mut slices: &mut [IoSlice<'_>] = &mut bufs;
+    IoSlice::advance_slices(&mut slices, *written);
+    while *written < total {
+        let n = w.write_vectored(slices).await?;
+        if n == 0 {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+        *written += n;
+        IoSlice::advance_slices(&mut slices, n);
+    }
+    Ok(())
+}
+
+async fn read_payload(
+    rd: &mut BufReader<OwnedReadHalf>,
+    buf: &mut [u8],
+    progress: &AtomicU64,
+) -> io::Result<()> {
+    for chunk in buf.chunks_mut(PROGRESS_CHUNK) {
+        rd.read_exact(chunk).await?;
+        progress.fetch_add(chunk.len() as u64, Ordering::Relaxed);
+    }
+    Ok(())
+}
+
+/// Reads `len` bytes into `v`, growing it only as data arrives (the declared
+/// length of a frame from a closing peer is not trusted for allocation).
+async fn read_growing(
+    rd: &mut BufReader<OwnedReadHalf>,
+    v: &mut Vec<u8>,
+    len: usize,
+    progress: &AtomicU64,
+) -> io::Result<()> {
+    v.clear();
+    let n = (&mut *rd).take(len as u64).read_to_end(v).await?;
+    progress.fetch_add(n as u64, Ordering::Relaxed);
+    if n < len {
+        return Err(io::ErrorKind::UnexpectedEof.into());
+    }
+    Ok(())
+}
+
+/// Whether the peer has closed (FIN) or reset the connection, without consuming
+/// data: the socket's read-closed readiness, polled once.
+fn peer_closed(rd: &BufReader<OwnedReadHalf>) -> bool {
+    let ready = rd.get_ref().ready(Interest::READABLE);
+    let mut ready = std::pin::pin!(ready);
+    match ready.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
+        Poll::Ready(Ok(r)) => r.is_read_closed(),
+        Poll::Ready(Err(_)) => true,
+        Poll::Pending => false,
+    }
+}
+
+async fn discard(rd: &mut BufReader<OwnedReadHalf>, len: u64) -> io::Result<()> {
+    let n = tokio::io::copy(&mut (&mut *rd).take(len), &mut tokio::io::sink()).await?;
+    if n < len {
+        return Err(io::ErrorKind::UnexpectedEof.into());
+    }
+    Ok(())
+}
+
+/// Makes the coming close of `s` abortive (RST instead of FIN). A FIN queues behind
+/// unsent data and never reaches a peer that is not reading (zero window); a reset
+/// does, so the peer notices at once. Unsent data is discarded, which is what an
+/// abort means.
+fn reset_on_close(s: &TcpStream) {
+    let _ = s.set_zero_linger();
+}
+
+fn describe_io(e: &io::Error) -> String {
+    match e.kind() {
+        io::ErrorKind::UnexpectedEof => "connection closed by peer in the middle of a frame".into(),
+        io::ErrorKind::ConnectionReset => "connection reset by peer".into(),
+        io::ErrorKind::BrokenPipe => "connection closed by peer (broken pipe)".into(),
+        _ => e.to_string(),
+    }
+}
+
+/// Marks the connection lost if a send is dropped after part of its frame went out.
+struct MidFrame<'a> {
+    inner: &'a Inner,
+    rank: Rank,
+    written: usize,
+    finished: bool,
+}
+
+impl Drop for MidFrame<'_> {
+    fn drop(&mut self) {
+        if !self.finished && self.written > 0 {
+            self.inner.peer_lost(
+                self.rank,
+                "a send was cancelled part-way through a message; the stream cannot be resynchronised",
+            );
+        }
+    }
+}
+
+/// Handle of an [`Communicator::isend`]. Await it (it is a `Future`) or call
+/// [`SendHandle::wait`] to get the tensor back once it is written to the socket.
+/// Dropping it does not cancel the send.
+#[must_use = "dropping a SendHandle lets the send finish in the background; await it to see errors"]
+pub struct SendHandle {
+    state: SendState,
+    timeout: Option<Duration>,
+}
+
+enum SendState {
+    Ready(Option<Result<Tensor>>),
+    Running(JoinHandle<Result<Tensor>>),
+}
+
+impl SendHandle {
+    fn ready(r: Result<Tensor>, timeout: Option<Duration>) -> Self {
+        SendHandle {
+            state: SendState::Ready(Some(r)),
+            timeout,
+        }
+    }
+
+    /// True once the send finished (successfully or not).
+    pub fn is_completed(&self) -> bool {
+        match &self.state {
+            SendState::Ready(_) => true,
+            SendState::Running(j) => j.is_finished(),
+        }
+    }
+
+    /// Waits for the send, at most the configured `op_timeout` (after which the
+    /// send carries on in the background and [`Error::Timeout`] is returned).
+    pub async fn wait(self) -> Result<Tensor> {
+        match self.timeout {
+            None => self.await,
+            Some(after) => tokio::time::timeout(after, self)
+                .await
+                .unwrap_or(Err(Error::Timeout { op: "isend", after })),
+        }
+    }
+}
+
+impl Future for SendHandle {
+    type Output = Result<Tensor>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        match &mut this.state {
+            SendState::Ready(r) => Poll::Ready(
+                r.take()
+                    .unwrap_or_else(|| Err(Error::invalid("SendHandle polled after completion"))),
+            ),
+            SendState::Running(j) => match Pin::new(j).poll(cx) {
+                Poll::Pending => Poll::Pending,
+                Poll::Ready(Ok(r)) => {
+                    this.state = SendState::Ready(None);
+                    Poll::Ready(r)
+                }
+                Poll::Ready(Err(e)) => {
+                    this.state = SendState::Ready(None);
+                    if e.is_panic() {
+                        std::panic::resume_unwind(e.into_panic());
+                    }
+                    Poll::Ready(Err(Error::Aborted {
+                        reason: Arc::from("send task cancelled (runtime shutting down)"),
+                    }))
+                }
+            },
+        }
+    }
+}
+
+/// Handle of an [`Communicator::irecv`]. Await it (it is a `Future`) or call
+/// [`RecvHandle::wait`]. Dropping it cancels the receive cleanly.
+#[must_use = "dropping a RecvHandle cancels the receive"]
+pub struct RecvHandle {
+    inner: Arc<Inner>,
+    tag: Tag,
+    state: RecvState,
+}
+
+enum RecvState {
+    Ready(RecvDone),
+    Waiting {
+        id: u64,
+        rx: oneshot::Receiver<RecvDone>,
+    },
+    Taken,
+}
+
+impl RecvHandle {
+    /// True once the receive finished (successfully or not).
+    pub fn is_completed(&self) -> bool {
+        match &self.state {
+            RecvState::Ready(_) => true,
+            RecvState::Waiting { rx, .. } => !rx.is_empty(),
+            RecvState::Taken => true,
+        }
+    }
+
+    /// Cancels the receive if its message has not started arriving, and returns
+    /// its buffer. Returns `None` if it is already being filled or done; the handle
+    /// then still yields the result.
+    pub fn cancel(&mut self) -> Option<Tensor> {
+        let RecvState::Waiting { id, .. } = &self.state else {
+            return None;
+        };
+        let buf = self.inner.cancel_posted(self.tag, *id)?;
+        self.state = RecvState::Taken;
+        Some(buf)
+    }
+
+    /// Waits for the message, at most the configured `op_timeout` (after which the
+    /// receive is cancelled and [`Error::Timeout`] returned).
+    pub async fn wait(self) -> Result<Received> {
+        match self.inner.cfg.op_timeout {
+            None => self.await,
+            Some(after) => tokio::time::timeout(after, self)
+                .await
+                .unwrap_or(Err(Error::Timeout { op: "irecv", after })),
+        }
+    }
+
+    /// Waits for the outcome, first polling for up to `spin` (yielding to the
+    /// runtime, which polls its sockets in between) before sleeping. Waking a
+    /// sleeping thread costs tens of microseconds on some machines; a message that
+    /// arrives within `spin` is seen without that wake-up.
+    async fn done_spinning(&mut self, spin: Duration) -> RecvDone {
+        if !spin.is_zero() {
+            let until = std::time::Instant::now() + spin;
+            loop {
+                if let Poll::Ready(d) = self.poll_done(&mut Context::from_waker(Waker::noop())) {
+                    return d;
+                }
+                if std::time::Instant::now() >= until {
+                    break;
+                }
+                tokio::task::yield_now().await;
+            }
+        }
+        poll_fn(|cx| self.poll_done(cx)).await
+    }
+
+    fn poll_done(&mut self, cx: &mut Context<'_>) -> Poll<RecvDone> {
+        match std::mem::replace(&mut self.state, RecvState::Taken) {
+            RecvState::Ready(d) => Poll::Ready(d),
+            RecvState::Waiting { id, mut rx } => match Pin::new(&mut rx).poll(cx) {
+                Poll::Pending => {
+                    self.state = RecvState::Waiting { id, rx };
+                    Poll::Pending
+                }
+                Poll::Ready(Ok(d)) => Poll::Ready(d),
+                // Every path that removes a posted receive sends on its channel;
+                // this is the fallback if that invariant is ever broken.
+                Poll::Ready(Err(_)) => Poll::Ready(RecvDone {
+                    buf: Tensor::default(),
+                    result: Err(self
+                        .inner
+                        .aborted_error()
+                        .unwrap_or_else(|| Error::invalid("receive was dropped by the communicator"))),
+                }),
+            },
+            RecvState::Taken => Poll::Ready(RecvDone {
+                buf: Tensor::default(),
+                result: Err(Error::invalid("RecvHandle polled after completion")),
+            }),
+        }
+    }
+}
+
+impl Future for RecvHandle {
+    type Output = Result<Received>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        self.get_mut()
+            .poll_done(cx)
+            .map(|d| d.result.map(|src| Received { src, tensor: d.buf }))
+    }
+}
+
+impl Drop for RecvHandle {
+    fn drop(&mut self) {
+        // Drops the buffer if the receive had not started; if it had, the reader
+        // finds the channel closed and keeps the message for the next receive.
+        let _ = self.cancel();
+    }
+}

@@ -1,0 +1,46 @@
+//! `multiworld-tcp`: the TCP backend of multiworld for host memory. One
+//! [`Communicator`] is one rank's membership of one world: its listener, its
+//! authenticated connections to every peer, its tasks, and the point-to-point
+//! operations over them. Nothing is shared between communicators, so a world is a
+//! fault domain of its own.
+//!
+//! Map of the modules:
+//!
+//! | module | what | I/O |
+//! |---|---|---|
+//! | [`tensor`] | [`DType`], [`Tensor`], [`TensorView`]: typed host memory, zero-copy from/to `Vec<T>` and slices | none |
+//! | [`frame`] | data-frame header codec and limits | none |
+//! | [`handshake`] | hello/challenge/proof messages, HMAC-SHA256 challenge-response | none |
+//! | [`id`] | [`Rank`], [`Tag`], [`Generation`], [`WorldName`], [`Identity`], [`Secret`] | none |
+//! | [`error`] | [`Error`], the crate's one error type | none |
+//! | [`config`] | [`CommConfig`] | none |
+//! | [`rendezvous`] | the [`Rendezvous`] trait and [`MemoryRendezvous`] | in-process |
+//! | [`mesh`] | listen, publish, connect, authenticate; refuse strangers | TCP |
+//! | [`comm`] | [`Communicator`]: send/recv/isend/irecv, failure handling, abort, health | TCP |
+//! | [`bench`](mod@bench) | the p2p benchmark with raw-TCP references | TCP |
+//!
+//! The wire protocol is described in `PROTOCOL.md` next to this crate's manifest.
+
+// Tensor payloads go on the wire as their in-memory bytes, and the wire format is
+// little-endian.
+#[cfg(target_endian = "big")]
+compile_error!("multiworld-tcp supports little-endian targets only");
+
+pub mod bench;
+pub mod comm;
+pub mod config;
+pub mod error;
+pub mod frame;
+pub mod handshake;
+pub mod id;
+pub mod mesh;
+pub mod rendezvous;
+pub mod tensor;
+
+pub use comm::{Communicator, Health, HealthEvent, PeerStats, Received, RecvHandle, SendHandle};
+pub use config::CommConfig;
+pub use error::{Error, MessageDesc, Result, Side};
+pub use half::{bf16, f16};
+pub use id::{Generation, Identity, Rank, Secret, Source, Tag, WorldName};
+pub use rendezvous::{MemoryRendezvous, Rendezvous, RendezvousError};
+pub use tensor::{DType, Element, Tensor, TensorView};

@@ -1,0 +1,516 @@
+//! Building the fully connected, authenticated mesh of one world. Each rank binds a
+//! listener (port 0 by default), publishes its address through the [`Rendezvous`],
+//! then connects to every lower rank while accepting from every higher rank (the
+//! higher rank always connects, so each pair has exactly one connection). Each
+//! connection runs the [`crate::handshake`] protocol; any mismatch is refused with a
+//! reason that is logged on both sides. The accept loop keeps running for the life
+//! of the world so that strangers (random bytes, half a handshake, a huge declared
+//! length, a wrong secret, another world or generation, a duplicate rank) are
+//! answered and dropped, each on its own task with a deadline, without touching the
+//! established connections. Everything spawned here is tracked by the world's
+//! `TaskTracker` and stops with its `CancellationToken`.
+
+use std::io;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
+use tokio::sync::mpsc;
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{debug, warn};
+
+use crate::config::CommConfig;
+use crate::error::{Error, Result, Side};
+use crate::handshake::{
+    self, CHALLENGE_BODY_LEN, Challenge, HELLO_FIXED_LEN, Hello, HelloPrefix, MSG_ACCEPT, MSG_CHALLENGE,
+    MSG_PROOF, MSG_REJECT, NONCE_LEN, PROOF_BODY_LEN, Reject, RejectCode, Role,
+};
+use crate::id::{Generation, Identity, Rank, WorldName};
+use crate::rendezvous::Rendezvous;
+
+/// The rendezvous key under which `rank` of `world`/`generation` publishes its
+/// listener address (as UTF-8 `ip:port`).
+pub fn addr_key(world: &WorldName, generation: Generation, rank: Rank) -> String {
+    format!("multiworld/tcp/{world}/{generation}/addr/{rank}")
+}
+
+/// Performs the connecting side of the handshake on an open stream: sends Hello to
+/// rank `to`, verifies the accepting side's proof, proves knowledge of `secret`,
+/// and waits for Accept. Used by the mesh; public so tools and tests can speak the
+/// protocol (e.g. to check that a listener refuses a wrong secret). `peer` is only
+/// used in errors and logs.
+pub async fn client_handshake<S>(
+    stream: &mut S,
+    local: &Identity,
+    to: Rank,
+    secret: &[u8],
+    peer: SocketAddr,
+) -> Result<()>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    let io = |e: io::Error| Error::io("handshake", e);
+    let hello = Hello::new(local, to, rand::random::<[u8; NONCE_LEN]>());
+    stream.write_all(&hello.encode()).await.map_err(io)?;
+    let mut ty = [0u8; 1];
+    stream.read_exact(&mut ty).await.map_err(io)?;
+    match ty[0] {
+        MSG_CHALLENGE => {}
+        MSG_REJECT => {
+            let r = read_reject_body(stream).await.map_err(io)?;
+            warn!(%peer, %local, to = %to, reason = %r, "connection refused by peer");
+            return Err(refused(peer, Side::Remote, r));
+        }
+        other => {
+            let r = Reject::new(
+                RejectCode::Malformed,
+                format!("unexpected reply type {other:#04x} to hello"),
+            );
+            warn!(%peer, %local, reason = %r, "refusing connection");
+            return Err(refused(peer, Side::Local, r));
+        }
+    }
+    let mut body = [0u8; CHALLENGE_BODY_LEN];
+    stream.read_exact(&mut body).await.map_err(io)?;
+    let ch = Challenge::decode(&body);
+    let t = handshake::transcript(&hello, &ch.nonce);
+    if !handshake::verify(secret, Role::Server, &t, &ch.mac) {
+        let r = Reject::new(
+            RejectCode::Auth,
+            "the accepting side's proof is wrong: it does not know the world secret",
+        );
+        warn!(%peer, %local, to = %to, reason = %r, "refusing connection");
+        // Best effort: tell the other side why.
+        let _ = stream.write_all(&r.encode()).await;
+        return Err(refused(peer, Side::Local, r));
+    }
+    let proof = handshake::mac(secret, Role::Client, &t);
+    stream
+        .write_all(&handshake::encode_proof(&proof))
+        .await
+        .map_err(io)?;
+    stream.read_exact(&mut ty).await.map_err(io)?;
+    match ty[0] {
+        MSG_ACCEPT => Ok(()),
+        MSG_REJECT => {
+            let r = read_reject_body(stream).await.map_err(io)?;
+            warn!(%peer, %local, to = %to, reason = %r, "connection refused by peer");
+            Err(refused(peer, Side::Remote, r))
+        }
+        other => {
+            let r = Reject::new(
+                RejectCode::Malformed,
+                format!("unexpected reply type {other:#04x} to proof"),
+            );
+            warn!(%peer, %local, reason = %r, "refusing connection");
+            Err(refused(peer, Side::Local, r))
+        }
+    }
+}
+
+fn refused(addr: SocketAddr, side: Side, r: Reject) -> Error {
+    Error::Refused {
+        addr,
+        side,
+        code: r.code,
+        detail: Arc::from(r.detail),
+    }
+}
+
+/// Reads the rest of a Reject after its type byte; the detail is at most 255 bytes.
+async fn read_reject_body<S: AsyncRead + Unpin>(s: &mut S) -> io::Result<Reject> {
+    let mut cl = [0u8; 2];
+    s.read_exact(&mut cl).await?;
+    let mut detail = vec![0u8; usize::from(cl[1])];
+    s.read_exact(&mut detail).await?;
+    Ok(Reject::decode(cl[0], &detail))
+}
+
+/// A refusal on the accepting side; `tell` says whether to send it to the other end
+/// (not when the other end refused us, or the connection is already broken).
+struct Refusal {
+    reject: Reject,
+    tell: bool,
+}
+
+impl From<Reject> for Refusal {
+    fn from(reject: Reject) -> Self {
+        Refusal { reject, tell: true }
+    }
+}
+
+fn io_refusal(what: &str, e: &io::Error) -> Refusal {
+    Refusal {
+        reject: Reject::new(RejectCode::Malformed, format!("{what}: {e}")),
+        tell: false,
+    }
+}
+
+/// State shared by the accept loop and its handshake tasks.
+struct AcceptCtx {
+    identity: Identity,
+    secret: Arc<[u8]>,
+    handshake_timeout: Duration,
+    /// Ranks that completed a handshake; claimed once, so duplicates are refused.
+    claimed: Mutex<Vec<bool>>,
+    established: mpsc::UnboundedSender<(Rank, TcpStream)>,
+    pending: AtomicUsize,
+    max_pending: usize,
+    rejected: Arc<AtomicU64>,
+    token: CancellationToken,
+    tracker: TaskTracker,
+}
+
+impl AcceptCtx {
+    fn claim(&self, rank: Rank) -> bool {
+        let mut c = match self.claimed.lock() {
+            Ok(c) => c,
+            Err(p) => p.into_inner(),
+        };
+        match c.get_mut(rank.index()) {
+            Some(slot) if !*slot => {
+                *slot = true;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    async fn serve<S: AsyncRead + AsyncWrite + Unpin>(&self, s: &mut S) -> Result<Rank, Refusal> {
+        let mut fixed = [0u8; HELLO_FIXED_LEN];
+        s.read_exact(&mut fixed)
+            .await
+            .map_err(|e| io_refusal("reading hello", &e))?;
+        let prefix = HelloPrefix::decode(&fixed)?;
+        // Bounded by MAX_WORLD_NAME_LEN in HelloPrefix::decode.
+        let mut name = vec![0u8; prefix.name_len()];
+        s.read_exact(&mut name)
+            .await
+            .map_err(|e| io_refusal("reading world name", &e))?;
+        let hello = prefix.finish(&name)?;
+        handshake::check_hello(&hello, &self.identity)?;
+        let nonce = rand::random::<[u8; NONCE_LEN]>();
+        let t = handshake::transcript(&hello, &nonce);
+        let ch = Challenge {
+            nonce,
+            mac: handshake::mac(&self.secret, Role::Server, &t),
+        };
+        s.write_all(&ch.encode())
+            .await
+            .map_err(|e| io_refusal("writing challenge", &e))?;
+        let mut ty = [0u8; 1];
+        s.read_exact(&mut ty)
+            .await
+            .map_err(|e| io_refusal("reading proof", &e))?;
+        match ty[0] {
+            MSG_PROOF => {}
+            MSG_REJECT => {
+                let r = read_reject_body(s)
+                    .await
+                    .map_err(|e| io_refusal("reading reject", &e))?;
+                return Err(Refusal {
+                    reject: Reject::new(r.code, format!("refused by the connecting side: {}", r.detail)),
+                    tell: false,
+                });
+            }
+            other => {
+                return Err(Reject::new(
+                    RejectCode::Malformed,
+                    format!("expected a proof, got type byte {other:#04x}"),
+                )
+                .into());
+            }
+        }
+        let mut proof = [0u8; PROOF_BODY_LEN];
+        s.read_exact(&mut proof)
+            .await
+            .map_err(|e| io_refusal("reading proof", &e))?;
+        if !handshake::verify(&self.secret, Role::Client, &t, &proof) {
+            return Err(Reject::new(
+                RejectCode::Auth,
+                format!("rank {}'s proof of the world secret is wrong", hello.from),
+            )
+            .into());
+        }
+        if !self.claim(hello.from) {
+            return Err(Reject::new(
+                RejectCode::Duplicate,
+                format!("rank {} is already connected", hello.from),
+            )
+            .into());
+        }
+        s.write_all(&[MSG_ACCEPT])
+            .await
+            .map_err(|e| io_refusal("writing accept", &e))?;
+        Ok(hello.from)
+    }
+
+    fn note_refusal(&self, addr: SocketAddr, r: &Reject) {
+        self.rejected.fetch_add(1, Ordering::Relaxed);
+        warn!(peer = %addr, local = %self.identity, code = ?r.code, reason = %r, "refused inbound connection");
+    }
+}
+
+struct PendingGuard<'a>(&'a AtomicUsize);
+
+impl Drop for PendingGuard<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+async fn accept_loop(listener: TcpListener, ctx: Arc<AcceptCtx>) {
+    loop {
+        let accepted = tokio::select! {
+            biased;
+            _ = ctx.token.cancelled() => break,
+            r = listener.accept() => r,
+        };
+        let (mut stream, addr) = match accepted {
+            Ok(x) => x,
+            Err(e) => {
+                // E.g. EMFILE: back off briefly instead of spinning.
+                warn!(local = %ctx.identity, error = %e, "accept failed");
+                tokio::select! {
+                    _ = ctx.token.cancelled() => break,
+                    _ = tokio::time::sleep(Duration::from_millis(20)) => continue,
+                }
+            }
+        };
+        if ctx.pending.fetch_add(1, Ordering::Relaxed) >= ctx.max_pending {
+            ctx.pending.fetch_sub(1, Ordering::Relaxed);
+            ctx.note_refusal(
+                addr,
+                &Reject::new(RejectCode::Busy, "too many handshakes in progress"),
+            );
+            continue;
+        }
+        let ctx2 = Arc::clone(&ctx);
+        ctx.tracker.spawn(async move {
+            let ctx = ctx2;
+            let _pending = PendingGuard(&ctx.pending);
+            let _ = stream.set_nodelay(true);
+            let outcome = tokio::select! {
+                biased;
+                _ = ctx.token.cancelled() => return,
+                r = tokio::time::timeout(ctx.handshake_timeout, ctx.serve(&mut stream)) => r,
+            };
+            match outcome {
+                Ok(Ok(rank)) => {
+                    debug!(peer = %addr, local = %ctx.identity, from = %rank, "peer connected");
+                    // Fails only when the join already gave up; the stream then closes.
+                    let _ = ctx.established.send((rank, stream));
+                }
+                Ok(Err(refusal)) => {
+                    ctx.note_refusal(addr, &refusal.reject);
+                    if refusal.tell {
+                        let bytes = refusal.reject.encode();
+                        let _ =
+                            tokio::time::timeout(Duration::from_millis(100), stream.write_all(&bytes)).await;
+                    }
+                }
+                Err(_) => {
+                    let r = Reject::new(
+                        RejectCode::Timeout,
+                        format!("no complete handshake within {:?}", ctx.handshake_timeout),
+                    );
+                    ctx.note_refusal(addr, &r);
+                    let _ = stream.try_write(&r.encode());
+                }
+            }
+        });
+    }
+}
+
+/// The result of building the mesh: one stream per peer (`None` at our own rank).
+pub(crate) struct Mesh {
+    pub(crate) local_addr: SocketAddr,
+    pub(crate) streams: Vec<Option<TcpStream>>,
+}
+
+fn configure(stream: &TcpStream) -> io::Result<()> {
+    stream.set_nodelay(true)
+}
+
+fn new_socket(addr: &SocketAddr, buffer: Option<u32>) -> io::Result<TcpSocket> {
+    let s = if addr.is_ipv4() {
+        TcpSocket::new_v4()?
+    } else {
+        TcpSocket::new_v6()?
+    };
+    if let Some(n) = buffer {
+        s.set_send_buffer_size(n)?;
+        s.set_recv_buffer_size(n)?;
+    }
+    Ok(s)
+}
+
+async fn connect_peer(
+    addr: SocketAddr,
+    identity: Identity,
+    to: Rank,
+    secret: Arc<[u8]>,
+    buffer: Option<u32>,
+) -> Result<(Rank, TcpStream)> {
+    let mut backoff = Duration::from_millis(5);
+    let mut stream = loop {
+        let sock = new_socket(&addr, buffer).map_err(|e| Error::io("creating socket", e))?;
+        match sock.connect(addr).await {
+            Ok(s) => break s,
+            // The address is published after the listener is bound, so refusals are
+            // rare (a restarted peer); retry until the join deadline cuts us off.
+            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
+                debug!(%addr, to = %to, "connection refused, retrying");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_millis(200));
+            }
+            Err(e) => return Err(Error::io("connecting to peer", e)),
+        }
+    };
+    configure(&stream).map_err(|e| Error::io("configuring socket", e))?;
+    client_handshake(&mut stream, &identity, to, &secret, addr).await?;
+    Ok((to, stream))
+}
+
+/// Binds, publishes, connects and accepts until every peer is connected or the
+/// join deadline passes. The accept loop it starts keeps running under `token`.
+pub(crate) async fn build(
+    cfg: &CommConfig,
+    rdv: &dyn Rendezvous,
+    token: &CancellationToken,
+    tracker: &TaskTracker,
+    rejected: Arc<AtomicU64>,
+) -> Result<Mesh> {
+    let identity = cfg.identity();
+    let size = cfg.size as usize;
+    let sock = new_socket(&cfg.listen_addr, cfg.socket_buffer_size)
+        .map_err(|e| Error::io("creating listener", e))?;
+    sock.set_reuseaddr(true)
+        .map_err(|e| Error::io("configuring listener", e))?;
+    sock.bind(cfg.listen_addr)
+        .map_err(|e| Error::io("binding listener", e))?;
+    let listener = sock.listen(1024).map_err(|e| Error::io("listening", e))?;
+    let local_addr = listener
+        .local_addr()
+        .map_err(|e| Error::io("reading listener address", e))?;
+    let publish = SocketAddr::new(cfg.advertise_host.unwrap_or(local_addr.ip()), local_addr.port());
+    if publish.ip().is_unspecified() {
+        return Err(Error::invalid(
+            "listening on an unspecified address: set advertise_host to an address peers can reach",
+        ));
+    }
+    let secret: Arc<[u8]> = Arc::from(cfg.secret_bytes());
+    let (est_tx, mut est_rx) = mpsc::unbounded_channel();
+    let mut claimed = vec![true; size];
+    for slot in claimed.iter_mut().skip(cfg.rank.index() + 1) {
+        *slot = false;
+    }
+    let ctx = Arc::new(AcceptCtx {
+        identity: identity.clone(),
+        secret: Arc::clone(&secret),
+        handshake_timeout: cfg.handshake_timeout,
+        claimed: Mutex::new(claimed),
+        established: est_tx,
+        pending: AtomicUsize::new(0),
+        max_pending: cfg.max_pending_handshakes,
+        rejected,
+        token: token.clone(),
+        tracker: tracker.clone(),
+    });
+    tracker.spawn(accept_loop(listener, ctx));
+
+    let start = Instant::now();
+    let deadline = start + cfg.join_timeout;
+    let timeout_err = || Error::Timeout {
+        op: "join",
+        after: cfg.join_timeout,
+    };
+    rdv.set(
+        &addr_key(&cfg.world, cfg.generation, cfg.rank),
+        publish.to_string().into_bytes(),
+    )
+    .await?;
+
+    let mut streams: Vec<Option<TcpStream>> = (0..size).map(|_| None).collect();
+    let mut connects = JoinSet::new();
+    for p in 0..cfg.rank.0 {
+        let p = Rank(p);
+        let left = deadline.saturating_duration_since(Instant::now());
+        let raw = rdv.get(&addr_key(&cfg.world, cfg.generation, p), left).await?;
+        let addr: SocketAddr = std::str::from_utf8(&raw)
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| {
+                Error::invalid(format!(
+                    "rank {p} published an address that is not ip:port ({} bytes)",
+                    raw.len()
+                ))
+            })?;
+        connects.spawn(connect_peer(
+            addr,
+            identity.clone(),
+            p,
+            Arc::clone(&secret),
+            cfg.socket_buffer_size,
+        ));
+    }
+
+    let mut missing = size - 1;
+    while missing > 0 {
+        tokio::select! {
+            Some(joined) = connects.join_next() => {
+                let (rank, stream) = match joined {
+                    Ok(r) => r?,
+                    Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+                    Err(_) => return Err(Error::Aborted { reason: Arc::from("join cancelled") }),
+                };
+                streams[rank.index()] = Some(stream);
+                missing -= 1;
+            }
+            Some((rank, stream)) = est_rx.recv() => {
+                if let Some(slot) = streams.get_mut(rank.index()) {
+                    *slot = Some(stream);
+                    missing -= 1;
+                }
+            }
+            _ = tokio::time::sleep_until(deadline) => {
+                let absent: Vec<usize> = streams
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, s)| s.is_none() && *i != cfg.rank.index())
+                    .map(|(i, _)| i)
+                    .collect();
+                warn!(local = %identity, missing = ?absent, "join timed out waiting for peers");
+                return Err(timeout_err());
+            }
+            _ = token.cancelled() => {
+                return Err(Error::Aborted { reason: Arc::from("join cancelled") });
+            }
+        }
+    }
+    debug!(local = %identity, elapsed = ?start.elapsed(), "mesh connected");
+    Ok(Mesh { local_addr, streams })
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+
+    #[test]
+    fn keys_carry_world_and_generation() {
+        let w = WorldName::new("pipe-3").unwrap();
+        let k = addr_key(&w, Generation(7), Rank(1));
+        assert!(
+            k.contains("pipe-3") && k.contains("/7/") && k.ends_with("/1"),
+            "{k}"
+        );
+        assert_ne!(k, addr_key(&w, Generation(8), Rank(1)));
+    }
+}

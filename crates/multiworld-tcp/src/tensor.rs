@@ -1,0 +1,706 @@
+//! Host tensors: a [`DType`] (with its stable wire code, size and name), a shape, and
+//! contiguous typed storage. A [`Tensor`] is built from a `Vec<T>` without copying
+//! and viewed as `&[T]`, `&mut [T]` or bytes without copying (through `bytemuck`, as
+//! `unsafe` is denied in this workspace). `bool` is stored as bytes that are always
+//! 0 or 1: bytes received from the network are validated before a `bool` tensor is
+//! handed back, so a `&[bool]` view never sees an invalid value. [`TensorView`] is
+//! a borrowed, read-only view of any tensor or slice, which is what sends take.
+
+use std::fmt;
+
+use half::{bf16, f16};
+
+use crate::error::{Error, Result};
+
+/// Element type of a tensor. Wire codes (see [`DType::code`]) are part of the
+/// protocol and never change.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum DType {
+    /// IEEE 754 half precision.
+    F16,
+    /// bfloat16.
+    BF16,
+    /// IEEE 754 single precision.
+    F32,
+    /// IEEE 754 double precision.
+    F64,
+    /// Signed 8-bit integer.
+    I8,
+    /// Signed 16-bit integer.
+    I16,
+    /// Signed 32-bit integer.
+    I32,
+    /// Signed 64-bit integer.
+    I64,
+    /// Unsigned 8-bit integer.
+    U8,
+    /// Unsigned 16-bit integer.
+    U16,
+    /// Unsigned 32-bit integer.
+    U32,
+    /// Unsigned 64-bit integer.
+    U64,
+    /// Boolean, one byte per element, always 0 or 1.
+    Bool,
+}
+
+impl DType {
+    /// Every dtype, in wire-code order.
+    pub const ALL: [DType; 13] = [
+        DType::F16,
+        DType::BF16,
+        DType::F32,
+        DType::F64,
+        DType::I8,
+        DType::I16,
+        DType::I32,
+        DType::I64,
+        DType::U8,
+        DType::U16,
+        DType::U32,
+        DType::U64,
+        DType::Bool,
+    ];
+
+    /// The stable one-byte wire code (never 0; 0 marks "no dtype" in control frames).
+    pub const fn code(self) -> u8 {
+        match self {
+            DType::F16 => 1,
+            DType::BF16 => 2,
+            DType::F32 => 3,
+            DType::F64 => 4,
+            DType::I8 => 5,
+            DType::I16 => 6,
+            DType::I32 => 7,
+            DType::I64 => 8,
+            DType::U8 => 9,
+            DType::U16 => 10,
+            DType::U32 => 11,
+            DType::U64 => 12,
+            DType::Bool => 13,
+        }
+    }
+
+    /// The dtype of a wire code, if it is known.
+    pub const fn from_code(code: u8) -> Option<DType> {
+        Some(match code {
+            1 => DType::F16,
+            2 => DType::BF16,
+            3 => DType::F32,
+            4 => DType::F64,
+            5 => DType::I8,
+            6 => DType::I16,
+            7 => DType::I32,
+            8 => DType::I64,
+            9 => DType::U8,
+            10 => DType::U16,
+            11 => DType::U32,
+            12 => DType::U64,
+            13 => DType::Bool,
+            _ => return None,
+        })
+    }
+
+    /// Size of one element in bytes.
+    pub const fn size(self) -> usize {
+        match self {
+            DType::I8 | DType::U8 | DType::Bool => 1,
+            DType::F16 | DType::BF16 | DType::I16 | DType::U16 => 2,
+            DType::F32 | DType::I32 | DType::U32 => 4,
+            DType::F64 | DType::I64 | DType::U64 => 8,
+        }
+    }
+
+    /// The name torch uses for this dtype (`"float32"`, `"bool"`, ...).
+    pub const fn name(self) -> &'static str {
+        match self {
+            DType::F16 => "float16",
+            DType::BF16 => "bfloat16",
+            DType::F32 => "float32",
+            DType::F64 => "float64",
+            DType::I8 => "int8",
+            DType::I16 => "int16",
+            DType::I32 => "int32",
+            DType::I64 => "int64",
+            DType::U8 => "uint8",
+            DType::U16 => "uint16",
+            DType::U32 => "uint32",
+            DType::U64 => "uint64",
+            DType::Bool => "bool",
+        }
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Whether `bytes` are all valid `bool` values (0 or 1).
+pub fn valid_bool_bytes(bytes: &[u8]) -> bool {
+    bytes.iter().all(|&b| b <= 1)
+}
+
+mod storage {
+    use half::{bf16, f16};
+
+    use super::DType;
+
+    /// Typed contiguous storage. `Bool` holds bytes that are always 0 or 1 (an
+    /// invariant kept by every constructor and by the receive path, which validates).
+    #[derive(Clone, PartialEq)]
+    pub enum Storage {
+        F16(Vec<f16>),
+        BF16(Vec<bf16>),
+        F32(Vec<f32>),
+        F64(Vec<f64>),
+        I8(Vec<i8>),
+        I16(Vec<i16>),
+        I32(Vec<i32>),
+        I64(Vec<i64>),
+        U8(Vec<u8>),
+        U16(Vec<u16>),
+        U32(Vec<u32>),
+        U64(Vec<u64>),
+        Bool(Vec<u8>),
+    }
+
+    macro_rules! each {
+        ($s:expr, $v:ident => $e:expr) => {
+            match $s {
+                Storage::F16($v) => $e,
+                Storage::BF16($v) => $e,
+                Storage::F32($v) => $e,
+                Storage::F64($v) => $e,
+                Storage::I8($v) => $e,
+                Storage::I16($v) => $e,
+                Storage::I32($v) => $e,
+                Storage::I64($v) => $e,
+                Storage::U8($v) => $e,
+                Storage::U16($v) => $e,
+                Storage::U32($v) => $e,
+                Storage::U64($v) => $e,
+                Storage::Bool($v) => $e,
+            }
+        };
+    }
+
+    impl Storage {
+        pub fn zeros(dtype: DType, n: usize) -> Storage {
+            match dtype {
+                DType::F16 => Storage::F16(vec![f16::ZERO; n]),
+                DType::BF16 => Storage::BF16(vec![bf16::ZERO; n]),
+                DType::F32 => Storage::F32(vec![0.0; n]),
+                DType::F64 => Storage::F64(vec![0.0; n]),
+                DType::I8 => Storage::I8(vec![0; n]),
+                DType::I16 => Storage::I16(vec![0; n]),
+                DType::I32 => Storage::I32(vec![0; n]),
+                DType::I64 => Storage::I64(vec![0; n]),
+                DType::U8 => Storage::U8(vec![0; n]),
+                DType::U16 => Storage::U16(vec![0; n]),
+                DType::U32 => Storage::U32(vec![0; n]),
+                DType::U64 => Storage::U64(vec![0; n]),
+                DType::Bool => Storage::Bool(vec![0; n]),
+            }
+        }
+
+        pub fn dtype(&self) -> DType {
+            match self {
+                Storage::F16(_) => DType::F16,
+                Storage::BF16(_) => DType::BF16,
+                Storage::F32(_) => DType::F32,
+                Storage::F64(_) => DType::F64,
+                Storage::I8(_) => DType::I8,
+                Storage::I16(_) => DType::I16,
+                Storage::I32(_) => DType::I32,
+                Storage::I64(_) => DType::I64,
+                Storage::U8(_) => DType::U8,
+                Storage::U16(_) => DType::U16,
+                Storage::U32(_) => DType::U32,
+                Storage::U64(_) => DType::U64,
+                Storage::Bool(_) => DType::Bool,
+            }
+        }
+
+        pub fn len(&self) -> usize {
+            each!(self, v => v.len())
+        }
+
+        pub fn bytes(&self) -> &[u8] {
+            each!(self, v => bytemuck::cast_slice(v.as_slice()))
+        }
+
+        /// Raw mutable bytes. For `Bool` the caller must restore the 0/1 invariant
+        /// before the storage is observed as `bool` again.
+        pub fn bytes_mut(&mut self) -> &mut [u8] {
+            each!(self, v => bytemuck::cast_slice_mut(v.as_mut_slice()))
+        }
+    }
+}
+
+pub(crate) use storage::Storage;
+
+mod sealed {
+    pub trait Sealed {}
+}
+
+/// A Rust type that can be a tensor element. Implemented for `f16`, `bf16`
+/// (from the `half` crate, re-exported by this crate), `f32`, `f64`, `i8`..`i64`,
+/// `u8`..`u64` and `bool`; sealed.
+pub trait Element: sealed::Sealed + Copy + Send + Sync + fmt::Debug + PartialEq + 'static {
+    /// The dtype of this element type.
+    const DTYPE: DType;
+    #[doc(hidden)]
+    fn into_storage(v: Vec<Self>) -> Storage;
+    #[doc(hidden)]
+    fn slice(s: &Storage) -> Option<&[Self]>;
+    #[doc(hidden)]
+    fn slice_mut(s: &mut Storage) -> Option<&mut [Self]>;
+    #[doc(hidden)]
+    fn into_vec(s: Storage) -> std::result::Result<Vec<Self>, Storage>;
+    #[doc(hidden)]
+    fn as_bytes(v: &[Self]) -> &[u8];
+}
+
+macro_rules! pod_element {
+    ($t:ty, $variant:ident) => {
+        impl sealed::Sealed for $t {}
+        impl Element for $t {
+            const DTYPE: DType = DType::$variant;
+            fn into_storage(v: Vec<Self>) -> Storage {
+                Storage::$variant(v)
+            }
+            fn slice(s: &Storage) -> Option<&[Self]> {
+                match s {
+                    Storage::$variant(v) => Some(v),
+                    _ => None,
+                }
+            }
+            fn slice_mut(s: &mut Storage) -> Option<&mut [Self]> {
+                match s {
+                    Storage::$variant(v) => Some(v),
+                    _ => None,
+                }
+            }
+            fn into_vec(s: Storage) -> std::result::Result<Vec<Self>, Storage> {
+                match s {
+                    Storage::$variant(v) => Ok(v),
+                    other => Err(other),
+                }
+            }
+            fn as_bytes(v: &[Self]) -> &[u8] {
+                bytemuck::cast_slice(v)
+            }
+        }
+    };
+}
+
+pod_element!(f16, F16);
+pod_element!(bf16, BF16);
+pod_element!(f32, F32);
+pod_element!(f64, F64);
+pod_element!(i8, I8);
+pod_element!(i16, I16);
+pod_element!(i32, I32);
+pod_element!(i64, I64);
+pod_element!(u8, U8);
+pod_element!(u16, U16);
+pod_element!(u32, U32);
+pod_element!(u64, U64);
+
+impl sealed::Sealed for bool {}
+impl Element for bool {
+    const DTYPE: DType = DType::Bool;
+    fn into_storage(v: Vec<Self>) -> Storage {
+        // Same size and alignment: reinterprets the allocation, no copy.
+        Storage::Bool(bytemuck::allocation::cast_vec(v))
+    }
+    fn slice(s: &Storage) -> Option<&[Self]> {
+        match s {
+            // Validates every byte (cheap next to any use of the data); cannot fail
+            // while the 0/1 invariant holds.
+            Storage::Bool(v) => bytemuck::checked::try_cast_slice(v).ok(),
+            _ => None,
+        }
+    }
+    fn slice_mut(s: &mut Storage) -> Option<&mut [Self]> {
+        match s {
+            Storage::Bool(v) => bytemuck::checked::try_cast_slice_mut(v).ok(),
+            _ => None,
+        }
+    }
+    fn into_vec(s: Storage) -> std::result::Result<Vec<Self>, Storage> {
+        match s {
+            // Safe Rust cannot reinterpret Vec<u8> as Vec<bool>: this one copies.
+            Storage::Bool(v) => Ok(v.into_iter().map(|b| b != 0).collect()),
+            other => Err(other),
+        }
+    }
+    fn as_bytes(v: &[Self]) -> &[u8] {
+        bytemuck::cast_slice(v)
+    }
+}
+
+/// An n-dimensional array of one dtype over contiguous host memory (row-major).
+#[derive(Clone, PartialEq)]
+pub struct Tensor {
+    shape: Vec<usize>,
+    storage: Storage,
+}
+
+impl Default for Tensor {
+    /// An empty one-dimensional `float32` tensor (shape `[0]`).
+    fn default() -> Self {
+        Tensor {
+            shape: vec![0],
+            storage: Storage::F32(Vec::new()),
+        }
+    }
+}
+
+impl fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Tensor")
+            .field("dtype", &self.dtype())
+            .field("shape", &self.shape)
+            .finish_non_exhaustive()
+    }
+}
+
+fn numel_of(shape: &[usize]) -> Result<usize> {
+    shape
+        .iter()
+        .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+        .ok_or_else(|| Error::invalid(format!("shape {shape:?} overflows usize")))
+}
+
+impl Tensor {
+    /// Wraps `data` with `shape` without copying; fails if the shape's element count
+    /// is not `data.len()`.
+    pub fn from_vec<T: Element>(data: Vec<T>, shape: impl Into<Vec<usize>>) -> Result<Self> {
+        let shape = shape.into();
+        let n = numel_of(&shape)?;
+        if n != data.len() {
+            return Err(Error::invalid(format!(
+                "shape {shape:?} has {n} elements but the data has {}",
+                data.len()
+            )));
+        }
+        Ok(Tensor {
+            shape,
+            storage: T::into_storage(data),
+        })
+    }
+
+    /// A tensor of zeros (or `false`).
+    pub fn zeros(dtype: DType, shape: impl Into<Vec<usize>>) -> Result<Self> {
+        let shape = shape.into();
+        let n = numel_of(&shape)?;
+        n.checked_mul(dtype.size())
+            .ok_or_else(|| Error::invalid(format!("shape {shape:?} overflows usize bytes")))?;
+        Ok(Tensor {
+            shape,
+            storage: Storage::zeros(dtype, n),
+        })
+    }
+
+    /// A tensor copied from raw little-endian bytes (this copies). Fails if the byte
+    /// count does not fit the shape, or if a `bool` byte is not 0 or 1.
+    pub fn from_bytes(dtype: DType, shape: impl Into<Vec<usize>>, bytes: &[u8]) -> Result<Self> {
+        let mut t = Tensor::zeros(dtype, shape)?;
+        if t.nbytes() != bytes.len() {
+            return Err(Error::invalid(format!(
+                "{} bytes do not fit {:?} of {dtype} ({} bytes)",
+                bytes.len(),
+                t.shape,
+                t.nbytes()
+            )));
+        }
+        if dtype == DType::Bool && !valid_bool_bytes(bytes) {
+            return Err(Error::invalid("bool bytes must be 0 or 1"));
+        }
+        t.storage.bytes_mut().copy_from_slice(bytes);
+        Ok(t)
+    }
+
+    /// Element type.
+    pub fn dtype(&self) -> DType {
+        self.storage.dtype()
+    }
+
+    /// Dimensions, row-major.
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.storage.len()
+    }
+
+    /// Size of the data in bytes.
+    pub fn nbytes(&self) -> usize {
+        self.storage.bytes().len()
+    }
+
+    /// True when the tensor has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.numel() == 0
+    }
+
+    /// Changes the shape (same element count), without touching the data.
+    pub fn reshape(&mut self, shape: impl Into<Vec<usize>>) -> Result<()> {
+        let shape = shape.into();
+        let n = numel_of(&shape)?;
+        if n != self.numel() {
+            return Err(Error::invalid(format!(
+                "cannot reshape {:?} ({} elements) to {shape:?} ({n} elements)",
+                self.shape,
+                self.numel()
+            )));
+        }
+        self.shape = shape;
+        Ok(())
+    }
+
+    /// The data as a typed slice (no copy); fails if `T` is not the dtype.
+    pub fn as_slice<T: Element>(&self) -> Result<&[T]> {
+        T::slice(&self.storage).ok_or_else(|| self.wrong_type(T::DTYPE))
+    }
+
+    /// The data as a mutable typed slice (no copy); fails if `T` is not the dtype.
+    pub fn as_mut_slice<T: Element>(&mut self) -> Result<&mut [T]> {
+        let dtype = self.dtype();
+        T::slice_mut(&mut self.storage).ok_or_else(|| wrong_type(dtype, T::DTYPE))
+    }
+
+    /// Gives the data back as a `Vec<T>` (no copy, except for `bool`, whose bytes are
+    /// re-collected); on a dtype mismatch the tensor is returned unchanged.
+    pub fn into_vec<T: Element>(self) -> std::result::Result<Vec<T>, Tensor> {
+        let Tensor { shape, storage } = self;
+        T::into_vec(storage).map_err(|storage| Tensor { shape, storage })
+    }
+
+    /// The data as bytes in native (on every supported target: little-endian) order.
+    pub fn as_bytes(&self) -> &[u8] {
+        self.storage.bytes()
+    }
+
+    /// A borrowed read-only view, e.g. for [`crate::Communicator::send`].
+    pub fn view(&self) -> TensorView<'_> {
+        TensorView {
+            dtype: self.dtype(),
+            bytes: self.as_bytes(),
+        }
+    }
+
+    /// Raw mutable bytes for the receive path. For `bool` the caller must call
+    /// [`Tensor::validate_after_write`] before the tensor escapes the crate.
+    pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
+        self.storage.bytes_mut()
+    }
+
+    /// Restores the `bool` invariant after raw bytes were written: returns false (and
+    /// zeroes the data, so the tensor is still valid) if any byte was not 0 or 1.
+    pub(crate) fn validate_after_write(&mut self) -> bool {
+        if let Storage::Bool(v) = &mut self.storage {
+            if !valid_bool_bytes(v) {
+                v.fill(0);
+                return false;
+            }
+        }
+        true
+    }
+
+    /// Moves `other`'s data into `self`, keeping `self`'s shape; both must have the
+    /// same dtype and byte size (checked by the caller).
+    pub(crate) fn take_storage_from(&mut self, other: Tensor) {
+        self.storage = other.storage;
+    }
+
+    fn wrong_type(&self, wanted: DType) -> Error {
+        wrong_type(self.dtype(), wanted)
+    }
+}
+
+fn wrong_type(have: DType, wanted: DType) -> Error {
+    Error::invalid(format!("tensor holds {have}, not {wanted}"))
+}
+
+impl<T: Element> From<Vec<T>> for Tensor {
+    /// A one-dimensional tensor over `data`, without copying.
+    fn from(data: Vec<T>) -> Self {
+        Tensor {
+            shape: vec![data.len()],
+            storage: T::into_storage(data),
+        }
+    }
+}
+
+/// A borrowed, read-only, flat view of tensor data: what a send needs (dtype and
+/// bytes). Built from a [`Tensor`], a slice or a `Vec` reference without copying.
+#[derive(Debug, Clone, Copy)]
+pub struct TensorView<'a> {
+    dtype: DType,
+    bytes: &'a [u8],
+}
+
+impl<'a> TensorView<'a> {
+    /// Element type.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The data as bytes.
+    pub fn as_bytes(&self) -> &'a [u8] {
+        self.bytes
+    }
+
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.bytes.len() / self.dtype.size()
+    }
+}
+
+impl<'a> From<&'a Tensor> for TensorView<'a> {
+    fn from(t: &'a Tensor) -> Self {
+        t.view()
+    }
+}
+
+impl<'a, T: Element> From<&'a [T]> for TensorView<'a> {
+    fn from(s: &'a [T]) -> Self {
+        TensorView {
+            dtype: T::DTYPE,
+            bytes: T::as_bytes(s),
+        }
+    }
+}
+
+impl<'a, T: Element> From<&'a Vec<T>> for TensorView<'a> {
+    fn from(s: &'a Vec<T>) -> Self {
+        TensorView::from(s.as_slice())
+    }
+}
+
+impl<'a, T: Element, const N: usize> From<&'a [T; N]> for TensorView<'a> {
+    fn from(s: &'a [T; N]) -> Self {
+        TensorView::from(s.as_slice())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+
+    #[test]
+    fn dtype_codes_roundtrip_and_are_unique() {
+        let mut seen = std::collections::HashSet::new();
+        for d in DType::ALL {
+            assert_ne!(d.code(), 0);
+            assert!(seen.insert(d.code()));
+            assert_eq!(DType::from_code(d.code()), Some(d));
+            assert!(!d.name().is_empty());
+        }
+        assert_eq!(DType::from_code(0), None);
+        assert_eq!(DType::from_code(200), None);
+        assert_eq!(DType::F32.to_string(), "float32");
+        assert_eq!(DType::BF16.size(), 2);
+    }
+
+    fn check_zero_copy<T: Element + Default>(vals: Vec<T>) {
+        let ptr = vals.as_ptr();
+        let n = vals.len();
+        let t = Tensor::from_vec(vals.clone(), vec![n]).unwrap();
+        assert_eq!(t.dtype(), T::DTYPE);
+        assert_eq!(t.nbytes(), n * T::DTYPE.size());
+        assert_eq!(t.as_slice::<T>().unwrap(), &vals[..]);
+        // from_vec keeps the allocation: view it from the original vec directly.
+        let t2 = Tensor::from(vals);
+        assert_eq!(t2.as_slice::<T>().unwrap().as_ptr(), ptr);
+        assert_eq!(t2.as_bytes().as_ptr() as usize, ptr as usize);
+        if T::DTYPE != DType::Bool {
+            let back = t2.into_vec::<T>().unwrap();
+            assert_eq!(back.as_ptr(), ptr, "into_vec must not copy");
+        }
+    }
+
+    #[test]
+    fn all_dtypes_zero_copy() {
+        check_zero_copy(vec![f16::from_f32(1.5), f16::from_f32(-2.0)]);
+        check_zero_copy(vec![bf16::from_f32(1.5), bf16::from_f32(-2.0)]);
+        check_zero_copy(vec![1.0f32, 2.0, 3.0]);
+        check_zero_copy(vec![1.0f64, -2.0]);
+        check_zero_copy(vec![-1i8, 2]);
+        check_zero_copy(vec![-1i16, 2]);
+        check_zero_copy(vec![-1i32, 2]);
+        check_zero_copy(vec![-1i64, 2]);
+        check_zero_copy(vec![1u8, 2]);
+        check_zero_copy(vec![1u16, 2]);
+        check_zero_copy(vec![1u32, 2]);
+        check_zero_copy(vec![1u64, 2]);
+        check_zero_copy(vec![true, false, true]);
+    }
+
+    #[test]
+    fn wrong_type_views_fail() {
+        let mut t = Tensor::from(vec![1.0f32, 2.0]);
+        assert!(t.as_slice::<f64>().is_err());
+        assert!(t.as_mut_slice::<i32>().is_err());
+        let t = t.into_vec::<u8>().unwrap_err();
+        assert_eq!(t.dtype(), DType::F32);
+    }
+
+    #[test]
+    fn shapes() {
+        let mut t = Tensor::from_vec(vec![0i32; 6], [2, 3]).unwrap();
+        assert_eq!(t.shape(), &[2, 3]);
+        t.reshape([3, 2]).unwrap();
+        assert!(t.reshape([4, 2]).is_err());
+        assert!(Tensor::from_vec(vec![0i32; 5], [2, 3]).is_err());
+        assert!(Tensor::zeros(DType::F64, [usize::MAX, 2]).is_err());
+        let z = Tensor::zeros(DType::Bool, [4]).unwrap();
+        assert_eq!(z.as_slice::<bool>().unwrap(), &[false; 4]);
+        let scalar = Tensor::zeros(DType::F32, Vec::new()).unwrap();
+        assert_eq!(scalar.numel(), 1);
+        assert!(Tensor::default().is_empty());
+    }
+
+    #[test]
+    fn bool_invariant() {
+        assert!(Tensor::from_bytes(DType::Bool, [2], &[0, 2]).is_err());
+        let t = Tensor::from_bytes(DType::Bool, [2], &[1, 0]).unwrap();
+        assert_eq!(t.as_slice::<bool>().unwrap(), &[true, false]);
+        let mut t = Tensor::zeros(DType::Bool, [3]).unwrap();
+        t.bytes_mut().copy_from_slice(&[1, 7, 0]);
+        assert!(!t.validate_after_write());
+        assert_eq!(t.as_slice::<bool>().unwrap(), &[false; 3]);
+        let mut t = Tensor::zeros(DType::Bool, [2]).unwrap();
+        t.as_mut_slice::<bool>().unwrap()[1] = true;
+        assert_eq!(t.as_bytes(), &[0, 1]);
+        assert_eq!(t.into_vec::<bool>().unwrap(), vec![false, true]);
+    }
+
+    #[test]
+    fn from_bytes_checks_size() {
+        assert!(Tensor::from_bytes(DType::F32, [2], &[0; 7]).is_err());
+        let t = Tensor::from_bytes(DType::U16, [2], &[1, 0, 2, 0]).unwrap();
+        assert_eq!(t.as_slice::<u16>().unwrap(), &[1, 2]);
+    }
+
+    #[test]
+    fn views() {
+        let v = vec![1u32, 2, 3];
+        let view = TensorView::from(&v);
+        assert_eq!(view.dtype(), DType::U32);
+        assert_eq!(view.numel(), 3);
+        assert_eq!(view.as_bytes().as_ptr() as usize, v.as_ptr() as usize);
+        let t = Tensor::from(vec![true]);
+        assert_eq!(TensorView::from(&t).as_bytes(), &[1]);
+        let arr = [1i8, 2];
+        assert_eq!(TensorView::from(&arr).dtype(), DType::I8);
+    }
+}

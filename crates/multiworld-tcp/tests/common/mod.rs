@@ -1,0 +1,139 @@
+//! Helpers shared by the integration tests: joining an in-process world, a
+//! file-based rendezvous for multi-process tests, and test data patterns.
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use multiworld_tcp::rendezvous::BoxFuture;
+use multiworld_tcp::{
+    CommConfig, Communicator, DType, Generation, MemoryRendezvous, Rank, Rendezvous, RendezvousError, Tensor,
+    WorldName,
+};
+
+pub const SECRET: &[u8] = b"correct horse battery staple";
+
+/// Logs to the test output when RUST_LOG is set.
+pub fn init_tracing() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
+}
+
+pub fn world(name: &str) -> WorldName {
+    WorldName::new(name).unwrap()
+}
+
+pub fn config(name: &str, rank: u32, size: u32) -> CommConfig {
+    CommConfig::new(world(name), Generation(1), Rank(rank), size).with_secret(SECRET)
+}
+
+/// Joins `size` ranks of one world in this process; `tweak` adjusts each config.
+pub async fn mesh_with(name: &str, size: u32, tweak: impl Fn(CommConfig) -> CommConfig) -> Vec<Communicator> {
+    init_tracing();
+    let rdv = MemoryRendezvous::new();
+    let mut joins = Vec::new();
+    for r in 0..size {
+        let cfg = tweak(config(name, r, size));
+        let rdv = rdv.clone();
+        joins.push(tokio::spawn(async move { Communicator::join(cfg, &rdv).await }));
+    }
+    let mut out = Vec::new();
+    for j in joins {
+        out.push(j.await.unwrap().expect("join"));
+    }
+    out
+}
+
+pub async fn mesh(name: &str, size: u32) -> Vec<Communicator> {
+    mesh_with(name, size, |c| c).await
+}
+
+pub async fn pair(name: &str) -> (Communicator, Communicator) {
+    let mut v = mesh(name, 2).await;
+    let b = v.pop().unwrap();
+    let a = v.pop().unwrap();
+    (a, b)
+}
+
+/// A deterministic byte pattern (valid for every dtype, bool included when `bool`).
+pub fn pattern(len: usize, seed: u8, bool_like: bool) -> Vec<u8> {
+    (0..len)
+        .map(|i| {
+            let x = (i as u32).wrapping_mul(2_654_435_761).rotate_left(7) as u8 ^ seed;
+            if bool_like { x & 1 } else { x }
+        })
+        .collect()
+}
+
+/// A tensor of `numel` elements of `dtype` filled with a pattern.
+pub fn patterned(dtype: DType, numel: usize, seed: u8) -> Tensor {
+    let bytes = pattern(numel * dtype.size(), seed, dtype == DType::Bool);
+    Tensor::from_bytes(dtype, [numel], &bytes).unwrap()
+}
+
+/// Polls `cond` every millisecond for at most `limit`.
+pub async fn eventually(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        if cond() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    cond()
+}
+
+/// A rendezvous through files in a directory, for ranks in different processes.
+pub struct FileRendezvous {
+    pub dir: PathBuf,
+}
+
+impl FileRendezvous {
+    fn path(&self, key: &str) -> PathBuf {
+        self.dir.join(key.replace(['/', '#'], "_"))
+    }
+}
+
+impl Rendezvous for FileRendezvous {
+    fn set<'a>(&'a self, key: &'a str, value: Vec<u8>) -> BoxFuture<'a, Result<(), RendezvousError>> {
+        Box::pin(async move {
+            let path = self.path(key);
+            let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+            std::fs::write(&tmp, &value)
+                .and_then(|()| std::fs::rename(&tmp, &path))
+                .map_err(|e| RendezvousError::Unavailable(e.to_string().into()))
+        })
+    }
+
+    fn get<'a>(&'a self, key: &'a str, timeout: Duration) -> BoxFuture<'a, Result<Vec<u8>, RendezvousError>> {
+        Box::pin(async move {
+            let path = self.path(key);
+            let start = Instant::now();
+            loop {
+                if let Ok(v) = std::fs::read(&path) {
+                    return Ok(v);
+                }
+                if start.elapsed() >= timeout {
+                    return Err(RendezvousError::Timeout {
+                        key: key.to_owned(),
+                        after: timeout,
+                    });
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+    }
+}
+
+/// A fresh, unique temporary directory (removed by the caller).
+pub fn temp_dir(tag: &str) -> PathBuf {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    let dir = std::env::temp_dir().join(format!("mw-tcp-{tag}-{}-{nanos}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}

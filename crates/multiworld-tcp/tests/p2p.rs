@@ -1,0 +1,384 @@
+//! Point-to-point over loopback between in-process ranks: every dtype, edge sizes
+//! up to 64 MiB, per-tag ordering under concurrent senders, any-source receives,
+//! mismatches, timeouts, handle drop semantics and backpressure.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use multiworld_tcp::{DType, Error, MessageDesc, Rank, Source, Tag, Tensor, bf16, f16};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_dtype_roundtrips() {
+    let (a, b) = pair("dtypes").await;
+    for (i, d) in DType::ALL.into_iter().enumerate() {
+        let t = patterned(d, 37, i as u8);
+        let tag = Tag(d.code().into());
+        let (s, r) = tokio::join!(a.send(Rank(1), tag, &t), async {
+            let mut buf = Tensor::zeros(d, [37]).unwrap();
+            b.recv(Rank(0), tag, &mut buf).await.map(|()| buf)
+        });
+        s.unwrap();
+        let got = r.unwrap();
+        assert_eq!(got.dtype(), d);
+        assert_eq!(got.as_bytes(), t.as_bytes(), "{d}");
+    }
+    // Typed views in and out.
+    let halfs = vec![f16::from_f32(0.5), f16::from_f32(-3.0)];
+    let bfs = vec![bf16::from_f32(1.25); 3];
+    let bools = vec![true, false, true, true];
+    let (s, r) = tokio::join!(
+        async {
+            a.send(Rank(1), Tag(100), &halfs).await?;
+            a.send(Rank(1), Tag(101), bfs.as_slice()).await?;
+            a.send(Rank(1), Tag(102), &bools).await
+        },
+        async {
+            let mut h = Tensor::zeros(DType::F16, [2]).unwrap();
+            let mut bf = Tensor::zeros(DType::BF16, [3]).unwrap();
+            let mut bo = Tensor::zeros(DType::Bool, [2, 2]).unwrap();
+            b.recv(Rank(0), Tag(100), &mut h).await?;
+            b.recv(Rank(0), Tag(101), &mut bf).await?;
+            b.recv(Rank(0), Tag(102), &mut bo).await?;
+            Ok::<_, Error>((h, bf, bo))
+        }
+    );
+    s.unwrap();
+    let (h, bf, bo) = r.unwrap();
+    assert_eq!(h.as_slice::<f16>().unwrap(), &halfs[..]);
+    assert_eq!(bf.as_slice::<bf16>().unwrap(), &bfs[..]);
+    assert_eq!(bo.shape(), &[2, 2], "the receiver's shape is kept");
+    assert_eq!(bo.as_slice::<bool>().unwrap(), &bools[..]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn edge_sizes_up_to_64_mib() {
+    let (a, b) = pair("sizes").await;
+    let sizes = [
+        0usize,
+        1,
+        7,
+        31,
+        4097,
+        (64 << 10) - 1,
+        (64 << 10) + 1,
+        (1 << 20) + 3,
+        64 << 20,
+    ];
+    for (i, &n) in sizes.iter().enumerate() {
+        let t = patterned(DType::U8, n, i as u8);
+        let tag = Tag(i as u32);
+        let (s, r) = tokio::join!(a.send(Rank(1), tag, &t), async {
+            let mut buf = Tensor::zeros(DType::U8, [n]).unwrap();
+            b.recv(Rank(0), tag, &mut buf).await.map(|()| buf)
+        });
+        s.unwrap();
+        assert!(r.unwrap().as_bytes() == t.as_bytes(), "size {n}");
+    }
+    // Unaligned element counts of wider types, received after they arrived.
+    for (i, d) in [DType::F64, DType::I16, DType::F32].into_iter().enumerate() {
+        let t = patterned(d, 3 + 2 * i, 9);
+        a.send(Rank(1), Tag(50), &t).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        let mut buf = Tensor::zeros(d, [3 + 2 * i]).unwrap();
+        b.recv(Rank(0), Tag(50), &mut buf).await.unwrap();
+        assert_eq!(buf.as_bytes(), t.as_bytes());
+    }
+    let s = b.peer_stats(Rank(0)).unwrap();
+    assert!(s.bytes_received >= 64 << 20);
+    assert_eq!(s.messages_received, sizes.len() as u64 + 3);
+}
+
+fn seq_msg(task: u32, i: u32) -> Vec<u32> {
+    vec![task, i, task ^ i]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn per_tag_order_under_concurrent_sends() {
+    let (a, b) = pair("order").await;
+    let a = Arc::new(a);
+    const TASKS: u32 = 4;
+    const N: u32 = 150;
+    // TASKS tasks share tag 0; tags 1..=TASKS each get their own task.
+    let mut senders = Vec::new();
+    for t in 0..TASKS {
+        let a = Arc::clone(&a);
+        senders.push(tokio::spawn(async move {
+            for i in 0..N {
+                a.send(Rank(1), Tag(0), &seq_msg(t, i)).await.unwrap();
+                a.send(Rank(1), Tag(1 + t), &seq_msg(t, i)).await.unwrap();
+                if i % 16 == 0 {
+                    tokio::task::yield_now().await;
+                }
+            }
+        }));
+    }
+    // isends issued back to back keep call order.
+    let handles: Vec<_> = (0..N)
+        .map(|i| a.isend(Rank(1), Tag(99), Tensor::from(seq_msg(7, i))))
+        .collect();
+
+    let mut next = [0u32; TASKS as usize];
+    for _ in 0..TASKS * N {
+        let mut buf = Tensor::zeros(DType::U32, [3]).unwrap();
+        b.recv(Rank(0), Tag(0), &mut buf).await.unwrap();
+        let m = buf.as_slice::<u32>().unwrap();
+        assert_eq!(m[1], next[m[0] as usize], "tag 0 order of task {}", m[0]);
+        next[m[0] as usize] += 1;
+    }
+    for t in 0..TASKS {
+        for i in 0..N {
+            let mut buf = Tensor::zeros(DType::U32, [3]).unwrap();
+            b.recv(Rank(0), Tag(1 + t), &mut buf).await.unwrap();
+            assert_eq!(buf.as_slice::<u32>().unwrap(), &seq_msg(t, i)[..]);
+        }
+    }
+    // Receives posted ahead of time are matched in posting order.
+    let posted: Vec<_> = (0..N)
+        .map(|_| b.irecv(Rank(0), Tag(99), Tensor::zeros(DType::U32, [3]).unwrap()))
+        .collect();
+    for (i, h) in posted.into_iter().enumerate() {
+        let r = h.await.unwrap();
+        assert_eq!(r.src, Rank(0));
+        assert_eq!(r.tensor.as_slice::<u32>().unwrap(), &seq_msg(7, i as u32)[..]);
+    }
+    for h in handles {
+        h.await.unwrap();
+    }
+    for s in senders {
+        s.await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn any_source_receive_names_the_sender() {
+    let comms = mesh("anysrc", 3).await;
+    const N: u32 = 60;
+    let (r0, rest) = comms.split_first().unwrap();
+    async fn stream(c: &multiworld_tcp::Communicator) {
+        let me = c.rank().0;
+        for i in 0..N {
+            c.send(Rank(0), Tag(5), &seq_msg(me, i)).await.unwrap();
+        }
+    }
+    let sends = async {
+        tokio::join!(stream(&rest[0]), stream(&rest[1]));
+    };
+    let recvs = async {
+        let mut next = [0u32; 3];
+        for k in 0..2 * N {
+            let mut buf = Tensor::zeros(DType::U32, [3]).unwrap();
+            let src = if k % 2 == 0 {
+                r0.recv_any(Tag(5), &mut buf).await.unwrap()
+            } else {
+                let h = r0.irecv(Source::Any, Tag(5), buf);
+                let r = h.await.unwrap();
+                buf = r.tensor;
+                r.src
+            };
+            let m = buf.as_slice::<u32>().unwrap();
+            assert_eq!(Rank(m[0]), src, "any-source receive reports the sender");
+            assert_eq!(m[1], next[src.0 as usize], "per-sender order");
+            next[src.0 as usize] += 1;
+        }
+        assert_eq!(next, [0, N, N]);
+    };
+    tokio::join!(sends, recvs);
+    // A specific-source receive is not satisfied by another rank's message.
+    rest[1].send(Rank(0), Tag(6), &[2u8]).await.unwrap();
+    let mut h = r0.irecv(Rank(1), Tag(6), Tensor::zeros(DType::U8, [1]).unwrap());
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    assert!(!h.is_completed());
+    assert!(h.cancel().is_some());
+    let mut buf = Tensor::zeros(DType::U8, [1]).unwrap();
+    assert_eq!(r0.recv_any(Tag(6), &mut buf).await.unwrap(), Rank(2));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mismatches_are_errors_and_the_connection_survives() {
+    let (a, b) = pair("mismatch").await;
+    let sent = vec![1.0f32, 2.0, 3.0, 4.0];
+    let check = |e: Error, dtype: DType, bytes: u64| match e {
+        Error::Mismatch {
+            peer,
+            tag,
+            expected,
+            got,
+        } => {
+            assert_eq!(peer, Rank(0));
+            assert_eq!(tag, Tag(1));
+            assert_eq!(expected, MessageDesc { dtype, bytes });
+            assert_eq!(
+                got,
+                MessageDesc {
+                    dtype: DType::F32,
+                    bytes: 16
+                }
+            );
+        }
+        other => panic!("expected a mismatch, got {other}"),
+    };
+    // Posted before the message arrives (read straight off the socket)...
+    let mut wrong_type = Tensor::from(vec![7i32; 4]);
+    let (s, r) = tokio::join!(
+        async {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            a.send(Rank(1), Tag(1), &sent).await
+        },
+        b.recv(Rank(0), Tag(1), &mut wrong_type)
+    );
+    s.unwrap();
+    check(r.unwrap_err(), DType::I32, 16);
+    assert_eq!(wrong_type.as_slice::<i32>().unwrap(), &[7; 4], "buffer untouched");
+    // ...and after it arrived (buffered).
+    a.send(Rank(1), Tag(1), &sent).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let mut too_small = Tensor::from(vec![0f32; 3]);
+    check(
+        b.recv(Rank(0), Tag(1), &mut too_small).await.unwrap_err(),
+        DType::F32,
+        12,
+    );
+    let mut too_big = Tensor::from(vec![0f32; 5]);
+    a.send(Rank(1), Tag(1), &sent).await.unwrap();
+    check(
+        b.recv(Rank(0), Tag(1), &mut too_big).await.unwrap_err(),
+        DType::F32,
+        20,
+    );
+    // Large mismatched message (not buffered): consumed and discarded.
+    let big = Tensor::zeros(DType::U8, [3 << 20]).unwrap();
+    let mut wrong = Tensor::zeros(DType::U8, [(3 << 20) - 1]).unwrap();
+    let (s, r) = tokio::join!(a.send(Rank(1), Tag(2), &big), b.recv(Rank(0), Tag(2), &mut wrong));
+    s.unwrap();
+    assert!(matches!(r, Err(Error::Mismatch { .. })));
+    // The connection is still good.
+    let mut ok = Tensor::from(vec![0f32; 4]);
+    a.send(Rank(1), Tag(1), &sent).await.unwrap();
+    b.recv(Rank(0), Tag(1), &mut ok).await.unwrap();
+    assert_eq!(ok.as_slice::<f32>().unwrap(), &sent[..]);
+    assert!(b.health().is_healthy() && a.health().is_healthy());
+    // Wrong calls.
+    let e = a.send(Rank(0), Tag(0), &sent).await.unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+    let e = a.send(Rank(9), Tag(0), &sent).await.unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+    let e = b.recv(Rank(5), Tag(0), &mut ok).await.unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+    assert_eq!(ok.numel(), 4, "buffer given back");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn timeouts_and_dropped_handles() {
+    let mut v = mesh_with("timeouts", 2, |c| {
+        c.with_op_timeout(Some(Duration::from_millis(100)))
+    })
+    .await;
+    let b = v.pop().unwrap();
+    let a = v.pop().unwrap();
+    // A receive that times out gives its buffer back and leaves the message for
+    // the next receive.
+    let mut buf = Tensor::from(vec![5u16; 8]);
+    let ptr = buf.as_bytes().as_ptr();
+    let e = b.recv(Rank(0), Tag(3), &mut buf).await.unwrap_err();
+    assert!(matches!(e, Error::Timeout { op: "recv", .. }), "{e}");
+    assert_eq!(buf.as_bytes().as_ptr(), ptr, "same buffer given back");
+    assert_eq!(buf.as_slice::<u16>().unwrap(), &[5; 8]);
+    a.send(Rank(1), Tag(3), &[9u16; 8]).await.unwrap();
+    b.recv(Rank(0), Tag(3), &mut buf).await.unwrap();
+    assert_eq!(buf.as_slice::<u16>().unwrap(), &[9; 8]);
+
+    // Dropping an irecv handle cancels it; the message goes to the next receive.
+    let h = b.irecv(Rank(0), Tag(4), Tensor::zeros(DType::U16, [8]).unwrap());
+    drop(h);
+    a.send(Rank(1), Tag(4), &[1u16; 8]).await.unwrap();
+    b.recv(Rank(0), Tag(4), &mut buf).await.unwrap();
+    assert_eq!(buf.as_slice::<u16>().unwrap(), &[1; 8]);
+    let h = b.irecv(Rank(0), Tag(4), Tensor::zeros(DType::U16, [8]).unwrap());
+    let e = h.wait().await.unwrap_err();
+    assert!(matches!(e, Error::Timeout { op: "irecv", .. }), "{e}");
+
+    // Dropping an isend handle does not cancel the send; a kept one gives back the
+    // same allocation.
+    let big = patterned(DType::U8, 4 << 20, 3);
+    let expect = big.as_bytes().to_vec();
+    drop(a.isend(Rank(1), Tag(5), big));
+    let data = Tensor::from(vec![42u64; 1000]);
+    let ptr = data.as_bytes().as_ptr();
+    let h = a.isend(Rank(1), Tag(6), data);
+    let mut got = Tensor::zeros(DType::U8, [4 << 20]).unwrap();
+    let recv = async {
+        // Larger than eager_limit: it waits in the socket until this is posted.
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        b.recv(Rank(0), Tag(5), &mut got).await
+    };
+    let (r, back) = tokio::join!(recv, async {
+        let mut h = h;
+        let back = (&mut h).await;
+        assert!(h.is_completed());
+        back
+    });
+    r.unwrap();
+    assert!(got.as_bytes() == &expect[..]);
+    assert_eq!(back.unwrap().as_bytes().as_ptr(), ptr, "isend did not copy");
+    let mut small = Tensor::zeros(DType::U64, [1000]).unwrap();
+    b.recv(Rank(0), Tag(6), &mut small).await.unwrap();
+    assert_eq!(small.as_slice::<u64>().unwrap()[999], 42);
+    // A send nobody reads times out once the socket buffers are full.
+    let huge = Tensor::zeros(DType::U8, [48 << 20]).unwrap();
+    let e = a.send(Rank(1), Tag(7), &huge).await.unwrap_err();
+    assert!(matches!(e, Error::Timeout { op: "send", .. }), "{e}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_early_message_does_not_block_those_behind_it() {
+    let (a, b) = pair("headofline").await;
+    let big = patterned(DType::U8, 8 << 20, 1);
+    let expect = big.as_bytes().to_vec();
+    let h1 = a.isend(Rank(1), Tag(1), big);
+    let h2 = a.isend(Rank(1), Tag(2), Tensor::from(vec![3u8; 10]));
+    // Let the big header arrive with no receive posted: the reader leaves it in
+    // the socket. Then ask for the message behind it first.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let mut small = Tensor::zeros(DType::U8, [10]).unwrap();
+    tokio::time::timeout(Duration::from_secs(10), b.recv(Rank(0), Tag(2), &mut small))
+        .await
+        .expect("the small message must not wait for the big one's receive")
+        .unwrap();
+    let mut got = Tensor::zeros(DType::U8, [8 << 20]).unwrap();
+    b.recv(Rank(0), Tag(1), &mut got).await.unwrap();
+    assert!(got.as_bytes() == &expect[..]);
+    h1.await.unwrap();
+    h2.await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_early_small_messages_apply_backpressure() {
+    let mut v = mesh_with("backpressure", 2, |mut c| {
+        c.eager_limit = 4 << 10;
+        c.unexpected_budget = 32 << 10;
+        c
+    })
+    .await;
+    let b = v.pop().unwrap();
+    let a = v.pop().unwrap();
+    const N: u32 = 500;
+    let sender = async {
+        for i in 0..N {
+            a.send(Rank(1), Tag(0), &vec![i; 256]).await.unwrap();
+        }
+    };
+    let receiver = async {
+        // 500 KiB are sent while the budget is 32 KiB: the rest waits in TCP.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let mut buf = Tensor::zeros(DType::U32, [256]).unwrap();
+        for i in 0..N {
+            b.recv(Rank(0), Tag(0), &mut buf).await.unwrap();
+            assert!(buf.as_slice::<u32>().unwrap().iter().all(|&x| x == i));
+        }
+    };
+    tokio::join!(sender, receiver);
+}
