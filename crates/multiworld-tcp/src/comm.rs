@@ -26,7 +26,7 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 use std::task::{Context, Poll, Waker};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader, Interest};
 use tokio::net::TcpStream;
@@ -107,12 +107,59 @@ pub struct PeerStats {
     pub messages_received: u64,
 }
 
-#[derive(Default)]
 struct Counters {
     bytes_sent: AtomicU64,
     bytes_received: AtomicU64,
     messages_sent: AtomicU64,
     messages_received: AtomicU64,
+    /// When the communicator was created; `heard_us` counts from here.
+    epoch: Instant,
+    /// Microseconds after `epoch` at which anything (a header, payload bytes,
+    /// a heartbeat) last arrived from the peer.
+    heard_us: AtomicU64,
+}
+
+impl Counters {
+    fn new(epoch: Instant) -> Counters {
+        Counters {
+            bytes_sent: AtomicU64::new(0),
+            bytes_received: AtomicU64::new(0),
+            messages_sent: AtomicU64::new(0),
+            messages_received: AtomicU64::new(0),
+            epoch,
+            heard_us: AtomicU64::new(0),
+        }
+    }
+
+    /// Notes that the peer showed signs of life now.
+    fn heard(&self) {
+        let us = self.epoch.elapsed().as_micros() as u64;
+        self.heard_us.fetch_max(us, Ordering::Relaxed);
+    }
+
+    /// Counts payload bytes read (which are also signs of life).
+    fn received(&self, n: usize) {
+        self.bytes_received.fetch_add(n as u64, Ordering::Relaxed);
+        self.heard();
+    }
+
+    fn last_heard(&self) -> Instant {
+        self.epoch + Duration::from_micros(self.heard_us.load(Ordering::Relaxed))
+    }
+}
+
+/// When a peer was last heard from, and whether its connection is lost.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerLiveness {
+    /// The peer.
+    pub rank: Rank,
+    /// When anything last arrived from it: a frame header, payload bytes or a
+    /// heartbeat. While this side deliberately leaves the peer's data unread
+    /// (no receive posted, buffer budget spent), the peer counts as heard: the
+    /// stall is ours, not its. Starts at the join.
+    pub last_heard: Instant,
+    /// Why its connection was lost, if it was.
+    pub lost: Option<Arc<str>>,
 }
 
 /// A completed receive: who sent it and the filled buffer.
@@ -421,6 +468,7 @@ impl Communicator {
         tracker.close();
 
         let size = cfg.size as usize;
+        let epoch = Instant::now();
         let mut peers = Vec::with_capacity(size);
         let mut reads = Vec::new();
         for (r, stream) in built.streams.into_iter().enumerate() {
@@ -438,7 +486,7 @@ impl Communicator {
                 token: token.child_token(),
                 lost: OnceLock::new(),
                 wake: Notify::new(),
-                counters: Counters::default(),
+                counters: Counters::new(epoch),
             });
             reads.push((Arc::clone(&peer), rd));
             peers.push(Some(peer));
@@ -460,6 +508,11 @@ impl Communicator {
         });
         for (peer, rd) in reads {
             inner.tracker.spawn(reader_task(Arc::clone(&inner), peer, rd));
+        }
+        if let Some(every) = inner.cfg.heartbeat_interval
+            && size > 1
+        {
+            inner.tracker.spawn(heartbeat_task(Arc::clone(&inner), every));
         }
         info!(local = %inner.identity, addr = %inner.local_addr, "joined world");
         Ok(Communicator { inner })
@@ -688,6 +741,22 @@ impl Communicator {
     /// events than one communicator can produce, so a receiver never lags.
     pub fn health_events(&self) -> broadcast::Receiver<HealthEvent> {
         self.inner.health_tx.subscribe()
+    }
+
+    /// When each peer was last heard from (see [`PeerLiveness`]), in rank
+    /// order: what a watchdog compares against its heartbeat timeout to tell a
+    /// frozen or cut-off member from a quiet one.
+    pub fn liveness(&self) -> Vec<PeerLiveness> {
+        self.inner
+            .peers
+            .iter()
+            .flatten()
+            .map(|p| PeerLiveness {
+                rank: p.rank,
+                last_heard: p.counters.last_heard(),
+                lost: p.lost.get().cloned(),
+            })
+            .collect()
     }
 
     /// Traffic counters of the connection to `rank`.
@@ -1117,8 +1186,10 @@ impl Inner {
                 Ok(h) => h,
                 Err(e) => return ReadEnd::Failed(format!("protocol violation: {e}")),
             };
+            peer.counters.heard();
             match h.kind {
                 FrameKind::Bye => return ReadEnd::Bye,
+                FrameKind::Heartbeat => {}
                 FrameKind::Data { dtype, tag, len } => {
                     if let Err(cause) = self.on_data(peer, rd, slot, dtype, tag, len).await {
                         return ReadEnd::Failed(cause);
@@ -1175,6 +1246,8 @@ impl Inner {
                 _ = woken => {}
                 _ = tokio::time::sleep(CLOSED_POLL) => draining = peer_closed(rd),
             }
+            // Not reading is our choice: the peer must not look frozen for it.
+            peer.counters.heard();
         };
         let c = &peer.counters;
         match stash {
@@ -1198,7 +1271,7 @@ impl Inner {
                     }
                     return Ok(());
                 }
-                read_payload(rd, p.buf.bytes_mut(), &c.bytes_received)
+                read_payload(rd, p.buf.bytes_mut(), c)
                     .await
                     .map_err(|e| format!("reading a {len}-byte message: {}", describe_io(&e)))?;
                 if !p.buf.validate_after_write() {
@@ -1217,10 +1290,10 @@ impl Inner {
             }
             Some(mut v) => {
                 let read = if draining {
-                    read_growing(rd, &mut v, len, &c.bytes_received).await
+                    read_growing(rd, &mut v, len, c).await
                 } else {
                     v.resize(len, 0);
-                    read_payload(rd, &mut v, &c.bytes_received).await
+                    read_payload(rd, &mut v, c).await
                 };
                 if let Err(e) = read {
                     self.release_held(from, len);
@@ -1277,6 +1350,76 @@ async fn reader_task(inner: Arc<Inner>, peer: Arc<Peer>, half: OwnedReadHalf) {
     }
 }
 
+/// Every `every`, writes a heartbeat frame to each live peer whose connection
+/// is idle. A busy connection needs none: its data frames are signs of life
+/// too. Writes never wait: a full send buffer means the peer is not reading
+/// us, and the peer then counts us as heard (see [`PeerLiveness`]); a header
+/// that only partly fits is finished on a task of its own, so one frozen peer
+/// never delays the heartbeats of the others.
+async fn heartbeat_task(inner: Arc<Inner>, every: Duration) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            biased;
+            _ = inner.token.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        for peer in inner.peers.iter().flatten() {
+            if peer.lost.get().is_some() {
+                continue;
+            }
+            let Ok(mut w) = Arc::clone(&peer.writer).try_lock_owned() else {
+                continue;
+            };
+            let seq = w.seq;
+            let Some(half) = w.half.as_mut() else {
+                continue;
+            };
+            let header = FrameHeader {
+                kind: FrameKind::Heartbeat,
+                seq,
+                generation: inner.identity.generation,
+            }
+            .encode();
+            match half.try_write(&header) {
+                Ok(n) if n == HEADER_LEN => w.seq = seq.wrapping_add(1),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Ok(n) => {
+                    let (inner2, peer2) = (Arc::clone(&inner), Arc::clone(peer));
+                    inner.tracker.spawn(async move {
+                        let r = match w.half.as_mut() {
+                            None => return,
+                            Some(half) => tokio::select! {
+                                biased;
+                                _ = peer2.token.cancelled() => None,
+                                r = half.write_all(&header[n..]) => Some(r),
+                            },
+                        };
+                        match r {
+                            Some(Ok(())) => w.seq = seq.wrapping_add(1),
+                            Some(Err(e)) => {
+                                inner2.drop_writer(&mut w);
+                                drop(w);
+                                inner2.peer_lost(
+                                    peer2.rank,
+                                    format!("heartbeat write failed: {}", describe_io(&e)),
+                                );
+                            }
+                            None => inner2.drop_writer(&mut w),
+                        }
+                    });
+                }
+                Err(e) => {
+                    inner.drop_writer(&mut w);
+                    drop(w);
+                    inner.peer_lost(peer.rank, format!("heartbeat write failed: {}", describe_io(&e)));
+                }
+            }
+        }
+    }
+}
+
 /// Writes the rest of a header and payload (from offset `written`) straight from
 /// the caller's buffer. `written` counts progress so a cancelled write can tell
 /// whether the stream is now broken.
@@ -1304,11 +1447,11 @@ async fn write_frame(
 async fn read_payload(
     rd: &mut BufReader<OwnedReadHalf>,
     buf: &mut [u8],
-    progress: &AtomicU64,
+    progress: &Counters,
 ) -> io::Result<()> {
     for chunk in buf.chunks_mut(PROGRESS_CHUNK) {
         rd.read_exact(chunk).await?;
-        progress.fetch_add(chunk.len() as u64, Ordering::Relaxed);
+        progress.received(chunk.len());
     }
     Ok(())
 }
@@ -1319,11 +1462,11 @@ async fn read_growing(
     rd: &mut BufReader<OwnedReadHalf>,
     v: &mut Vec<u8>,
     len: usize,
-    progress: &AtomicU64,
+    progress: &Counters,
 ) -> io::Result<()> {
     v.clear();
     let n = (&mut *rd).take(len as u64).read_to_end(v).await?;
-    progress.fetch_add(n as u64, Ordering::Relaxed);
+    progress.received(n);
     if n < len {
         return Err(io::ErrorKind::UnexpectedEof.into());
     }

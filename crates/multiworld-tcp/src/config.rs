@@ -59,6 +59,11 @@ pub struct CommConfig {
     /// Most inbound handshakes in progress at once; more connections are dropped.
     /// Default 64.
     pub max_pending_handshakes: usize,
+    /// How often an idle connection carries a heartbeat frame, so the peer can
+    /// tell a frozen or cut-off member from a quiet one
+    /// ([`Communicator::liveness`](crate::Communicator::liveness)). `None`
+    /// sends none. Default 200 ms.
+    pub heartbeat_interval: Option<Duration>,
     /// How long a blocking receive polls (yielding to the runtime) before its
     /// task sleeps. Saves a thread wake-up per message when replies come fast, at
     /// the cost of up to this much CPU per receive. Default zero (off); 50 µs
@@ -86,6 +91,7 @@ impl CommConfig {
             socket_buffer_size: None,
             max_pending_handshakes: 64,
             recv_spin: DEFAULT_RECV_SPIN,
+            heartbeat_interval: Some(Duration::from_millis(200)),
         }
     }
 
@@ -124,6 +130,9 @@ impl CommConfig {
                 "rank {} is outside a world of {}",
                 self.rank, self.size
             )));
+        }
+        if self.heartbeat_interval.is_some_and(|i| i.is_zero()) {
+            return Err(Error::invalid("heartbeat_interval must be positive (or None)"));
         }
         if self.eager_limit > self.unexpected_budget {
             return Err(Error::invalid("eager_limit must not exceed unexpected_budget"));

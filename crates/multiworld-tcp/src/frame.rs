@@ -11,7 +11,7 @@
 //! | offset | size | field |
 //! |---|---|---|
 //! | 0 | 4 | magic `b"MWF1"` |
-//! | 4 | 1 | kind (1 = data, 2 = bye) |
+//! | 4 | 1 | kind (1 = data, 2 = bye, 3 = heartbeat) |
 //! | 5 | 1 | dtype wire code (0 for control frames) |
 //! | 6 | 2 | flags (reserved, must be 0) |
 //! | 8 | 4 | tag |
@@ -30,6 +30,7 @@ pub const HEADER_LEN: usize = 32;
 
 const KIND_DATA: u8 = 1;
 const KIND_BYE: u8 = 2;
+const KIND_HEARTBEAT: u8 = 3;
 
 /// Limits applied to every header read from the network.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -62,6 +63,9 @@ pub enum FrameKind {
     },
     /// The sender is closing the connection in an orderly way; nothing follows.
     Bye,
+    /// The sender is alive; sent on an idle connection every heartbeat
+    /// interval. Carries nothing.
+    Heartbeat,
 }
 
 /// A decoded frame header.
@@ -80,7 +84,7 @@ impl FrameHeader {
     pub fn payload_len(&self) -> u64 {
         match self.kind {
             FrameKind::Data { len, .. } => len,
-            FrameKind::Bye => 0,
+            FrameKind::Bye | FrameKind::Heartbeat => 0,
         }
     }
 
@@ -91,6 +95,7 @@ impl FrameHeader {
         let (kind, dtype, tag, len) = match self.kind {
             FrameKind::Data { dtype, tag, len } => (KIND_DATA, dtype.code(), tag.0, len),
             FrameKind::Bye => (KIND_BYE, 0, 0, 0),
+            FrameKind::Heartbeat => (KIND_HEARTBEAT, 0, 0, 0),
         };
         b[4] = kind;
         b[5] = dtype;
@@ -201,11 +206,15 @@ pub fn decode(b: &[u8; HEADER_LEN], limits: &FrameLimits) -> Result<FrameHeader,
                 len,
             }
         }
-        KIND_BYE => {
+        KIND_BYE | KIND_HEARTBEAT => {
             if b[5] != 0 || tag != 0 || len != 0 {
                 return Err(FrameError::BadControl);
             }
-            FrameKind::Bye
+            if b[4] == KIND_BYE {
+                FrameKind::Bye
+            } else {
+                FrameKind::Heartbeat
+            }
         }
         other => return Err(FrameError::UnknownKind(other)),
     };
@@ -264,6 +273,21 @@ mod tests {
             seq: 3,
             generation: Generation(9),
         }
+    }
+
+    #[test]
+    fn heartbeat_round_trips_and_rejects_payload() {
+        let h = FrameHeader {
+            kind: FrameKind::Heartbeat,
+            seq: 9,
+            generation: Generation(4),
+        };
+        let b = h.encode();
+        assert_eq!(decode(&b, &FrameLimits::default()), Ok(h));
+        assert_eq!(h.payload_len(), 0);
+        let mut bad = b;
+        bad[24] = 1;
+        assert_eq!(decode(&bad, &FrameLimits::default()), Err(FrameError::BadControl));
     }
 
     #[test]

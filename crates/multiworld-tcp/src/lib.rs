@@ -37,7 +37,9 @@ pub mod mesh;
 pub mod rendezvous;
 pub mod tensor;
 
-pub use comm::{Communicator, Health, HealthEvent, PeerStats, Received, RecvHandle, SendHandle};
+pub use comm::{
+    Communicator, Health, HealthEvent, PeerLiveness, PeerStats, Received, RecvHandle, SendHandle,
+};
 pub use config::CommConfig;
 pub use error::{Error, MessageDesc, Result, Side};
 pub use half::{bf16, f16};
