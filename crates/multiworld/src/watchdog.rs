@@ -104,6 +104,9 @@ pub struct Observations {
     pub store_last_ok: Instant,
     /// The store's last error, if its last call failed.
     pub store_error: Option<String>,
+    /// Set when the store said this world's generation is closed or replaced:
+    /// definitive, so no grace period applies.
+    pub store_gone: Option<String>,
     /// A member that declared the world broken, and why.
     pub reported_broken: Option<(u32, String)>,
 }
@@ -154,6 +157,12 @@ pub fn decide(now: Instant, obs: &Observations, cfg: &WatchdogConfig) -> Decisio
     if let Some((rank, reason)) = &obs.reported_broken {
         return broken(BreakCause::ReportedByPeer {
             rank: *rank,
+            reason: reason.clone(),
+        });
+    }
+    // The store closed or replaced this generation: as good as a report.
+    if let Some(reason) = &obs.store_gone {
+        return broken(BreakCause::StoreLost {
             reason: reason.clone(),
         });
     }
@@ -278,6 +287,7 @@ mod tests {
             earliest_op: None,
             store_last_ok: t0,
             store_error: None,
+            store_gone: None,
             reported_broken: None,
         }
     }
@@ -399,6 +409,18 @@ mod tests {
         // A store that answered again is fine whatever happened before.
         obs.store_error = None;
         assert_eq!(decide(t0 + ms(1400), &obs, &cfg).verdict, Verdict::Healthy);
+    }
+
+    #[test]
+    fn a_closed_store_breaks_at_once() {
+        let cfg = WatchdogConfig::default();
+        let t0 = Instant::now();
+        let mut obs = healthy_obs(t0, &[1]);
+        obs.store_gone = Some("the world's store was closed".into());
+        assert!(matches!(
+            decide(t0, &obs, &cfg).verdict,
+            Verdict::Broken(BreakCause::StoreLost { reason }) if reason.contains("closed")
+        ));
     }
 
     #[test]

@@ -1,0 +1,213 @@
+//! [`DeviceBuffer`]: device memory owned by one world, with its dtype and
+//! length, and deadline-bounded copies to and from the host.
+//!
+//! Every access is ordered on the world's stream: NCCL operations, copies
+//! and the final free are all enqueued there, so a buffer dropped while an
+//! operation still reads it is freed only after that operation. A buffer can
+//! only be used with the communicator that allocated it (checked).
+//!
+//! Host copies go through a staging vector owned by the copy: the caller's
+//! slice is only touched by plain `memcpy` while we hold it, so even if the
+//! copy times out (and the staging memory is leaked on purpose) no DMA can
+//! reach the caller's memory after we return.
+
+#![allow(unsafe_code)]
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::cuda::WorldDevice;
+use crate::dtype::DType;
+use crate::error::NcclError;
+use crate::ffi::CuDevicePtr;
+use crate::poll::poll_until;
+
+/// Device memory of one world: `len` elements of `dtype` on that world's
+/// device. Created by [`NcclComm::alloc`](crate::NcclComm::alloc) or
+/// [`NcclComm::upload`](crate::NcclComm::upload); zero-initialised. Dropping
+/// it frees the memory in stream order (never blocking).
+pub struct DeviceBuffer {
+    dev: Arc<WorldDevice>,
+    ptr: CuDevicePtr,
+    dtype: DType,
+    len: usize,
+}
+
+impl std::fmt::Debug for DeviceBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceBuffer")
+            .field("dtype", &self.dtype)
+            .field("len", &self.len)
+            .field("device", &self.dev.ordinal())
+            .finish()
+    }
+}
+
+impl DeviceBuffer {
+    pub(crate) fn alloc(dev: &Arc<WorldDevice>, dtype: DType, len: usize) -> Result<DeviceBuffer, NcclError> {
+        let bytes = len
+            .checked_mul(dtype.size_bytes())
+            .ok_or_else(|| NcclError::invalid(format!("{len} x {dtype} overflows usize")))?;
+        let ptr = if bytes == 0 { 0 } else { dev.alloc(bytes)? };
+        Ok(DeviceBuffer {
+            dev: Arc::clone(dev),
+            ptr,
+            dtype,
+            len,
+        })
+    }
+
+    /// Element type.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True if the buffer has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Size in bytes.
+    pub fn byte_len(&self) -> usize {
+        self.len * self.dtype.size_bytes()
+    }
+
+    /// CUDA device ordinal.
+    pub fn device(&self) -> usize {
+        self.dev.ordinal()
+    }
+
+    /// The raw device address (`CUdeviceptr`), for interop with other CUDA
+    /// code. Using it is outside this crate's guarantees: such code must
+    /// order its work after this world's stream.
+    pub fn device_ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    pub(crate) fn world_id(&self) -> u64 {
+        self.dev.id()
+    }
+
+    pub(crate) fn ptr(&self) -> CuDevicePtr {
+        self.ptr
+    }
+
+    /// Copies `src` (exactly [`byte_len`](Self::byte_len) bytes, native
+    /// endianness) into the buffer. Waits first for the world's earlier work
+    /// on the buffer, then for the copy, all by polling, at most `timeout`.
+    pub fn copy_from_host(&mut self, src: &[u8], timeout: Duration) -> Result<(), NcclError> {
+        self.check_host_len(src.len())?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        let deadline = Instant::now() + timeout;
+        // Earlier work first: the driver may synchronise a pageable copy with
+        // the stream, and we never want to block inside CUDA.
+        self.dev.wait_idle("copy_from_host", deadline, timeout)?;
+        let staging: Vec<u8> = src.to_vec();
+        self.dev.bind()?;
+        let rt = self.dev.runtime();
+        // SAFETY: `self.ptr` owns `byte_len` bytes; `staging` holds as many
+        // and stays alive until the copy is known complete, or is leaked.
+        let rc = unsafe {
+            (rt.cuda().memcpy_htod_async)(
+                self.ptr,
+                staging.as_ptr().cast(),
+                staging.len(),
+                self.dev.stream(),
+            )
+        };
+        rt.cuda_check("cuMemcpyHtoDAsync", rc)?;
+        self.finish_copy("copy_from_host", staging, deadline, timeout)
+    }
+
+    /// Copies the buffer into `dst` (exactly [`byte_len`](Self::byte_len)
+    /// bytes). Waits for the world's earlier work (e.g. the operation that
+    /// produced the data), then for the copy, by polling, at most `timeout`.
+    pub fn copy_to_host(&self, dst: &mut [u8], timeout: Duration) -> Result<(), NcclError> {
+        self.check_host_len(dst.len())?;
+        if dst.is_empty() {
+            return Ok(());
+        }
+        let deadline = Instant::now() + timeout;
+        self.dev.wait_idle("copy_to_host", deadline, timeout)?;
+        let mut staging = vec![0u8; dst.len()];
+        self.dev.bind()?;
+        let rt = self.dev.runtime();
+        // SAFETY: as in `copy_from_host`, in the other direction.
+        let rc = unsafe {
+            (rt.cuda().memcpy_dtoh_async)(
+                staging.as_mut_ptr().cast(),
+                self.ptr,
+                staging.len(),
+                self.dev.stream(),
+            )
+        };
+        rt.cuda_check("cuMemcpyDtoHAsync", rc)?;
+        let staging = self.finish_copy_keep("copy_to_host", staging, deadline, timeout)?;
+        dst.copy_from_slice(&staging);
+        Ok(())
+    }
+
+    /// The buffer's contents as a new vector of bytes.
+    pub fn to_host_vec(&self, timeout: Duration) -> Result<Vec<u8>, NcclError> {
+        let mut out = vec![0u8; self.byte_len()];
+        self.copy_to_host(&mut out, timeout)?;
+        Ok(out)
+    }
+
+    fn check_host_len(&self, got: usize) -> Result<(), NcclError> {
+        if got != self.byte_len() {
+            return Err(NcclError::invalid(format!(
+                "host slice is {got} bytes but the buffer holds {} ({} x {})",
+                self.byte_len(),
+                self.len,
+                self.dtype
+            )));
+        }
+        Ok(())
+    }
+
+    fn finish_copy(
+        &self,
+        op: &'static str,
+        staging: Vec<u8>,
+        deadline: Instant,
+        budget: Duration,
+    ) -> Result<(), NcclError> {
+        self.finish_copy_keep(op, staging, deadline, budget).map(drop)
+    }
+
+    /// Polls the copy to completion and hands the staging vector back; on
+    /// error or timeout the vector is leaked, since DMA may still target it.
+    fn finish_copy_keep(
+        &self,
+        op: &'static str,
+        staging: Vec<u8>,
+        deadline: Instant,
+        budget: Duration,
+    ) -> Result<Vec<u8>, NcclError> {
+        let done = self
+            .dev
+            .record_event()
+            .and_then(|ev| poll_until(op, deadline, budget, || Ok(ev.is_complete()?.then_some(()))));
+        match done {
+            Ok(()) => Ok(staging),
+            Err(e) => {
+                std::mem::forget(staging);
+                Err(e)
+            }
+        }
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        self.dev.free(self.ptr);
+    }
+}

@@ -1,0 +1,305 @@
+//! One world's slice of the GPU: a reference on the device's primary
+//! context, the world's own non-blocking CUDA stream, its own memory pool
+//! (stream-ordered allocator), and completion events recorded on that
+//! stream. Nothing here is shared between worlds, so a world whose kernels
+//! hang cannot make another world's allocation, free or copy wait:
+//! - the stream is `CU_STREAM_NON_BLOCKING`, so it never synchronises with
+//!   the legacy default stream;
+//! - memory comes from a per-world pool with `cuMemAllocFromPoolAsync` /
+//!   `cuMemFreeAsync`, which are stream-ordered and never synchronise the
+//!   device (plain `cuMemFree` may), and a per-world pool means the
+//!   allocator can never make one world's stream wait on another's frees.
+//!
+//! A quarantined world (abort did not return in time) is leaked on purpose:
+//! its stream, pool, events and memory are never touched again.
+
+#![allow(unsafe_code)]
+
+use std::ffi::c_int;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::error::NcclError;
+use crate::ffi::{self, CuDevice, CuDevicePtr, CuMemPoolProps, SendPtr};
+use crate::poll::poll_until;
+use crate::runtime::NcclRuntime;
+
+/// Source of world-device ids, used to check that a buffer belongs to the
+/// communicator it is passed to.
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+/// A world's context reference, stream and memory pool.
+pub(crate) struct WorldDevice {
+    rt: NcclRuntime,
+    id: u64,
+    ordinal: usize,
+    device: CuDevice,
+    ctx: SendPtr,
+    stream: SendPtr,
+    pool: SendPtr,
+    quarantined: AtomicBool,
+}
+
+impl std::fmt::Debug for WorldDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WorldDevice")
+            .field("id", &self.id)
+            .field("ordinal", &self.ordinal)
+            .field("quarantined", &self.is_quarantined())
+            .finish()
+    }
+}
+
+impl WorldDevice {
+    /// Retains the primary context of device `ordinal` and creates the
+    /// world's stream and memory pool.
+    pub(crate) fn open(rt: &NcclRuntime, ordinal: usize) -> Result<Arc<WorldDevice>, NcclError> {
+        let count = rt.device_count()?;
+        if count == 0 {
+            return Err(NcclError::NoDevice {
+                reason: "the CUDA driver reports no devices (check CUDA_VISIBLE_DEVICES and \
+                         that the container was started with GPUs)"
+                    .to_owned(),
+            });
+        }
+        if ordinal >= count {
+            return Err(NcclError::NoDevice {
+                reason: format!("device {ordinal} requested but only {count} visible"),
+            });
+        }
+        let cuda = rt.cuda();
+        let Some(pools) = cuda.pools else {
+            return Err(NcclError::unsupported(
+                "this CUDA driver lacks the stream-ordered allocator (CUDA 11.2+ is required)",
+            ));
+        };
+        let ord = c_int::try_from(ordinal)
+            .map_err(|_| NcclError::invalid(format!("device {ordinal} does not fit an int")))?;
+        let mut device: CuDevice = 0;
+        // SAFETY: writes one CUdevice; cuInit succeeded in device_count.
+        rt.cuda_check("cuDeviceGet", unsafe { (cuda.device_get)(&mut device, ord) })?;
+        let mut ctx = std::ptr::null_mut();
+        // SAFETY: writes one CUcontext, retained until our Drop releases it.
+        rt.cuda_check("cuDevicePrimaryCtxRetain", unsafe {
+            (cuda.primary_ctx_retain)(&mut ctx, device)
+        })?;
+        // From here on `wd`'s Drop releases whatever was created.
+        let mut wd = WorldDevice {
+            rt: rt.clone(),
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            ordinal,
+            device,
+            ctx: SendPtr(ctx),
+            stream: SendPtr(std::ptr::null_mut()),
+            pool: SendPtr(std::ptr::null_mut()),
+            quarantined: AtomicBool::new(false),
+        };
+        wd.bind()?;
+        let mut stream = std::ptr::null_mut();
+        // SAFETY: the context is current; writes one CUstream.
+        rt.cuda_check("cuStreamCreate", unsafe {
+            (cuda.stream_create)(&mut stream, ffi::CU_STREAM_NON_BLOCKING)
+        })?;
+        wd.stream = SendPtr(stream);
+        let props = CuMemPoolProps::device(ord);
+        let mut pool = std::ptr::null_mut();
+        // SAFETY: `props` follows the CUmemPoolProps layout (see ffi.rs) and
+        // outlives the call; writes one CUmemoryPool.
+        let rc = unsafe { (pools.pool_create)(&mut pool, &props) };
+        if rc == ffi::CUDA_ERROR_NOT_SUPPORTED {
+            return Err(NcclError::unsupported(format!(
+                "device {ordinal} does not support memory pools (cuMemPoolCreate)"
+            )));
+        }
+        rt.cuda_check("cuMemPoolCreate", rc)?;
+        wd.pool = SendPtr(pool);
+        Ok(Arc::new(wd))
+    }
+
+    /// Unique id of this world device (buffer ownership checks).
+    pub(crate) fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// CUDA device ordinal.
+    pub(crate) fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    pub(crate) fn runtime(&self) -> &NcclRuntime {
+        &self.rt
+    }
+
+    /// The world's stream, as NCCL's `cudaStream_t`.
+    pub(crate) fn stream(&self) -> ffi::CuStream {
+        self.stream.0
+    }
+
+    /// Makes the world's context current on the calling thread (driver calls
+    /// act on the current context; threads start with none).
+    pub(crate) fn bind(&self) -> Result<(), NcclError> {
+        // SAFETY: `ctx` is a retained primary context, valid until Drop.
+        let rc = unsafe { (self.rt.cuda().ctx_set_current)(self.ctx.0) };
+        self.rt.cuda_check("cuCtxSetCurrent", rc)
+    }
+
+    /// Marks the world as quarantined: from now on nothing of it is freed or
+    /// destroyed.
+    pub(crate) fn quarantine(&self) {
+        self.quarantined.store(true, Ordering::SeqCst);
+    }
+
+    pub(crate) fn is_quarantined(&self) -> bool {
+        self.quarantined.load(Ordering::SeqCst)
+    }
+
+    fn refuse_if_quarantined(&self, what: &'static str) -> Result<(), NcclError> {
+        if self.is_quarantined() {
+            return Err(NcclError::Aborted {
+                op: what,
+                state: crate::comm::CommState::Quarantined,
+            });
+        }
+        Ok(())
+    }
+
+    /// Records an event on the world's stream: it completes when all work
+    /// enqueued so far has.
+    pub(crate) fn record_event(self: &Arc<Self>) -> Result<Event, NcclError> {
+        self.refuse_if_quarantined("cuEventRecord")?;
+        self.bind()?;
+        let cuda = self.rt.cuda();
+        let mut ev = std::ptr::null_mut();
+        // SAFETY: context current; writes one CUevent.
+        self.rt.cuda_check("cuEventCreate", unsafe {
+            (cuda.event_create)(&mut ev, ffi::CU_EVENT_DISABLE_TIMING)
+        })?;
+        let event = Event {
+            dev: Arc::clone(self),
+            raw: SendPtr(ev),
+        };
+        // SAFETY: both handles are live and belong to this context.
+        self.rt
+            .cuda_check("cuEventRecord", unsafe { (cuda.event_record)(ev, self.stream.0) })?;
+        Ok(event)
+    }
+
+    /// Waits, by polling, until everything enqueued on the stream so far has
+    /// finished, or `deadline`.
+    pub(crate) fn wait_idle(
+        self: &Arc<Self>,
+        op: &'static str,
+        deadline: Instant,
+        budget: Duration,
+    ) -> Result<(), NcclError> {
+        let ev = self.record_event()?;
+        poll_until(op, deadline, budget, || Ok(ev.is_complete()?.then_some(())))
+    }
+
+    /// Allocates `bytes` (> 0) from the world's pool, stream-ordered, and
+    /// zeroes them.
+    pub(crate) fn alloc(&self, bytes: usize) -> Result<CuDevicePtr, NcclError> {
+        self.refuse_if_quarantined("alloc")?;
+        let Some(pools) = self.rt.cuda().pools else {
+            return Err(NcclError::unsupported("stream-ordered allocator missing"));
+        };
+        self.bind()?;
+        let mut ptr: CuDevicePtr = 0;
+        // SAFETY: pool and stream are live; writes one CUdeviceptr.
+        self.rt.cuda_check("cuMemAllocFromPoolAsync", unsafe {
+            (pools.alloc_from_pool_async)(&mut ptr, bytes, self.pool.0, self.stream.0)
+        })?;
+        // SAFETY: `ptr` owns `bytes` bytes, ordered after the allocation on
+        // the same stream.
+        let rc = unsafe { (self.rt.cuda().memset_d8_async)(ptr, 0, bytes, self.stream.0) };
+        if let Err(e) = self.rt.cuda_check("cuMemsetD8Async", rc) {
+            self.free(ptr);
+            return Err(e);
+        }
+        Ok(ptr)
+    }
+
+    /// Frees `ptr` in stream order (after every operation already enqueued
+    /// that uses it). Leaks it if the world is quarantined: a hung kernel may
+    /// still be writing there.
+    pub(crate) fn free(&self, ptr: CuDevicePtr) {
+        if ptr == 0 || self.is_quarantined() {
+            return;
+        }
+        let Some(pools) = self.rt.cuda().pools else {
+            return;
+        };
+        if self.bind().is_err() {
+            return;
+        }
+        // SAFETY: `ptr` came from this pool and is freed once (DeviceBuffer
+        // owns it uniquely).
+        let rc = unsafe { (pools.free_async)(ptr, self.stream.0) };
+        if let Err(e) = self.rt.cuda_check("cuMemFreeAsync", rc) {
+            tracing::warn!(error = %e, "leaking device memory that could not be freed");
+        }
+    }
+}
+
+impl Drop for WorldDevice {
+    fn drop(&mut self) {
+        if self.is_quarantined() {
+            tracing::warn!(
+                device = self.ordinal,
+                "leaking the stream, memory pool and context reference of a quarantined world"
+            );
+            return;
+        }
+        let cuda = *self.rt.cuda();
+        if self.bind().is_err() {
+            return;
+        }
+        // SAFETY: each handle is ours, live and destroyed once. None of these
+        // calls blocks: a pool with outstanding frees and a stream with
+        // pending work are released by the driver once that work completes.
+        unsafe {
+            if !self.pool.0.is_null() {
+                if let Some(pools) = cuda.pools {
+                    let _ = (pools.pool_destroy)(self.pool.0);
+                }
+            }
+            if !self.stream.0.is_null() {
+                let _ = (cuda.stream_destroy)(self.stream.0);
+            }
+            let _ = (cuda.primary_ctx_release)(self.device);
+        }
+    }
+}
+
+/// A CUDA event recorded on a world's stream.
+pub(crate) struct Event {
+    dev: Arc<WorldDevice>,
+    raw: SendPtr,
+}
+
+impl Event {
+    /// `cuEventQuery`: `Ok(true)` once the work before the event has
+    /// finished, `Ok(false)` while pending. Never blocks.
+    pub(crate) fn is_complete(&self) -> Result<bool, NcclError> {
+        self.dev.bind()?;
+        // SAFETY: the event is live (destroyed only in Drop).
+        let rc = unsafe { (self.dev.rt.cuda().event_query)(self.raw.0) };
+        if rc == ffi::CUDA_ERROR_NOT_READY {
+            return Ok(false);
+        }
+        self.dev.rt.cuda_check("cuEventQuery", rc)?;
+        Ok(true)
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        if self.dev.is_quarantined() || self.dev.bind().is_err() {
+            return;
+        }
+        // SAFETY: destroyed once; cuEventDestroy does not block on pending
+        // work (the driver releases the event when it completes).
+        let _ = unsafe { (self.dev.rt.cuda().event_destroy)(self.raw.0) };
+    }
+}

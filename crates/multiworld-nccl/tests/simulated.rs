@@ -1,0 +1,518 @@
+//! The communicator's state machine against a *fake* CUDA driver and NCCL
+//! (`tests/fake/fake_cuda_nccl.c`, compiled here with `cc` into
+//! `libcuda.so.1` and `libnccl.so.2`). Device memory is host memory, so these
+//! tests run on any machine and exercise what a GPU-less CI could not
+//! otherwise reach: the real `dlopen`/`dlsym` path, non-blocking init
+//! polling, the `ncclConfig_t` and unique-id ABI (the fake rejects a wrong
+//! layout), completion events, asynchronous errors, deadlines, abort, an
+//! abort that hangs (quarantine) while another world keeps working,
+//! graceful close, version-gated revoke/shrink, and that teardown releases
+//! every stream, event, allocation and context reference.
+//!
+//! The fake keeps global state, so the tests take a lock and run one at a
+//! time; each compares resource counts before and after rather than to zero.
+
+// Test code: a failed unwrap is a failed test. The unsafe code resolves and
+// calls the fake's control functions.
+#![allow(clippy::unwrap_used, clippy::expect_used, unsafe_code)]
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
+
+use multiworld_nccl::{
+    AbortOutcome, CloseOutcome, CommConfig, CommState, DType, LibrarySearch, NcclComm, NcclError,
+    NcclRuntime, NcclVersion, ReduceOp, ShrinkMode,
+};
+
+static SERIAL: Mutex<()> = Mutex::new(());
+static LIBS: OnceLock<(PathBuf, PathBuf)> = OnceLock::new();
+const T: Duration = Duration::from_secs(10);
+
+/// Compiles the fakes once per process; returns (libnccl, libcuda) paths.
+fn fake_libs() -> &'static (PathBuf, PathBuf) {
+    LIBS.get_or_init(|| {
+        let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fake/fake_cuda_nccl.c");
+        let dir =
+            PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("fake-nccl-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let nccl = dir.join("libnccl.so.2");
+        let cuda = dir.join("libcuda.so.1");
+        for (define, out) in [("-DFAKE_NCCL", &nccl), ("-DFAKE_CUDA", &cuda)] {
+            let status = Command::new(std::env::var("CC").unwrap_or_else(|_| "cc".into()))
+                .args(["-shared", "-fPIC", "-O1", define, "-o"])
+                .arg(out)
+                .arg(&src)
+                .status()
+                .expect("a C compiler (cc) is needed to build the fake CUDA/NCCL libraries");
+            assert!(status.success(), "compiling the fake {define} failed");
+        }
+        (nccl, cuda)
+    })
+}
+
+/// Handles on the fake libraries' control functions.
+struct Fake {
+    nccl: libloading::Library,
+    cuda: libloading::Library,
+}
+
+impl Fake {
+    fn call0<R>(lib: &libloading::Library, name: &str) -> R {
+        // SAFETY: every control function used through this helper takes no
+        // argument and returns `R` as declared in fake_cuda_nccl.c.
+        unsafe { lib.get::<unsafe extern "C" fn() -> R>(name.as_bytes()).unwrap()() }
+    }
+
+    fn reset(&self, version: i32, devices: i32) {
+        // SAFETY: signatures as in fake_cuda_nccl.c.
+        unsafe {
+            self.nccl
+                .get::<unsafe extern "C" fn(i32)>(b"fake_nccl_reset")
+                .unwrap()(version);
+            self.cuda
+                .get::<unsafe extern "C" fn(i32)>(b"fake_cuda_reset")
+                .unwrap()(devices);
+        }
+    }
+
+    fn set(&self, init_hang: bool, ops_hang: bool, abort_hang: bool) {
+        // SAFETY: signature as in fake_cuda_nccl.c.
+        unsafe {
+            self.nccl
+                .get::<unsafe extern "C" fn(i32, i32, i32)>(b"fake_nccl_set")
+                .unwrap()(init_hang as i32, ops_hang as i32, abort_hang as i32);
+        }
+    }
+
+    fn fail_last(&self, code: i32) {
+        // SAFETY: signature as in fake_cuda_nccl.c.
+        unsafe {
+            self.nccl
+                .get::<unsafe extern "C" fn(i32)>(b"fake_nccl_fail_last")
+                .unwrap()(code)
+        }
+    }
+
+    /// Live (comms, allocations, streams, events, context refs, pools).
+    fn live(&self) -> [i64; 6] {
+        let cuda = |what: i32| {
+            // SAFETY: signature as in fake_cuda_nccl.c.
+            unsafe {
+                self.cuda
+                    .get::<unsafe extern "C" fn(i32) -> i64>(b"fake_cuda_live")
+                    .unwrap()(what)
+            }
+        };
+        [
+            Fake::call0::<i64>(&self.nccl, "fake_nccl_live"),
+            cuda(0),
+            cuda(1),
+            cuda(2),
+            cuda(3),
+            cuda(4),
+        ]
+    }
+
+    fn runtime(&self) -> Result<NcclRuntime, NcclError> {
+        let (nccl, cuda) = fake_libs();
+        NcclRuntime::load_with(&LibrarySearch {
+            nccl_library: Some(nccl.clone()),
+            cuda_driver_library: Some(cuda.clone()),
+            ..LibrarySearch::default()
+        })
+    }
+}
+
+/// Takes the serial lock and resets the fakes (NCCL 2.27.3, one device).
+fn fake() -> (MutexGuard<'static, ()>, Fake) {
+    fake_with(22_703, 1)
+}
+
+fn fake_with(version: i32, devices: i32) -> (MutexGuard<'static, ()>, Fake) {
+    let guard = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let (nccl, cuda) = fake_libs();
+    // SAFETY: loading our own fake libraries, whose initialisers do nothing.
+    let f = unsafe {
+        Fake {
+            nccl: libloading::Library::new(nccl).unwrap(),
+            cuda: libloading::Library::new(cuda).unwrap(),
+        }
+    };
+    f.reset(version, devices);
+    (guard, f)
+}
+
+fn cfg(rank: usize, size: usize) -> CommConfig {
+    CommConfig::new(rank, size)
+        .with_init_timeout(T)
+        .with_op_timeout(T)
+        .with_abort_deadline(Duration::from_secs(2))
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_ne_bytes()).collect()
+}
+
+#[test]
+fn loads_through_dlopen_and_reads_the_version() {
+    let (_g, f) = fake();
+    let rt = f.runtime().unwrap();
+    assert_eq!(rt.version(), NcclVersion::new(2, 27, 3));
+    assert!(rt.supports_shrink());
+    assert!(!rt.supports_revoke());
+    assert_eq!(rt.device_count().unwrap(), 1);
+    assert_eq!(rt.cuda_driver_version().unwrap(), (12, 4));
+    assert!(rt.nccl_library().ends_with("libnccl.so.2"));
+    let id = rt.unique_id().unwrap();
+    assert_eq!(multiworld_nccl::UniqueId::from_bytes(&id.to_bytes()).unwrap(), id);
+}
+
+#[test]
+fn too_old_an_nccl_is_refused() {
+    let (_g, f) = fake_with(21_305, 1);
+    match f.runtime() {
+        Err(NcclError::VersionTooOld { found, required, .. }) => {
+            assert_eq!(found, NcclVersion::new(2, 13, 5));
+            assert_eq!(required, NcclVersion::MINIMUM);
+        }
+        other => panic!("expected VersionTooOld, got {other:?}"),
+    }
+}
+
+#[test]
+fn no_device_is_a_clear_error() {
+    let (_g, f) = fake_with(22_703, 0);
+    let rt = f.runtime().unwrap();
+    assert_eq!(rt.device_count().unwrap(), 0);
+    let id = rt.unique_id().unwrap();
+    let e = NcclComm::init(&rt, &cfg(0, 1), &id).unwrap_err();
+    assert!(matches!(e, NcclError::NoDevice { .. }), "{e:?}");
+    assert!(e.is_unavailable());
+    // cuInit's answer is per process (cached by the runtime, as by CUDA), so
+    // a machine with a device means a new runtime here.
+    f.reset(22_703, 1);
+    let rt = f.runtime().unwrap();
+    let e = NcclComm::init(&rt, &cfg(0, 1).with_device(3), &id).unwrap_err();
+    assert!(
+        e.to_string().contains("device 3 requested but only 1 visible"),
+        "{e}"
+    );
+}
+
+#[test]
+fn operations_run_and_teardown_releases_everything() {
+    let (_g, f) = fake();
+    let before = f.live();
+    let rt = f.runtime().unwrap();
+    let id = rt.unique_id().unwrap();
+    let comm = NcclComm::init(&rt, &cfg(0, 1), &id).unwrap();
+    assert_eq!(comm.state(), CommState::Live);
+    {
+        // Every buffer and handle of this block is dropped before close.
+        let x: Vec<f32> = (0..1000).map(|i| i as f32 * 0.5).collect();
+        let send = comm.upload(DType::F32, &f32_bytes(&x)).unwrap();
+        let mut recv = comm.alloc(DType::F32, x.len()).unwrap();
+        assert!(recv.to_host_vec(T).unwrap().iter().all(|b| *b == 0));
+        let h = comm.all_reduce(&send, &mut recv, ReduceOp::Sum).unwrap();
+        h.wait().unwrap();
+        assert!(h.is_completed().unwrap());
+        assert_eq!(recv.to_host_vec(T).unwrap(), f32_bytes(&x));
+
+        let mut out = comm.alloc(DType::F32, x.len()).unwrap();
+        comm.all_to_all(&send, &mut out).unwrap().wait().unwrap();
+        assert_eq!(
+            out.to_host_vec(T).unwrap(),
+            f32_bytes(&x),
+            "grouped self send/recv"
+        );
+        let mut out = comm.alloc(DType::F32, x.len()).unwrap();
+        comm.gather(&send, Some(&mut out), 0).unwrap().wait().unwrap();
+        assert_eq!(out.to_host_vec(T).unwrap(), f32_bytes(&x));
+        let mut out = comm.alloc(DType::F32, x.len()).unwrap();
+        comm.scatter(Some(&send), &mut out, 0).unwrap().wait().unwrap();
+        assert_eq!(out.to_host_vec(T).unwrap(), f32_bytes(&x));
+        let mut out = comm.alloc(DType::F32, x.len()).unwrap();
+        comm.all_gather(&send, &mut out).unwrap().wait().unwrap();
+        comm.reduce_scatter(&send, &mut out, ReduceOp::Max)
+            .unwrap()
+            .wait()
+            .unwrap();
+        comm.reduce(&send, &mut out, ReduceOp::Min, 0)
+            .unwrap()
+            .wait()
+            .unwrap();
+        let shorts: Vec<u8> = (0..10i16).flat_map(|v| v.to_ne_bytes()).collect();
+        let mut s = comm.upload(DType::I16, &shorts).unwrap();
+        comm.broadcast(&mut s, 0).unwrap().wait().unwrap();
+        assert_eq!(s.to_host_vec(T).unwrap(), shorts);
+        comm.barrier().unwrap().wait().unwrap();
+        assert!(comm.poll_error().is_none());
+    }
+    match comm.close(T) {
+        CloseOutcome::Destroyed { .. } => {}
+        other => panic!("close: {other:?}"),
+    }
+    drop(rt);
+    assert_eq!(
+        f.live(),
+        before,
+        "comms, allocations, streams, events, ctx refs, pools"
+    );
+}
+
+#[test]
+fn dropping_a_live_communicator_aborts_it() {
+    let (_g, f) = fake();
+    let before = f.live();
+    let rt = f.runtime().unwrap();
+    let comm = NcclComm::init(&rt, &cfg(0, 1), &rt.unique_id().unwrap()).unwrap();
+    let _buf = comm.alloc(DType::U8, 16).unwrap();
+    drop(comm);
+    drop(_buf);
+    assert_eq!(f.live(), before);
+}
+
+#[test]
+fn an_async_error_fails_the_world_and_abort_releases_it() {
+    let (_g, f) = fake();
+    let before = f.live();
+    let rt = f.runtime().unwrap();
+    let comm = NcclComm::init(&rt, &cfg(0, 1), &rt.unique_id().unwrap()).unwrap();
+    let mut buf = comm.alloc(DType::F32, 8).unwrap();
+    f.fail_last(6); // ncclRemoteError: a peer died
+    let e = comm.poll_error().expect("the injected error");
+    assert!(matches!(e, NcclError::Nccl { code: 6, .. }), "{e:?}");
+    assert!(e.is_world_fatal());
+    assert!(e.to_string().contains("remote process exited"), "{e}");
+    assert_eq!(comm.state(), CommState::Failed);
+    assert!(
+        matches!(comm.poll_error(), Some(NcclError::Nccl { code: 6, .. })),
+        "sticky"
+    );
+    assert!(matches!(
+        comm.all_reduce_in_place(&mut buf, ReduceOp::Sum),
+        Err(NcclError::Aborted {
+            state: CommState::Failed,
+            ..
+        })
+    ));
+    assert!(matches!(comm.abort(T), AbortOutcome::Aborted { .. }));
+    assert_eq!(comm.state(), CommState::Aborted);
+    drop((comm, buf));
+    assert_eq!(f.live(), before);
+}
+
+#[test]
+fn a_hung_operation_times_out_and_abort_frees_it() {
+    let (_g, f) = fake();
+    let before = f.live();
+    let rt = f.runtime().unwrap();
+    let comm = NcclComm::init(&rt, &cfg(0, 1), &rt.unique_id().unwrap()).unwrap();
+    let mut buf = comm.alloc(DType::F32, 8).unwrap();
+    f.set(false, true, false);
+    let h = comm.all_reduce_in_place(&mut buf, ReduceOp::Sum).unwrap();
+    f.set(false, false, false);
+    assert!(!h.is_completed().unwrap());
+    let start = Instant::now();
+    let e = h.wait_timeout(Duration::from_millis(100)).unwrap_err();
+    assert!(matches!(e, NcclError::Timeout { op: "all_reduce", .. }), "{e:?}");
+    assert!(start.elapsed() < Duration::from_secs(2));
+    // A host copy waits for the hung operation, bounded by its deadline.
+    let e = buf
+        .copy_to_host(&mut [0u8; 32], Duration::from_millis(50))
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            NcclError::Timeout {
+                op: "copy_to_host",
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    assert!(matches!(comm.abort(T), AbortOutcome::Aborted { .. }));
+    assert!(matches!(h.wait(), Err(NcclError::Aborted { .. })));
+    assert!(matches!(h.is_completed(), Err(NcclError::Aborted { .. })));
+    drop((h, buf, comm));
+    assert_eq!(f.live(), before);
+}
+
+#[test]
+fn an_abort_that_hangs_quarantines_only_that_world() {
+    let (_g, f) = fake();
+    let before = f.live();
+    let rt = f.runtime().unwrap();
+    let stuck = NcclComm::init(&rt, &cfg(0, 1), &rt.unique_id().unwrap()).unwrap();
+    let healthy = NcclComm::init(&rt, &cfg(0, 1), &rt.unique_id().unwrap()).unwrap();
+    let mut sb = stuck.alloc(DType::F32, 4).unwrap();
+    f.set(false, true, false);
+    let pending = stuck.all_reduce_in_place(&mut sb, ReduceOp::Sum).unwrap();
+    f.set(false, false, true);
+    let start = Instant::now();
+    let outcome = stuck.abort(Duration::from_millis(200));
+    let took = start.elapsed();
+    f.set(false, false, false);
+    assert!(matches!(outcome, AbortOutcome::Quarantined { .. }), "{outcome:?}");
+    assert!(outcome.is_quarantined());
+    assert!(
+        took >= Duration::from_millis(200) && took < Duration::from_secs(2),
+        "{took:?}"
+    );
+    assert_eq!(stuck.state(), CommState::Quarantined);
+    assert!(matches!(pending.wait(), Err(NcclError::Aborted { .. })));
+    assert!(matches!(
+        stuck.abort(T),
+        AbortOutcome::AlreadyClosed {
+            state: CommState::Quarantined
+        }
+    ));
+    assert!(matches!(
+        stuck.alloc(DType::F32, 1),
+        Err(NcclError::Aborted { .. })
+    ));
+
+    // The other world is untouched.
+    let x = f32_bytes(&[1.0, 2.0, 3.0]);
+    let mut hb = healthy.upload(DType::F32, &x).unwrap();
+    healthy
+        .all_reduce_in_place(&mut hb, ReduceOp::Sum)
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!(hb.to_host_vec(T).unwrap(), x);
+    assert!(healthy.poll_error().is_none());
+    drop(hb);
+    assert!(matches!(healthy.close(T), CloseOutcome::Destroyed { .. }));
+
+    // Dropping the quarantined world neither aborts again nor frees
+    // anything: its communicator, stream, pool, buffer and context ref leak.
+    drop((pending, sb, stuck));
+    let after = f.live();
+    assert_eq!(after[0], before[0] + 1, "the quarantined communicator is leaked");
+    assert_eq!(after[1], before[1] + 2, "its buffer and barrier scratch");
+    assert_eq!(after[2], before[2] + 1, "its stream");
+    assert_eq!(after[4], before[4] + 1, "its context reference");
+    assert_eq!(after[5], before[5] + 1, "its pool");
+}
+
+#[test]
+fn init_timeout_aborts_the_half_made_communicator() {
+    let (_g, f) = fake();
+    let before = f.live();
+    let rt = f.runtime().unwrap();
+    f.set(true, false, false);
+    let start = Instant::now();
+    let e = NcclComm::init(
+        &rt,
+        &cfg(0, 2).with_init_timeout(Duration::from_millis(150)),
+        &rt.unique_id().unwrap(),
+    )
+    .unwrap_err();
+    f.set(false, false, false);
+    assert!(
+        matches!(e, NcclError::Timeout { op: "ncclCommInitRankConfig", after } if after == Duration::from_millis(150)),
+        "{e:?}"
+    );
+    assert!(start.elapsed() < Duration::from_secs(2));
+    assert_eq!(f.live(), before);
+}
+
+#[test]
+fn collectives_without_peers_hit_their_deadline() {
+    let (_g, f) = fake();
+    let rt = f.runtime().unwrap();
+    let comm = NcclComm::init(
+        &rt,
+        &cfg(1, 2).with_op_timeout(Duration::from_millis(100)),
+        &rt.unique_id().unwrap(),
+    )
+    .unwrap();
+    let mut b = comm.alloc(DType::F64, 2).unwrap();
+    let h = comm.all_reduce_in_place(&mut b, ReduceOp::Sum).unwrap();
+    assert!(matches!(h.wait(), Err(NcclError::Timeout { .. })));
+    assert!(h.is_overdue(Instant::now()));
+    // Argument checks against the world size.
+    assert!(matches!(
+        comm.broadcast(&mut b, 2),
+        Err(NcclError::InvalidArgument { .. })
+    ));
+    assert!(matches!(comm.send(&b, 5), Err(NcclError::InvalidArgument { .. })));
+    assert!(matches!(comm.abort(T), AbortOutcome::Aborted { .. }));
+}
+
+#[test]
+fn buffers_belong_to_one_world() {
+    let (_g, f) = fake();
+    let rt = f.runtime().unwrap();
+    let a = NcclComm::init(&rt, &cfg(0, 1), &rt.unique_id().unwrap()).unwrap();
+    let b = NcclComm::init(&rt, &cfg(0, 1), &rt.unique_id().unwrap()).unwrap();
+    let foreign = b.alloc(DType::F32, 4).unwrap();
+    let mut mine = a.alloc(DType::F32, 4).unwrap();
+    let e = a.all_reduce(&foreign, &mut mine, ReduceOp::Sum).unwrap_err();
+    assert!(e.to_string().contains("another communicator"), "{e}");
+    assert!(!e.is_world_fatal());
+    assert_eq!(a.state(), CommState::Live);
+    let e = a.all_reduce_in_place(&mut mine, ReduceOp::BXor).unwrap_err();
+    assert!(matches!(e, NcclError::Unsupported { .. }), "{e:?}");
+}
+
+#[test]
+fn revoke_and_shrink_follow_the_runtime_version() {
+    // 2.27: shrink yes, revoke no.
+    let (g, f) = fake();
+    let rt = f.runtime().unwrap();
+    let comm = NcclComm::init(&rt, &cfg(1, 3), &rt.unique_id().unwrap()).unwrap();
+    assert!(matches!(comm.revoke(T), Err(NcclError::Unsupported { .. })));
+    assert!(matches!(
+        comm.shrink(&[1], ShrinkMode::Default, T),
+        Err(NcclError::InvalidArgument { .. })
+    ));
+    let child = comm.shrink(&[0], ShrinkMode::Default, T).unwrap();
+    assert_eq!((child.rank(), child.size()), (0, 2));
+    assert_eq!(comm.state(), CommState::Live);
+    let child2 = comm.shrink(&[2], ShrinkMode::Abort, T).unwrap();
+    assert_eq!((child2.rank(), child2.size()), (1, 2));
+    assert_eq!(
+        comm.state(),
+        CommState::Failed,
+        "shrink(abort) terminates the parent's work"
+    );
+    drop((child, child2, comm, rt));
+    drop((g, f));
+
+    // 2.26: no shrink.
+    let (g, f) = fake_with(22_605, 1);
+    let rt = f.runtime().unwrap();
+    assert!(!rt.supports_shrink());
+    let comm = NcclComm::init(&rt, &cfg(0, 2), &rt.unique_id().unwrap()).unwrap();
+    assert!(matches!(
+        comm.shrink(&[1], ShrinkMode::Default, T),
+        Err(NcclError::Unsupported { .. })
+    ));
+    drop((comm, rt));
+    drop((g, f));
+
+    // 2.29: revoke, then close destroys without finalizing.
+    let (_g, f) = fake_with(22_903, 1);
+    let before = f.live();
+    let rt = f.runtime().unwrap();
+    assert!(rt.supports_revoke());
+    let comm = NcclComm::init(&rt, &cfg(0, 1), &rt.unique_id().unwrap()).unwrap();
+    comm.revoke(T).unwrap();
+    assert_eq!(comm.state(), CommState::Revoked);
+    let mut b = comm.alloc(DType::F32, 1).unwrap();
+    assert!(matches!(
+        comm.all_reduce_in_place(&mut b, ReduceOp::Sum),
+        Err(NcclError::Aborted {
+            state: CommState::Revoked,
+            ..
+        })
+    ));
+    drop(b);
+    assert!(matches!(comm.close(T), CloseOutcome::Destroyed { .. }));
+    drop(rt);
+    assert_eq!(f.live(), before);
+}

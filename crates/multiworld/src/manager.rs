@@ -1,0 +1,503 @@
+//! [`WorldManager`]: owns every world of the process. Joins worlds (many at
+//! once, at any time), leaves them, finds them, lists them, and broadcasts
+//! [`WorldEvent`]s. It hosts the stores of the worlds whose store this
+//! process serves (one server per address, however many worlds use it), and
+//! runs the process-level monitor that notices a stuck watchdog.
+//!
+//! The manager holds a root [`CancellationToken`]; each world gets a child
+//! token, so tearing one world down cancels exactly its subtree, and dropping
+//! the last manager handle cancels them all.
+
+use std::{
+    collections::HashSet,
+    sync::{Arc, Weak},
+    time::{Duration, Instant},
+};
+
+use dashmap::mapref::entry::Entry;
+use multiworld_store::{
+    ClientConfig, OpenOptions, Secret, ServerConfig, StoreClient, StoreServer, WorldOptions,
+};
+use multiworld_tcp::{CommConfig, Communicator, Generation, Rank, WorldName};
+use tokio::sync::broadcast;
+use tokio_util::sync::CancellationToken;
+
+use crate::{
+    config::{Backend, WorldConfig},
+    error::WorldError,
+    events::WorldEvent,
+    lifecycle::WorldState,
+    rendezvous::StoreRendezvous,
+    watchdog::stalled,
+    world::{Registry, Slot, World, WorldShared},
+};
+
+/// Settings of a manager. `Default` gives the documented defaults.
+#[derive(Debug, Clone)]
+pub struct ManagerConfig {
+    /// How often the process monitor looks at the watchdogs (default 500 ms).
+    pub monitor_interval: Duration,
+    /// A watchdog that has not run for this long is reported stuck
+    /// (default 2 s).
+    pub stall_after: Duration,
+    /// Events buffered per subscriber before a slow one starts missing them
+    /// (default 4,096).
+    pub event_capacity: usize,
+}
+
+impl Default for ManagerConfig {
+    fn default() -> Self {
+        ManagerConfig {
+            monitor_interval: Duration::from_millis(500),
+            stall_after: Duration::from_secs(2),
+            event_capacity: 4096,
+        }
+    }
+}
+
+/// A world's name, generation and state, as listed by [`WorldManager::worlds`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorldInfo {
+    /// The world.
+    pub name: String,
+    /// Its generation (0 while joining).
+    pub generation: u64,
+    /// This process's rank.
+    pub rank: u32,
+    /// Number of members.
+    pub size: u32,
+    /// Its state.
+    pub state: WorldState,
+}
+
+struct HostedStore {
+    requested: String,
+    server: Arc<StoreServer>,
+}
+
+struct Inner {
+    config: ManagerConfig,
+    registry: Arc<Registry>,
+    events: broadcast::Sender<WorldEvent>,
+    root: CancellationToken,
+    hosts: tokio::sync::Mutex<Vec<HostedStore>>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.root.cancel();
+    }
+}
+
+/// Owns every world of this process. Cheap to clone; dropping the last clone
+/// aborts every world (prefer [`WorldManager::shutdown`] for an orderly end).
+/// Must be created inside a Tokio runtime.
+#[derive(Clone)]
+pub struct WorldManager {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for WorldManager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WorldManager")
+            .field("worlds", &self.inner.registry.len())
+            .finish()
+    }
+}
+
+impl Default for WorldManager {
+    fn default() -> Self {
+        WorldManager::new(ManagerConfig::default())
+    }
+}
+
+/// Removes a `Joining` reservation unless the join completed.
+struct Reservation<'a> {
+    registry: &'a Registry,
+    name: &'a str,
+    armed: bool,
+}
+
+impl Drop for Reservation<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.registry
+                .remove_if(self.name, |_, slot| matches!(slot, Slot::Joining));
+        }
+    }
+}
+
+/// Closes a world's store on its host unless the join completed.
+struct OpenedStore<'a> {
+    server: Option<&'a StoreServer>,
+    name: &'a str,
+    armed: bool,
+}
+
+impl Drop for OpenedStore<'_> {
+    fn drop(&mut self) {
+        if let (true, Some(server)) = (self.armed, self.server) {
+            server.close_world(self.name);
+        }
+    }
+}
+
+impl WorldManager {
+    /// A manager with no worlds. Starts the process monitor on the current
+    /// Tokio runtime.
+    pub fn new(config: ManagerConfig) -> WorldManager {
+        let (events, _) = broadcast::channel(config.event_capacity.max(16));
+        let inner = Arc::new(Inner {
+            config,
+            registry: Arc::new(Registry::new()),
+            events,
+            root: CancellationToken::new(),
+            hosts: tokio::sync::Mutex::new(Vec::new()),
+        });
+        tokio::spawn(monitor(Arc::downgrade(&inner), inner.root.clone()));
+        WorldManager { inner }
+    }
+
+    /// Subscribes to world events from now on.
+    pub fn events(&self) -> broadcast::Receiver<WorldEvent> {
+        self.inner.events.subscribe()
+    }
+
+    /// Starts (or finds) a store server of this process at `bind` and returns
+    /// the address it listens on. Worlds whose config names `bind` or that
+    /// address, with `host_store`, are hosted there: one port for any number
+    /// of worlds.
+    pub async fn serve_store(&self, bind: &str) -> Result<std::net::SocketAddr, WorldError> {
+        Ok(self.host(bind).await?.local_addr())
+    }
+
+    async fn host(&self, addr: &str) -> Result<Arc<StoreServer>, WorldError> {
+        let mut hosts = self.inner.hosts.lock().await;
+        if let Some(h) = hosts
+            .iter()
+            .find(|h| h.requested == addr || h.server.local_addr().to_string() == addr)
+        {
+            return Ok(Arc::clone(&h.server));
+        }
+        let bind = addr.parse().map_err(|e| WorldError::JoinFailed {
+            world: String::new(),
+            reason: format!("cannot host a store at '{addr}': {e}"),
+        })?;
+        let server = StoreServer::bind(bind, ServerConfig::default())
+            .await
+            .map_err(|e| WorldError::JoinFailed {
+                world: String::new(),
+                reason: format!("cannot host a store at '{addr}': {e}"),
+            })?;
+        let server = Arc::new(server);
+        hosts.push(HostedStore {
+            requested: addr.to_string(),
+            server: Arc::clone(&server),
+        });
+        Ok(server)
+    }
+
+    /// Joins a world: hosts or reaches its store, rendezvouses with the other
+    /// members, connects to every one of them, and starts its watchdog. Fails
+    /// after `config.join_timeout`. Joining a name whose previous generation
+    /// is still being torn down waits for that teardown first.
+    pub async fn join(&self, config: WorldConfig) -> Result<World, WorldError> {
+        config.validate()?;
+        if self.inner.root.is_cancelled() {
+            return Err(WorldError::ShutDown);
+        }
+        if config.backend != Backend::Tcp {
+            return Err(WorldError::join_failed(
+                &config.name,
+                "the NCCL backend is not available in this build of the manager",
+            ));
+        }
+        let started = Instant::now();
+        let deadline = started + config.join_timeout;
+        let name = config.name.clone();
+        // Reserve the name (waiting out the teardown of a broken predecessor).
+        loop {
+            let previous = match self.inner.registry.entry(name.clone()) {
+                Entry::Vacant(v) => {
+                    v.insert(Slot::Joining);
+                    break;
+                }
+                Entry::Occupied(o) => match o.get() {
+                    Slot::Joining => {
+                        return Err(WorldError::AlreadyJoined {
+                            world: name,
+                            state: "joining",
+                        });
+                    }
+                    Slot::Member(w) => match w.state() {
+                        WorldState::Broken(_) => Arc::clone(w),
+                        other => {
+                            return Err(WorldError::AlreadyJoined {
+                                world: name,
+                                state: other.label(),
+                            });
+                        }
+                    },
+                },
+            };
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            if tokio::time::timeout(remaining, previous.wait_removed())
+                .await
+                .is_err()
+            {
+                return Err(WorldError::join_failed(
+                    &name,
+                    "the previous generation was still being torn down at the join timeout",
+                ));
+            }
+        }
+        let mut reservation = Reservation {
+            registry: &self.inner.registry,
+            name: &name,
+            armed: true,
+        };
+        let remaining = deadline.saturating_duration_since(Instant::now());
+        let shared = match tokio::time::timeout(remaining, self.join_inner(&config, deadline)).await {
+            Ok(Ok(shared)) => shared,
+            Ok(Err(e)) => return Err(e),
+            Err(_) => {
+                return Err(WorldError::join_failed(
+                    &name,
+                    format!("not every member arrived within {:?}", config.join_timeout),
+                ));
+            }
+        };
+        self.inner
+            .registry
+            .insert(name.clone(), Slot::Member(Arc::clone(&shared)));
+        reservation.armed = false;
+        shared.start();
+        tracing::info!(
+            world = %name,
+            generation = shared.generation,
+            rank = shared.rank,
+            size = shared.size,
+            took = ?started.elapsed(),
+            "joined world"
+        );
+        drop(reservation);
+        let _ = self.inner.events.send(WorldEvent::Joined {
+            world: name,
+            generation: shared.generation,
+            rank: shared.rank,
+            size: shared.size,
+        });
+        Ok(World { shared })
+    }
+
+    async fn join_inner(
+        &self,
+        config: &WorldConfig,
+        deadline: Instant,
+    ) -> Result<Arc<WorldShared>, WorldError> {
+        let name = config.name.as_str();
+        let world_name = WorldName::new(name).map_err(|e| WorldError::join_failed(name, e))?;
+        let secret = config.secret.as_ref().map(Secret::new);
+        let host = if config.host_store {
+            Some(self.host(&config.store_addr).await.map_err(|e| match e {
+                WorldError::JoinFailed { reason, .. } => WorldError::join_failed(name, reason),
+                other => other,
+            })?)
+        } else {
+            None
+        };
+        let mut opened = OpenedStore {
+            server: host.as_deref(),
+            name,
+            armed: false,
+        };
+        if let Some(server) = &host {
+            let options = WorldOptions {
+                secret: secret.clone(),
+                limits: None,
+            };
+            server
+                .open_world(name, options)
+                .map_err(|e| WorldError::from_store(name, e))?;
+            opened.armed = true;
+        }
+        let store_addr = host
+            .as_ref()
+            .map_or_else(|| config.store_addr.clone(), |h| h.local_addr().to_string());
+        let remaining = || deadline.saturating_duration_since(Instant::now());
+        let client_config = ClientConfig {
+            connect_timeout: remaining(),
+            ..ClientConfig::default()
+        };
+        let client = StoreClient::connect(&store_addr, client_config)
+            .await
+            .map_err(|e| WorldError::from_store(name, e))?;
+        loop {
+            let options = OpenOptions {
+                secret: secret.clone(),
+                create: false,
+                timeout: remaining(),
+            };
+            let store = client
+                .open(name, options)
+                .await
+                .map_err(|e| WorldError::from_store(name, e))?;
+            let rendezvous = StoreRendezvous::new(store.clone());
+            let mut comm_config = CommConfig::new(
+                world_name.clone(),
+                Generation(store.generation()),
+                Rank(config.rank),
+                config.size,
+            );
+            comm_config.secret = config.secret.as_ref().map(multiworld_tcp::Secret::new);
+            comm_config.join_timeout = remaining();
+            comm_config.op_timeout = config.op_timeout;
+            comm_config.heartbeat_interval = Some(config.watchdog.heartbeat_interval);
+            let token = self.inner.root.child_token();
+            match Communicator::join_with_token(comm_config, &rendezvous, token.child_token()).await {
+                Ok(comm) => {
+                    opened.armed = false;
+                    return Ok(WorldShared::new(
+                        config.clone(),
+                        comm,
+                        store,
+                        store_addr,
+                        host.clone(),
+                        token,
+                        self.inner.events.clone(),
+                        Arc::downgrade(&self.inner.registry),
+                    ));
+                }
+                // We found the store of a generation that was being torn down
+                // (a replacement member racing the teardown): look again.
+                Err(_) if rendezvous.world_gone() && host.is_none() && !remaining().is_zero() => {
+                    tracing::debug!(
+                        world = name,
+                        "joined a generation that is gone; opening the store again"
+                    );
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                Err(e) => return Err(WorldError::join_failed(name, e)),
+            }
+        }
+    }
+
+    /// The world of that name, if this process is a member.
+    pub fn world(&self, name: &str) -> Option<World> {
+        match self.inner.registry.get(name).as_deref() {
+            Some(Slot::Member(shared)) => Some(World {
+                shared: Arc::clone(shared),
+            }),
+            _ => None,
+        }
+    }
+
+    /// Every world this process is in (or joining), sorted by name.
+    pub fn worlds(&self) -> Vec<WorldInfo> {
+        let mut out: Vec<WorldInfo> = self
+            .inner
+            .registry
+            .iter()
+            .map(|e| match e.value() {
+                Slot::Joining => WorldInfo {
+                    name: e.key().clone(),
+                    generation: 0,
+                    rank: 0,
+                    size: 0,
+                    state: WorldState::Joining,
+                },
+                Slot::Member(w) => WorldInfo {
+                    name: w.name.clone(),
+                    generation: w.generation,
+                    rank: w.rank,
+                    size: w.size,
+                    state: w.state(),
+                },
+            })
+            .collect();
+        out.sort_by(|a, b| a.name.cmp(&b.name));
+        out
+    }
+
+    /// Leaves a world: says goodbye to its members (whose side of the world
+    /// then breaks), releases everything, and returns once it is removed.
+    pub async fn leave(&self, name: &str) -> Result<(), WorldError> {
+        let world = self.world(name).ok_or_else(|| WorldError::NotJoined {
+            world: name.to_string(),
+        })?;
+        world.shared.leave().await;
+        Ok(())
+    }
+
+    /// Watchdogs that have not run for longer than `stall_after`, with how
+    /// long (what the process monitor reports).
+    pub fn stalled_watchdogs(&self) -> Vec<(String, Duration)> {
+        stalled_now(&self.inner)
+    }
+
+    /// Leaves every world, stops the stores this process hosts, and stops the
+    /// monitor. Joins fail afterwards.
+    pub async fn shutdown(&self) {
+        let names: Vec<String> = self.inner.registry.iter().map(|e| e.key().clone()).collect();
+        for name in names {
+            let _ = self.leave(&name).await;
+        }
+        self.inner.root.cancel();
+        let hosts = std::mem::take(&mut *self.inner.hosts.lock().await);
+        for h in hosts {
+            // Worlds being torn down elsewhere may still hold the server; it
+            // stops when the last of them lets go.
+            if let Ok(server) = Arc::try_unwrap(h.server) {
+                server.shutdown(Duration::from_secs(1)).await;
+            }
+        }
+    }
+}
+
+fn stalled_now(inner: &Inner) -> Vec<(String, Duration)> {
+    let worlds: Vec<(String, Instant)> = inner
+        .registry
+        .iter()
+        .filter_map(|e| match e.value() {
+            Slot::Member(w) if w.state() == WorldState::Ready => Some((w.name.clone(), w.last_tick())),
+            _ => None,
+        })
+        .collect();
+    stalled(
+        Instant::now(),
+        worlds.iter().map(|(n, t)| (n.as_str(), *t)),
+        inner.config.stall_after,
+    )
+}
+
+/// The process monitor: reports (once per episode) every watchdog that has
+/// stopped ticking, and when it recovers.
+async fn monitor(inner: Weak<Inner>, stop: CancellationToken) {
+    let mut reported: HashSet<String> = HashSet::new();
+    loop {
+        let every = match inner.upgrade() {
+            Some(i) => i.config.monitor_interval,
+            None => return,
+        };
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(every) => {}
+        }
+        let Some(inner) = inner.upgrade() else {
+            return;
+        };
+        let now_stalled = stalled_now(&inner);
+        for (name, stuck) in &now_stalled {
+            if reported.insert(name.clone()) {
+                tracing::error!(world = %name, stuck_for = ?stuck, "the world's watchdog is not running");
+            }
+        }
+        reported.retain(|name| {
+            let still = now_stalled.iter().any(|(n, _)| n == name);
+            if !still {
+                tracing::info!(world = %name, "the world's watchdog is running again");
+            }
+            still
+        });
+    }
+}

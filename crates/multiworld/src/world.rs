@@ -1,0 +1,574 @@
+//! One world this process is a member of: the [`World`] handle users call,
+//! and the state behind it — its lifecycle, its communicator, its store, and
+//! the two tasks that watch it:
+//!
+//! - the **watchdog** gathers observations (each peer's last sign of life and
+//!   connection state from the communicator, the store's status), calls the
+//!   pure [`decide`], logs the reason when it changes, and breaks the world
+//!   when told to;
+//! - the **store watcher** keeps one long-poll on the world's `broken` key,
+//!   so a member that breaks the world tells every other member at once, and a
+//!   dead or closed store is noticed as soon as its connection fails.
+//!
+//! Breaking a world aborts its communicator first (every pending operation
+//! fails at once), then announces the cause in the store, cancels the world's
+//! tasks, closes the store if this process hosts it, and finally emits
+//! `Removed`. Nothing here is shared with any other world.
+
+use std::{
+    sync::{Arc, Mutex, MutexGuard, Weak},
+    time::{Duration, Instant},
+};
+
+use dashmap::DashMap;
+use multiworld_store::{StoreError, StoreServer, WorldStore};
+use multiworld_tcp::{Communicator, Error as TcpError, Rank, Received, Tag, Tensor, TensorView};
+use tokio::sync::{broadcast, watch};
+use tokio_util::{sync::CancellationToken, task::TaskTracker};
+
+use crate::{
+    config::WorldConfig,
+    error::WorldError,
+    events::WorldEvent,
+    lifecycle::{BreakCause, Lifecycle, Transition, WorldState},
+    watchdog::{Observations, PeerObservation, ReasonLog, Verdict, decide},
+};
+
+/// The store key through which a member announces that it broke the world.
+/// Its value is `"<rank>\n<cause>"`.
+pub(crate) const BROKEN_KEY: &str = "multiworld/broken";
+
+/// How long a breaking member spends telling the others through the store.
+const ANNOUNCE_TIMEOUT: Duration = Duration::from_millis(500);
+/// How long teardown waits for the world's tasks before giving up on them
+/// (they are cancelled; this only bounds a task that ignores cancellation).
+const TEARDOWN_WAIT: Duration = Duration::from_secs(2);
+
+/// Where the manager keeps its members, by name.
+pub(crate) type Registry = DashMap<String, Slot>;
+
+/// A name in the registry: being joined, or a member.
+pub(crate) enum Slot {
+    Joining,
+    Member(Arc<WorldShared>),
+}
+
+/// What the store watcher has seen.
+#[derive(Debug, Clone)]
+struct StoreStatus {
+    /// When the store was last known to work (set to the moment of the first
+    /// failure while it fails).
+    last_ok: Instant,
+    error: Option<String>,
+    gone: Option<String>,
+    reported: Option<(u32, String)>,
+}
+
+/// The state of one member world.
+pub(crate) struct WorldShared {
+    pub(crate) name: String,
+    pub(crate) generation: u64,
+    pub(crate) rank: u32,
+    pub(crate) size: u32,
+    pub(crate) config: WorldConfig,
+    pub(crate) comm: Communicator,
+    pub(crate) store: WorldStore,
+    pub(crate) store_addr: String,
+    /// The server hosting this world's store, when this process hosts it.
+    host: Option<Arc<StoreServer>>,
+    lifecycle: Mutex<Lifecycle>,
+    /// The cause of the break, kept after removal so late callers still learn
+    /// why (`None` if the world was left, not broken).
+    cause: std::sync::OnceLock<BreakCause>,
+    /// Cancels the world's tasks and its communicator (a child of the
+    /// manager's root token).
+    token: CancellationToken,
+    tasks: TaskTracker,
+    events: broadcast::Sender<WorldEvent>,
+    registry: Weak<Registry>,
+    /// Microseconds after `epoch` of the watchdog's last tick.
+    last_tick_us: std::sync::atomic::AtomicU64,
+    epoch: Instant,
+    removed: watch::Sender<bool>,
+}
+
+impl WorldShared {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        config: WorldConfig,
+        comm: Communicator,
+        store: WorldStore,
+        store_addr: String,
+        host: Option<Arc<StoreServer>>,
+        token: CancellationToken,
+        events: broadcast::Sender<WorldEvent>,
+        registry: Weak<Registry>,
+    ) -> Arc<WorldShared> {
+        let mut lifecycle = Lifecycle::new();
+        // A fresh lifecycle is Joining, so this cannot be refused.
+        let _ = lifecycle.ready();
+        Arc::new(WorldShared {
+            name: config.name.clone(),
+            generation: store.generation(),
+            rank: config.rank,
+            size: config.size,
+            config,
+            comm,
+            store,
+            store_addr,
+            host,
+            lifecycle: Mutex::new(lifecycle),
+            cause: std::sync::OnceLock::new(),
+            token,
+            tasks: TaskTracker::new(),
+            events,
+            registry,
+            last_tick_us: std::sync::atomic::AtomicU64::new(0),
+            epoch: Instant::now(),
+            removed: watch::Sender::new(false),
+        })
+    }
+
+    /// Starts the watchdog and the store watcher.
+    pub(crate) fn start(self: &Arc<Self>) {
+        let (tx, rx) = watch::channel(StoreStatus {
+            last_ok: Instant::now(),
+            error: None,
+            gone: None,
+            reported: None,
+        });
+        self.tasks.spawn(store_watcher(Arc::clone(self), tx));
+        self.tasks.spawn(watchdog(Arc::clone(self), rx));
+        self.tasks.close();
+    }
+
+    /// The lifecycle, locked. Never held across an `.await`; a poisoned lock
+    /// (a panic while holding it, which its short sections do not do) still
+    /// yields the state.
+    fn lifecycle(&self) -> MutexGuard<'_, Lifecycle> {
+        self.lifecycle.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(crate) fn state(&self) -> WorldState {
+        self.lifecycle().state().clone()
+    }
+
+    fn tick(&self) {
+        let us = self.epoch.elapsed().as_micros() as u64;
+        self.last_tick_us.store(us, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub(crate) fn last_tick(&self) -> Instant {
+        self.epoch + Duration::from_micros(self.last_tick_us.load(std::sync::atomic::Ordering::Relaxed))
+    }
+
+    /// The error every operation gets once the world is not ready.
+    fn unusable(&self) -> WorldError {
+        match self.cause.get() {
+            Some(cause) => WorldError::Broken {
+                world: self.name.clone(),
+                cause: cause.clone(),
+            },
+            None => WorldError::NotJoined {
+                world: self.name.clone(),
+            },
+        }
+    }
+
+    fn check(&self) -> Result<(), WorldError> {
+        if self.lifecycle().is_usable() {
+            Ok(())
+        } else {
+            Err(self.unusable())
+        }
+    }
+
+    /// Turns a communicator error into the caller's error; a world-fatal one
+    /// breaks the world (if nothing broke it yet) and reports the recorded
+    /// cause.
+    fn fail(self: &Arc<Self>, err: TcpError) -> WorldError {
+        if !err.is_world_fatal() {
+            return WorldError::from_call(&self.name, err);
+        }
+        let cause = match &err {
+            TcpError::PeerLost { rank, cause } => BreakCause::PeerLost {
+                rank: rank.0,
+                reason: cause.to_string(),
+            },
+            _ => BreakCause::Aborted,
+        };
+        self.break_with(cause);
+        self.unusable()
+    }
+
+    /// Breaks the world for `cause` (the first cause wins) and starts its
+    /// teardown. Synchronous: when it returns, every pending operation of the
+    /// world has failed.
+    pub(crate) fn break_with(self: &Arc<Self>, cause: BreakCause) {
+        {
+            let mut lifecycle = self.lifecycle();
+            if lifecycle.break_with(cause.clone()) != Ok(Transition::Changed) {
+                return;
+            }
+            // Set under the lifecycle lock, before anyone can see the world
+            // broken, so `unusable` always finds it.
+            let _ = self.cause.set(cause.clone());
+        }
+        tracing::warn!(world = %self.name, generation = self.generation, %cause, "world broken");
+        self.comm.abort();
+        let _ = self.events.send(WorldEvent::Broken {
+            world: self.name.clone(),
+            generation: self.generation,
+            cause: cause.clone(),
+        });
+        let announce = match &cause {
+            // Told by the store: everybody already knows.
+            BreakCause::ReportedByPeer { .. } | BreakCause::StoreLost { .. } => None,
+            other => Some(format!("{}\n{other}", self.rank)),
+        };
+        let me = Arc::clone(self);
+        tokio::spawn(async move { me.teardown(announce, false).await });
+    }
+
+    /// Leaves the world on purpose: an orderly goodbye to the peers (who see
+    /// this member leave and break their side), then the same teardown.
+    pub(crate) async fn leave(self: &Arc<Self>) {
+        let leaving = {
+            let mut lifecycle = self.lifecycle();
+            match lifecycle.state() {
+                WorldState::Joining | WorldState::Ready => lifecycle.removed().is_ok(),
+                WorldState::Broken(_) | WorldState::Removed => false,
+            }
+        };
+        if !leaving {
+            // Broken (its teardown is running) or already removed.
+            self.wait_removed().await;
+            return;
+        }
+        tracing::info!(world = %self.name, generation = self.generation, "leaving world");
+        self.comm.close().await;
+        let announce = Some(format!("{}\nrank {} left the world", self.rank, self.rank));
+        Arc::clone(self).teardown(announce, true).await;
+    }
+
+    async fn teardown(self: Arc<Self>, announce: Option<String>, left: bool) {
+        if let Some(text) = announce {
+            // Best effort: a dead store cannot be told anything.
+            let _ = tokio::time::timeout(ANNOUNCE_TIMEOUT, self.store.set(BROKEN_KEY, text)).await;
+        }
+        self.token.cancel();
+        if tokio::time::timeout(TEARDOWN_WAIT, self.tasks.wait())
+            .await
+            .is_err()
+        {
+            tracing::error!(world = %self.name, "world tasks did not stop within {TEARDOWN_WAIT:?}");
+        }
+        if tokio::time::timeout(TEARDOWN_WAIT, self.comm.wait_closed())
+            .await
+            .is_err()
+        {
+            tracing::error!(world = %self.name, "communicator tasks did not stop within {TEARDOWN_WAIT:?}");
+        }
+        if let Some(host) = &self.host {
+            host.close_world(&self.name);
+        }
+        if !left {
+            let _ = self.lifecycle().removed();
+        }
+        if let Some(registry) = self.registry.upgrade() {
+            registry.remove_if(
+                &self.name,
+                |_, slot| matches!(slot, Slot::Member(w) if w.generation == self.generation),
+            );
+        }
+        tracing::info!(world = %self.name, generation = self.generation, "world removed");
+        let _ = self.events.send(WorldEvent::Removed {
+            world: self.name.clone(),
+            generation: self.generation,
+        });
+        self.removed.send_replace(true);
+    }
+
+    pub(crate) async fn wait_removed(&self) {
+        let mut rx = self.removed.subscribe();
+        // The sender lives as long as `self`, so this only ends when removed.
+        let _ = rx.wait_for(|removed| *removed).await;
+    }
+}
+
+/// Watches one world until it breaks or is torn down.
+async fn watchdog(w: Arc<WorldShared>, mut store: watch::Receiver<StoreStatus>) {
+    let mut health = w.comm.health_events();
+    let mut log = ReasonLog::default();
+    let cfg = w.config.watchdog.clone();
+    loop {
+        w.tick();
+        if !w.lifecycle().is_usable() {
+            return;
+        }
+        let now = Instant::now();
+        let status = store.borrow_and_update().clone();
+        let obs = Observations {
+            peers: w
+                .comm
+                .liveness()
+                .into_iter()
+                .map(|p| PeerObservation {
+                    rank: p.rank.0,
+                    last_heard: p.last_heard,
+                    transport_error: p.lost.map(|c| c.to_string()),
+                })
+                .collect(),
+            earliest_op: None,
+            store_last_ok: status.last_ok,
+            store_error: status.error,
+            store_gone: status.gone,
+            reported_broken: status.reported,
+        };
+        let decision = decide(now, &obs, &cfg);
+        if log.changed(&decision.reason) {
+            tracing::debug!(world = %w.name, reason = %decision.reason, "watchdog");
+        }
+        if let Verdict::Broken(cause) = decision.verdict {
+            w.break_with(cause);
+            return;
+        }
+        let wake = tokio::time::Instant::from_std(decision.next_check.max(now + Duration::from_millis(1)));
+        tokio::select! {
+            biased;
+            _ = w.token.cancelled() => return,
+            _ = health.recv() => {}
+            _ = store.changed() => {}
+            _ = tokio::time::sleep_until(wake) => {}
+        }
+    }
+}
+
+fn parse_announcement(value: &[u8]) -> (u32, String) {
+    let text = String::from_utf8_lossy(value);
+    match text.split_once('\n') {
+        Some((rank, cause)) => (rank.trim().parse().unwrap_or(u32::MAX), cause.to_string()),
+        None => (u32::MAX, text.into_owned()),
+    }
+}
+
+/// Keeps a long-poll on the world's `broken` key: returns when a member
+/// announces a break; fails at once when the store's connection breaks.
+async fn store_watcher(w: Arc<WorldShared>, tx: watch::Sender<StoreStatus>) {
+    const POLL: Duration = Duration::from_secs(3600);
+    const RETRY: Duration = Duration::from_millis(100);
+    loop {
+        let result = tokio::select! {
+            biased;
+            _ = w.token.cancelled() => return,
+            r = w.store.get(BROKEN_KEY, POLL) => r,
+        };
+        match result {
+            Ok(value) => {
+                let (rank, cause) = parse_announcement(&value);
+                if rank != w.rank {
+                    tx.send_modify(|s| s.reported = Some((rank, cause)));
+                }
+                return;
+            }
+            Err(StoreError::Timeout { .. }) => {
+                tx.send_modify(|s| {
+                    s.error = None;
+                    s.last_ok = Instant::now();
+                });
+            }
+            Err(
+                e @ (StoreError::Closed { .. }
+                | StoreError::StaleGeneration { .. }
+                | StoreError::WorldNotFound { .. }),
+            ) => {
+                tx.send_modify(|s| s.gone = Some(format!("the world's store is gone: {e}")));
+                return;
+            }
+            Err(e) => {
+                tx.send_modify(|s| {
+                    if s.error.is_none() {
+                        s.last_ok = Instant::now();
+                    }
+                    s.error = Some(e.to_string());
+                });
+                tokio::select! {
+                    biased;
+                    _ = w.token.cancelled() => return,
+                    _ = tokio::time::sleep(RETRY) => {}
+                }
+            }
+        }
+    }
+}
+
+/// A world this process is a member of. Cheap to clone; every clone is the
+/// same membership. Operations fail with [`WorldError::Broken`] once the world
+/// is broken, and with [`WorldError::NotJoined`] after it was left.
+#[derive(Clone)]
+pub struct World {
+    pub(crate) shared: Arc<WorldShared>,
+}
+
+impl std::fmt::Debug for World {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("World")
+            .field("name", &self.shared.name)
+            .field("generation", &self.shared.generation)
+            .field("rank", &self.shared.rank)
+            .field("size", &self.shared.size)
+            .field("state", &self.shared.state().label())
+            .finish()
+    }
+}
+
+impl World {
+    /// The world's name.
+    pub fn name(&self) -> &str {
+        &self.shared.name
+    }
+
+    /// This membership's generation (assigned by the world's store).
+    pub fn generation(&self) -> u64 {
+        self.shared.generation
+    }
+
+    /// This process's rank.
+    pub fn rank(&self) -> Rank {
+        Rank(self.shared.rank)
+    }
+
+    /// Number of members.
+    pub fn size(&self) -> u32 {
+        self.shared.size
+    }
+
+    /// Where the world's store is (the address other members connect to).
+    pub fn store_addr(&self) -> &str {
+        &self.shared.store_addr
+    }
+
+    /// The world's state now.
+    pub fn state(&self) -> WorldState {
+        self.shared.state()
+    }
+
+    /// The world's communicator, for operations this handle does not wrap.
+    /// Its errors are the backend's own; a world-fatal one also breaks the
+    /// world through the watchdog.
+    pub fn communicator(&self) -> &Communicator {
+        &self.shared.comm
+    }
+
+    /// Sends `data` to `dst` on `tag` (no copy of the caller's data).
+    pub async fn send<'a>(
+        &self,
+        dst: Rank,
+        tag: Tag,
+        data: impl Into<TensorView<'a>>,
+    ) -> Result<(), WorldError> {
+        self.shared.check()?;
+        self.shared
+            .comm
+            .send(dst, tag, data)
+            .await
+            .map_err(|e| self.shared.fail(e))
+    }
+
+    /// Receives from `src` on `tag` into `buf`, whose dtype and size must
+    /// match the message.
+    pub async fn recv(&self, src: Rank, tag: Tag, buf: &mut Tensor) -> Result<(), WorldError> {
+        self.shared.check()?;
+        self.shared
+            .comm
+            .recv(src, tag, buf)
+            .await
+            .map_err(|e| self.shared.fail(e))
+    }
+
+    /// Receives from any member on `tag`; returns who sent it.
+    pub async fn recv_any(&self, tag: Tag, buf: &mut Tensor) -> Result<Rank, WorldError> {
+        self.shared.check()?;
+        self.shared
+            .comm
+            .recv_any(tag, buf)
+            .await
+            .map_err(|e| self.shared.fail(e))
+    }
+
+    /// Starts a send of an owned tensor; the handle gives the tensor back.
+    /// Dropping the handle does not cancel the send.
+    pub fn isend(&self, dst: Rank, tag: Tag, data: Tensor) -> PendingSend {
+        let inner = self
+            .shared
+            .check()
+            .map(|()| self.shared.comm.isend(dst, tag, data));
+        PendingSend {
+            world: Arc::clone(&self.shared),
+            inner,
+        }
+    }
+
+    /// Starts a receive into an owned tensor from `src` (`None`: any member);
+    /// the handle gives back the sender and the filled tensor. Dropping the
+    /// handle cancels the receive.
+    pub fn irecv(&self, src: Option<Rank>, tag: Tag, buf: Tensor) -> PendingRecv {
+        let source = src.map_or(multiworld_tcp::Source::Any, multiworld_tcp::Source::Rank);
+        let inner = self
+            .shared
+            .check()
+            .map(|()| self.shared.comm.irecv(source, tag, buf));
+        PendingRecv {
+            world: Arc::clone(&self.shared),
+            inner,
+        }
+    }
+
+    /// Breaks the world now with [`BreakCause::Aborted`]: every pending and
+    /// future operation fails, the peers are told, and the world is torn down.
+    pub fn abort(&self) {
+        self.shared.break_with(BreakCause::Aborted);
+    }
+
+    /// Waits until the world has been torn down and removed (after a break or
+    /// a leave).
+    pub async fn removed(&self) {
+        self.shared.wait_removed().await;
+    }
+}
+
+/// A send started by [`World::isend`].
+pub struct PendingSend {
+    world: Arc<WorldShared>,
+    inner: Result<multiworld_tcp::SendHandle, WorldError>,
+}
+
+impl PendingSend {
+    /// Whether the send has finished (successfully or not).
+    pub fn is_completed(&self) -> bool {
+        self.inner.as_ref().map_or(true, |h| h.is_completed())
+    }
+
+    /// Waits for the send; returns the tensor.
+    pub async fn wait(self) -> Result<Tensor, WorldError> {
+        self.inner?.wait().await.map_err(|e| self.world.fail(e))
+    }
+}
+
+/// A receive started by [`World::irecv`].
+pub struct PendingRecv {
+    world: Arc<WorldShared>,
+    inner: Result<multiworld_tcp::RecvHandle, WorldError>,
+}
+
+impl PendingRecv {
+    /// Whether the receive has finished (successfully or not).
+    pub fn is_completed(&self) -> bool {
+        self.inner.as_ref().map_or(true, |h| h.is_completed())
+    }
+
+    /// Waits for the receive; returns the sender and the filled tensor.
+    pub async fn wait(self) -> Result<Received, WorldError> {
+        self.inner?.wait().await.map_err(|e| self.world.fail(e))
+    }
+}

@@ -1,0 +1,302 @@
+//! The world manager with in-process members (two managers play two
+//! processes): joining, traffic, events, a break that stays inside its world,
+//! re-joining as a new generation, leaving, and losing the world's store.
+//! Real-process fault injection (SIGKILL, SIGSTOP) is in `crates/m8d/tests`.
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
+
+use std::time::{Duration, Instant};
+
+use multiworld::{
+    BreakCause, ManagerConfig, Rank, Tag, Tensor, WorldConfig, WorldError, WorldEvent, WorldManager,
+    WorldState,
+};
+use multiworld_store::{ServerConfig, StoreServer};
+use tokio::sync::broadcast;
+
+fn init_tracing() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
+}
+
+fn cfg(name: &str, rank: u32, size: u32, store: &str) -> WorldConfig {
+    let mut c = WorldConfig::new(name, rank, size, store);
+    c.join_timeout = Duration::from_secs(20);
+    c.secret = Some(b"test secret".to_vec());
+    c
+}
+
+/// Joins `name` with rank 0 on `leader` (hosting the store at `store`) and
+/// rank 1 on `worker`.
+async fn pair(
+    leader: &WorldManager,
+    worker: &WorldManager,
+    name: &str,
+    store: &str,
+) -> (multiworld::World, multiworld::World) {
+    let (a, b) = tokio::join!(
+        leader.join(cfg(name, 0, 2, store)),
+        worker.join(cfg(name, 1, 2, store))
+    );
+    (a.unwrap(), b.unwrap())
+}
+
+async fn next_event_for(
+    rx: &mut broadcast::Receiver<WorldEvent>,
+    world: &str,
+    limit: Duration,
+) -> WorldEvent {
+    let deadline = Instant::now() + limit;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match tokio::time::timeout(left, rx.recv()).await {
+            Ok(Ok(e)) if e.world() == world => return e,
+            Ok(Ok(_)) => continue,
+            Ok(Err(e)) => panic!("event channel: {e}"),
+            Err(_) => panic!("no event for {world} within {limit:?}"),
+        }
+    }
+}
+
+async fn ping(a: &multiworld::World, b: &multiworld::World, value: f32) {
+    let data = vec![value; 1024];
+    let mut got = Tensor::zeros(multiworld::DType::F32, [1024]).unwrap();
+    let (s, r) = tokio::join!(
+        a.send(Rank(1), Tag(0), &data[..]),
+        b.recv(Rank(0), Tag(0), &mut got)
+    );
+    s.unwrap();
+    r.unwrap();
+    assert!(got.as_slice::<f32>().unwrap().iter().all(|&x| x == value));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn join_exchange_and_list() {
+    init_tracing();
+    let leader = WorldManager::default();
+    let worker = WorldManager::default();
+    let store = leader.serve_store("127.0.0.1:0").await.unwrap().to_string();
+    let mut events = leader.events();
+    let (a, b) = pair(&leader, &worker, "w", &store).await;
+    assert_eq!(a.generation(), b.generation());
+    assert_eq!((a.rank(), b.rank(), a.size()), (Rank(0), Rank(1), 2));
+    match next_event_for(&mut events, "w", Duration::from_secs(5)).await {
+        WorldEvent::Joined { rank: 0, size: 2, .. } => {}
+        other => panic!("{other:?}"),
+    }
+    ping(&a, &b, 3.5).await;
+    let listed = leader.worlds();
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0].state, WorldState::Ready);
+    assert!(leader.world("w").is_some() && leader.world("nope").is_none());
+    // The same name cannot be joined twice at once.
+    let err = leader.join(cfg("w", 0, 2, &store)).await.unwrap_err();
+    assert!(
+        matches!(err, WorldError::AlreadyJoined { state: "ready", .. }),
+        "{err}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broken_world_breaks_alone_and_its_name_can_be_joined_again() {
+    init_tracing();
+    let leader = WorldManager::default();
+    let worker = WorldManager::default();
+    let store = leader.serve_store("127.0.0.1:0").await.unwrap().to_string();
+    let (a1, b1) = pair(&leader, &worker, "one", &store).await;
+    let (a2, b2) = pair(&leader, &worker, "two", &store).await;
+    let mut events = leader.events();
+
+    // A receive in flight on world "one" when its peer aborts.
+    let pending = a1.irecv(
+        Some(Rank(1)),
+        Tag(9),
+        Tensor::zeros(multiworld::DType::F32, [4]).unwrap(),
+    );
+    let broke_at = Instant::now();
+    b1.abort();
+    let err = pending.wait().await.unwrap_err();
+    let noticed = broke_at.elapsed();
+    assert!(err.is_world_broken(), "{err}");
+    assert!(noticed < Duration::from_secs(2), "noticed after {noticed:?}");
+    match next_event_for(&mut events, "one", Duration::from_secs(5)).await {
+        WorldEvent::Broken { cause, .. } => assert!(
+            matches!(
+                cause,
+                BreakCause::PeerLost { rank: 1, .. } | BreakCause::ReportedByPeer { rank: 1, .. }
+            ),
+            "{cause:?}"
+        ),
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(
+        next_event_for(&mut events, "one", Duration::from_secs(5)).await,
+        WorldEvent::Removed { .. }
+    ));
+    // New operations fail at once with the recorded cause.
+    let err = a1.send(Rank(1), Tag(0), &[1.0f32][..]).await.unwrap_err();
+    assert!(err.is_world_broken(), "{err}");
+    b1.removed().await;
+
+    // World "two" never noticed.
+    ping(&a2, &b2, 7.0).await;
+    assert_eq!(a2.state(), WorldState::Ready);
+
+    // "one" is joined again as a new generation; traffic resumes.
+    let (a1b, b1b) = pair(&leader, &worker, "one", &store).await;
+    assert!(a1b.generation() > a1.generation());
+    ping(&a1b, &b1b, 9.0).await;
+    assert!(matches!(a1.state(), WorldState::Removed));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leaving_is_orderly_and_the_peer_learns_of_it() {
+    init_tracing();
+    let leader = WorldManager::default();
+    let worker = WorldManager::default();
+    let store = leader.serve_store("127.0.0.1:0").await.unwrap().to_string();
+    let (a, b) = pair(&leader, &worker, "w", &store).await;
+    let mut worker_events = worker.events();
+    leader.leave("w").await.unwrap();
+    assert!(leader.world("w").is_none());
+    assert!(matches!(
+        a.send(Rank(1), Tag(0), &[1u8][..]).await.unwrap_err(),
+        WorldError::NotJoined { .. }
+    ));
+    match next_event_for(&mut worker_events, "w", Duration::from_secs(5)).await {
+        WorldEvent::Broken { cause, .. } => assert!(cause.to_string().contains("rank 0"), "{cause}"),
+        other => panic!("{other:?}"),
+    }
+    b.removed().await;
+    assert!(worker.world("w").is_none());
+    assert!(matches!(
+        leader.leave("w").await,
+        Err(WorldError::NotJoined { .. })
+    ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn losing_the_worlds_store_breaks_only_that_world() {
+    init_tracing();
+    // World "s" keeps its store on a separate server that dies; world "t" on
+    // the leader's own.
+    let separate = StoreServer::bind("127.0.0.1:0".parse().unwrap(), ServerConfig::default())
+        .await
+        .unwrap();
+    let separate_addr = separate.local_addr().to_string();
+    let leader = WorldManager::default();
+    let worker = WorldManager::default();
+    let own = leader.serve_store("127.0.0.1:0").await.unwrap().to_string();
+    separate
+        .open_world(
+            "s",
+            multiworld_store::WorldOptions {
+                secret: Some(multiworld_store::Secret::new("test secret")),
+                limits: None,
+            },
+        )
+        .unwrap();
+    let mut sa = cfg("s", 0, 2, &separate_addr);
+    sa.host_store = false;
+    let sb = cfg("s", 1, 2, &separate_addr);
+    let (a, b) = tokio::join!(leader.join(sa), worker.join(sb));
+    let (a, _b) = (a.unwrap(), b.unwrap());
+    let (t_a, t_b) = pair(&leader, &worker, "t", &own).await;
+    let mut events = leader.events();
+
+    let killed_at = Instant::now();
+    separate.shutdown(Duration::from_secs(1)).await;
+    match next_event_for(&mut events, "s", Duration::from_secs(10)).await {
+        WorldEvent::Broken {
+            cause: BreakCause::StoreLost { reason },
+            ..
+        } => assert!(!reason.is_empty()),
+        other => panic!("{other:?}"),
+    }
+    let took = killed_at.elapsed();
+    assert!(took < Duration::from_secs(5), "store loss noticed after {took:?}");
+    assert!(
+        a.send(Rank(1), Tag(0), &[1u8][..])
+            .await
+            .unwrap_err()
+            .is_world_broken()
+    );
+    ping(&t_a, &t_b, 1.0).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn joining_alone_or_with_a_missing_member_fails_cleanly() {
+    init_tracing();
+    let m = WorldManager::default();
+    let store = m.serve_store("127.0.0.1:0").await.unwrap().to_string();
+    // A world of one works on its own.
+    let solo = m.join(cfg("solo", 0, 1, &store)).await.unwrap();
+    assert_eq!(solo.size(), 1);
+    // A member that never comes: the join fails at its timeout, leaves no
+    // trace, and the name can be tried again.
+    let mut c = cfg("lonely", 0, 2, &store);
+    c.join_timeout = Duration::from_millis(500);
+    let started = Instant::now();
+    let err = m.join(c.clone()).await.unwrap_err();
+    assert!(matches!(err, WorldError::JoinFailed { .. }), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(5));
+    assert!(m.world("lonely").is_none());
+    assert!(m.worlds().iter().all(|w| w.name != "lonely"));
+    let err = m.join(c).await.unwrap_err();
+    assert!(matches!(err, WorldError::JoinFailed { .. }), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_secret_cannot_join() {
+    init_tracing();
+    let leader = WorldManager::default();
+    let stranger = WorldManager::default();
+    let store = leader.serve_store("127.0.0.1:0").await.unwrap().to_string();
+    let mut host = cfg("w", 0, 2, &store);
+    host.join_timeout = Duration::from_secs(2);
+    let mut bad = cfg("w", 1, 2, &store);
+    bad.secret = Some(b"guess".to_vec());
+    bad.join_timeout = Duration::from_secs(2);
+    let (a, b) = tokio::join!(leader.join(host), stranger.join(bad));
+    assert!(a.is_err(), "the host must not complete a world with a stranger");
+    let err = b.unwrap_err().to_string();
+    assert!(err.contains("unauthenticated"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_monitor_sees_running_watchdogs_as_healthy() {
+    init_tracing();
+    let config = ManagerConfig {
+        monitor_interval: Duration::from_millis(50),
+        stall_after: Duration::from_millis(800),
+        ..ManagerConfig::default()
+    };
+    let leader = WorldManager::new(config.clone());
+    let worker = WorldManager::new(config);
+    let store = leader.serve_store("127.0.0.1:0").await.unwrap().to_string();
+    let (_a, _b) = pair(&leader, &worker, "w", &store).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(
+        leader.stalled_watchdogs().is_empty(),
+        "{:?}",
+        leader.stalled_watchdogs()
+    );
+    assert!(worker.stalled_watchdogs().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_removes_everything_and_refuses_new_joins() {
+    init_tracing();
+    let leader = WorldManager::default();
+    let worker = WorldManager::default();
+    let store = leader.serve_store("127.0.0.1:0").await.unwrap().to_string();
+    let (_a, b) = pair(&leader, &worker, "w", &store).await;
+    leader.shutdown().await;
+    assert!(leader.worlds().is_empty());
+    assert!(matches!(
+        leader.join(cfg("x", 0, 1, &store)).await.unwrap_err(),
+        WorldError::ShutDown
+    ));
+    b.removed().await;
+}
