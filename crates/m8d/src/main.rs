@@ -7,11 +7,14 @@
 //! - [`bench`]: `m8d bench`, the benchmarks (store round trips, wake-ups and
 //!   host-death detection).
 //! - [`secret`]: reading a world secret from a file or the environment.
+//! - [`worker`]: `m8d worker`, one streaming member of one world as a real
+//!   process (used by the demo and the fault-injection tests).
 
 mod bench;
 mod kv;
 mod secret;
 mod store;
+mod worker;
 
 use clap::{Parser, Subcommand};
 use tracing_subscriber::EnvFilter;
@@ -30,6 +33,9 @@ enum Command {
     Store(store::StoreArgs),
     /// Run one operation against a world's store.
     Kv(kv::KvArgs),
+    /// Join one world as a worker and stream to rank 0 until the world ends.
+    #[command(hide = true)]
+    Worker(worker::WorkerArgs),
     /// Run a benchmark and print its figures.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -47,6 +53,7 @@ fn main() -> anyhow::Result<()> {
             Command::Store(args) => store::run(args).await,
             Command::Kv(args) => kv::run(args).await,
             Command::Bench(cmd) => bench::run(cmd).await,
+            Command::Worker(args) => worker::run(args).await,
         }
     })
 }

@@ -22,18 +22,25 @@ pub struct SecretArgs {
 impl SecretArgs {
     /// The secret the flags name, if any.
     pub fn load(&self) -> anyhow::Result<Option<Secret>> {
+        Ok(self.load_bytes()?.map(Secret::new))
+    }
+
+    /// The secret's bytes, if the flags name one.
+    pub fn load_bytes(&self) -> anyhow::Result<Option<Vec<u8>>> {
         if let Some(path) = &self.secret_file {
-            let text =
+            let mut text =
                 std::fs::read(path).with_context(|| format!("reading secret file {}", path.display()))?;
-            let trimmed = text.strip_suffix(b"\n").unwrap_or(&text);
-            anyhow::ensure!(!trimmed.is_empty(), "secret file {} is empty", path.display());
-            return Ok(Some(Secret::new(trimmed)));
+            if text.last() == Some(&b'\n') {
+                text.pop();
+            }
+            anyhow::ensure!(!text.is_empty(), "secret file {} is empty", path.display());
+            return Ok(Some(text));
         }
         if self.secret_env {
             let value = std::env::var("MULTIWORLD_SECRET")
                 .context("--secret-env given but MULTIWORLD_SECRET is not set")?;
             anyhow::ensure!(!value.is_empty(), "MULTIWORLD_SECRET is empty");
-            return Ok(Some(Secret::new(value)));
+            return Ok(Some(value.into_bytes()));
         }
         Ok(None)
     }

@@ -590,6 +590,14 @@ impl StoreServer {
         self.shared.close(name, None)
     }
 
+    /// Closes one generation of a world's store (see [`close_world`]); does
+    /// nothing if another generation is open under that name.
+    ///
+    /// [`close_world`]: StoreServer::close_world
+    pub fn close_world_generation(&self, name: &str, generation: u64) -> bool {
+        self.shared.close(name, Some(generation))
+    }
+
     /// Counters of an open world's store.
     pub fn world_stats(&self, name: &str) -> Option<WorldStats> {
         let slot = self.shared.worlds.get(name).map(|e| Arc::clone(e.value()))?;

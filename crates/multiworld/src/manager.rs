@@ -333,9 +333,12 @@ impl WorldManager {
             .await
             .map_err(|e| WorldError::from_store(name, e))?;
         loop {
+            // A standalone store (`m8d store`) lets the first member create
+            // the world; a store embedded in a member ignores `create` and
+            // waits for its host to open it.
             let options = OpenOptions {
                 secret: secret.clone(),
-                create: false,
+                create: host.is_none(),
                 timeout: remaining(),
             };
             let store = client

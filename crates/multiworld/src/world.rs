@@ -269,8 +269,16 @@ impl WorldShared {
         {
             tracing::error!(world = %self.name, "communicator tasks did not stop within {TEARDOWN_WAIT:?}");
         }
-        if let Some(host) = &self.host {
-            host.close_world(&self.name);
+        // Close exactly this generation of the world's store, so its waiters
+        // wake and a re-join gets a fresh generation, even on a standalone
+        // store that no member hosts.
+        match &self.host {
+            Some(host) => {
+                host.close_world_generation(&self.name, self.generation);
+            }
+            None => {
+                let _ = tokio::time::timeout(ANNOUNCE_TIMEOUT, self.store.close()).await;
+            }
         }
         if !left {
             let _ = self.lifecycle().removed();

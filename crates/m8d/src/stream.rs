@@ -1,0 +1,207 @@
+//! Checksummed tensor streams between a leader and its workers: what the
+//! demo, the failover benchmark and the fault-injection tests send.
+//!
+//! A message is a `u64` tensor `[seq, checksum, fill...]` where `fill[i]` is a
+//! function of `seq` and `i` and `checksum` is the XOR of the fill, so the
+//! receiver detects a corrupted message (wrong checksum) and a lost or
+//! reordered one (a gap in `seq`) on its own.
+
+use std::{
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use multiworld::{DType, Rank, Tag, Tensor, World, WorldError};
+
+/// The tag stream messages travel on.
+pub const STREAM_TAG: Tag = Tag(0);
+
+fn fill(seq: u64, i: usize) -> u64 {
+    seq.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (i as u64).wrapping_mul(0xBF58_476D_1CE4_E5B9)
+}
+
+/// Elements of a message of about `bytes` bytes (at least 3).
+pub fn elements(bytes: usize) -> usize {
+    (bytes / 8).max(3)
+}
+
+/// Writes message `seq` into `buf` (a `u64` tensor of at least 3 elements).
+pub fn encode(seq: u64, buf: &mut [u64]) {
+    let mut sum = 0u64;
+    for (i, v) in buf.iter_mut().enumerate().skip(2) {
+        *v = fill(seq, i);
+        sum ^= *v;
+    }
+    buf[0] = seq;
+    buf[1] = sum;
+}
+
+/// What a received message turned out to be.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Check {
+    /// Intact, and the sequence number expected.
+    Ok,
+    /// Intact, but `missing` messages before it never arrived.
+    Gap {
+        /// How many were skipped.
+        missing: u64,
+    },
+    /// The content does not match its checksum or its sequence number.
+    Corrupt,
+}
+
+/// Checks message `buf` against the expected sequence number.
+pub fn verify(expected_seq: u64, buf: &[u64]) -> Check {
+    if buf.len() < 3 {
+        return Check::Corrupt;
+    }
+    let seq = buf[0];
+    let mut sum = 0u64;
+    for (i, v) in buf.iter().enumerate().skip(2) {
+        if *v != fill(seq, i) {
+            return Check::Corrupt;
+        }
+        sum ^= *v;
+    }
+    if sum != buf[1] || seq < expected_seq {
+        Check::Corrupt
+    } else if seq > expected_seq {
+        Check::Gap {
+            missing: seq - expected_seq,
+        }
+    } else {
+        Check::Ok
+    }
+}
+
+/// Sends checksummed messages to `dst` until the world breaks or `stop`
+/// returns true. Returns how many were sent and the error that ended it.
+pub async fn send_stream(
+    world: &World,
+    dst: Rank,
+    bytes: usize,
+    stop: impl Fn() -> bool,
+) -> (u64, Option<WorldError>) {
+    let mut buf = vec![0u64; elements(bytes)];
+    let mut seq = 0u64;
+    while !stop() {
+        encode(seq, &mut buf);
+        if let Err(e) = world.send(dst, STREAM_TAG, &buf[..]).await {
+            return (seq, Some(e));
+        }
+        seq += 1;
+    }
+    (seq, None)
+}
+
+/// Live counters of one received stream, shared with whoever watches it.
+#[derive(Debug, Default)]
+pub struct StreamStats {
+    /// Messages received intact.
+    pub messages: AtomicU64,
+    /// Payload bytes received intact.
+    pub bytes: AtomicU64,
+    /// Messages whose content was wrong.
+    pub corrupted: AtomicU64,
+    /// Messages that never arrived (gaps in the sequence).
+    pub lost: AtomicU64,
+    gaps: Mutex<GapTracker>,
+}
+
+#[derive(Debug, Default)]
+struct GapTracker {
+    last: Option<Instant>,
+    /// The longest pause between two receptions within the current window.
+    max_gap: Duration,
+}
+
+impl StreamStats {
+    fn record(&self, now: Instant, bytes: usize) {
+        self.messages.fetch_add(1, Ordering::Relaxed);
+        self.bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+        let mut g = self.gaps.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(last) = g.last {
+            g.max_gap = g.max_gap.max(now.saturating_duration_since(last));
+        }
+        g.last = Some(now);
+    }
+
+    /// The longest pause between two receptions since the last call, and
+    /// starts a new window.
+    pub fn take_max_gap(&self) -> Duration {
+        let mut g = self.gaps.lock().unwrap_or_else(|e| e.into_inner());
+        std::mem::take(&mut g.max_gap)
+    }
+
+    /// Messages received so far.
+    pub fn count(&self) -> u64 {
+        self.messages.load(Ordering::Relaxed)
+    }
+}
+
+/// Receives checksummed messages from `src` until the world breaks (or
+/// `stop` returns true after a message), counting into `stats`. Returns the
+/// error that ended it and when it came.
+pub async fn receive_stream(
+    world: &World,
+    src: Rank,
+    bytes: usize,
+    stats: Arc<StreamStats>,
+    stop: impl Fn() -> bool,
+) -> Option<(WorldError, Instant)> {
+    let n = elements(bytes);
+    let mut buf = match Tensor::zeros(DType::U64, [n]) {
+        Ok(t) => t,
+        Err(e) => {
+            let err = WorldError::InvalidArgument {
+                world: world.name().to_string(),
+                detail: e.to_string(),
+            };
+            return Some((err, Instant::now()));
+        }
+    };
+    let mut expected = 0u64;
+    while !stop() {
+        if let Err(e) = world.recv(src, STREAM_TAG, &mut buf).await {
+            return Some((e, Instant::now()));
+        }
+        let now = Instant::now();
+        let data = buf.as_slice::<u64>().unwrap_or(&[]);
+        match verify(expected, data) {
+            Check::Ok => {}
+            Check::Gap { missing } => {
+                stats.lost.fetch_add(missing, Ordering::Relaxed);
+            }
+            Check::Corrupt => {
+                stats.corrupted.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        expected = data.first().copied().unwrap_or(expected).wrapping_add(1);
+        stats.record(now, n * 8);
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn intact_gapped_and_corrupt_messages_are_told_apart() {
+        let mut buf = vec![0u64; elements(4096)];
+        encode(5, &mut buf);
+        assert_eq!(verify(5, &buf), Check::Ok);
+        assert_eq!(verify(3, &buf), Check::Gap { missing: 2 });
+        assert_eq!(verify(6, &buf), Check::Corrupt, "a repeated message");
+        let mut bad = buf.clone();
+        bad[100] ^= 1;
+        assert_eq!(verify(5, &bad), Check::Corrupt);
+        let mut bad = buf.clone();
+        bad[1] ^= 1;
+        assert_eq!(verify(5, &bad), Check::Corrupt);
+        assert_eq!(verify(0, &buf[..2]), Check::Corrupt);
+    }
+}

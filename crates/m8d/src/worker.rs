@@ -1,0 +1,83 @@
+//! `m8d worker`: one member of one world, as a real process, for the demo and
+//! the fault-injection tests. It joins the world and streams checksummed
+//! messages to rank 0 until the world ends (the leader left or broke it),
+//! then exits 0. Any other failure exits non-zero.
+
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clap::Args;
+use m8d::stream::send_stream;
+use multiworld::{Rank, WorldConfig, WorldError, WorldManager};
+
+use crate::secret::SecretArgs;
+
+/// Flags of `m8d worker`.
+#[derive(Args, Debug)]
+pub struct WorkerArgs {
+    /// The world to join.
+    #[arg(long)]
+    pub world: String,
+    /// This worker's rank (not 0: rank 0 is the leader).
+    #[arg(long, default_value_t = 1)]
+    pub rank: u32,
+    /// Members of the world.
+    #[arg(long, default_value_t = 2)]
+    pub size: u32,
+    /// The world's store, host:port.
+    #[arg(long)]
+    pub store: String,
+    /// Bytes per message.
+    #[arg(long, default_value_t = 65536)]
+    pub bytes: usize,
+    /// Stop after this many seconds (default: when the world ends).
+    #[arg(long)]
+    pub seconds: Option<f64>,
+    /// How long joining may take, in seconds.
+    #[arg(long, default_value_t = 30.0)]
+    pub join_timeout: f64,
+    #[command(flatten)]
+    pub secret: SecretArgs,
+}
+
+/// Joins and streams until the world ends.
+pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        args.rank != 0,
+        "rank 0 is the leader; a worker needs another rank"
+    );
+    let manager = WorldManager::default();
+    let mut config = WorldConfig::new(&args.world, args.rank, args.size, &args.store);
+    config.join_timeout = Duration::from_secs_f64(args.join_timeout);
+    config.secret = args.secret.load_bytes()?;
+    let world = manager.join(config).await.context("joining")?;
+    eprintln!(
+        "worker {} of {}: joined generation {}",
+        args.rank,
+        args.world,
+        world.generation()
+    );
+    let until = args.seconds.map(|s| Instant::now() + Duration::from_secs_f64(s));
+    let (sent, err) = send_stream(&world, Rank(0), args.bytes, || {
+        until.is_some_and(|u| Instant::now() >= u)
+    })
+    .await;
+    match err {
+        None => {
+            manager.shutdown().await;
+            eprintln!(
+                "worker {} of {}: sent {sent} messages, done",
+                args.rank, args.world
+            );
+            Ok(())
+        }
+        Some(WorldError::Broken { cause, .. }) => {
+            eprintln!(
+                "worker {} of {}: sent {sent} messages; world ended: {cause}",
+                args.rank, args.world
+            );
+            Ok(())
+        }
+        Some(e) => Err(e).context("streaming"),
+    }
+}
