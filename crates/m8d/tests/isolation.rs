@@ -365,3 +365,75 @@ async fn killing_a_worlds_store_host_breaks_only_that_world() {
     drop(ws_worker);
     s.finish().await;
 }
+
+/// Open file descriptors, threads and resident memory of this process.
+fn resources() -> (usize, usize, u64) {
+    let fds = std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0);
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let field = |name: &str| -> u64 {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    };
+    (fds, field("Threads:") as usize, field("VmRSS:"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hundred_join_kill_teardown_cycles_leak_nothing() {
+    init_tracing();
+    let leader = WorldManager::default();
+    let store = leader.serve_store("127.0.0.1:0").await.unwrap().to_string();
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut cycle = async |i: usize| {
+        let mut w = worker("cycle", &store);
+        let world = leader.join(config("cycle", &store)).await.unwrap();
+        let s = receive(world.clone(), Arc::clone(&stop));
+        wait_for(Duration::from_secs(10), "the cycle's stream flows", || {
+            s.stats.count() >= 2
+        })
+        .await;
+        w.0.kill().unwrap();
+        let (err, _) = tokio::time::timeout(Duration::from_secs(5), s.task)
+            .await
+            .unwrap_or_else(|_| panic!("cycle {i}: the kill went unnoticed"))
+            .unwrap()
+            .expect("the receive ended with an error");
+        assert!(err.is_world_broken(), "cycle {i}: {err}");
+        world.removed().await;
+        assert!(leader.world("cycle").is_none());
+    };
+    // Warm up lazily created things (runtime threads, pools) first.
+    for i in 0..5 {
+        cycle(i).await;
+    }
+    let before = resources();
+    let started = Instant::now();
+    for i in 0..100 {
+        cycle(i).await;
+    }
+    let took = started.elapsed();
+    // Let the runtime's idle blocking threads (10 s keep-alive) not count:
+    // compare file descriptors exactly and threads/memory with slack.
+    let after = resources();
+    eprintln!(
+        "100 cycles in {took:?}: fds {} -> {}, threads {} -> {}, RSS {} KiB -> {} KiB",
+        before.0, after.0, before.1, after.1, before.2, after.2
+    );
+    assert_eq!(after.0, before.0, "file descriptors leaked");
+    assert!(
+        after.1 <= before.1 + 4,
+        "threads grew from {} to {}",
+        before.1,
+        after.1
+    );
+    assert!(
+        after.2 <= before.2 + 32 * 1024,
+        "RSS grew from {} KiB to {} KiB",
+        before.2,
+        after.2
+    );
+    leader.shutdown().await;
+}
