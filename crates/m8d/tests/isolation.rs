@@ -387,7 +387,7 @@ async fn a_hundred_join_kill_teardown_cycles_leak_nothing() {
     let leader = WorldManager::default();
     let store = leader.serve_store("127.0.0.1:0").await.unwrap().to_string();
     let stop = Arc::new(AtomicBool::new(false));
-    let mut cycle = async |i: usize| {
+    let cycle = async |i: usize| {
         let mut w = worker("cycle", &store);
         let world = leader.join(config("cycle", &store)).await.unwrap();
         let s = receive(world.clone(), Arc::clone(&stop));
