@@ -27,6 +27,29 @@ use serde::Serialize;
 pub enum BenchCommand {
     /// Store round trips, wake-ups and host-death detection.
     Store(StoreBenchArgs),
+    /// Detection time and the healthy worlds' throughput around a killed and
+    /// a frozen worker.
+    Failover(FailoverArgs),
+}
+
+/// Flags of `m8d bench failover`.
+#[derive(Args, Debug)]
+pub struct FailoverArgs {
+    /// Worker processes (one world each); the second one is the victim.
+    #[arg(long, default_value_t = 3)]
+    pub workers: usize,
+    /// Bytes per message.
+    #[arg(long, default_value_t = 65536)]
+    pub bytes: usize,
+    /// Kill-and-freeze rounds.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
+    /// Seconds of throughput measured before and after each fault.
+    #[arg(long, default_value_t = 2.0)]
+    pub window: f64,
+    /// Write the results as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
 }
 
 /// Flags of `m8d bench store`.
@@ -53,6 +76,7 @@ pub struct StoreBenchArgs {
 pub async fn run(cmd: BenchCommand) -> anyhow::Result<()> {
     match cmd {
         BenchCommand::Store(args) => store(args).await,
+        BenchCommand::Failover(args) => failover(args).await,
     }
 }
 
@@ -341,6 +365,126 @@ async fn store(args: StoreBenchArgs) -> anyhow::Result<()> {
          256 waiters released ≤ {} ms, host death reported ≤ {} ms",
         report.targets.median_set_get_us, report.targets.wake_256_ms, report.targets.host_death_ms
     );
+    if let Some(path) = args.json {
+        std::fs::write(&path, serde_json::to_string_pretty(&report)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+        println!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
+#[derive(Serialize)]
+struct FaultRound {
+    fault: &'static str,
+    detect_ms: f64,
+    healthy_before_msgs_s: Vec<f64>,
+    healthy_after_msgs_s: Vec<f64>,
+    healthy_ratio_min: f64,
+    healthy_max_pause_ms: f64,
+    cause: String,
+}
+
+#[derive(Serialize)]
+struct FailoverReport {
+    workers: usize,
+    bytes: usize,
+    rounds: Vec<FaultRound>,
+}
+
+async fn fault_round(
+    fleet: &mut m8d::fleet::Fleet,
+    victim: usize,
+    healthy: &[usize],
+    window: Duration,
+    freeze: bool,
+) -> anyhow::Result<FaultRound> {
+    let before = fleet.rates(healthy, window).await;
+    for &i in healthy {
+        fleet.members[i].stats.take_max_gap();
+    }
+    let at = if freeze {
+        fleet.freeze(victim)?
+    } else {
+        fleet.kill(victim)?
+    };
+    let (err, failed_at) = fleet.wait_failed(victim, Duration::from_secs(10)).await?;
+    let detect = failed_at.saturating_duration_since(at);
+    // Measure the healthy worlds over a window that starts at the fault.
+    let rest = window.saturating_sub(at.elapsed());
+    let after = fleet.rates(healthy, rest.max(Duration::from_millis(500))).await;
+    let pause = healthy
+        .iter()
+        .map(|&i| fleet.members[i].stats.take_max_gap())
+        .max()
+        .unwrap_or_default();
+    if freeze {
+        fleet.thaw(victim)?;
+    }
+    let ratio = before
+        .iter()
+        .zip(&after)
+        .map(|(b, a)| if *b > 0.0 { a / b } else { 0.0 })
+        .fold(f64::INFINITY, f64::min);
+    fleet.respawn(victim).await?;
+    Ok(FaultRound {
+        fault: if freeze {
+            "freeze (SIGSTOP)"
+        } else {
+            "kill (SIGKILL)"
+        },
+        detect_ms: ms(detect),
+        healthy_before_msgs_s: before,
+        healthy_after_msgs_s: after,
+        healthy_ratio_min: ratio,
+        healthy_max_pause_ms: ms(pause),
+        cause: err.to_string(),
+    })
+}
+
+async fn failover(args: FailoverArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        args.workers >= 2,
+        "need at least 2 workers: one victim and one healthy world"
+    );
+    let exe = std::env::current_exe().context("finding m8d's own path")?;
+    let mut config = m8d::fleet::FleetConfig::new(exe, args.workers);
+    config.bytes = args.bytes;
+    let mut fleet = m8d::fleet::Fleet::start(config).await?;
+    let victim = 1;
+    let healthy: Vec<usize> = (0..args.workers).filter(|&i| i != victim).collect();
+    let window = Duration::from_secs_f64(args.window);
+    println!(
+        "failover benchmark: a leader in {} worlds, one `m8d worker` process each, {} B messages; victim w{}",
+        args.workers,
+        args.bytes,
+        victim + 1
+    );
+    println!("\nfault              detected after   healthy worlds after/before   longest healthy pause");
+    let mut rounds = Vec::new();
+    for _ in 0..args.rounds {
+        for freeze in [false, true] {
+            let r = fault_round(&mut fleet, victim, &healthy, window, freeze).await?;
+            println!(
+                "{:<18} {:>11.1} ms {:>24.1} % {:>18.1} ms",
+                r.fault,
+                r.detect_ms,
+                r.healthy_ratio_min * 100.0,
+                r.healthy_max_pause_ms
+            );
+            rounds.push(r);
+        }
+    }
+    let exits = fleet.shutdown().await;
+    println!(
+        "\ntargets: kill reported ≤ 50 ms; freeze reported ≤ heartbeat timeout (1 s) + 250 ms; \
+         healthy worlds ≥ 95 % of their throughput; healthy receptions never pause > 50 ms"
+    );
+    println!("workers' exit codes at the end: {exits:?}");
+    let report = FailoverReport {
+        workers: args.workers,
+        bytes: args.bytes,
+        rounds,
+    };
     if let Some(path) = args.json {
         std::fs::write(&path, serde_json::to_string_pretty(&report)?)
             .with_context(|| format!("writing {}", path.display()))?;

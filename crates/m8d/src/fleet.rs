@@ -1,0 +1,295 @@
+//! A leader and its worker processes: the leader (this process) is rank 0 of
+//! one world per worker, hosts all their stores on one port, and receives a
+//! checksummed stream from each worker (`m8d worker`, a real process). Faults
+//! are real: SIGKILL, SIGSTOP/SIGCONT. Used by the failover benchmark, the
+//! demo, and the fault-injection tests.
+
+use std::{
+    path::PathBuf,
+    process::{Child, Command, Stdio},
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, bail};
+use multiworld::{Rank, World, WorldConfig, WorldError, WorldManager};
+use nix::{
+    sys::signal::{Signal, kill},
+    unistd::Pid,
+};
+use tokio::task::JoinHandle;
+
+use crate::stream::{StreamStats, receive_stream};
+
+/// How to run a fleet.
+#[derive(Debug, Clone)]
+pub struct FleetConfig {
+    /// The `m8d` executable that runs `m8d worker`.
+    pub exe: PathBuf,
+    /// Number of workers (one world each).
+    pub workers: usize,
+    /// Bytes per message.
+    pub bytes: usize,
+    /// How long a join may take.
+    pub join_timeout: Duration,
+    /// Let the workers' stderr through (otherwise it is discarded).
+    pub worker_logs: bool,
+}
+
+impl FleetConfig {
+    /// `workers` workers of the given executable, 64 KiB messages.
+    pub fn new(exe: impl Into<PathBuf>, workers: usize) -> FleetConfig {
+        FleetConfig {
+            exe: exe.into(),
+            workers,
+            bytes: 64 * 1024,
+            join_timeout: Duration::from_secs(30),
+            worker_logs: false,
+        }
+    }
+}
+
+/// A worker process, killed and reaped when dropped.
+#[derive(Debug)]
+pub struct WorkerProcess(Child);
+
+impl WorkerProcess {
+    /// Sends `sig` to the process.
+    pub fn signal(&self, sig: Signal) -> anyhow::Result<()> {
+        let pid = i32::try_from(self.0.id()).context("pid out of range")?;
+        kill(Pid::from_raw(pid), sig).with_context(|| format!("sending {sig} to worker {pid}"))
+    }
+
+    /// SIGKILLs and reaps the process.
+    pub fn kill(&mut self) -> anyhow::Result<()> {
+        self.0.kill()?;
+        self.0.wait()?;
+        Ok(())
+    }
+
+    /// Whether it has exited, and how.
+    pub fn try_wait(&mut self) -> anyhow::Result<Option<std::process::ExitStatus>> {
+        Ok(self.0.try_wait()?)
+    }
+}
+
+impl Drop for WorkerProcess {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The outcome of a member's receiving task: the error that ended it and
+/// when, or `None` if it was stopped.
+pub type StreamEnd = Option<(WorldError, Instant)>;
+
+/// One worker and the leader's side of its world.
+pub struct Member {
+    /// The world's name (`w1`, `w2`, ...).
+    pub name: String,
+    /// The worker process.
+    pub process: Option<WorkerProcess>,
+    /// The leader's membership.
+    pub world: World,
+    /// What the leader has received.
+    pub stats: Arc<StreamStats>,
+    task: Option<JoinHandle<StreamEnd>>,
+}
+
+/// A leader and its workers.
+pub struct Fleet {
+    /// The leader's manager.
+    pub leader: WorldManager,
+    /// The address hosting every world's store.
+    pub store: String,
+    /// One per worker, in order.
+    pub members: Vec<Member>,
+    config: FleetConfig,
+    stop: Arc<AtomicBool>,
+}
+
+impl Fleet {
+    /// Starts the leader's store, the workers and their worlds, and waits
+    /// until every stream flows.
+    pub async fn start(config: FleetConfig) -> anyhow::Result<Fleet> {
+        let leader = WorldManager::default();
+        let store = leader.serve_store("127.0.0.1:0").await?.to_string();
+        let mut fleet = Fleet {
+            leader,
+            store,
+            members: Vec::with_capacity(config.workers),
+            config,
+            stop: Arc::new(AtomicBool::new(false)),
+        };
+        let mut pending = Vec::new();
+        for i in 0..fleet.config.workers {
+            let name = format!("w{}", i + 1);
+            let process = fleet.spawn_worker(&name)?;
+            let (leader, cfg) = (fleet.leader.clone(), fleet.world_config(&name));
+            pending.push((name, process, tokio::spawn(async move { leader.join(cfg).await })));
+        }
+        for (name, process, join) in pending {
+            let world = join.await?.with_context(|| format!("joining {name}"))?;
+            let member = fleet.member(name, process, world);
+            fleet.members.push(member);
+        }
+        for i in 0..fleet.members.len() {
+            fleet.wait_flowing(i, 5, Duration::from_secs(30)).await?;
+        }
+        Ok(fleet)
+    }
+
+    fn world_config(&self, name: &str) -> WorldConfig {
+        let mut c = WorldConfig::new(name, 0, 2, &self.store);
+        c.join_timeout = self.config.join_timeout;
+        c
+    }
+
+    fn spawn_worker(&self, name: &str) -> anyhow::Result<WorkerProcess> {
+        let stderr = if self.config.worker_logs {
+            Stdio::inherit()
+        } else {
+            Stdio::null()
+        };
+        let child = Command::new(&self.config.exe)
+            .args(["worker", "--world", name, "--store", &self.store])
+            .args(["--bytes", &self.config.bytes.to_string()])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(stderr)
+            .spawn()
+            .with_context(|| format!("starting {} worker", self.config.exe.display()))?;
+        Ok(WorkerProcess(child))
+    }
+
+    fn member(&self, name: String, process: WorkerProcess, world: World) -> Member {
+        let stats = Arc::new(StreamStats::default());
+        let task = {
+            let (world, stats, stop) = (world.clone(), Arc::clone(&stats), Arc::clone(&self.stop));
+            let bytes = self.config.bytes;
+            tokio::spawn(async move {
+                receive_stream(&world, Rank(1), bytes, stats, move || {
+                    stop.load(Ordering::Relaxed)
+                })
+                .await
+            })
+        };
+        Member {
+            name,
+            process: Some(process),
+            world,
+            stats,
+            task: Some(task),
+        }
+    }
+
+    /// Waits until member `i` has received `n` more messages.
+    pub async fn wait_flowing(&self, i: usize, n: u64, limit: Duration) -> anyhow::Result<()> {
+        let stats = &self.members[i].stats;
+        let target = stats.count() + n;
+        let start = Instant::now();
+        while stats.count() < target {
+            if start.elapsed() > limit {
+                bail!("{} did not flow within {limit:?}", self.members[i].name);
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        Ok(())
+    }
+
+    /// SIGKILLs worker `i`; returns when.
+    pub fn kill(&mut self, i: usize) -> anyhow::Result<Instant> {
+        let p = self.members[i].process.as_mut().context("no process")?;
+        let at = Instant::now();
+        p.kill()?;
+        Ok(at)
+    }
+
+    /// SIGSTOPs worker `i`; returns when.
+    pub fn freeze(&self, i: usize) -> anyhow::Result<Instant> {
+        let p = self.members[i].process.as_ref().context("no process")?;
+        let at = Instant::now();
+        p.signal(Signal::SIGSTOP)?;
+        Ok(at)
+    }
+
+    /// SIGCONTs worker `i`.
+    pub fn thaw(&self, i: usize) -> anyhow::Result<()> {
+        let p = self.members[i].process.as_ref().context("no process")?;
+        p.signal(Signal::SIGCONT)
+    }
+
+    /// Waits (at most `limit`) for member `i`'s stream to end with an error.
+    pub async fn wait_failed(&mut self, i: usize, limit: Duration) -> anyhow::Result<(WorldError, Instant)> {
+        let task = self.members[i].task.take().context("stream already awaited")?;
+        match tokio::time::timeout(limit, task).await {
+            Ok(end) => end?.context("the stream was stopped, not failed"),
+            Err(_) => bail!("{}'s stream did not fail within {limit:?}", self.members[i].name),
+        }
+    }
+
+    /// Replaces worker `i` (after its world was torn down) with a new process
+    /// in a new generation of the same world, and waits until it flows.
+    pub async fn respawn(&mut self, i: usize) -> anyhow::Result<()> {
+        let name = self.members[i].name.clone();
+        self.members[i].world.removed().await;
+        if let Some(mut old) = self.members[i].process.take() {
+            old.kill()?;
+        }
+        let process = self.spawn_worker(&name)?;
+        let world = self
+            .leader
+            .join(self.world_config(&name))
+            .await
+            .with_context(|| format!("re-joining {name}"))?;
+        self.members[i] = self.member(name, process, world);
+        self.wait_flowing(i, 5, Duration::from_secs(30)).await
+    }
+
+    /// Messages per second of the given members over `window`.
+    pub async fn rates(&self, which: &[usize], window: Duration) -> Vec<f64> {
+        let before: Vec<u64> = which.iter().map(|&i| self.members[i].stats.count()).collect();
+        let t = Instant::now();
+        tokio::time::sleep(window).await;
+        let secs = t.elapsed().as_secs_f64();
+        which
+            .iter()
+            .zip(before)
+            .map(|(&i, b)| (self.members[i].stats.count() - b) as f64 / secs)
+            .collect()
+    }
+
+    /// Stops receiving, leaves every world and waits (bounded) for the
+    /// workers to exit. Returns each worker's exit: `Some(code)`, or `None`
+    /// for one that was killed or had to be.
+    pub async fn shutdown(mut self) -> Vec<Option<i32>> {
+        self.stop.store(true, Ordering::Relaxed);
+        self.leader.shutdown().await;
+        let mut exits = Vec::new();
+        for m in &mut self.members {
+            if let Some(task) = m.task.take() {
+                let _ = tokio::time::timeout(Duration::from_secs(10), task).await;
+            }
+            let Some(p) = m.process.as_mut() else {
+                exits.push(None);
+                continue;
+            };
+            let start = Instant::now();
+            let code = loop {
+                match p.try_wait() {
+                    Ok(Some(status)) => break status.code(),
+                    Ok(None) if start.elapsed() < Duration::from_secs(15) => {
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                    _ => break None,
+                }
+            };
+            exits.push(code);
+        }
+        exits
+    }
+}
