@@ -1,6 +1,8 @@
 //! `m8d`: multiworld's command-line tool.
 //!
 //! Module map:
+//! - [`demo`]: `m8d demo`, the leader/worker demo with a live table and a
+//!   real fault (the README's first command).
 //! - [`store`]: `m8d store`, the standalone store server.
 //! - [`kv`]: `m8d kv`, one store operation from the shell (debugging,
 //!   scripts, tests).
@@ -11,6 +13,7 @@
 //!   process (used by the demo and the fault-injection tests).
 
 mod bench;
+mod demo;
 mod kv;
 mod secret;
 mod store;
@@ -29,6 +32,9 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Run the leader/worker demo: worlds streaming on loopback, one worker
+    /// killed or frozen, the others untouched, a replacement re-joining.
+    Demo(demo::DemoArgs),
     /// Run a standalone store server that hosts the stores of many worlds.
     Store(store::StoreArgs),
     /// Run one operation against a world's store.
@@ -50,6 +56,7 @@ fn main() -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(async move {
         match cli.command {
+            Command::Demo(args) => demo::run(args).await,
             Command::Store(args) => store::run(args).await,
             Command::Kv(args) => kv::run(args).await,
             Command::Bench(cmd) => bench::run(cmd).await,
