@@ -21,6 +21,33 @@
 //! - [`rendezvous`]: the TCP backend's rendezvous over a world's store.
 //! - [`error`]: the error type, [`WorldError`].
 //!
+//! ```
+//! use multiworld::{DType, Rank, Tag, Tensor, WorldConfig, WorldManager};
+//!
+//! # #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! // Two managers stand in for two processes.
+//! let (leader, worker) = (WorldManager::default(), WorldManager::default());
+//! let store = leader.serve_store("127.0.0.1:0").await?.to_string();
+//! let (a, b) = tokio::join!(
+//!     leader.join(WorldConfig::new("w", 0, 2, &store)), // rank 0 hosts the store
+//!     worker.join(WorldConfig::new("w", 1, 2, &store)),
+//! );
+//! let (a, b) = (a?, b?);
+//! let mut got = Tensor::zeros(DType::F32, [3])?;
+//! let (sent, received) = tokio::join!(b.send(Rank(0), Tag(0), &[1.0f32, 2.0, 3.0][..]), a.recv(Rank(1), Tag(0), &mut got));
+//! sent?;
+//! received?;
+//! assert_eq!(got.as_slice::<f32>()?, &[1.0, 2.0, 3.0]);
+//!
+//! // The worker goes away: the leader's world breaks, and only it.
+//! worker.shutdown().await;
+//! let err = a.recv(Rank(1), Tag(0), &mut got).await.unwrap_err();
+//! assert!(err.is_world_broken());
+//! # Ok(())
+//! # }
+//! ```
+//!
 //! Tensors, ranks and tags are the TCP backend's types, re-exported here.
 //! With the `nccl` feature, the NCCL backend is re-exported as [`nccl`]
 //! (`multiworld-nccl`: one non-blocking communicator per world, loaded at run
