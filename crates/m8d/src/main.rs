@@ -35,6 +35,9 @@ enum Command {
     /// Run the leader/worker demo: worlds streaming on loopback, one worker
     /// killed or frozen, the others untouched, a replacement re-joining.
     Demo(demo::DemoArgs),
+    /// Run PROGRAM once per rank with RANK, LOCAL_RANK, WORLD_SIZE,
+    /// MASTER_ADDR and MASTER_PORT set; exit with the first failing rank's code.
+    Launch(LaunchArgs),
     /// Run a standalone store server that hosts the stores of many worlds.
     Store(store::StoreArgs),
     /// Run one operation against a world's store.
@@ -47,6 +50,26 @@ enum Command {
     Bench(bench::BenchCommand),
 }
 
+/// Flags of `m8d launch`.
+#[derive(clap::Args, Debug)]
+struct LaunchArgs {
+    /// Number of ranks to start.
+    #[arg(long)]
+    nproc: u32,
+    /// MASTER_ADDR for every rank (where rank 0 hosts the world's store).
+    #[arg(long, default_value = "127.0.0.1")]
+    master_addr: String,
+    /// MASTER_PORT for every rank (default: a free port).
+    #[arg(long)]
+    master_port: Option<u16>,
+    /// Seconds ranks get to stop after SIGTERM before SIGKILL.
+    #[arg(long, default_value_t = 5.0)]
+    grace: f64,
+    /// The program and its arguments (after `--`).
+    #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
+    command: Vec<std::ffi::OsString>,
+}
+
 fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(EnvFilter::try_from_env("RUST_LOG").unwrap_or_else(|_| EnvFilter::new("warn")))
@@ -54,13 +77,35 @@ fn main() -> anyhow::Result<()> {
         .init();
     let cli = Cli::parse();
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    runtime.block_on(async move {
+    let code = runtime.block_on(async move {
         match cli.command {
+            Command::Launch(args) => {
+                let mut command = args.command.into_iter();
+                let program = command
+                    .next()
+                    .ok_or_else(|| anyhow::anyhow!("no program given"))?;
+                let outcome = m8d::launch::launch(m8d::launch::LaunchConfig {
+                    nproc: args.nproc,
+                    master_addr: args.master_addr,
+                    master_port: args.master_port,
+                    program,
+                    args: command.collect(),
+                    grace: std::time::Duration::from_secs_f64(args.grace),
+                })
+                .await?;
+                return Ok(outcome.code);
+            }
             Command::Demo(args) => demo::run(args).await,
             Command::Store(args) => store::run(args).await,
             Command::Kv(args) => kv::run(args).await,
             Command::Bench(cmd) => bench::run(cmd).await,
             Command::Worker(args) => worker::run(args).await,
         }
-    })
+        .map(|()| 0)
+    })?;
+    drop(runtime);
+    if code != 0 {
+        std::process::exit(code);
+    }
+    Ok(())
 }

@@ -160,6 +160,9 @@ pub struct PeerLiveness {
     pub last_heard: Instant,
     /// Why its connection was lost, if it was.
     pub lost: Option<Arc<str>>,
+    /// Whether the peer left in an orderly way (it closed its communicator
+    /// and said goodbye) rather than failing.
+    pub departed: bool,
 }
 
 /// A completed receive: who sent it and the filled buffer.
@@ -183,6 +186,8 @@ struct Peer {
     /// Child of the world token; cancelled when this connection is lost.
     token: CancellationToken,
     lost: OnceLock<Arc<str>>,
+    /// Set when the peer said goodbye (an orderly close, not a failure).
+    departed: AtomicBool,
     /// Wakes the reader when a receive is posted (it may be waiting for one).
     wake: Notify,
     counters: Counters,
@@ -485,6 +490,7 @@ impl Communicator {
                 })),
                 token: token.child_token(),
                 lost: OnceLock::new(),
+                departed: AtomicBool::new(false),
                 wake: Notify::new(),
                 counters: Counters::new(epoch),
             });
@@ -755,6 +761,7 @@ impl Communicator {
                 rank: p.rank,
                 last_heard: p.counters.last_heard(),
                 lost: p.lost.get().cloned(),
+                departed: p.departed.load(Ordering::Relaxed),
             })
             .collect()
     }
@@ -1327,7 +1334,10 @@ async fn reader_task(inner: Arc<Inner>, peer: Arc<Peer>, half: OwnedReadHalf) {
     };
     let cause: Option<Arc<str>> = match end {
         None => None,
-        Some(ReadEnd::Bye) => Some(Arc::from("peer closed its communicator (orderly close)")),
+        Some(ReadEnd::Bye) => {
+            peer.departed.store(true, Ordering::Relaxed);
+            Some(Arc::from("peer closed its communicator (orderly close)"))
+        }
         Some(ReadEnd::Failed(c)) => Some(Arc::from(c)),
     };
     match &cause {

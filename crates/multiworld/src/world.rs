@@ -34,6 +34,10 @@ use crate::{
     watchdog::{Observations, PeerObservation, ReasonLog, Verdict, decide},
 };
 
+/// The tag of the tokens [`World::finish`] exchanges. Tags with the top bit
+/// set are reserved for the runtime's own messages.
+const FINISH_TAG: Tag = Tag(u32::MAX);
+
 /// The store key through which a member announces that it broke the world.
 /// Its value is `"<rank>\n<cause>"`.
 pub(crate) const BROKEN_KEY: &str = "multiworld/broken";
@@ -83,6 +87,15 @@ pub(crate) struct WorldShared {
     /// Cancels the world's tasks and its communicator (a child of the
     /// manager's root token).
     token: CancellationToken,
+    /// Cancelled the moment the world breaks or is left, to interrupt waits
+    /// that are not on the communicator (barriers in the store).
+    ended: CancellationToken,
+    /// Set by [`World::finish`]: every member is about to leave, so orderly
+    /// departures (a goodbye, a "left" announcement, the store closing) are
+    /// expected and no longer break the world. Crashes still do.
+    closing: std::sync::atomic::AtomicBool,
+    /// Barriers this member has entered.
+    barriers: std::sync::atomic::AtomicU64,
     tasks: TaskTracker,
     events: broadcast::Sender<WorldEvent>,
     registry: Weak<Registry>,
@@ -120,6 +133,9 @@ impl WorldShared {
             lifecycle: Mutex::new(lifecycle),
             cause: std::sync::OnceLock::new(),
             token,
+            ended: CancellationToken::new(),
+            closing: std::sync::atomic::AtomicBool::new(false),
+            barriers: std::sync::atomic::AtomicU64::new(0),
             tasks: TaskTracker::new(),
             events,
             registry,
@@ -216,6 +232,7 @@ impl WorldShared {
         }
         tracing::warn!(world = %self.name, generation = self.generation, %cause, "world broken");
         self.comm.abort();
+        self.ended.cancel();
         let _ = self.events.send(WorldEvent::Broken {
             world: self.name.clone(),
             generation: self.generation,
@@ -246,6 +263,7 @@ impl WorldShared {
             return;
         }
         tracing::info!(world = %self.name, generation = self.generation, "leaving world");
+        self.ended.cancel();
         self.comm.close().await;
         let announce = Some(format!("{}\nrank {} left the world", self.rank, self.rank));
         Arc::clone(self).teardown(announce, true).await;
@@ -316,11 +334,15 @@ async fn watchdog(w: Arc<WorldShared>, mut store: watch::Receiver<StoreStatus>) 
         }
         let now = Instant::now();
         let status = store.borrow_and_update().clone();
+        // While the world is closing, members that leave in an orderly way
+        // (and the store their host closes) are expected; a crash is not.
+        let closing = w.closing.load(std::sync::atomic::Ordering::Relaxed);
         let obs = Observations {
             peers: w
                 .comm
                 .liveness()
                 .into_iter()
+                .filter(|p| !(closing && p.departed))
                 .map(|p| PeerObservation {
                     rank: p.rank.0,
                     last_heard: p.last_heard,
@@ -329,9 +351,9 @@ async fn watchdog(w: Arc<WorldShared>, mut store: watch::Receiver<StoreStatus>) 
                 .collect(),
             earliest_op: None,
             store_last_ok: status.last_ok,
-            store_error: status.error,
-            store_gone: status.gone,
-            reported_broken: status.reported,
+            store_error: if closing { None } else { status.error },
+            store_gone: if closing { None } else { status.gone },
+            reported_broken: if closing { None } else { status.reported },
         };
         let decision = decide(now, &obs, &cfg);
         if log.changed(&decision.reason) {
@@ -530,6 +552,90 @@ impl World {
             world: Arc::clone(&self.shared),
             inner,
         }
+    }
+
+    /// Waits until every member has entered this barrier (the n-th call on
+    /// each member meets the n-th call on the others), at most `timeout`.
+    /// Runs through the world's store. To end a world, use
+    /// [`finish`](Self::finish) instead: a member leaving right after a store
+    /// barrier can close the store under a member whose wait is still on its
+    /// way.
+    pub async fn barrier(&self, timeout: std::time::Duration) -> Result<(), WorldError> {
+        let w = &self.shared;
+        w.check()?;
+        let n = w.barriers.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let key = |n: u64, rank: u32| format!("multiworld/barrier/{n}/{rank}");
+        let keys: Vec<String> = (0..w.size).map(|r| key(n, r)).collect();
+        let wait = async {
+            w.store.set(key(n, w.rank), Vec::new()).await?;
+            w.store.wait(&keys, timeout).await
+        };
+        let result = tokio::select! {
+            biased;
+            _ = w.ended.cancelled() => return Err(w.unusable()),
+            r = wait => r,
+        };
+        match result {
+            Ok(()) => {
+                // Everyone entered barrier n, so everyone left barrier n - 1:
+                // its key is no longer needed.
+                if n > 0 {
+                    let _ = w.store.delete(key(n - 1, w.rank)).await;
+                }
+                Ok(())
+            }
+            Err(StoreError::Timeout { after, .. }) => Err(WorldError::Timeout {
+                world: w.name.clone(),
+                op: format!("barrier {n}"),
+                after,
+            }),
+            Err(e) => {
+                w.break_with(BreakCause::StoreLost {
+                    reason: e.to_string(),
+                });
+                Err(w.unusable())
+            }
+        }
+    }
+
+    /// Ends the world for everyone, in order: marks it closing (from now on
+    /// members leaving in an orderly way are expected, not failures), sends
+    /// a token to every other member over the world's own connections and
+    /// waits for one from each, then leaves. Every member must call it. A
+    /// member's goodbye travels behind its token on the same connection, so
+    /// everyone has every token before anyone's departure can be seen, and
+    /// nobody's leave cuts off a member that is still finishing. A member
+    /// that crashes meanwhile still breaks the world.
+    pub async fn finish(&self, timeout: std::time::Duration) -> Result<(), WorldError> {
+        let w = &self.shared;
+        w.check()?;
+        w.closing.store(true, std::sync::atomic::Ordering::Relaxed);
+        let me = w.rank;
+        let token = [1u8];
+        let exchange = (0..w.size).filter(|&r| r != me).map(|r| async move {
+            let mut got = Tensor::zeros(multiworld_tcp::DType::U8, [1]).map_err(|e| w.fail(e))?;
+            let (sent, received) = tokio::join!(
+                w.comm.send(Rank(r), FINISH_TAG, &token[..]),
+                w.comm.recv(Rank(r), FINISH_TAG, &mut got)
+            );
+            sent.and(received).map_err(|e| w.fail(e))
+        });
+        let all = async {
+            for r in futures::future::join_all(exchange).await {
+                r?;
+            }
+            Ok(())
+        };
+        let passed = match tokio::time::timeout(timeout, all).await {
+            Ok(r) => r,
+            Err(_) => Err(WorldError::Timeout {
+                world: w.name.clone(),
+                op: "finish".into(),
+                after: timeout,
+            }),
+        };
+        w.leave().await;
+        passed
     }
 
     /// Breaks the world now with [`BreakCause::Aborted`]: every pending and

@@ -300,3 +300,34 @@ async fn shutdown_removes_everything_and_refuses_new_joins() {
     ));
     b.removed().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn finishing_together_ends_a_world_without_breaking_it() {
+    init_tracing();
+    let managers: Vec<WorldManager> = (0..3).map(|_| WorldManager::default()).collect();
+    let store = managers[0].serve_store("127.0.0.1:0").await.unwrap().to_string();
+    let mut events: Vec<_> = managers.iter().map(|m| m.events()).collect();
+    let joins = managers
+        .iter()
+        .enumerate()
+        .map(|(r, m)| m.join(cfg("together", r as u32, 3, &store)));
+    let worlds: Vec<_> = futures::future::join_all(joins)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    // Everyone finishes at slightly different times; nobody's world breaks.
+    let finishes = worlds.iter().enumerate().map(|(i, w)| async move {
+        tokio::time::sleep(Duration::from_millis(30 * i as u64)).await;
+        w.finish(Duration::from_secs(10)).await
+    });
+    for r in futures::future::join_all(finishes).await {
+        r.unwrap();
+    }
+    for (m, rx) in managers.iter().zip(events.iter_mut()) {
+        assert!(m.world("together").is_none());
+        while let Ok(e) = rx.try_recv() {
+            assert!(!matches!(e, WorldEvent::Broken { .. }), "{e:?}");
+        }
+    }
+}
