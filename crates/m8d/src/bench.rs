@@ -30,6 +30,44 @@ pub enum BenchCommand {
     /// Detection time and the healthy worlds' throughput around a killed and
     /// a frozen worker.
     Failover(FailoverArgs),
+    /// Point-to-point streaming (4 B to 256 MiB) and ping-pong against raw
+    /// TCP references measured in the same run.
+    P2p(P2pArgs),
+    /// A leader's aggregate receive rate over K worlds (one worker each)
+    /// against the same traffic over one world of K + 1 members.
+    Worlds(WorldsArgs),
+}
+
+/// Flags of `m8d bench p2p`.
+#[derive(Args, Debug)]
+pub struct P2pArgs {
+    /// A quicker, smaller run (fewer bytes per size, one repeat).
+    #[arg(long)]
+    pub quick: bool,
+    /// Write the results as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Draw bandwidth against message size, with the raw TCP reference, as
+    /// an SVG file.
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
+}
+
+/// Flags of `m8d bench worlds`.
+#[derive(Args, Debug)]
+pub struct WorldsArgs {
+    /// Numbers of workers to compare (comma separated).
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+    pub workers: Vec<usize>,
+    /// Message sizes in bytes (comma separated).
+    #[arg(long, value_delimiter = ',', default_value = "65536,1048576")]
+    pub bytes: Vec<usize>,
+    /// Seconds measured per point.
+    #[arg(long, default_value_t = 3.0)]
+    pub seconds: f64,
+    /// Write the results as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
 }
 
 /// Flags of `m8d bench failover`.
@@ -77,6 +115,8 @@ pub async fn run(cmd: BenchCommand) -> anyhow::Result<()> {
     match cmd {
         BenchCommand::Store(args) => store(args).await,
         BenchCommand::Failover(args) => failover(args).await,
+        BenchCommand::P2p(args) => p2p(args).await,
+        BenchCommand::Worlds(args) => worlds(args).await,
     }
 }
 
@@ -487,6 +527,261 @@ async fn failover(args: FailoverArgs) -> anyhow::Result<()> {
     };
     if let Some(path) = args.json {
         std::fs::write(&path, serde_json::to_string_pretty(&report)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+        println!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
+#[derive(Serialize)]
+struct P2pRowOut {
+    bytes: usize,
+    messages: usize,
+    comm_gbps: f64,
+    raw_gbps: f64,
+    ratio: f64,
+}
+
+#[derive(Serialize)]
+struct P2pOut {
+    stream: Vec<P2pRowOut>,
+    half_round_trip_us: f64,
+    raw_half_round_trip_us: f64,
+}
+
+async fn p2p(args: P2pArgs) -> anyhow::Result<()> {
+    let mut cfg = multiworld_tcp::bench::P2pBenchConfig::default();
+    if args.quick {
+        cfg.bytes_per_size = 64 << 20;
+        cfg.max_messages = 2000;
+        cfg.pingpong_rounds = 2000;
+        cfg.repeats = 1;
+    }
+    let report = multiworld_tcp::bench::p2p(cfg).await?;
+    println!("{report}");
+    let out = P2pOut {
+        stream: report
+            .stream
+            .iter()
+            .map(|r| P2pRowOut {
+                bytes: r.bytes,
+                messages: r.messages,
+                comm_gbps: r.comm_gbps,
+                raw_gbps: r.raw_gbps,
+                ratio: r.ratio(),
+            })
+            .collect(),
+        half_round_trip_us: report.pingpong.comm_us,
+        raw_half_round_trip_us: report.pingpong.raw_us,
+    };
+    println!(
+        "targets: ≥ 90 % of the raw stream for messages ≥ 16 MiB; half round trip ≤ 2 × the raw ping-pong"
+    );
+    if let Some(path) = &args.plot {
+        plot_p2p(path, &out.stream)?;
+        println!("wrote {}", path.display());
+    }
+    if let Some(path) = args.json {
+        std::fs::write(&path, serde_json::to_string_pretty(&out)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+        println!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
+/// Bandwidth against message size (log scale), communicator and raw TCP.
+fn plot_p2p(path: &std::path::Path, rows: &[P2pRowOut]) -> anyhow::Result<()> {
+    use plotters::prelude::*;
+    anyhow::ensure!(!rows.is_empty(), "nothing to plot");
+    let top = rows
+        .iter()
+        .map(|r| r.comm_gbps.max(r.raw_gbps))
+        .fold(0.0f64, f64::max)
+        * 1.1;
+    let x = |b: usize| (b as f64).log2();
+    let (x0, x1) = (
+        x(rows[0].bytes),
+        x(rows[rows.len() - 1].bytes).max(x(rows[0].bytes) + 1.0),
+    );
+    let root = SVGBackend::new(path, (900, 540)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption("multiworld p2p streaming over loopback", ("sans-serif", 22))
+        .margin(16)
+        .x_label_area_size(44)
+        .y_label_area_size(56)
+        .build_cartesian_2d(x0..x1, 0.0..top.max(0.1))
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    chart
+        .configure_mesh()
+        .x_desc("message size")
+        .y_desc("GB/s")
+        .x_label_formatter(&|v| {
+            let b = 2f64.powf(*v).round() as usize;
+            if b >= 1 << 20 {
+                format!("{} MiB", b >> 20)
+            } else if b >= 1 << 10 {
+                format!("{} KiB", b >> 10)
+            } else {
+                format!("{b} B")
+            }
+        })
+        .draw()
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let series = [("multiworld", &BLUE, true), ("raw TCP (same run)", &RED, false)];
+    for (name, color, comm) in series {
+        let pts: Vec<(f64, f64)> = rows
+            .iter()
+            .map(|r| (x(r.bytes), if comm { r.comm_gbps } else { r.raw_gbps }))
+            .collect();
+        chart
+            .draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))
+            .map_err(|e| anyhow::anyhow!("{e}"))?
+            .label(name)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
+        chart
+            .draw_series(pts.into_iter().map(|p| Circle::new(p, 3, color.filled())))
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+    }
+    chart
+        .configure_series_labels()
+        .border_style(BLACK)
+        .background_style(WHITE)
+        .draw()
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    root.present().map_err(|e| anyhow::anyhow!("{e}"))?;
+    Ok(())
+}
+
+#[derive(Serialize)]
+struct WorldsRow {
+    workers: usize,
+    bytes: usize,
+    multi_world_msgs_s: f64,
+    single_world_msgs_s: f64,
+    ratio: f64,
+}
+
+/// Aggregate messages/s a leader receives from `k` workers sharing one world
+/// of `k + 1` members.
+async fn single_world_rate(
+    exe: &std::path::Path,
+    k: usize,
+    bytes: usize,
+    window: Duration,
+) -> anyhow::Result<f64> {
+    use m8d::stream::{StreamStats, receive_stream};
+    use std::sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    };
+    let leader = multiworld::WorldManager::default();
+    let store = leader.serve_store("127.0.0.1:0").await?.to_string();
+    let size = (k + 1) as u32;
+    let mut children = Vec::new();
+    for r in 1..=k {
+        let child = std::process::Command::new(exe)
+            .args(["worker", "--world", "single", "--store", &store])
+            .args([
+                "--rank",
+                &r.to_string(),
+                "--size",
+                &size.to_string(),
+                "--bytes",
+                &bytes.to_string(),
+            ])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()?;
+        children.push(ChildGuard(child));
+    }
+    let world = leader
+        .join(multiworld::WorldConfig::new("single", 0, size, &store))
+        .await?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let stats: Vec<Arc<StreamStats>> = (0..k).map(|_| Arc::new(StreamStats::default())).collect();
+    let mut tasks = Vec::new();
+    for (i, st) in stats.iter().enumerate() {
+        let (world, st, stop) = (world.clone(), Arc::clone(st), Arc::clone(&stop));
+        tasks.push(tokio::spawn(async move {
+            receive_stream(&world, multiworld::Rank(i as u32 + 1), bytes, st, move || {
+                stop.load(Ordering::Relaxed)
+            })
+            .await
+        }));
+    }
+    let total = || stats.iter().map(|s| s.count()).sum::<u64>();
+    // Warm up until every sender flows.
+    let start = Instant::now();
+    while stats.iter().any(|s| s.count() < 5) {
+        anyhow::ensure!(
+            start.elapsed() < Duration::from_secs(30),
+            "the single world never flowed"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let before = total();
+    let t = Instant::now();
+    tokio::time::sleep(window).await;
+    let rate = (total() - before) as f64 / t.elapsed().as_secs_f64();
+    stop.store(true, Ordering::Relaxed);
+    leader.shutdown().await;
+    for t in tasks {
+        let _ = tokio::time::timeout(Duration::from_secs(5), t).await;
+    }
+    drop(children);
+    Ok(rate)
+}
+
+/// Kills and reaps a child when dropped.
+struct ChildGuard(std::process::Child);
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+async fn worlds(args: WorldsArgs) -> anyhow::Result<()> {
+    let exe = std::env::current_exe().context("finding m8d's own path")?;
+    let window = Duration::from_secs_f64(args.seconds);
+    println!(
+        "worlds benchmark: a leader receiving from K worker processes, in K worlds of 2 vs one world of K + 1"
+    );
+    println!("\n   bytes  workers   K worlds msgs/s   1 world msgs/s   ratio");
+    let mut rows = Vec::new();
+    for &bytes in &args.bytes {
+        for &k in &args.workers {
+            let mut config = m8d::fleet::FleetConfig::new(&exe, k);
+            config.bytes = bytes;
+            let fleet = m8d::fleet::Fleet::start(config).await?;
+            let all: Vec<usize> = (0..k).collect();
+            let multi: f64 = fleet.rates(&all, window).await.iter().sum();
+            fleet.shutdown().await;
+            let single = single_world_rate(&exe, k, bytes, window).await?;
+            let row = WorldsRow {
+                workers: k,
+                bytes,
+                multi_world_msgs_s: multi,
+                single_world_msgs_s: single,
+                ratio: multi / single.max(1e-9),
+            };
+            println!(
+                "{:>8} {:>8} {:>17.0} {:>16.0} {:>7.1} %",
+                bytes,
+                k,
+                multi,
+                single,
+                row.ratio * 100.0
+            );
+            rows.push(row);
+        }
+    }
+    println!("\ntarget: K worlds ≥ 97 % of the same traffic over one world");
+    if let Some(path) = args.json {
+        std::fs::write(&path, serde_json::to_string_pretty(&rows)?)
             .with_context(|| format!("writing {}", path.display()))?;
         println!("wrote {}", path.display());
     }
