@@ -13,7 +13,7 @@
 use std::{
     io::{BufRead, BufReader},
     path::PathBuf,
-    process::{Child, Command, Stdio},
+    process::{Command, Stdio},
     time::{Duration, Instant},
 };
 
@@ -148,7 +148,7 @@ struct Targets {
 
 /// A `m8d store` child process, killed when dropped.
 struct StoreProcess {
-    child: Child,
+    child: m8d::fleet::ChildProcess,
     addr: String,
 }
 
@@ -164,8 +164,8 @@ impl StoreProcess {
         let stdout = child.stdout.take().context("store stdout")?;
         let mut line = String::new();
         BufReader::new(stdout).read_line(&mut line)?;
+        let child = m8d::fleet::ChildProcess::new(child);
         let Some(addr) = line.trim().strip_prefix("listening on ") else {
-            let _ = child.kill();
             bail!("m8d store said {line:?} instead of its address");
         };
         Ok(StoreProcess {
@@ -176,16 +176,7 @@ impl StoreProcess {
 
     /// SIGKILLs the server and reaps it.
     fn kill(&mut self) -> anyhow::Result<()> {
-        self.child.kill()?;
-        self.child.wait()?;
-        Ok(())
-    }
-}
-
-impl Drop for StoreProcess {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.child.kill()
     }
 }
 
@@ -694,7 +685,7 @@ async fn single_world_rate(
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()?;
-        children.push(ChildGuard(child));
+        children.push(m8d::fleet::ChildProcess::new(child));
     }
     let world = leader
         .join(multiworld::WorldConfig::new("single", 0, size, &store))
@@ -732,16 +723,6 @@ async fn single_world_rate(
     }
     drop(children);
     Ok(rate)
-}
-
-/// Kills and reaps a child when dropped.
-struct ChildGuard(std::process::Child);
-
-impl Drop for ChildGuard {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 async fn worlds(args: WorldsArgs) -> anyhow::Result<()> {

@@ -52,11 +52,16 @@ impl FleetConfig {
     }
 }
 
-/// A worker process, killed and reaped when dropped.
+/// A child process, killed and reaped when dropped.
 #[derive(Debug)]
-pub struct WorkerProcess(Child);
+pub struct ChildProcess(Child);
 
-impl WorkerProcess {
+impl ChildProcess {
+    /// Takes ownership of a started child.
+    pub fn new(child: Child) -> ChildProcess {
+        ChildProcess(child)
+    }
+
     /// Sends `sig` to the process.
     pub fn signal(&self, sig: Signal) -> anyhow::Result<()> {
         let pid = i32::try_from(self.0.id()).context("pid out of range")?;
@@ -76,7 +81,7 @@ impl WorkerProcess {
     }
 }
 
-impl Drop for WorkerProcess {
+impl Drop for ChildProcess {
     fn drop(&mut self) {
         let _ = self.0.kill();
         let _ = self.0.wait();
@@ -92,7 +97,7 @@ pub struct Member {
     /// The world's name (`w1`, `w2`, ...).
     pub name: String,
     /// The worker process.
-    pub process: Option<WorkerProcess>,
+    pub process: Option<ChildProcess>,
     /// The leader's membership.
     pub world: World,
     /// What the leader has received.
@@ -149,7 +154,7 @@ impl Fleet {
         c
     }
 
-    fn spawn_worker(&self, name: &str) -> anyhow::Result<WorkerProcess> {
+    fn spawn_worker(&self, name: &str) -> anyhow::Result<ChildProcess> {
         let stderr = if self.config.worker_logs {
             Stdio::inherit()
         } else {
@@ -163,10 +168,10 @@ impl Fleet {
             .stderr(stderr)
             .spawn()
             .with_context(|| format!("starting {} worker", self.config.exe.display()))?;
-        Ok(WorkerProcess(child))
+        Ok(ChildProcess(child))
     }
 
-    fn member(&self, name: String, process: WorkerProcess, world: World) -> Member {
+    fn member(&self, name: String, process: ChildProcess, world: World) -> Member {
         let stats = Arc::new(StreamStats::default());
         let task = {
             let (world, stats, stop) = (world.clone(), Arc::clone(&stats), Arc::clone(&self.stop));
