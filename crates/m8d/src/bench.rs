@@ -65,6 +65,10 @@ pub struct WorldsArgs {
     /// Seconds measured per point.
     #[arg(long, default_value_t = 3.0)]
     pub seconds: f64,
+    /// Measurements per point, alternating the two setups; medians are
+    /// reported (message rates on this VM are bimodal from run to run).
+    #[arg(long, default_value_t = 3)]
+    pub repeats: usize,
     /// Write the results as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -735,13 +739,21 @@ async fn worlds(args: WorldsArgs) -> anyhow::Result<()> {
     let mut rows = Vec::new();
     for &bytes in &args.bytes {
         for &k in &args.workers {
-            let mut config = m8d::fleet::FleetConfig::new(&exe, k);
-            config.bytes = bytes;
-            let fleet = m8d::fleet::Fleet::start(config).await?;
-            let all: Vec<usize> = (0..k).collect();
-            let multi: f64 = fleet.rates(&all, window).await.iter().sum();
-            fleet.shutdown().await;
-            let single = single_world_rate(&exe, k, bytes, window).await?;
+            let (mut multis, mut singles) = (Vec::new(), Vec::new());
+            for _ in 0..args.repeats.max(1) {
+                let mut config = m8d::fleet::FleetConfig::new(&exe, k);
+                config.bytes = bytes;
+                let fleet = m8d::fleet::Fleet::start(config).await?;
+                let all: Vec<usize> = (0..k).collect();
+                multis.push(fleet.rates(&all, window).await.iter().sum::<f64>());
+                fleet.shutdown().await;
+                singles.push(single_world_rate(&exe, k, bytes, window).await?);
+            }
+            let median = |v: &mut Vec<f64>| {
+                v.sort_by(f64::total_cmp);
+                v[v.len() / 2]
+            };
+            let (multi, single) = (median(&mut multis), median(&mut singles));
             let row = WorldsRow {
                 workers: k,
                 bytes,
