@@ -324,7 +324,7 @@ impl WorldShared {
 
 /// Watches one world until it breaks or is torn down.
 async fn watchdog(w: Arc<WorldShared>, mut store: watch::Receiver<StoreStatus>) {
-    let mut health = w.comm.health_events();
+    let mut health = Some(w.comm.health_events());
     let mut log = ReasonLog::default();
     let cfg = w.config.watchdog.clone();
     loop {
@@ -367,7 +367,19 @@ async fn watchdog(w: Arc<WorldShared>, mut store: watch::Receiver<StoreStatus>) 
         tokio::select! {
             biased;
             _ = w.token.cancelled() => return,
-            _ = health.recv() => {}
+            event = async {
+                match health.as_mut() {
+                    Some(h) => h.recv().await,
+                    None => std::future::pending().await,
+                }
+            } => {
+                // The channel closes only with the communicator, which this
+                // task keeps alive; if it ever did, stop listening to it
+                // rather than spin on it.
+                if let Err(tokio::sync::broadcast::error::RecvError::Closed) = event {
+                    health = None;
+                }
+            }
             _ = store.changed() => {}
             _ = tokio::time::sleep_until(wake) => {}
         }
