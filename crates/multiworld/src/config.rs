@@ -75,8 +75,12 @@ pub struct WorldConfig {
     pub secret: Option<Vec<u8>>,
     /// How long joining may take before it fails (default 30 s).
     pub join_timeout: Duration,
-    /// Deadline of every operation that is not given its own (default none:
-    /// the watchdog's heartbeats bound how long a dead world can hang one).
+    /// Deadline of every operation of the world (send, receive, their
+    /// handles, finish). An operation still pending at its deadline means the
+    /// world is not healthy: the watchdog breaks it with
+    /// `BreakCause::OpDeadline`, failing that operation and every other one.
+    /// Default none: heartbeats already bound how long a dead or frozen world
+    /// can hold an operation.
     pub op_timeout: Option<Duration>,
     /// Failure detection timing.
     pub watchdog: WatchdogConfig,

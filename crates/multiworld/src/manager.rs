@@ -354,7 +354,9 @@ impl WorldManager {
             );
             comm_config.secret = config.secret.as_ref().map(multiworld_tcp::Secret::new);
             comm_config.join_timeout = remaining();
-            comm_config.op_timeout = config.op_timeout;
+            // Deadlines are the watchdog's (see `WorldConfig::op_timeout`),
+            // so the communicator itself never times an operation out.
+            comm_config.op_timeout = None;
             comm_config.heartbeat_interval = Some(config.watchdog.heartbeat_interval);
             let token = self.inner.root.child_token();
             match Communicator::join_with_token(comm_config, &rendezvous, token.child_token()).await {

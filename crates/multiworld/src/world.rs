@@ -94,6 +94,11 @@ pub(crate) struct WorldShared {
     /// departures (a goodbye, a "left" announcement, the store closing) are
     /// expected and no longer break the world. Crashes still do.
     closing: std::sync::atomic::AtomicBool,
+    /// Operations in flight with a deadline, earliest first (only when
+    /// `op_timeout` is set), and a poke for the watchdog when one is added.
+    deadlines: Mutex<std::collections::BTreeMap<(Instant, u64), &'static str>>,
+    next_op: std::sync::atomic::AtomicU64,
+    deadline_added: tokio::sync::Notify,
     /// Barriers this member has entered.
     barriers: std::sync::atomic::AtomicU64,
     tasks: TaskTracker,
@@ -135,6 +140,9 @@ impl WorldShared {
             token,
             ended: CancellationToken::new(),
             closing: std::sync::atomic::AtomicBool::new(false),
+            deadlines: Mutex::new(std::collections::BTreeMap::new()),
+            next_op: std::sync::atomic::AtomicU64::new(0),
+            deadline_added: tokio::sync::Notify::new(),
             barriers: std::sync::atomic::AtomicU64::new(0),
             tasks: TaskTracker::new(),
             events,
@@ -189,6 +197,37 @@ impl WorldShared {
                 world: self.name.clone(),
             },
         }
+    }
+
+    /// Registers an operation's deadline (when the world has `op_timeout`);
+    /// the guard removes it when the operation ends.
+    fn track(self: &Arc<Self>, op: &'static str) -> Option<OpDeadline> {
+        let after = self.config.op_timeout?;
+        let key = (
+            Instant::now() + after,
+            self.next_op.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+        );
+        self.deadlines
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(key, op);
+        self.deadline_added.notify_one();
+        Some(OpDeadline {
+            world: Arc::clone(self),
+            key,
+        })
+    }
+
+    fn earliest_deadline(&self) -> Option<crate::watchdog::PendingOp> {
+        let after = self.config.op_timeout?;
+        let deadlines = self.deadlines.lock().unwrap_or_else(|e| e.into_inner());
+        deadlines
+            .first_key_value()
+            .map(|(&(deadline, _), &op)| crate::watchdog::PendingOp {
+                op: op.to_string(),
+                deadline,
+                timeout: after,
+            })
     }
 
     fn check(&self) -> Result<(), WorldError> {
@@ -322,6 +361,23 @@ impl WorldShared {
     }
 }
 
+/// An operation's registered deadline; dropping it (the operation ended,
+/// however) unregisters it.
+struct OpDeadline {
+    world: Arc<WorldShared>,
+    key: (Instant, u64),
+}
+
+impl Drop for OpDeadline {
+    fn drop(&mut self) {
+        self.world
+            .deadlines
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&self.key);
+    }
+}
+
 /// Watches one world until it breaks or is torn down.
 async fn watchdog(w: Arc<WorldShared>, mut store: watch::Receiver<StoreStatus>) {
     let mut health = Some(w.comm.health_events());
@@ -349,7 +405,7 @@ async fn watchdog(w: Arc<WorldShared>, mut store: watch::Receiver<StoreStatus>) 
                     transport_error: p.lost.map(|c| c.to_string()),
                 })
                 .collect(),
-            earliest_op: None,
+            earliest_op: w.earliest_deadline(),
             store_last_ok: status.last_ok,
             store_error: if closing { None } else { status.error },
             store_gone: if closing { None } else { status.gone },
@@ -381,6 +437,7 @@ async fn watchdog(w: Arc<WorldShared>, mut store: watch::Receiver<StoreStatus>) 
                 }
             }
             _ = store.changed() => {}
+            _ = w.deadline_added.notified() => {}
             _ = tokio::time::sleep_until(wake) => {}
         }
     }
@@ -510,6 +567,7 @@ impl World {
         data: impl Into<TensorView<'a>>,
     ) -> Result<(), WorldError> {
         self.shared.check()?;
+        let _deadline = self.shared.track("send");
         self.shared
             .comm
             .send(dst, tag, data)
@@ -521,6 +579,7 @@ impl World {
     /// match the message.
     pub async fn recv(&self, src: Rank, tag: Tag, buf: &mut Tensor) -> Result<(), WorldError> {
         self.shared.check()?;
+        let _deadline = self.shared.track("recv");
         self.shared
             .comm
             .recv(src, tag, buf)
@@ -531,6 +590,7 @@ impl World {
     /// Receives from any member on `tag`; returns who sent it.
     pub async fn recv_any(&self, tag: Tag, buf: &mut Tensor) -> Result<Rank, WorldError> {
         self.shared.check()?;
+        let _deadline = self.shared.track("recv from any rank");
         self.shared
             .comm
             .recv_any(tag, buf)
@@ -547,6 +607,7 @@ impl World {
             .map(|()| self.shared.comm.isend(dst, tag, data));
         PendingSend {
             world: Arc::clone(&self.shared),
+            _deadline: inner.as_ref().ok().and_then(|_| self.shared.track("isend")),
             inner,
         }
     }
@@ -562,6 +623,7 @@ impl World {
             .map(|()| self.shared.comm.irecv(source, tag, buf));
         PendingRecv {
             world: Arc::clone(&self.shared),
+            _deadline: inner.as_ref().ok().and_then(|_| self.shared.track("irecv")),
             inner,
         }
     }
@@ -666,6 +728,7 @@ impl World {
 /// A send started by [`World::isend`].
 pub struct PendingSend {
     world: Arc<WorldShared>,
+    _deadline: Option<OpDeadline>,
     inner: Result<multiworld_tcp::SendHandle, WorldError>,
 }
 
@@ -684,6 +747,7 @@ impl PendingSend {
 /// A receive started by [`World::irecv`].
 pub struct PendingRecv {
     world: Arc<WorldShared>,
+    _deadline: Option<OpDeadline>,
     inner: Result<multiworld_tcp::RecvHandle, WorldError>,
 }
 

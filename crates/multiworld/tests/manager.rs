@@ -331,3 +331,47 @@ async fn finishing_together_ends_a_world_without_breaking_it() {
         }
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operation_past_its_deadline_breaks_the_world() {
+    init_tracing();
+    let leader = WorldManager::default();
+    let worker = WorldManager::default();
+    let store = leader.serve_store("127.0.0.1:0").await.unwrap().to_string();
+    let with_deadline = |rank| {
+        let mut c = cfg("deadline", rank, 2, &store);
+        c.op_timeout = Some(Duration::from_millis(300));
+        c
+    };
+    let (a, b) = tokio::join!(leader.join(with_deadline(0)), worker.join(with_deadline(1)));
+    let (a, b) = (a.unwrap(), b.unwrap());
+    // Operations that finish in time leave nothing behind...
+    for i in 0..5 {
+        ping(&a, &b, i as f32).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(a.state(), WorldState::Ready);
+    // ...but one that nobody answers breaks the world at its deadline.
+    let mut worker_events = worker.events();
+    let started = Instant::now();
+    let mut buf = Tensor::zeros(multiworld::DType::F32, [4]).unwrap();
+    let err = a.recv(Rank(1), Tag(5), &mut buf).await.unwrap_err();
+    let took = started.elapsed();
+    match &err {
+        WorldError::Broken {
+            cause: BreakCause::OpDeadline { op, after },
+            ..
+        } => {
+            assert_eq!(op, "recv");
+            assert_eq!(*after, Duration::from_millis(300));
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(took >= Duration::from_millis(300), "broke early: {took:?}");
+    assert!(took < Duration::from_secs(3), "broke late: {took:?}");
+    // The peer learns of it and breaks too.
+    assert!(matches!(
+        next_event_for(&mut worker_events, "deadline", Duration::from_secs(5)).await,
+        WorldEvent::Broken { .. }
+    ));
+}
