@@ -895,6 +895,11 @@ impl Inner {
         dtype: DType,
         bytes: &[u8],
     ) -> Result<()> {
+        // Aborted or lost while this send waited for the writer: write nothing.
+        if peer.token.is_cancelled() {
+            self.drop_writer(w);
+            return Err(self.peer_error(peer));
+        }
         let seq = w.seq;
         let Some(half) = w.half.as_mut() else {
             return Err(self.peer_error(peer));
@@ -1018,6 +1023,29 @@ impl Inner {
         Posting::Waiting { id, rx }
     }
 
+    /// Closes a connection's write half now, or, if a send holds the writer,
+    /// as soon as that send lets go of it, whichever way it does (finishing,
+    /// failing, or its future being dropped without being polled again), so
+    /// the peer always learns of an abort or a loss. The waiting task is not
+    /// tracked: a send future that is kept but never polled again must not
+    /// hold up `wait_closed`.
+    fn close_writer(&self, peer: &Arc<Peer>) {
+        if let Ok(mut w) = peer.writer.try_lock() {
+            self.drop_writer(&mut w);
+            return;
+        }
+        let closing = self.closing.load(Ordering::Relaxed);
+        let writer = Arc::clone(&peer.writer);
+        self.runtime.spawn(async move {
+            let mut w = writer.lock().await;
+            if let Some(half) = w.half.take()
+                && !closing
+            {
+                reset_on_close(half.as_ref());
+            }
+        });
+    }
+
     /// Drops a connection's write half; abortively unless this is an orderly close.
     fn drop_writer(&self, w: &mut Writer) {
         if let Some(half) = w.half.take() {
@@ -1119,9 +1147,7 @@ impl Inner {
             return;
         }
         peer.token.cancel();
-        if let Ok(mut w) = peer.writer.try_lock() {
-            self.drop_writer(&mut w);
-        }
+        self.close_writer(peer);
         let failed = self.lock().drain_posted(|p| p.src.matches(rank));
         let err = self
             .aborted_error()
@@ -1162,10 +1188,7 @@ impl Inner {
         }
         drop((stash, pool));
         for peer in self.peers.iter().flatten() {
-            // A writer that holds the lock sees the cancellation and drops its half.
-            if let Ok(mut w) = peer.writer.try_lock() {
-                self.drop_writer(&mut w);
-            }
+            self.close_writer(peer);
         }
         info!(local = %self.identity, %reason, "communicator aborted");
         let _ = self.health_tx.send(HealthEvent::Aborted { reason });

@@ -16,10 +16,13 @@
 //! | [`config`] | [`CommConfig`] | none |
 //! | [`rendezvous`] | the [`Rendezvous`] trait and [`MemoryRendezvous`] | in-process |
 //! | [`mesh`] | listen, publish, connect, authenticate; refuse strangers | TCP |
-//! | [`comm`] | [`Communicator`]: send/recv/isend/irecv, failure handling, abort, health | TCP |
+//! | [`comm`] | [`Communicator`]: send/recv/isend/irecv, failure handling, abort, health, heartbeats | TCP |
+//! | [`collectives`] | [`collectives::Group`]: every torch.distributed collective, sub-groups, reduce ops, agreement, member-loss guard | TCP |
 //! | [`bench`](mod@bench) | the p2p benchmark with raw-TCP references | TCP |
 //!
-//! The wire protocol is described in `PROTOCOL.md` next to this crate's manifest.
+//! The wire protocol is described in `docs/protocol.md` at the repository's
+//! root; the collectives' protocol, algorithms and numerics in `COLLECTIVES.md`
+//! next to this crate's manifest.
 
 // Tensor payloads go on the wire as their in-memory bytes, and the wire format is
 // little-endian.
@@ -27,6 +30,7 @@
 compile_error!("multiworld-tcp supports little-endian targets only");
 
 pub mod bench;
+pub mod collectives;
 pub mod comm;
 pub mod config;
 pub mod error;

@@ -1,0 +1,920 @@
+//! [`Group`]: a set of a world's ranks that run collectives together (the whole
+//! world, or a sub-group made with [`Group::new_group`]), its configuration, and the
+//! life of one collective call:
+//!
+//! 1. **turn**: calls on one group run one at a time, in call order (a fair async
+//!    mutex whose queue place is taken when the call is made, so handle-form calls
+//!    keep their order too); the call gets the group's next sequence number, which
+//!    goes into its tags (see [`super::tags`]);
+//! 2. **local validation**: an invalid call (op undefined for the dtype, a root
+//!    outside the group, a wrong list length, ...) fails at once with
+//!    [`Error::InvalidArgument`], without sending any tensor data; it still sends its
+//!    descriptor, marked "abstain", so the other members fail too instead of
+//!    waiting for it;
+//! 3. **agreement**: one round of descriptors between all members (small direct
+//!    payloads ride right behind them), then the same check on every member
+//!    (see [`super::desc`]);
+//! 4. **algorithm**, while a **guard** watches the world's health: if any member of
+//!    the group is lost (or the communicator is aborted) the call fails at once with
+//!    that error, even if this rank was only waiting on a live neighbour that is
+//!    itself stuck. A deadline (`CollectiveConfig::timeout`, else the communicator's
+//!    `op_timeout`) bounds the whole call.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::task::{Context, Poll, Waker};
+use std::time::Duration;
+
+use tokio::sync::broadcast::error::RecvError;
+use tokio::sync::{OwnedMutexGuard, broadcast};
+use tracing::debug;
+
+use crate::collectives::desc::{self, AgreeCtx, Algo, Desc, Kind};
+use crate::collectives::handle::CollectiveHandle;
+use crate::collectives::tags::{self, MAX_GROUP_ID, Phase, check_user_tag};
+use crate::collectives::util::{Scratch, try_join_all};
+use crate::comm::{Communicator, HealthEvent, Received, RecvHandle, SendHandle};
+use crate::error::{Error, Result};
+use crate::id::{Rank, Source, Tag};
+use crate::tensor::{DType, Tensor, TensorView};
+
+/// Which algorithm family to use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum Algorithm {
+    /// Direct exchange for small buffers, ring / pipelined chain for large ones
+    /// (see [`CollectiveConfig::direct_max_bytes`]).
+    #[default]
+    Auto,
+    /// Always the latency-optimal direct exchange (one round).
+    Direct,
+    /// Always the bandwidth-optimal ring (reduce-scatter + all-gather) or pipelined
+    /// chain (broadcast), where the operation has one; direct otherwise.
+    Ring,
+}
+
+/// Settings of a [`Group`]'s collectives. Fields that change the algorithm
+/// (`algorithm`, `direct_max_bytes`, `chunk_bytes`) must be the same on every
+/// member: a call whose members disagree on them fails on every member.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct CollectiveConfig {
+    /// Algorithm choice. Default [`Algorithm::Auto`].
+    pub algorithm: Algorithm,
+    /// With [`Algorithm::Auto`], an operation that has a ring algorithm uses the
+    /// direct one while `buffer bytes × (group size − 1)` is at most this (what each
+    /// rank would send in a direct all-reduce). Default 256 KiB (see
+    /// `COLLECTIVES.md` for the measured crossover).
+    pub direct_max_bytes: usize,
+    /// A direct algorithm sends its payloads right behind its descriptor, without
+    /// waiting for the agreement round, when this rank sends at most this many bytes
+    /// in all (the payloads are copied once for that). Default 256 KiB.
+    pub eager_max_bytes: usize,
+    /// Size of the pipelined pieces of ring and chain algorithms. Default 256 KiB.
+    pub chunk_bytes: usize,
+    /// Receives posted ahead in a pipeline. Default 4.
+    pub pipeline_depth: usize,
+    /// Largest serialised object accepted by the object collectives (checked before
+    /// any allocation). Default 256 MiB.
+    pub max_object_bytes: usize,
+    /// Scratch memory a group keeps between calls for reuse. Default 256 MiB.
+    pub scratch_cache_bytes: usize,
+    /// Deadline of a whole call (`None`: the communicator's `op_timeout`, which also
+    /// bounds each internal send and receive). After a timeout the group's state is
+    /// unknown: treat the world as broken.
+    pub timeout: Option<Duration>,
+}
+
+impl Default for CollectiveConfig {
+    fn default() -> Self {
+        CollectiveConfig {
+            algorithm: Algorithm::Auto,
+            direct_max_bytes: 256 << 10,
+            eager_max_bytes: 256 << 10,
+            chunk_bytes: 256 << 10,
+            pipeline_depth: 4,
+            max_object_bytes: 256 << 20,
+            scratch_cache_bytes: 256 << 20,
+            timeout: None,
+        }
+    }
+}
+
+impl CollectiveConfig {
+    /// Sets the algorithm choice.
+    pub fn with_algorithm(mut self, algorithm: Algorithm) -> Self {
+        self.algorithm = algorithm;
+        self
+    }
+
+    /// Sets the whole-call deadline.
+    pub fn with_timeout(mut self, timeout: Option<Duration>) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Identifies the settings that must agree between members.
+    fn fingerprint(&self) -> u64 {
+        let alg = match self.algorithm {
+            Algorithm::Auto => 1u64,
+            Algorithm::Direct => 2,
+            Algorithm::Ring => 3,
+        };
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for v in [alg, self.direct_max_bytes as u64, self.chunk_bytes.max(1) as u64] {
+            h ^= v;
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        h
+    }
+}
+
+/// Per-group state touched only by the call whose turn it is.
+pub(crate) struct GroupState {
+    seq: u64,
+    scratch: Scratch,
+}
+
+/// The sub-group id counter of one communicator.
+struct Tree {
+    next_id: Mutex<u16>,
+}
+
+struct GroupInner {
+    comm: Arc<Communicator>,
+    tree: Arc<Tree>,
+    /// Sub-groups keep the world group (and with it the world's call sequence)
+    /// alive.
+    _parent: Option<Arc<GroupInner>>,
+    id: u16,
+    members: Vec<Rank>,
+    me: Option<usize>,
+    hash: u64,
+    state: Arc<tokio::sync::Mutex<GroupState>>,
+}
+
+impl GroupInner {
+    fn new(
+        comm: Arc<Communicator>,
+        tree: Arc<Tree>,
+        parent: Option<Arc<GroupInner>>,
+        id: u16,
+        members: Vec<Rank>,
+    ) -> GroupInner {
+        let me = members.iter().position(|&r| r == comm.rank());
+        GroupInner {
+            hash: desc::hash_ranks(&members),
+            comm,
+            tree,
+            _parent: parent,
+            id,
+            members,
+            me,
+            state: Arc::new(tokio::sync::Mutex::new(GroupState {
+                seq: 0,
+                scratch: Scratch::new(0),
+            })),
+        }
+    }
+
+    /// The error a call must fail with because a member is gone or the
+    /// communicator is aborted, if any.
+    fn member_failure(&self) -> Option<Error> {
+        let h = self.comm.health();
+        if let Some(reason) = h.aborted {
+            return Some(Error::Aborted { reason });
+        }
+        h.lost
+            .into_iter()
+            .find(|(r, _)| self.members.contains(r))
+            .map(|(rank, cause)| Error::PeerLost { rank, cause })
+    }
+}
+
+/// One collective state per communicator: `Group::world` called twice on the same
+/// communicator must share the world's call sequence, or the two groups' tags would
+/// collide. Touched only when a world group is made, never on the data path.
+type Registry = Vec<(Weak<Communicator>, Weak<GroupInner>)>;
+static WORLDS: Mutex<Registry> = Mutex::new(Vec::new());
+
+/// A set of ranks of one world that run collectives together: [`Group::world`]
+/// (every rank) or a sub-group from [`Group::new_group`] (like torch's
+/// `new_group`). Cheap to clone; clones share the group's state.
+///
+/// Every member must make the same calls on a group in the same order (as with
+/// torch.distributed). Roots are world ranks; lists (outputs of `all_gather`,
+/// inputs of `scatter`, ...) are indexed by position in [`Group::ranks`] (sorted
+/// world ranks). Each operation has a blocking-style `async fn` and a `*_handle`
+/// form that starts the call at once (taking its place in the group's order) and
+/// returns a [`CollectiveHandle`].
+///
+/// **Errors.** Every member of a call gets an error, and no member waits forever,
+/// when: the call is invalid on some member ([`Error::InvalidArgument`] there, a
+/// "rejected its own call" [`Error::InvalidArgument`] on the others); members
+/// disagree on the operation, root, reduce op or algorithm settings
+/// ([`Error::InvalidArgument`] naming each rank's value) or on the dtype or
+/// element count ([`Error::Mismatch`] naming a rank that differs); a member is
+/// lost ([`Error::PeerLost`]) or the communicator aborted ([`Error::Aborted`]). A
+/// failed call never reports success: **after an error, the contents of the
+/// caller's output tensors are unspecified** (they keep their dtype and shape, and
+/// may hold a mix of old data and partial results); inputs are never modified.
+/// After an invalid-argument or disagreement error the group stays usable; after
+/// `PeerLost`, `Aborted` or `Timeout` the world should be torn down.
+#[derive(Clone)]
+pub struct Group {
+    inner: Arc<GroupInner>,
+    cfg: Arc<CollectiveConfig>,
+}
+
+impl fmt::Debug for Group {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Group")
+            .field("id", &self.inner.id)
+            .field("members", &self.inner.members)
+            .field("rank", &self.inner.comm.rank())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Group {
+    /// The group of every rank of `comm`'s world (id 0). Calling it again for the
+    /// same communicator returns a group sharing the same state, so that the two
+    /// cannot get out of step. The state lives as long as any group of this
+    /// communicator does.
+    pub fn world(comm: &Arc<Communicator>) -> Group {
+        let mut reg = WORLDS.lock().unwrap_or_else(PoisonError::into_inner);
+        reg.retain(|(c, g)| c.strong_count() > 0 && g.strong_count() > 0);
+        let found = reg
+            .iter()
+            .find(|(c, _)| std::ptr::eq(c.as_ptr(), Arc::as_ptr(comm)))
+            .and_then(|(_, g)| g.upgrade());
+        let inner = match found {
+            Some(inner) => inner,
+            None => {
+                let members = (0..comm.size()).map(Rank).collect();
+                let tree = Arc::new(Tree {
+                    next_id: Mutex::new(1),
+                });
+                let inner = Arc::new(GroupInner::new(Arc::clone(comm), tree, None, 0, members));
+                reg.push((Arc::downgrade(comm), Arc::downgrade(&inner)));
+                inner
+            }
+        };
+        Group {
+            inner,
+            cfg: Arc::new(CollectiveConfig::default()),
+        }
+    }
+
+    /// This group with other settings (the state is shared).
+    pub fn with_config(&self, cfg: CollectiveConfig) -> Group {
+        Group {
+            inner: Arc::clone(&self.inner),
+            cfg: Arc::new(cfg),
+        }
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &CollectiveConfig {
+        &self.cfg
+    }
+
+    /// The communicator.
+    pub fn comm(&self) -> &Arc<Communicator> {
+        &self.inner.comm
+    }
+
+    /// The group id (0 for the world; folded into the tags).
+    pub fn id(&self) -> u16 {
+        self.inner.id
+    }
+
+    /// The members' world ranks, ascending. Lists in collective calls are indexed
+    /// by position in this slice.
+    pub fn ranks(&self) -> &[Rank] {
+        &self.inner.members
+    }
+
+    /// Number of members.
+    pub fn size(&self) -> usize {
+        self.inner.members.len()
+    }
+
+    /// This rank's position in [`Group::ranks`], or `None` if it is not a member.
+    pub fn group_rank(&self) -> Option<usize> {
+        self.inner.me
+    }
+
+    /// Whether this rank is a member.
+    pub fn is_member(&self) -> bool {
+        self.inner.me.is_some()
+    }
+
+    /// The position of world rank `rank` in [`Group::ranks`].
+    pub fn index_of(&self, rank: Rank) -> Option<usize> {
+        self.inner.members.iter().position(|&r| r == rank)
+    }
+
+    /// Creates a sub-group of `ranks` (world ranks, all members of this group; any
+    /// order, no duplicates). Like torch's `new_group`, **every member of this
+    /// group must call it, in the same order as its other calls on this group**,
+    /// including ranks that will not be members: it is a collective call on this
+    /// group that agrees on the new group's id and checks that all callers passed
+    /// the same list. Ranks outside `ranks` get a group on which every call fails
+    /// with [`Error::InvalidArgument`]. At most 1023 sub-groups per communicator.
+    pub async fn new_group(&self, ranks: &[Rank]) -> Result<Group> {
+        let call = self.begin(self.ticket(), Kind::NewGroup).await?;
+        let mut sorted = ranks.to_vec();
+        sorted.sort_unstable();
+        sorted.dedup();
+        let invalid = if sorted.is_empty() {
+            Some("a group needs at least one rank".to_owned())
+        } else if sorted.len() != ranks.len() {
+            Some(format!("ranks {ranks:?} contain duplicates"))
+        } else {
+            sorted
+                .iter()
+                .find(|r| !self.inner.members.contains(r))
+                .map(|r| format!("rank {r} is not a member of group {}", self.inner.id))
+        };
+        if let Some(msg) = invalid {
+            return Err(call.abstain(Error::invalid(format!("new_group: {msg}"))));
+        }
+        let proposal = {
+            let mut next = self
+                .inner
+                .tree
+                .next_id
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            let p = *next;
+            *next = next.saturating_add(1);
+            p
+        };
+        let mut d = call.desc();
+        d.count = u64::from(proposal);
+        d.aux = desc::hash_ranks(&sorted);
+        call.plan(&mut d, 0, 0);
+        let cx = call.ctx();
+        let id = call
+            .guard(async {
+                let (descs, sends) = cx.exchange(&d, &[]).await?;
+                finish_sends(sends).await?;
+                Ok(descs.iter().map(|d| d.count).max().unwrap_or(0))
+            })
+            .await?;
+        let id = u16::try_from(id)
+            .ok()
+            .filter(|&id| id <= MAX_GROUP_ID)
+            .ok_or_else(|| {
+                Error::invalid(format!(
+                    "new_group: no sub-group id left (at most {MAX_GROUP_ID})"
+                ))
+            })?;
+        {
+            let mut next = self
+                .inner
+                .tree
+                .next_id
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            *next = (*next).max(id.saturating_add(1));
+        }
+        let root = match &self.inner._parent {
+            Some(p) => Arc::clone(p),
+            None => Arc::clone(&self.inner),
+        };
+        let inner = GroupInner::new(
+            Arc::clone(&self.inner.comm),
+            Arc::clone(&self.inner.tree),
+            Some(root),
+            id,
+            sorted,
+        );
+        Ok(Group {
+            inner: Arc::new(inner),
+            cfg: Arc::clone(&self.cfg),
+        })
+    }
+
+    /// Frees the scratch memory kept between calls (waits for the group's turn).
+    pub async fn release_scratch(&self) {
+        let mut st = self.ticket().acquire().await;
+        st.scratch.clear();
+    }
+
+    /// Scratch bytes kept between calls.
+    pub async fn scratch_bytes(&self) -> usize {
+        self.ticket().acquire().await.scratch.held()
+    }
+
+    // ---- point-to-point within the group, refusing internal tags ----
+
+    /// [`Communicator::send`] to a member, refusing tags reserved for collectives
+    /// (top bit set).
+    pub async fn send<'a>(&self, dst: Rank, tag: Tag, data: impl Into<TensorView<'a>>) -> Result<()> {
+        self.check_p2p(dst, tag)?;
+        self.inner.comm.send(dst, tag, data).await
+    }
+
+    /// [`Communicator::recv`] from a member, refusing internal tags.
+    pub async fn recv(&self, src: Rank, tag: Tag, buf: &mut Tensor) -> Result<()> {
+        self.check_p2p(src, tag)?;
+        self.inner.comm.recv(src, tag, buf).await
+    }
+
+    /// [`Communicator::isend`] to a member, refusing internal tags.
+    pub fn isend(&self, dst: Rank, tag: Tag, data: Tensor) -> Result<SendHandle> {
+        self.check_p2p(dst, tag)?;
+        Ok(self.inner.comm.isend(dst, tag, data))
+    }
+
+    /// [`Communicator::irecv`] from a member, refusing internal tags.
+    pub fn irecv(&self, src: Rank, tag: Tag, buf: Tensor) -> Result<RecvHandle> {
+        self.check_p2p(src, tag)?;
+        Ok(self.inner.comm.irecv(Source::Rank(src), tag, buf))
+    }
+
+    fn check_p2p(&self, peer: Rank, tag: Tag) -> Result<()> {
+        check_user_tag(tag)?;
+        self.member_index()?;
+        if self.index_of(peer).is_none() {
+            return Err(Error::invalid(format!(
+                "rank {peer} is not a member of group {} ({:?})",
+                self.inner.id, self.inner.members
+            )));
+        }
+        Ok(())
+    }
+
+    // ---- the call life cycle (used by the operation modules) ----
+
+    pub(crate) fn member_index(&self) -> Result<usize> {
+        self.inner.me.ok_or_else(|| {
+            Error::invalid(format!(
+                "rank {} is not a member of group {} (members {:?})",
+                self.inner.comm.rank(),
+                self.inner.id,
+                self.inner.members
+            ))
+        })
+    }
+
+    /// Takes this call's place in the group's order now.
+    pub(crate) fn ticket(&self) -> Ticket {
+        let mut fut: LockFuture = Box::pin(Arc::clone(&self.inner.state).lock_owned());
+        match fut.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
+            Poll::Ready(g) => Ticket::Ready(g),
+            Poll::Pending => Ticket::Waiting(fut),
+        }
+    }
+
+    /// Checks membership, waits for the turn, assigns the sequence number.
+    pub(crate) async fn begin(&self, ticket: Ticket, kind: Kind) -> Result<Call<'_>> {
+        let me = self.member_index()?;
+        let mut guard = ticket.acquire().await;
+        let seq = guard.seq;
+        guard.seq = guard.seq.wrapping_add(1);
+        guard.scratch.set_budget(self.cfg.scratch_cache_bytes);
+        Ok(Call {
+            group: self,
+            guard,
+            kind,
+            seq,
+            me,
+        })
+    }
+
+    /// The algorithm a call of `kind` on a buffer of `size_bytes` (per rank) uses.
+    pub(crate) fn algorithm_for(&self, kind: Kind, size_bytes: u64) -> Algo {
+        let n = self.size() as u64;
+        let ring_capable = matches!(
+            kind,
+            Kind::Broadcast
+                | Kind::Reduce
+                | Kind::AllReduce
+                | Kind::AllGather
+                | Kind::AllGatherInto
+                | Kind::ReduceScatter
+                | Kind::ReduceScatterTensor
+        );
+        if !ring_capable || n <= 1 {
+            return Algo::Direct;
+        }
+        match self.cfg.algorithm {
+            Algorithm::Direct => Algo::Direct,
+            Algorithm::Ring => Algo::Ring,
+            // With two members a ring reduce moves 1.5x the bytes of the direct one
+            // (reduce-scatter both ways, then half to the root) for no benefit.
+            Algorithm::Auto if kind == Kind::Reduce && n == 2 => Algo::Direct,
+            Algorithm::Auto => {
+                if size_bytes.saturating_mul(n - 1) <= self.cfg.direct_max_bytes as u64 {
+                    Algo::Direct
+                } else {
+                    Algo::Ring
+                }
+            }
+        }
+    }
+
+    /// Runs `fut` (which must return `Result<R>`) on a task and returns its handle.
+    pub(crate) fn spawn<R, F>(fut: F) -> CollectiveHandle<R>
+    where
+        R: Send + 'static,
+        F: Future<Output = Result<R>> + Send + 'static,
+    {
+        match tokio::runtime::Handle::try_current() {
+            Ok(h) => CollectiveHandle::running(h.spawn(fut)),
+            Err(_) => CollectiveHandle::ready(Err(Error::invalid(
+                "collective handles must be created inside a Tokio runtime",
+            ))),
+        }
+    }
+}
+
+type LockFuture = Pin<Box<dyn Future<Output = OwnedMutexGuard<GroupState>> + Send>>;
+
+/// A call's place in its group's order.
+pub(crate) enum Ticket {
+    Ready(OwnedMutexGuard<GroupState>),
+    Waiting(LockFuture),
+}
+
+impl Ticket {
+    async fn acquire(self) -> OwnedMutexGuard<GroupState> {
+        match self {
+            Ticket::Ready(g) => g,
+            Ticket::Waiting(f) => f.await,
+        }
+    }
+}
+
+/// One collective call that has its turn.
+pub(crate) struct Call<'g> {
+    group: &'g Group,
+    guard: OwnedMutexGuard<GroupState>,
+    kind: Kind,
+    seq: u64,
+    me: usize,
+}
+
+impl<'g> Call<'g> {
+    /// The context the algorithms run with.
+    pub(crate) fn ctx(&self) -> Ctx<'g> {
+        let g = &self.group.inner;
+        Ctx {
+            comm: &g.comm,
+            members: &g.members,
+            me: self.me,
+            desc_tag: tags::tag(g.id, self.seq, Phase::Descriptor),
+            tag: tags::tag(g.id, self.seq, Phase::Data),
+            cfg: &self.group.cfg,
+            group_id: g.id,
+        }
+    }
+
+    /// A descriptor of this call with the common fields filled in.
+    pub(crate) fn desc(&self) -> Desc {
+        let g = &self.group.inner;
+        Desc::new(
+            self.kind,
+            g.members.len(),
+            self.seq,
+            g.hash,
+            self.group.cfg.fingerprint(),
+        )
+    }
+
+    /// Chooses the algorithm and whether direct payloads go eagerly.
+    /// `size_bytes`: the buffer size every member agrees on (for the crossover);
+    /// `send_bytes`: what this rank sends in the direct algorithm.
+    pub(crate) fn plan(&self, d: &mut Desc, size_bytes: u64, send_bytes: u64) {
+        let n = self.group.size() as u64;
+        d.algo = self.group.algorithm_for(self.kind, size_bytes);
+        d.eager = d.algo == Algo::Direct && n > 1 && send_bytes <= self.group.cfg.eager_max_bytes as u64;
+    }
+
+    /// Moves the group's scratch pool out for the call (give it back with
+    /// [`Call::put_scratch`]).
+    pub(crate) fn take_scratch(&mut self) -> Scratch {
+        std::mem::take(&mut self.guard.scratch)
+    }
+
+    pub(crate) fn put_scratch(&mut self, s: Scratch) {
+        self.guard.scratch = s;
+    }
+
+    /// Finishes a call whose local validation failed: tells the other members (an
+    /// "abstain" descriptor, no data), drains what they send for this call in the
+    /// background, and returns `err`.
+    pub(crate) fn abstain(self, err: Error) -> Error {
+        let cx = self.ctx();
+        let mut d = self.desc();
+        d.abstain = true;
+        let words = d.encode();
+        let n = cx.members.len();
+        for q in (0..n).filter(|&q| q != cx.me) {
+            // Dropping the handle does not cancel the send.
+            drop(
+                cx.comm
+                    .isend(cx.members[q], cx.desc_tag, Tensor::from(words.clone())),
+            );
+        }
+        if n > 1 {
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                let comm = Arc::clone(cx.comm);
+                let members = cx.members.to_vec();
+                let (me, desc_tag, tag) = (cx.me, cx.desc_tag, cx.tag);
+                rt.spawn(async move {
+                    let cfg = CollectiveConfig::default();
+                    let cx = Ctx {
+                        comm: &comm,
+                        members: &members,
+                        me,
+                        desc_tag,
+                        tag,
+                        cfg: &cfg,
+                        group_id: 0,
+                    };
+                    let _ = cx.drain().await;
+                });
+            }
+        }
+        err
+    }
+
+    /// Runs `fut` under the guard: fails at once if a member of the group is lost
+    /// or the communicator aborted (before or while it runs), and applies the
+    /// call's deadline.
+    pub(crate) async fn guard<R>(&self, fut: impl Future<Output = Result<R>>) -> Result<R> {
+        let g = &self.group.inner;
+        let mut events = g.comm.health_events();
+        if let Some(e) = g.member_failure() {
+            return Err(e);
+        }
+        let op = self.kind.name();
+        let local = g.comm.rank();
+        debug!(rank = %local, group = g.id, seq = self.seq, op, "collective call starts");
+        let body = async {
+            match self.group.cfg.timeout.or(g.comm.config().op_timeout) {
+                None => fut.await,
+                Some(after) => tokio::time::timeout(after, fut)
+                    .await
+                    .unwrap_or(Err(Error::Timeout { op, after })),
+            }
+        };
+        let mut body = std::pin::pin!(body);
+        let r = tokio::select! {
+            biased;
+            r = &mut body => r,
+            e = watch(g, &mut events) => {
+                debug!(rank = %local, group = g.id, seq = self.seq, op, error = %e, "collective call abandoned");
+                if matches!(e, Error::Aborted { .. }) {
+                    // Our own communicator was aborted: every pending operation of
+                    // the body fails promptly now, and a send must see that itself
+                    // to release its socket (a send future dropped while it holds a
+                    // peer's writer leaves the connection open, so the peer would
+                    // never learn of the abort). Drive it to its end, briefly.
+                    let _ = tokio::time::timeout(ABORT_GRACE, &mut body).await;
+                }
+                Err(e)
+            }
+        };
+        match &r {
+            Ok(_) => debug!(rank = %local, group = g.id, seq = self.seq, op, "collective call done"),
+            Err(e) => {
+                debug!(rank = %local, group = g.id, seq = self.seq, op, error = %e, "collective call failed")
+            }
+        }
+        r
+    }
+}
+
+/// How long a call keeps driving its operations after its own communicator was
+/// aborted, so that they release their sockets (see [`Call::guard`]).
+const ABORT_GRACE: Duration = Duration::from_millis(500);
+
+/// Resolves with the error that ends a call: a member lost or the communicator
+/// aborted.
+async fn watch(g: &GroupInner, events: &mut broadcast::Receiver<HealthEvent>) -> Error {
+    loop {
+        match events.recv().await {
+            Ok(HealthEvent::PeerLost { rank, cause }) => {
+                if g.members.contains(&rank) {
+                    return Error::PeerLost { rank, cause };
+                }
+            }
+            Ok(HealthEvent::Aborted { reason }) => return Error::Aborted { reason },
+            // Other events (present or future variants) do not end a call.
+            #[allow(unreachable_patterns)]
+            Ok(_) => {}
+            Err(RecvError::Lagged(_)) => {
+                if let Some(e) = g.member_failure() {
+                    return e;
+                }
+            }
+            Err(RecvError::Closed) => {
+                if let Some(e) = g.member_failure() {
+                    return e;
+                }
+                // No more events can come; leave the call to its own outcome.
+                std::future::pending::<()>().await;
+            }
+        }
+    }
+}
+
+/// Waits for the sends an exchange started (descriptors, eager payloads).
+pub(crate) async fn finish_sends(sends: Vec<SendHandle>) -> Result<()> {
+    try_join_all(sends.into_iter().map(SendHandle::wait))
+        .await
+        .map(|_| ())
+}
+
+/// What the algorithms of one call need: the communicator, the members, this
+/// rank's position, the call's tags and the settings.
+#[derive(Clone, Copy)]
+pub(crate) struct Ctx<'g> {
+    pub comm: &'g Arc<Communicator>,
+    pub members: &'g [Rank],
+    pub me: usize,
+    pub desc_tag: Tag,
+    pub tag: Tag,
+    pub cfg: &'g CollectiveConfig,
+    pub group_id: u16,
+}
+
+impl<'g> Ctx<'g> {
+    pub(crate) fn n(&self) -> usize {
+        self.members.len()
+    }
+
+    pub(crate) fn next(&self) -> usize {
+        (self.me + 1) % self.n()
+    }
+
+    pub(crate) fn prev(&self) -> usize {
+        (self.me + self.n() - 1) % self.n()
+    }
+
+    /// Members other than this rank, by index.
+    pub(crate) fn peers(&self) -> impl Iterator<Item = usize> + use<> {
+        let me = self.me;
+        (0..self.n()).filter(move |&p| p != me)
+    }
+
+    pub(crate) async fn send<'a>(&self, to: usize, data: impl Into<TensorView<'a>>) -> Result<()> {
+        self.comm.send(self.members[to], self.tag, data).await
+    }
+
+    pub(crate) async fn recv(&self, from: usize, buf: &mut Tensor) -> Result<()> {
+        self.comm.recv(self.members[from], self.tag, buf).await
+    }
+
+    pub(crate) fn irecv(&self, from: usize, buf: Tensor) -> RecvHandle {
+        self.comm.irecv(Source::Rank(self.members[from]), self.tag, buf)
+    }
+
+    /// Receives a message from `from` into `t` (owned) and returns it.
+    pub(crate) async fn recv_new(&self, from: usize, t: Tensor) -> Result<Tensor> {
+        let Received { tensor, .. } = self.irecv(from, t).wait().await?;
+        Ok(tensor)
+    }
+
+    /// Elements per pipeline chunk for `dtype`.
+    pub(crate) fn chunk_elems(&self, dtype: DType) -> usize {
+        (self.cfg.chunk_bytes / dtype.size()).max(1)
+    }
+
+    /// Sends each `(member, view)`, concurrently.
+    pub(crate) async fn send_all(&self, payloads: &[(usize, TensorView<'_>)]) -> Result<()> {
+        try_join_all(payloads.iter().map(|&(q, v)| self.send(q, v)))
+            .await
+            .map(|_| ())
+    }
+
+    /// The agreement round: sends `mine` to every other member (and, if
+    /// `mine.eager`, the direct `payloads` right behind it, copied), receives
+    /// theirs, and checks that everybody made the same call. On disagreement it
+    /// receives and drops what the others sent eagerly, then fails. Returns every
+    /// member's descriptor and the pending sends (await them with
+    /// [`finish_sends`]).
+    pub(crate) async fn exchange(
+        &self,
+        mine: &Desc,
+        payloads: &[(usize, TensorView<'_>)],
+    ) -> Result<(Vec<Desc>, Vec<SendHandle>)> {
+        let n = self.n();
+        if n == 1 {
+            return Ok((vec![mine.clone()], Vec::new()));
+        }
+        let len = desc::words(n);
+        let recvs: Vec<(usize, RecvHandle)> = self
+            .peers()
+            .map(|p| {
+                Ok((
+                    p,
+                    self.comm
+                        .irecv(self.members[p], self.desc_tag, Tensor::zeros(DType::U64, [len])?),
+                ))
+            })
+            .collect::<Result<_>>()?;
+        let words = mine.encode();
+        let mut sends = Vec::new();
+        for q in self.peers() {
+            sends.push(
+                self.comm
+                    .isend(self.members[q], self.desc_tag, Tensor::from(words.clone())),
+            );
+            if mine.eager {
+                for (_, v) in payloads.iter().filter(|(to, _)| *to == q) {
+                    let copy = Tensor::from_bytes(v.dtype(), [v.numel()], v.as_bytes())?;
+                    sends.push(self.comm.isend(self.members[q], self.tag, copy));
+                }
+            }
+        }
+        let got = try_join_all(recvs.into_iter().map(|(p, h)| async move {
+            let r = h.wait().await?;
+            Ok((p, r.tensor))
+        }))
+        .await?;
+        let mut descs: Vec<Option<Desc>> = vec![None; n];
+        descs[self.me] = Some(mine.clone());
+        for (p, t) in got {
+            let d = Desc::decode(t.as_slice::<u64>()?, n).map_err(|e| {
+                Error::invalid(format!(
+                    "malformed collective descriptor from rank {}: {e}",
+                    self.members[p]
+                ))
+            })?;
+            descs[p] = Some(d);
+        }
+        let descs: Vec<Desc> = descs.into_iter().flatten().collect();
+        let agreed = desc::agree(
+            &descs,
+            &AgreeCtx {
+                members: self.members,
+                me: self.me,
+                group_id: self.group_id,
+                data_tag: self.tag,
+                max_object_bytes: self.cfg.max_object_bytes as u64,
+            },
+        );
+        if let Err(e) = agreed {
+            // Leave nothing behind: take what the others already sent us.
+            let _ = self.drop_eager(&descs).await;
+            return Err(e);
+        }
+        Ok((descs, sends))
+    }
+
+    /// Receives and drops the eager payloads the members described by `descs` sent
+    /// to this rank.
+    async fn drop_eager(&self, descs: &[Desc]) -> Result<()> {
+        let limit = self.comm.config().limits.max_message_bytes;
+        let expected: Vec<(usize, DType, u64)> = self
+            .peers()
+            .filter_map(|p| {
+                desc::eager_payload(descs.get(p)?, p, self.me, self.members).map(|(d, c)| (p, d, c))
+            })
+            .filter(|(_, d, c)| c.saturating_mul(d.size() as u64) <= limit)
+            .collect();
+        try_join_all(expected.into_iter().map(|(p, d, c)| async move {
+            let buf = Tensor::zeros(d, [usize::try_from(c).unwrap_or(usize::MAX)])?;
+            self.recv_new(p, buf).await.map(drop)
+        }))
+        .await
+        .map(|_| ())
+    }
+
+    /// After this rank abstained: receives every other member's descriptor for the
+    /// call and drops whatever they sent eagerly.
+    async fn drain(&self) -> Result<()> {
+        let n = self.n();
+        let len = desc::words(n);
+        let got = try_join_all(self.peers().map(|p| async move {
+            let buf = Tensor::zeros(DType::U64, [len])?;
+            let t = self
+                .comm
+                .irecv(self.members[p], self.desc_tag, buf)
+                .wait()
+                .await?
+                .tensor;
+            Ok((p, Desc::decode(t.as_slice::<u64>()?, n).ok()))
+        }))
+        .await?;
+        let mut descs = Vec::with_capacity(n);
+        for p in 0..n {
+            let d = got.iter().find(|(q, _)| *q == p).and_then(|(_, d)| d.clone());
+            // Placeholder for this rank and undecodable peers: sends nothing.
+            descs.push(d.unwrap_or_else(|| {
+                let mut d = Desc::new(Kind::Barrier, n, 0, 0, 0);
+                d.abstain = true;
+                d
+            }));
+        }
+        self.drop_eager(&descs).await
+    }
+}

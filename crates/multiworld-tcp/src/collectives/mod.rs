@@ -1,0 +1,57 @@
+//! Collective operations over a world (or a sub-group of it), with the semantics
+//! of `torch.distributed`: broadcast, reduce, all-reduce, all-gather (list and
+//! into one tensor), gather, scatter, reduce-scatter (list and tensor),
+//! all-to-all (lists, and one tensor with uneven splits), barrier, and object
+//! variants (broadcast, all-gather, gather, scatter of `serde` values), each as a
+//! blocking-style `async fn` and a handle form, with every [`ReduceOp`] for every
+//! dtype where it is defined.
+//!
+//! ```no_run
+//! # async fn demo(comm: std::sync::Arc<multiworld_tcp::Communicator>) -> multiworld_tcp::Result<()> {
+//! use multiworld_tcp::collectives::{Group, ReduceOp};
+//! use multiworld_tcp::{Rank, Tensor};
+//! let world = Group::world(&comm);
+//! let mut t = Tensor::from(vec![1.0f32, 2.0, 3.0]);
+//! world.all_reduce(&mut t, ReduceOp::Sum).await?;
+//! let pair = world.new_group(&[Rank(0), Rank(1)]).await?; // every rank calls it
+//! if pair.is_member() {
+//!     pair.broadcast(&mut t, Rank(1)).await?;
+//! }
+//! let h = world.all_reduce_handle(t, ReduceOp::Max); // runs in the background
+//! let t = h.wait().await?;
+//! # Ok(()) }
+//! ```
+//!
+//! Map of the module (`COLLECTIVES.md` next to the crate's manifest describes the
+//! protocol, algorithms, numerics and measurements):
+//!
+//! | file | what |
+//! |---|---|
+//! | `group.rs` | [`Group`], [`CollectiveConfig`]: membership, call order, agreement round, member-loss guard |
+//! | `ops.rs` | the tensor operations |
+//! | `object.rs` | the object operations |
+//! | `algo.rs` | direct, ring and pipelined-chain algorithms |
+//! | `desc.rs` | call descriptors and the agreement check (pure) |
+//! | `reduce.rs` | [`ReduceOp`] and the element kernels (pure) |
+//! | `tags.rs` | the reserved tag range (pure) |
+//! | `handle.rs` | [`CollectiveHandle`] |
+//! | `util.rs` | scratch pool, segments, `try_join_all` |
+//! | [`bench`](mod@bench) | the collectives benchmark |
+
+mod algo;
+pub mod bench;
+mod desc;
+mod group;
+mod handle;
+mod object;
+mod ops;
+mod reduce;
+mod tags;
+mod util;
+
+pub use group::{Algorithm, CollectiveConfig, Group};
+pub use handle::CollectiveHandle;
+pub use reduce::ReduceOp;
+pub use tags::{
+    GROUP_ID_BITS, INTERNAL_TAG_BIT, MAX_GROUP_ID, RUNTIME_GROUP_ID, SEQ_BITS, is_internal_tag, runtime_tag,
+};
