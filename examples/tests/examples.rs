@@ -83,3 +83,60 @@ fn serving_fails_over_and_takes_in_a_replacement() {
     assert!(out.contains("all 100 requests answered correctly"), "{out}");
     assert!(!out.contains("fails over"), "{out}");
 }
+
+#[test]
+fn the_cheatsheet_shows_every_collective_with_correct_values() {
+    let out = run(env!("CARGO_BIN_EXE_cheatsheet"), &["--nproc", "4"]);
+    for needle in [
+        "[rank 3] BROADCAST (src=0)      rank 3: before [0.0, 0.0, 0.0]",
+        "after [42.0, 43.0, 44.0]",
+        "[rank 2] SCATTER (src=0)        rank 2: before [0.0, 0.0]                 after [20.0, 21.0]",
+        "[rank 0] GATHER (dst=0)         rank 0: before [1.0]                      after [1.0, 2.0, 3.0, 4.0]",
+        "[rank 0] REDUCE SUM (dst=0)     rank 0: before [1.0]                      after [10.0]",
+        "[rank 1] ALL_REDUCE SUM         rank 1: before [2.0, 4.0]                 after [10.0, 20.0]",
+        "[rank 3] REDUCE_SCATTER SUM     rank 3: before [4.0, 8.0, 12.0, 16.0]     after [40.0]",
+        "[rank 1] ALL_TO_ALL             rank 1: before [10.0, 11.0, 12.0, 13.0]   after [1.0, 11.0, 21.0, 31.0]",
+        "[rank 2] BARRIER                rank 2: passed",
+    ] {
+        assert!(out.contains(needle), "missing {needle:?} in:\n{out}");
+    }
+    assert!(!out.contains("WRONG"), "{out}");
+}
+
+#[test]
+fn all_in_one_runs_every_operation_correctly() {
+    let out = run(env!("CARGO_BIN_EXE_all_in_one"), &["--nproc", "3"]);
+    for op in [
+        "broadcast ",
+        "broadcast_object",
+        "all_reduce sum",
+        "all_reduce Product",
+        "all_reduce Min",
+        "all_reduce Avg",
+        "reduce sum (dst 0)",
+        "all_gather ",
+        "all_gather_into_tensor",
+        "all_gather_object",
+        "gather (dst 0)",
+        "gather_object (dst 0)",
+        "scatter (src 0)",
+        "scatter_object (src 0)",
+        "reduce_scatter (list)",
+        "reduce_scatter_tensor",
+        "all_to_all (list)",
+        "all_to_all_single (uneven)",
+        "barrier",
+        "async all_reduce (handle)",
+        "isend/irecv",
+        "sub-group broadcast",
+        "finish (world removed)",
+    ] {
+        assert!(out.contains(op), "no {op:?} in:\n{out}");
+    }
+    assert!(
+        out.contains("[rank 1] reduce_scatter_tensor        rank 1: [18.0, 24.0]"),
+        "{out}"
+    );
+    assert!(out.contains("[rank 2] all_to_all_single (uneven)   rank 2: [2.0, 2.0, 2.0, 102.0, 102.0, 102.0, 202.0, 202.0, 202.0]"), "{out}");
+    assert!(!out.contains("WRONG"), "{out}");
+}

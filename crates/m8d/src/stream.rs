@@ -16,6 +16,17 @@ use std::{
 
 use multiworld::{DType, Rank, Tag, Tensor, World, WorldError};
 
+/// What rank `rank` contributes to all-reduce round `round` (small integers,
+/// exact in f32).
+pub fn all_reduce_value(rank: u32, round: u64) -> f32 {
+    ((round % 1000) + u64::from(rank) + 1) as f32
+}
+
+/// The exact sum of [`all_reduce_value`] over `size` ranks.
+pub fn all_reduce_sum(size: u32, round: u64) -> f32 {
+    (0..size).map(|r| all_reduce_value(r, round)).sum()
+}
+
 /// The tag stream messages travel on.
 pub const STREAM_TAG: Tag = Tag(0);
 

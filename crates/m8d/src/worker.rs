@@ -33,11 +33,26 @@ pub struct WorkerArgs {
     /// Stop after this many seconds (default: when the world ends).
     #[arg(long)]
     pub seconds: Option<f64>,
+    /// What to do: stream to rank 0, or all-reduce with every member forever.
+    #[arg(long, value_enum, default_value_t = Mode::Stream)]
+    pub mode: Mode,
+    /// Elements (f32) per all-reduce in `--mode all-reduce`.
+    #[arg(long, default_value_t = 1 << 20)]
+    pub elements: usize,
     /// How long joining may take, in seconds.
     #[arg(long, default_value_t = 30.0)]
     pub join_timeout: f64,
     #[command(flatten)]
     pub secret: SecretArgs,
+}
+
+/// What a worker does once joined.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Mode {
+    /// Stream checksummed messages to rank 0.
+    Stream,
+    /// All-reduce (sum) with every member, checking every result exactly.
+    AllReduce,
 }
 
 /// Joins and streams until the world ends.
@@ -57,6 +72,9 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         args.world,
         world.generation()
     );
+    if args.mode == Mode::AllReduce {
+        return all_reduce_forever(&world, args.elements).await;
+    }
     let until = args.seconds.map(|s| Instant::now() + Duration::from_secs_f64(s));
     let (sent, err) = send_stream(&world, Rank(0), args.bytes, || {
         until.is_some_and(|u| Instant::now() >= u)
@@ -80,4 +98,36 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         }
         Some(e) => Err(e).context("streaming"),
     }
+}
+
+/// All-reduces forever; returns when the world ends. A result that is not
+/// exactly the expected sum is an error (exit code 1): a survivor must never
+/// take a partial result for a complete one.
+async fn all_reduce_forever(world: &multiworld::World, elements: usize) -> anyhow::Result<()> {
+    let group = world.collectives();
+    let size = world.size();
+    let me = world.rank().0;
+    for round in 0u64.. {
+        let mut t = multiworld::Tensor::from_vec(
+            vec![m8d::stream::all_reduce_value(me, round); elements],
+            [elements],
+        )?;
+        match group.all_reduce(&mut t, multiworld::ReduceOp::Sum).await {
+            Ok(()) => {
+                let want = m8d::stream::all_reduce_sum(size, round);
+                anyhow::ensure!(
+                    t.as_slice::<f32>()?.iter().all(|&v| v == want),
+                    "round {round}: a wrong all-reduce result (expected {want} everywhere)"
+                );
+            }
+            Err(e) => {
+                eprintln!(
+                    "worker {me} of {}: all-reduce round {round} failed: {e}",
+                    world.name()
+                );
+                return Ok(());
+            }
+        }
+    }
+    Ok(())
 }

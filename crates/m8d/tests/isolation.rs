@@ -244,3 +244,98 @@ async fn killing_a_worlds_store_host_breaks_only_that_world() {
     let _ = ws_worker.wait();
     finish(f, &[]).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_killed_mid_collective_fails_every_survivor_without_partial_results() {
+    init_tracing();
+    let leader = multiworld::WorldManager::default();
+    let store = leader.serve_store("127.0.0.1:0").await.unwrap().to_string();
+    let elements = 256 * 1024;
+    let spawn = |rank: &str| {
+        let child = Command::new(M8D)
+            .args([
+                "worker", "--world", "coll", "--store", &store, "--rank", rank, "--size", "3",
+            ])
+            .args(["--mode", "all-reduce", "--elements", &elements.to_string()])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        m8d::fleet::ChildProcess::new(child)
+    };
+    let (mut one, mut two) = (spawn("1"), spawn("2"));
+    let world = leader.join(WorldConfig::new("coll", 0, 3, &store)).await.unwrap();
+    let group = world.collectives();
+    let mut verified = 0u64;
+    let mut outcome = None;
+    for round in 0u64..10_000 {
+        let t = multiworld::Tensor::from_vec(
+            vec![m8d::stream::all_reduce_value(0, round); elements],
+            [elements],
+        )
+        .unwrap();
+        let handle = group.all_reduce_handle(t, multiworld::ReduceOp::Sum);
+        let killed_at = (round == 5).then(|| {
+            // Rank 2 dies with this collective in flight.
+            let at = Instant::now();
+            two.kill().unwrap();
+            at
+        });
+        match handle.wait().await {
+            Ok(t) => {
+                let want = m8d::stream::all_reduce_sum(3, round);
+                assert!(
+                    t.as_slice::<f32>().unwrap().iter().all(|&v| v == want),
+                    "round {round}: a partial or wrong result was returned as a success"
+                );
+                verified += 1;
+                assert!(
+                    killed_at.is_none() && round < 5,
+                    "a collective succeeded without rank 2"
+                );
+            }
+            Err(e) => {
+                assert!(round >= 5, "round {round} failed before any fault: {e}");
+                outcome = Some((e, killed_at.unwrap_or_else(Instant::now)));
+                break;
+            }
+        }
+    }
+    let (err, killed_at) = outcome.expect("the collectives never failed after the kill");
+    let took = killed_at.elapsed();
+    eprintln!("rank 2 killed mid-collective: the leader's all-reduce failed after {took:?}: {err}");
+    assert!(
+        took < Duration::from_secs(2),
+        "survivor failed after {took:?} (target 100 ms)"
+    );
+    assert_eq!(verified, 5);
+    // The world then breaks as for any lost member.
+    let start = Instant::now();
+    while !matches!(
+        world.state(),
+        multiworld::WorldState::Broken(_) | multiworld::WorldState::Removed
+    ) {
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "the world did not break"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // The other survivor, rank 1, also failed rather than accept a partial
+    // result: it exits 0 only after a failed call, 1 after a wrong result.
+    let start = Instant::now();
+    let code = loop {
+        if let Some(status) = one.try_wait().unwrap() {
+            break status.code();
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "rank 1 never noticed");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    assert_eq!(
+        code,
+        Some(0),
+        "rank 1 must fail its collective, never return a wrong result"
+    );
+    leader.shutdown().await;
+}

@@ -364,7 +364,7 @@ impl WorldManager {
                     opened.armed = false;
                     return Ok(WorldShared::new(
                         config.clone(),
-                        comm,
+                        Arc::new(comm),
                         store,
                         store_addr,
                         host.clone(),

@@ -22,7 +22,9 @@ use std::{
 
 use dashmap::DashMap;
 use multiworld_store::{StoreError, StoreServer, WorldStore};
-use multiworld_tcp::{Communicator, Error as TcpError, Rank, Received, Tag, Tensor, TensorView};
+use multiworld_tcp::{
+    Communicator, Error as TcpError, Rank, Received, Tag, Tensor, TensorView, collectives::Group,
+};
 use tokio::sync::{broadcast, watch};
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
@@ -34,9 +36,9 @@ use crate::{
     watchdog::{Observations, PeerObservation, ReasonLog, Verdict, decide},
 };
 
-/// The tag of the tokens [`World::finish`] exchanges. Tags with the top bit
-/// set are reserved for the runtime's own messages.
-const FINISH_TAG: Tag = Tag(u32::MAX);
+/// The tag of the tokens [`World::finish`] exchanges: one of the runtime's
+/// own, outside both the users' tags and every collective's.
+const FINISH_TAG: Tag = multiworld_tcp::collectives::runtime_tag(0);
 
 /// The store key through which a member announces that it broke the world.
 /// Its value is `"<rank>\n<cause>"`.
@@ -75,7 +77,10 @@ pub(crate) struct WorldShared {
     pub(crate) rank: u32,
     pub(crate) size: u32,
     pub(crate) config: WorldConfig,
-    pub(crate) comm: Communicator,
+    pub(crate) comm: Arc<Communicator>,
+    /// The world group of the collectives: one per membership, because a
+    /// group numbers its calls and every member must number them alike.
+    collectives: Group,
     pub(crate) store: WorldStore,
     pub(crate) store_addr: String,
     /// The server hosting this world's store, when this process hosts it.
@@ -114,7 +119,7 @@ impl WorldShared {
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         config: WorldConfig,
-        comm: Communicator,
+        comm: Arc<Communicator>,
         store: WorldStore,
         store_addr: String,
         host: Option<Arc<StoreServer>>,
@@ -131,6 +136,7 @@ impl WorldShared {
             rank: config.rank,
             size: config.size,
             config,
+            collectives: Group::world(&comm),
             comm,
             store,
             store_addr,
@@ -228,6 +234,17 @@ impl WorldShared {
                 deadline,
                 timeout: after,
             })
+    }
+
+    /// Refuses the tags reserved for the runtime and the collectives.
+    fn check_tag(&self, tag: Tag) -> Result<(), WorldError> {
+        if multiworld_tcp::collectives::is_internal_tag(tag) {
+            return Err(WorldError::InvalidArgument {
+                world: self.name.clone(),
+                detail: format!("tag {:#x} is reserved: user tags must be below 2^31", tag.0),
+            });
+        }
+        Ok(())
     }
 
     fn check(&self) -> Result<(), WorldError> {
@@ -559,6 +576,15 @@ impl World {
         &self.shared.comm
     }
 
+    /// The world's collectives (broadcast, all_reduce, all_gather, ...,
+    /// barrier, sub-groups), as one group over every member. Every member
+    /// must call the same collectives in the same order. If a member is lost
+    /// during a collective, every surviving member's call fails; the world
+    /// then breaks as for any lost member.
+    pub fn collectives(&self) -> &Group {
+        &self.shared.collectives
+    }
+
     /// Sends `data` to `dst` on `tag` (no copy of the caller's data).
     pub async fn send<'a>(
         &self,
@@ -567,6 +593,7 @@ impl World {
         data: impl Into<TensorView<'a>>,
     ) -> Result<(), WorldError> {
         self.shared.check()?;
+        self.shared.check_tag(tag)?;
         let _deadline = self.shared.track("send");
         self.shared
             .comm
@@ -579,6 +606,7 @@ impl World {
     /// match the message.
     pub async fn recv(&self, src: Rank, tag: Tag, buf: &mut Tensor) -> Result<(), WorldError> {
         self.shared.check()?;
+        self.shared.check_tag(tag)?;
         let _deadline = self.shared.track("recv");
         self.shared
             .comm
@@ -590,6 +618,7 @@ impl World {
     /// Receives from any member on `tag`; returns who sent it.
     pub async fn recv_any(&self, tag: Tag, buf: &mut Tensor) -> Result<Rank, WorldError> {
         self.shared.check()?;
+        self.shared.check_tag(tag)?;
         let _deadline = self.shared.track("recv from any rank");
         self.shared
             .comm
@@ -604,6 +633,7 @@ impl World {
         let inner = self
             .shared
             .check()
+            .and_then(|()| self.shared.check_tag(tag))
             .map(|()| self.shared.comm.isend(dst, tag, data));
         PendingSend {
             world: Arc::clone(&self.shared),
@@ -620,6 +650,7 @@ impl World {
         let inner = self
             .shared
             .check()
+            .and_then(|()| self.shared.check_tag(tag))
             .map(|()| self.shared.comm.irecv(source, tag, buf));
         PendingRecv {
             world: Arc::clone(&self.shared),

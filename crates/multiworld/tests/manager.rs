@@ -90,6 +90,9 @@ async fn join_exchange_and_list() {
     assert_eq!(listed.len(), 1);
     assert_eq!(listed[0].state, WorldState::Ready);
     assert!(leader.world("w").is_some() && leader.world("nope").is_none());
+    // Tags with the top bit set belong to the runtime and the collectives.
+    let err = a.send(Rank(1), Tag(1 << 31), &[1u8][..]).await.unwrap_err();
+    assert!(matches!(err, WorldError::InvalidArgument { .. }), "{err}");
     // The same name cannot be joined twice at once.
     let err = leader.join(cfg("w", 0, 2, &store)).await.unwrap_err();
     assert!(
