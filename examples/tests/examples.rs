@@ -140,3 +140,23 @@ fn all_in_one_runs_every_operation_correctly() {
     assert!(out.contains("[rank 2] all_to_all_single (uneven)   rank 2: [2.0, 2.0, 2.0, 102.0, 102.0, 102.0, 202.0, 202.0, 202.0]"), "{out}");
     assert!(!out.contains("WRONG"), "{out}");
 }
+
+#[test]
+fn per_world_collectives_complete_and_a_lost_member_fails_only_its_world() {
+    let out = run(env!("CARGO_BIN_EXE_per_world_collectives"), &[]);
+    assert!(
+        out.contains("world A: all 6 collectives completed with the right results"),
+        "{out}"
+    );
+    assert!(
+        out.contains("world B: all 6 collectives completed with the right results"),
+        "{out}"
+    );
+    let out = run(env!("CARGO_BIN_EXE_per_world_collectives"), &["--kill", "B2"]);
+    assert!(
+        out.contains("world A: all 6 collectives completed with the right results"),
+        "{out}"
+    );
+    assert!(out.contains("world B: collectives failed: peer rank"), "{out}");
+    assert!(out.contains("only the world that lost a member failed"), "{out}");
+}

@@ -71,6 +71,7 @@ pub use error::WorldError;
 pub use events::WorldEvent;
 pub use lifecycle::{BreakCause, Lifecycle, WorldState};
 pub use manager::{ManagerConfig, WorldInfo, WorldManager};
+pub use multiworld_tcp::Error as CommError;
 pub use multiworld_tcp::collectives::{CollectiveHandle, Group, ReduceOp};
 pub use multiworld_tcp::{DType, Element, Rank, Received, Tag, Tensor, TensorView, bf16, f16};
 pub use watchdog::{Decision, Verdict, WatchdogConfig};

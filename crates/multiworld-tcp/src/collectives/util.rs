@@ -173,6 +173,9 @@ where
                 left -= 1;
                 if let Err(e) = &r {
                     if !is_abort(e) {
+                        // The first real failure is the answer, whatever the
+                        // others were doing.
+                        failed = Some(e.clone());
                         return Poll::Ready(());
                     }
                     failed.get_or_insert_with(|| e.clone());
@@ -237,6 +240,23 @@ where
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
+
+    #[tokio::test]
+    async fn a_real_failure_is_reported_even_with_others_pending() {
+        let lost = || Error::PeerLost {
+            rank: crate::Rank(2),
+            cause: std::sync::Arc::from("connection closed by peer"),
+        };
+        let futs: Vec<std::pin::Pin<Box<dyn Future<Output = Result<u32>> + Send>>> = vec![
+            Box::pin(std::future::pending()),
+            Box::pin(async move { Err(lost()) }),
+            Box::pin(async { Ok(1) }),
+        ];
+        match try_join_all(futs).await {
+            Err(Error::PeerLost { rank, .. }) => assert_eq!(rank, crate::Rank(2)),
+            other => panic!("{other:?}"),
+        }
+    }
 
     #[test]
     fn segments() {
