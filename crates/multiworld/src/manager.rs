@@ -209,7 +209,8 @@ impl WorldManager {
         if config.backend != Backend::Tcp {
             return Err(WorldError::join_failed(
                 &config.name,
-                "the NCCL backend is not available in this build of the manager",
+                "the world manager does not drive NCCL worlds yet: use the TCP backend, or the \
+                 `nccl` feature's `multiworld::nccl` communicator directly",
             ));
         }
         let started = Instant::now();

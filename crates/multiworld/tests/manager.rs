@@ -378,3 +378,13 @@ async fn an_operation_past_its_deadline_breaks_the_world() {
         WorldEvent::Broken { .. }
     ));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_nccl_world_is_refused_with_a_clear_reason() {
+    let m = WorldManager::default();
+    let mut c = cfg("gpu", 0, 1, "127.0.0.1:0");
+    c.backend = multiworld::Backend::Nccl;
+    let err = m.join(c).await.unwrap_err().to_string();
+    assert!(err.contains("does not drive NCCL worlds yet"), "{err}");
+    assert!(m.worlds().is_empty());
+}
