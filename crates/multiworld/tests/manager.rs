@@ -388,3 +388,24 @@ async fn an_nccl_world_is_refused_with_a_clear_reason() {
     assert!(err.contains("does not drive NCCL worlds yet"), "{err}");
     assert!(m.worlds().is_empty());
 }
+
+/// A watchdog that cannot run is reported: on a one-thread runtime, blocking
+/// the thread stops every watchdog, and the monitor's check (made before the
+/// runtime gets the thread back) names the world and how long it was stuck.
+#[tokio::test(flavor = "current_thread")]
+async fn a_stuck_watchdog_is_reported() {
+    init_tracing();
+    let leader = WorldManager::default();
+    let worker = WorldManager::default();
+    let store = leader.serve_store("127.0.0.1:0").await.unwrap().to_string();
+    let (_a, _b) = pair(&leader, &worker, "stuck", &store).await;
+    // Let the watchdogs tick normally first.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(leader.stalled_watchdogs().is_empty());
+    // Block the runtime's only thread: no watchdog can run meanwhile.
+    std::thread::sleep(Duration::from_millis(2500));
+    let stalled = leader.stalled_watchdogs();
+    assert_eq!(stalled.len(), 1, "{stalled:?}");
+    assert_eq!(stalled[0].0, "stuck");
+    assert!(stalled[0].1 >= Duration::from_secs(2), "{stalled:?}");
+}
