@@ -134,6 +134,16 @@ pub struct StoreBenchArgs {
     pub json: Option<PathBuf>,
 }
 
+/// Writes `value` as pretty JSON to `path`, if one was given, and says so.
+fn write_json(path: Option<&std::path::Path>, value: &impl Serialize) -> anyhow::Result<()> {
+    if let Some(path) = path {
+        std::fs::write(path, serde_json::to_string_pretty(value)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+        println!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
 /// Runs a benchmark.
 pub async fn run(cmd: BenchCommand) -> anyhow::Result<()> {
     match cmd {
@@ -421,11 +431,7 @@ async fn store(args: StoreBenchArgs) -> anyhow::Result<()> {
          256 waiters released ≤ {} ms, host death reported ≤ {} ms",
         report.targets.median_set_get_us, report.targets.wake_256_ms, report.targets.host_death_ms
     );
-    if let Some(path) = args.json {
-        std::fs::write(&path, serde_json::to_string_pretty(&report)?)
-            .with_context(|| format!("writing {}", path.display()))?;
-        println!("wrote {}", path.display());
-    }
+    write_json(args.json.as_deref(), &report)?;
     Ok(())
 }
 
@@ -541,11 +547,7 @@ async fn failover(args: FailoverArgs) -> anyhow::Result<()> {
         bytes: args.bytes,
         rounds,
     };
-    if let Some(path) = args.json {
-        std::fs::write(&path, serde_json::to_string_pretty(&report)?)
-            .with_context(|| format!("writing {}", path.display()))?;
-        println!("wrote {}", path.display());
-    }
+    write_json(args.json.as_deref(), &report)?;
     Ok(())
 }
 
@@ -597,11 +599,7 @@ async fn p2p(args: P2pArgs) -> anyhow::Result<()> {
         plot_p2p(path, &out.stream)?;
         println!("wrote {}", path.display());
     }
-    if let Some(path) = args.json {
-        std::fs::write(&path, serde_json::to_string_pretty(&out)?)
-            .with_context(|| format!("writing {}", path.display()))?;
-        println!("wrote {}", path.display());
-    }
+    write_json(args.json.as_deref(), &out)?;
     Ok(())
 }
 
@@ -794,11 +792,7 @@ async fn worlds(args: WorldsArgs) -> anyhow::Result<()> {
         }
     }
     println!("\ntarget: K worlds ≥ 97 % of the same traffic over one world");
-    if let Some(path) = args.json {
-        std::fs::write(&path, serde_json::to_string_pretty(&rows)?)
-            .with_context(|| format!("writing {}", path.display()))?;
-        println!("wrote {}", path.display());
-    }
+    write_json(args.json.as_deref(), &rows)?;
     Ok(())
 }
 
@@ -835,23 +829,19 @@ async fn collectives(args: CollectivesArgs) -> anyhow::Result<()> {
     println!(
         "targets: all_reduce of 64 MiB f32 ≤ 25 ms over 2 ranks, ≤ 60 ms over 4 ranks (gloo here: ~41 and ~100 ms)"
     );
-    if let Some(path) = args.json {
-        let rows: Vec<CollectiveRowOut> = report
-            .rows
-            .iter()
-            .map(|r| CollectiveRowOut {
-                op: r.op.name(),
-                ranks: r.ranks,
-                bytes: r.bytes,
-                algorithm: r.algorithm,
-                time_us: r.time_us,
-                algbw_gbps: r.algbw_gbps,
-                busbw_gbps: r.busbw_gbps,
-            })
-            .collect();
-        std::fs::write(&path, serde_json::to_string_pretty(&rows)?)
-            .with_context(|| format!("writing {}", path.display()))?;
-        println!("wrote {}", path.display());
-    }
+    let rows: Vec<CollectiveRowOut> = report
+        .rows
+        .iter()
+        .map(|r| CollectiveRowOut {
+            op: r.op.name(),
+            ranks: r.ranks,
+            bytes: r.bytes,
+            algorithm: r.algorithm,
+            time_us: r.time_us,
+            algbw_gbps: r.algbw_gbps,
+            busbw_gbps: r.busbw_gbps,
+        })
+        .collect();
+    write_json(args.json.as_deref(), &rows)?;
     Ok(())
 }

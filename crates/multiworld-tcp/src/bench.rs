@@ -155,7 +155,8 @@ pub struct P2pReport {
     pub pingpong: PingPongRow,
 }
 
-fn human(bytes: usize) -> String {
+/// A byte count as `4 KiB`, `16 MiB` or `7 B` (shared by the benchmarks).
+pub(crate) fn human(bytes: usize) -> String {
     if bytes >= 1 << 20 && bytes % (1 << 20) == 0 {
         format!("{} MiB", bytes >> 20)
     } else if bytes >= 1 << 10 && bytes % (1 << 10) == 0 {

@@ -17,6 +17,7 @@
 //! scattered input of reduce-scatter; each rank's input of all-to-all. Data are
 //! `float32`.
 
+use crate::bench::human;
 use std::fmt;
 use std::sync::Arc;
 use std::time::Instant;
@@ -204,16 +205,6 @@ impl CollectivesReport {
         self.rows
             .iter()
             .find(|r| r.op == op && r.ranks == ranks && r.bytes == bytes)
-    }
-}
-
-fn human(bytes: usize) -> String {
-    if bytes >= 1 << 20 && bytes % (1 << 20) == 0 {
-        format!("{} MiB", bytes >> 20)
-    } else if bytes >= 1 << 10 && bytes % (1 << 10) == 0 {
-        format!("{} KiB", bytes >> 10)
-    } else {
-        format!("{bytes} B")
     }
 }
 
