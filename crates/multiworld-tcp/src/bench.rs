@@ -203,15 +203,23 @@ impl fmt::Display for P2pReport {
     }
 }
 
-/// Runs the benchmark from async code (it runs on its own threads).
-pub async fn p2p(cfg: P2pBenchConfig) -> Result<P2pReport> {
-    match tokio::task::spawn_blocking(move || p2p_blocking(&cfg)).await {
+/// Runs a blocking benchmark from async code on the blocking pool, passing
+/// its panic on (shared by the benchmarks of this crate).
+pub(crate) async fn run_blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T> + Send + 'static,
+) -> Result<T> {
+    match tokio::task::spawn_blocking(f).await {
         Ok(r) => r,
         Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
         Err(_) => Err(Error::Aborted {
             reason: Arc::from("benchmark task cancelled"),
         }),
     }
+}
+
+/// Runs the benchmark from async code (it runs on its own threads).
+pub async fn p2p(cfg: P2pBenchConfig) -> Result<P2pReport> {
+    run_blocking(move || p2p_blocking(&cfg)).await
 }
 
 /// Runs the benchmark on the calling thread (plus the threads it starts).

@@ -262,13 +262,7 @@ impl fmt::Display for CollectivesReport {
 
 /// Runs the benchmark from async code (it runs on its own threads).
 pub async fn collectives_bench(cfg: CollectivesBenchConfig) -> Result<CollectivesReport> {
-    match tokio::task::spawn_blocking(move || collectives_bench_blocking(&cfg)).await {
-        Ok(r) => r,
-        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-        Err(_) => Err(Error::Aborted {
-            reason: Arc::from("benchmark task cancelled"),
-        }),
-    }
+    crate::bench::run_blocking(move || collectives_bench_blocking(&cfg)).await
 }
 
 /// Runs the benchmark on the calling thread (plus one thread per rank).
