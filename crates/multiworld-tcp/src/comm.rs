@@ -686,6 +686,13 @@ impl Communicator {
         self.inner.abort_with("abort() called");
     }
 
+    /// [`Communicator::abort`] with the reason every failed operation will
+    /// carry in its [`Error::Aborted`] (for example, why the owner gave the
+    /// world up). Only the first abort's reason is kept.
+    pub fn abort_with_reason(&self, reason: &str) {
+        self.inner.abort_with(reason);
+    }
+
     /// Says goodbye to every peer (after sends already queued), then aborts with
     /// reason "closed" and waits for the tasks to finish. Peers see
     /// [`HealthEvent::PeerLost`] with an "orderly close" cause.

@@ -287,7 +287,8 @@ impl WorldShared {
             let _ = self.cause.set(cause.clone());
         }
         tracing::warn!(world = %self.name, generation = self.generation, %cause, "world broken");
-        self.comm.abort();
+        self.comm
+            .abort_with_reason(&format!("world '{}' broken: {cause}", self.name));
         self.ended.cancel();
         let _ = self.events.send(WorldEvent::Broken {
             world: self.name.clone(),
