@@ -6,10 +6,11 @@
 //! operation still reads it is freed only after that operation. A buffer can
 //! only be used with the communicator that allocated it (checked).
 //!
-//! Host copies go through a staging vector owned by the copy: the caller's
-//! slice is only touched by plain `memcpy` while we hold it, so even if the
-//! copy times out (and the staging memory is leaked on purpose) no DMA can
-//! reach the caller's memory after we return.
+//! Host copies go through staging memory owned by the world (pinned, in
+//! chunks; or, without pinned memory, a vector owned by the copy): the
+//! caller's slice is only touched by plain `memcpy` while we hold it, so even
+//! if the copy times out (and the staging memory is leaked on purpose) no DMA
+//! can reach the caller's memory after we return.
 
 #![allow(unsafe_code)]
 
@@ -109,6 +110,12 @@ impl DeviceBuffer {
         // Earlier work first: the driver may synchronise a pageable copy with
         // the stream, and we never want to block inside CUDA.
         self.dev.wait_idle("copy_from_host", deadline, timeout)?;
+        if self
+            .dev
+            .copy_htod_pinned("copy_from_host", self.ptr, src, deadline, timeout)?
+        {
+            return Ok(());
+        }
         let staging: Vec<u8> = src.to_vec();
         self.dev.bind()?;
         let rt = self.dev.runtime();
@@ -136,6 +143,12 @@ impl DeviceBuffer {
         }
         let deadline = Instant::now() + timeout;
         self.dev.wait_idle("copy_to_host", deadline, timeout)?;
+        if self
+            .dev
+            .copy_dtoh_pinned("copy_to_host", dst, self.ptr, deadline, timeout)?
+        {
+            return Ok(());
+        }
         let mut staging = vec![0u8; dst.len()];
         self.dev.bind()?;
         let rt = self.dev.runtime();

@@ -554,15 +554,7 @@ impl NcclComm {
     /// the length must be a multiple of the element size). The copy is
     /// bounded by `op_timeout`.
     pub fn upload(&self, dtype: DType, bytes: &[u8]) -> Result<DeviceBuffer, NcclError> {
-        if bytes.len() % dtype.size_bytes() != 0 {
-            return Err(NcclError::invalid(format!(
-                "{} bytes is not a whole number of {dtype} elements",
-                bytes.len()
-            )));
-        }
-        let mut buf = self.alloc(dtype, bytes.len() / dtype.size_bytes())?;
-        buf.copy_from_host(bytes, self.shared.config.op_timeout)?;
-        Ok(buf)
+        crate::context::upload(&self.shared.dev, dtype, bytes, self.shared.config.op_timeout)
     }
 
     /// The communicator's asynchronous error, if any (`ncclCommGetAsyncError`;

@@ -10,14 +10,19 @@
 //!   device (plain `cuMemFree` may), and a per-world pool means the
 //!   allocator can never make one world's stream wait on another's frees.
 //!
+//! Host copies stage through page-locked ("pinned") memory owned by the
+//! world, in chunks of [`STAGING_BYTES`], so the DMA engine reads and writes
+//! host memory directly and never waits on pageable memory; the staging
+//! buffers are allocated on first use and reused.
+//!
 //! A quarantined world (abort did not return in time) is leaked on purpose:
 //! its stream, pool, events and memory are never touched again.
 
 #![allow(unsafe_code)]
 
 use std::ffi::c_int;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::error::NcclError;
@@ -29,6 +34,14 @@ use crate::runtime::NcclRuntime;
 /// communicator it is passed to.
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
+/// Size of one pinned staging buffer: host copies larger than this move in
+/// chunks of this size.
+pub(crate) const STAGING_BYTES: usize = 4 << 20;
+
+/// One pinned host buffer of [`STAGING_BYTES`]. No `Drop`: losing one leaks
+/// it, which is what a copy that timed out (DMA may still target it) must do.
+struct Pinned(SendPtr);
+
 /// A world's context reference, stream and memory pool.
 pub(crate) struct WorldDevice {
     rt: NcclRuntime,
@@ -39,6 +52,11 @@ pub(crate) struct WorldDevice {
     stream: SendPtr,
     pool: SendPtr,
     quarantined: AtomicBool,
+    /// Idle pinned staging buffers (one per concurrent copy, reused).
+    staging: Mutex<Vec<Pinned>>,
+    /// Set when pinned memory could not be had: copies stage through
+    /// ordinary memory from then on.
+    no_pinned: AtomicBool,
 }
 
 impl std::fmt::Debug for WorldDevice {
@@ -94,6 +112,8 @@ impl WorldDevice {
             stream: SendPtr(std::ptr::null_mut()),
             pool: SendPtr(std::ptr::null_mut()),
             quarantined: AtomicBool::new(false),
+            staging: Mutex::new(Vec::new()),
+            no_pinned: AtomicBool::new(false),
         };
         wd.bind()?;
         let mut stream = std::ptr::null_mut();
@@ -240,6 +260,120 @@ impl WorldDevice {
             tracing::warn!(error = %e, "leaking device memory that could not be freed");
         }
     }
+
+    /// An idle pinned staging buffer, allocating one if none is idle;
+    /// `None` when pinned memory is unavailable (or the world quarantined).
+    fn take_staging(&self) -> Option<Pinned> {
+        if self.is_quarantined() {
+            return None;
+        }
+        if let Some(p) = self.staging.lock().unwrap_or_else(|e| e.into_inner()).pop() {
+            return Some(p);
+        }
+        if self.no_pinned.load(Ordering::Relaxed) {
+            return None;
+        }
+        let api = self.rt.cuda().pinned?;
+        self.bind().ok()?;
+        let mut p = std::ptr::null_mut();
+        // SAFETY: writes one host pointer to STAGING_BYTES of pinned memory.
+        let rc = unsafe { (api.host_alloc)(&mut p, STAGING_BYTES, 0) };
+        if rc != ffi::CUDA_SUCCESS || p.is_null() {
+            self.no_pinned.store(true, Ordering::Relaxed);
+            tracing::debug!(
+                code = rc,
+                "no pinned host memory; host copies stage through pageable memory"
+            );
+            return None;
+        }
+        Some(Pinned(SendPtr(p)))
+    }
+
+    fn put_staging(&self, p: Pinned) {
+        self.staging.lock().unwrap_or_else(|e| e.into_inner()).push(p);
+    }
+
+    /// Copies `src` to device address `dst` through pinned staging, chunk by
+    /// chunk, each chunk polled to completion by `deadline`. `Ok(false)`:
+    /// no pinned memory, nothing was done. On error a staging buffer that
+    /// may still be read by DMA is leaked.
+    pub(crate) fn copy_htod_pinned(
+        self: &Arc<Self>,
+        op: &'static str,
+        dst: CuDevicePtr,
+        src: &[u8],
+        deadline: Instant,
+        budget: Duration,
+    ) -> Result<bool, NcclError> {
+        let Some(pin) = self.take_staging() else {
+            return Ok(false);
+        };
+        let stage = pin.0.0.cast::<u8>();
+        let mut offset = 0u64;
+        for chunk in src.chunks(STAGING_BYTES) {
+            // SAFETY: `stage` holds STAGING_BYTES ≥ chunk.len() bytes that only
+            // this copy uses, and no DMA is pending on it (the previous chunk
+            // completed).
+            unsafe { std::ptr::copy_nonoverlapping(chunk.as_ptr(), stage, chunk.len()) };
+            if let Err(e) = self.bind() {
+                self.put_staging(pin);
+                return Err(e);
+            }
+            // SAFETY: `dst + offset` has chunk.len() device bytes (the caller
+            // owns dst..dst+src.len()); the stage stays alive until the
+            // event below completes, or is leaked.
+            let rc = unsafe {
+                (self.rt.cuda().memcpy_htod_async)(dst + offset, stage.cast(), chunk.len(), self.stream.0)
+            };
+            if let Err(e) = self.rt.cuda_check("cuMemcpyHtoDAsync", rc) {
+                // Not enqueued: nothing reads the stage.
+                self.put_staging(pin);
+                return Err(e);
+            }
+            self.wait_idle(op, deadline, budget)?;
+            offset += chunk.len() as u64;
+        }
+        self.put_staging(pin);
+        Ok(true)
+    }
+
+    /// Copies device address `src` into `dst` through pinned staging, chunk
+    /// by chunk (see [`copy_htod_pinned`](Self::copy_htod_pinned)).
+    pub(crate) fn copy_dtoh_pinned(
+        self: &Arc<Self>,
+        op: &'static str,
+        dst: &mut [u8],
+        src: CuDevicePtr,
+        deadline: Instant,
+        budget: Duration,
+    ) -> Result<bool, NcclError> {
+        let Some(pin) = self.take_staging() else {
+            return Ok(false);
+        };
+        let stage = pin.0.0.cast::<u8>();
+        let mut offset = 0u64;
+        for chunk in dst.chunks_mut(STAGING_BYTES) {
+            if let Err(e) = self.bind() {
+                self.put_staging(pin);
+                return Err(e);
+            }
+            // SAFETY: `src + offset` has chunk.len() device bytes; the stage
+            // has room and stays alive until the copy completes, or is leaked.
+            let rc = unsafe {
+                (self.rt.cuda().memcpy_dtoh_async)(stage.cast(), src + offset, chunk.len(), self.stream.0)
+            };
+            if let Err(e) = self.rt.cuda_check("cuMemcpyDtoHAsync", rc) {
+                self.put_staging(pin);
+                return Err(e);
+            }
+            self.wait_idle(op, deadline, budget)?;
+            // SAFETY: the copy into the stage completed; chunk.len() bytes.
+            unsafe { std::ptr::copy_nonoverlapping(stage, chunk.as_mut_ptr(), chunk.len()) };
+            offset += chunk.len() as u64;
+        }
+        self.put_staging(pin);
+        Ok(true)
+    }
 }
 
 impl Drop for WorldDevice {
@@ -259,6 +393,16 @@ impl Drop for WorldDevice {
         // calls blocks: a pool with outstanding frees and a stream with
         // pending work are released by the driver once that work completes.
         unsafe {
+            if let Some(pinned) = cuda.pinned {
+                for p in self
+                    .staging
+                    .get_mut()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .drain(..)
+                {
+                    let _ = (pinned.free_host)(p.0.0);
+                }
+            }
             if !self.pool.0.is_null() {
                 if let Some(pools) = cuda.pools {
                     let _ = (pools.pool_destroy)(self.pool.0);

@@ -430,6 +430,18 @@ pub(crate) struct CudaApi {
     pub(crate) get_error_name: unsafe extern "C" fn(CuResult, *mut *const c_char) -> CuResult,
     /// Stream-ordered allocator (CUDA 11.2+); `None` on older drivers.
     pub(crate) pools: Option<PoolApi>,
+    /// Page-locked host memory, for staging copies; `None` if the driver
+    /// lacks it (copies then stage through ordinary memory).
+    pub(crate) pinned: Option<PinnedApi>,
+}
+
+/// Page-locked ("pinned") host memory entry points.
+#[derive(Clone, Copy)]
+pub(crate) struct PinnedApi {
+    /// `cuMemHostAlloc(void **pp, size_t bytes, unsigned flags)`.
+    pub(crate) host_alloc: unsafe extern "C" fn(*mut *mut c_void, usize, c_uint) -> CuResult,
+    /// `cuMemFreeHost(void *p)`.
+    pub(crate) free_host: unsafe extern "C" fn(*mut c_void) -> CuResult,
 }
 
 /// The stream-ordered allocator entry points (CUDA 11.2+).
@@ -465,6 +477,16 @@ impl CudaApi {
                 }
                 _ => None,
             };
+            let pinned = match (
+                optional_symbol(lib, "cuMemHostAlloc"),
+                optional_symbol(lib, "cuMemFreeHost"),
+            ) {
+                (Some(host_alloc), Some(free_host)) => Some(PinnedApi {
+                    host_alloc,
+                    free_host,
+                }),
+                _ => None,
+            };
             Ok(CudaApi {
                 init: symbol(lib, k, path, "cuInit")?,
                 driver_get_version: symbol(lib, k, path, "cuDriverGetVersion")?,
@@ -485,6 +507,7 @@ impl CudaApi {
                 get_error_string: symbol(lib, k, path, "cuGetErrorString")?,
                 get_error_name: symbol(lib, k, path, "cuGetErrorName")?,
                 pools,
+                pinned,
             })
         }
     }

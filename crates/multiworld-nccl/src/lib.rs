@@ -17,9 +17,11 @@
 //!   all_gather, reduce_scatter, all_to_all, gather, scatter, barrier).
 //! - `handle` — [`OpHandle`]: per-operation completion event and deadline.
 //! - `buffer` — [`DeviceBuffer`]: device memory owned by one world, with
-//!   deadline-bounded host copies.
-//! - `cuda` — a world's context reference, own stream and memory pool, and
-//!   events (crate-private).
+//!   deadline-bounded host copies (staged through pinned memory).
+//! - `context` — [`DeviceContext`]: a world's stream, memory pool and pinned
+//!   staging without an NCCL communicator (device tensors over TCP).
+//! - `cuda` — a world's context reference, own stream, memory pool, pinned
+//!   staging buffers and events (crate-private).
 //! - `config` — [`CommConfig`]: rank, size, device and deadlines, validated.
 //! - `unique_id` — [`UniqueId`]: the 128-byte id, to and from bytes.
 //! - `dtype` — [`DType`], [`ReduceOp`] and their NCCL mappings.
@@ -52,6 +54,7 @@
 mod buffer;
 mod comm;
 mod config;
+mod context;
 mod cuda;
 mod dtype;
 mod error;
@@ -67,6 +70,7 @@ mod version;
 pub use buffer::DeviceBuffer;
 pub use comm::{AbortOutcome, CloseOutcome, CommState, NcclComm, ShrinkMode};
 pub use config::CommConfig;
+pub use context::DeviceContext;
 pub use dtype::{DType, NcclDataType, NcclRedOp, ReduceOp, nccl_reduction, wire_type};
 pub use error::{LibraryKind, NcclError};
 pub use handle::OpHandle;

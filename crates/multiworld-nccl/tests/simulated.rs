@@ -22,8 +22,8 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use multiworld_nccl::{
-    AbortOutcome, CloseOutcome, CommConfig, CommState, DType, LibrarySearch, NcclComm, NcclError,
-    NcclRuntime, NcclVersion, ReduceOp, ShrinkMode,
+    AbortOutcome, CloseOutcome, CommConfig, CommState, DType, DeviceContext, LibrarySearch, NcclComm,
+    NcclError, NcclRuntime, NcclVersion, ReduceOp, ShrinkMode,
 };
 
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -86,6 +86,15 @@ impl Fake {
         }
     }
 
+    fn no_pinned(&self, on: bool) {
+        // SAFETY: signature as in fake_cuda_nccl.c.
+        unsafe {
+            self.cuda
+                .get::<unsafe extern "C" fn(i32)>(b"fake_cuda_no_pinned")
+                .unwrap()(on as i32)
+        }
+    }
+
     fn fail_last(&self, code: i32) {
         // SAFETY: signature as in fake_cuda_nccl.c.
         unsafe {
@@ -95,8 +104,9 @@ impl Fake {
         }
     }
 
-    /// Live (comms, allocations, streams, events, context refs, pools).
-    fn live(&self) -> [i64; 6] {
+    /// Live (comms, allocations, streams, events, context refs, pools, pinned
+    /// host buffers).
+    fn live(&self) -> [i64; 7] {
         let cuda = |what: i32| {
             // SAFETY: signature as in fake_cuda_nccl.c.
             unsafe {
@@ -112,6 +122,7 @@ impl Fake {
             cuda(2),
             cuda(3),
             cuda(4),
+            cuda(5),
         ]
     }
 
@@ -515,4 +526,61 @@ fn revoke_and_shrink_follow_the_runtime_version() {
     assert!(matches!(comm.close(T), CloseOutcome::Destroyed { .. }));
     drop(rt);
     assert_eq!(f.live(), before);
+}
+
+/// Bytes over two pinned staging chunks (4 MiB each) plus an odd tail.
+fn big_pattern() -> Vec<u8> {
+    (0..(8 << 20) + 13).map(|i: usize| (i % 251) as u8).collect()
+}
+
+#[test]
+fn host_copies_stage_through_pinned_memory_in_chunks_and_release_it() {
+    let (_g, f) = fake();
+    let before = f.live();
+    let rt = f.runtime().unwrap();
+    let ctx = DeviceContext::open(&rt, 0).unwrap();
+    assert_eq!(ctx.device(), 0);
+    let data = big_pattern();
+    let buf = ctx.upload(DType::U8, &data, T).unwrap();
+    assert_eq!(f.live()[6], before[6] + 1, "one pinned staging buffer, reused");
+    let mut back = vec![0u8; data.len()];
+    buf.copy_to_host(&mut back, T).unwrap();
+    assert!(back == data, "chunked round trip differs");
+    assert_eq!(f.live()[6], before[6] + 1, "still one pinned staging buffer");
+    // A length that is not the buffer's is refused before any copy.
+    let e = buf.copy_to_host(&mut back[..10], T).unwrap_err();
+    assert!(e.to_string().contains("host slice is 10 bytes"), "{e}");
+    ctx.synchronize(T).unwrap();
+    drop(buf);
+    drop(ctx);
+    drop(rt);
+    assert_eq!(f.live(), before, "pinned staging and the context are released");
+}
+
+#[test]
+fn without_pinned_memory_copies_stage_through_ordinary_memory() {
+    let (_g, f) = fake();
+    f.no_pinned(true);
+    let before = f.live();
+    let rt = f.runtime().unwrap();
+    let ctx = DeviceContext::open(&rt, 0).unwrap();
+    let data = big_pattern();
+    let buf = ctx.upload(DType::U8, &data, T).unwrap();
+    let mut back = vec![0u8; data.len()];
+    buf.copy_to_host(&mut back, T).unwrap();
+    assert!(back == data, "round trip differs");
+    assert_eq!(f.live()[6], before[6], "no pinned memory was taken");
+    drop((buf, ctx, rt));
+    assert_eq!(f.live(), before);
+}
+
+#[test]
+fn a_device_context_for_a_missing_device_is_a_clear_error() {
+    let (_g, f) = fake();
+    let rt = f.runtime().unwrap();
+    let e = DeviceContext::open(&rt, 5).unwrap_err();
+    assert!(
+        e.to_string().contains("device 5 requested but only 1 visible"),
+        "{e}"
+    );
 }

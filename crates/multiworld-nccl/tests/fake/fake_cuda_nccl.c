@@ -29,9 +29,12 @@ typedef int CUresult;
 struct fake_event { struct fake_stream *stream; int blocked; };
 
 static int g_devices = 1;
-static volatile long g_allocs, g_streams, g_events, g_ctx_refs, g_pools;
+static volatile long g_allocs, g_streams, g_events, g_ctx_refs, g_pools, g_pinned;
+static int g_no_pinned;
 
-void fake_cuda_reset(int devices) { g_devices = devices; }
+void fake_cuda_reset(int devices) { g_devices = devices; g_no_pinned = 0; }
+/* Makes cuMemHostAlloc fail (the crate must fall back to pageable staging). */
+void fake_cuda_no_pinned(int on) { g_no_pinned = on; }
 long fake_cuda_live(int what) {
   switch (what) {
     case 0: return g_allocs;
@@ -39,6 +42,7 @@ long fake_cuda_live(int what) {
     case 2: return g_events;
     case 3: return g_ctx_refs;
     case 4: return g_pools;
+    case 5: return g_pinned;
   }
   return -1;
 }
@@ -85,6 +89,12 @@ CUresult cuMemcpyDtoHAsync_v2(void *dst, unsigned long long src, size_t n, struc
 CUresult cuMemsetD8Async(unsigned long long dst, unsigned char v, size_t n, struct fake_stream *s) {
   (void)s; memset((void *)(uintptr_t)dst, v, n); return 0;
 }
+CUresult cuMemHostAlloc(void **p, size_t n, unsigned flags) {
+  (void)flags;
+  if (g_no_pinned) return 2; /* CUDA_ERROR_OUT_OF_MEMORY */
+  *p = malloc(n); __sync_fetch_and_add(&g_pinned, 1); return 0;
+}
+CUresult cuMemFreeHost(void *p) { free(p); __sync_fetch_and_sub(&g_pinned, 1); return 0; }
 CUresult cuGetErrorString(CUresult r, const char **s) { (void)r; *s = "fake CUDA error"; return 0; }
 CUresult cuGetErrorName(CUresult r, const char **s) { (void)r; *s = "CUDA_ERROR_FAKE"; return 0; }
 
