@@ -16,144 +16,18 @@
 // calls the fake's control functions.
 #![allow(clippy::unwrap_used, clippy::expect_used, unsafe_code)]
 
-use std::path::PathBuf;
-use std::process::Command;
-use std::sync::{Mutex, MutexGuard, OnceLock};
+mod fake;
+
+use fake::{fake, fake_with};
+
 use std::time::{Duration, Instant};
 
 use multiworld_nccl::{
-    AbortOutcome, CloseOutcome, CommConfig, CommState, DType, DeviceContext, LibrarySearch, NcclComm,
-    NcclError, NcclRuntime, NcclVersion, ReduceOp, ShrinkMode,
+    AbortOutcome, CloseOutcome, CommConfig, CommState, DType, DeviceContext, NcclComm, NcclError,
+    NcclVersion, ReduceOp, ShrinkMode,
 };
 
-static SERIAL: Mutex<()> = Mutex::new(());
-static LIBS: OnceLock<(PathBuf, PathBuf)> = OnceLock::new();
 const T: Duration = Duration::from_secs(10);
-
-/// Compiles the fakes once per process; returns (libnccl, libcuda) paths.
-fn fake_libs() -> &'static (PathBuf, PathBuf) {
-    LIBS.get_or_init(|| {
-        let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fake/fake_cuda_nccl.c");
-        let dir =
-            PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("fake-nccl-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let nccl = dir.join("libnccl.so.2");
-        let cuda = dir.join("libcuda.so.1");
-        for (define, out) in [("-DFAKE_NCCL", &nccl), ("-DFAKE_CUDA", &cuda)] {
-            let status = Command::new(std::env::var("CC").unwrap_or_else(|_| "cc".into()))
-                .args(["-shared", "-fPIC", "-O1", define, "-o"])
-                .arg(out)
-                .arg(&src)
-                .status()
-                .expect("a C compiler (cc) is needed to build the fake CUDA/NCCL libraries");
-            assert!(status.success(), "compiling the fake {define} failed");
-        }
-        (nccl, cuda)
-    })
-}
-
-/// Handles on the fake libraries' control functions.
-struct Fake {
-    nccl: libloading::Library,
-    cuda: libloading::Library,
-}
-
-impl Fake {
-    fn call0<R>(lib: &libloading::Library, name: &str) -> R {
-        // SAFETY: every control function used through this helper takes no
-        // argument and returns `R` as declared in fake_cuda_nccl.c.
-        unsafe { lib.get::<unsafe extern "C" fn() -> R>(name.as_bytes()).unwrap()() }
-    }
-
-    fn reset(&self, version: i32, devices: i32) {
-        // SAFETY: signatures as in fake_cuda_nccl.c.
-        unsafe {
-            self.nccl
-                .get::<unsafe extern "C" fn(i32)>(b"fake_nccl_reset")
-                .unwrap()(version);
-            self.cuda
-                .get::<unsafe extern "C" fn(i32)>(b"fake_cuda_reset")
-                .unwrap()(devices);
-        }
-    }
-
-    fn set(&self, init_hang: bool, ops_hang: bool, abort_hang: bool) {
-        // SAFETY: signature as in fake_cuda_nccl.c.
-        unsafe {
-            self.nccl
-                .get::<unsafe extern "C" fn(i32, i32, i32)>(b"fake_nccl_set")
-                .unwrap()(init_hang as i32, ops_hang as i32, abort_hang as i32);
-        }
-    }
-
-    fn no_pinned(&self, on: bool) {
-        // SAFETY: signature as in fake_cuda_nccl.c.
-        unsafe {
-            self.cuda
-                .get::<unsafe extern "C" fn(i32)>(b"fake_cuda_no_pinned")
-                .unwrap()(on as i32)
-        }
-    }
-
-    fn fail_last(&self, code: i32) {
-        // SAFETY: signature as in fake_cuda_nccl.c.
-        unsafe {
-            self.nccl
-                .get::<unsafe extern "C" fn(i32)>(b"fake_nccl_fail_last")
-                .unwrap()(code)
-        }
-    }
-
-    /// Live (comms, allocations, streams, events, context refs, pools, pinned
-    /// host buffers).
-    fn live(&self) -> [i64; 7] {
-        let cuda = |what: i32| {
-            // SAFETY: signature as in fake_cuda_nccl.c.
-            unsafe {
-                self.cuda
-                    .get::<unsafe extern "C" fn(i32) -> i64>(b"fake_cuda_live")
-                    .unwrap()(what)
-            }
-        };
-        [
-            Fake::call0::<i64>(&self.nccl, "fake_nccl_live"),
-            cuda(0),
-            cuda(1),
-            cuda(2),
-            cuda(3),
-            cuda(4),
-            cuda(5),
-        ]
-    }
-
-    fn runtime(&self) -> Result<NcclRuntime, NcclError> {
-        let (nccl, cuda) = fake_libs();
-        NcclRuntime::load_with(&LibrarySearch {
-            nccl_library: Some(nccl.clone()),
-            cuda_driver_library: Some(cuda.clone()),
-            ..LibrarySearch::default()
-        })
-    }
-}
-
-/// Takes the serial lock and resets the fakes (NCCL 2.27.3, one device).
-fn fake() -> (MutexGuard<'static, ()>, Fake) {
-    fake_with(22_703, 1)
-}
-
-fn fake_with(version: i32, devices: i32) -> (MutexGuard<'static, ()>, Fake) {
-    let guard = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    let (nccl, cuda) = fake_libs();
-    // SAFETY: loading our own fake libraries, whose initialisers do nothing.
-    let f = unsafe {
-        Fake {
-            nccl: libloading::Library::new(nccl).unwrap(),
-            cuda: libloading::Library::new(cuda).unwrap(),
-        }
-    };
-    f.reset(version, devices);
-    (guard, f)
-}
 
 fn cfg(rank: usize, size: usize) -> CommConfig {
     CommConfig::new(rank, size)
