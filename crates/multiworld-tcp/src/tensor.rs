@@ -548,6 +548,22 @@ pub struct TensorView<'a> {
 }
 
 impl<'a> TensorView<'a> {
+    /// A view of raw native-endian bytes as elements of `dtype`, without
+    /// copying. Fails if the length is not a whole number of elements, or if
+    /// a `bool` byte is not 0 or 1.
+    pub fn from_bytes(dtype: DType, bytes: &'a [u8]) -> Result<Self> {
+        if bytes.len() % dtype.size() != 0 {
+            return Err(Error::invalid(format!(
+                "{} bytes is not a whole number of {dtype} elements",
+                bytes.len()
+            )));
+        }
+        if dtype == DType::Bool && !valid_bool_bytes(bytes) {
+            return Err(Error::invalid("bool bytes must be 0 or 1"));
+        }
+        Ok(TensorView { dtype, bytes })
+    }
+
     /// Element type.
     pub fn dtype(&self) -> DType {
         self.dtype

@@ -84,6 +84,10 @@ pub struct WorldConfig {
     pub op_timeout: Option<Duration>,
     /// Failure detection timing.
     pub watchdog: WatchdogConfig,
+    /// NCCL worlds: how long tearing the world down waits for
+    /// `ncclCommAbort` before it quarantines (leaks) the communicator and
+    /// reports `WorldEvent::Quarantined` (default 5 s).
+    pub nccl_abort_deadline: Duration,
 }
 
 impl WorldConfig {
@@ -101,6 +105,7 @@ impl WorldConfig {
             secret: None,
             join_timeout: Duration::from_secs(30),
             op_timeout: None,
+            nccl_abort_deadline: Duration::from_secs(5),
             watchdog: WatchdogConfig::default(),
         }
     }

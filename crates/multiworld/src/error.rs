@@ -51,6 +51,15 @@ pub enum WorldError {
         /// Which message and how it differed.
         detail: String,
     },
+    /// A device call failed without breaking the world (out of device
+    /// memory, an unsupported dtype or op, no GPU for a host-staged copy).
+    #[error("world '{world}': device: {detail}")]
+    Device {
+        /// The world.
+        world: String,
+        /// What NCCL or CUDA said.
+        detail: String,
+    },
     /// This process is not a member of a world of that name.
     #[error("not a member of world '{world}'")]
     NotJoined {

@@ -26,6 +26,19 @@ pub enum WorldEvent {
         /// Why.
         cause: BreakCause,
     },
+    /// The world's device communicator did not finish aborting within its
+    /// deadline (a hung kernel or NCCL call): its communicator, stream and
+    /// device memory are leaked on purpose and never touched again. The
+    /// world is still torn down and `Removed` follows; other worlds are not
+    /// affected, but the leaked resources stay until the process exits.
+    Quarantined {
+        /// The world.
+        world: String,
+        /// Its generation.
+        generation: u64,
+        /// What the abort reported.
+        reason: String,
+    },
     /// The world was torn down (after a break or a leave); its name can be
     /// joined again.
     Removed {
@@ -42,6 +55,7 @@ impl WorldEvent {
         match self {
             WorldEvent::Joined { world, .. }
             | WorldEvent::Broken { world, .. }
+            | WorldEvent::Quarantined { world, .. }
             | WorldEvent::Removed { world, .. } => world,
         }
     }

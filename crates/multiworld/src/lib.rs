@@ -19,6 +19,10 @@
 //!   process monitor's "which watchdog is stuck" decision.
 //! - [`events`]: [`WorldEvent`] (`Joined`, `Broken`, `Removed`).
 //! - [`rendezvous`]: the TCP backend's rendezvous over a world's store.
+//! - `device` (with the `nccl` feature): a world's GPU side — the NCCL
+//!   communicator of an NCCL world ([`NcclWorld`], [`DeviceOp`]), watched by
+//!   the world's watchdog, and host-staged device tensors over TCP
+//!   ([`World::send_device`], [`World::recv_device`]).
 //! - [`error`]: the error type, [`WorldError`].
 //!
 //! ```
@@ -50,10 +54,14 @@
 //!
 //! Tensors, ranks and tags are the TCP backend's types, re-exported here.
 //! With the `nccl` feature, the NCCL backend is re-exported as [`nccl`]
-//! (`multiworld-nccl`: one non-blocking communicator per world, loaded at run
-//! time); the manager does not drive it yet.
+//! (`multiworld-nccl`: one non-blocking communicator per world, NCCL and CUDA
+//! loaded at run time), and the manager joins NCCL worlds
+//! (`Backend::Nccl`): each keeps its TCP mesh for control and host tensors
+//! and gains an NCCL communicator for device tensors.
 
 pub mod config;
+#[cfg(feature = "nccl")]
+mod device;
 pub mod error;
 pub mod events;
 pub mod lifecycle;
@@ -67,6 +75,8 @@ pub mod world;
 pub use multiworld_nccl as nccl;
 
 pub use config::{Backend, ConfigError, WorldConfig};
+#[cfg(feature = "nccl")]
+pub use device::{DEFAULT_DEVICE_OP_TIMEOUT, DeviceOp, NcclWorld};
 pub use error::WorldError;
 pub use events::WorldEvent;
 pub use lifecycle::{BreakCause, Lifecycle, WorldState};

@@ -46,6 +46,12 @@ pub enum BreakCause {
         /// Its cause, as text.
         reason: String,
     },
+    /// The world's device communicator (NCCL) reported an error: its
+    /// asynchronous error, or an operation that failed on the device.
+    Device {
+        /// What NCCL or CUDA said.
+        reason: String,
+    },
     /// The world failed while joining.
     JoinFailed {
         /// Why.
@@ -67,6 +73,7 @@ impl fmt::Display for BreakCause {
             BreakCause::ReportedByPeer { rank, reason } => {
                 write!(f, "rank {rank} reported the world broken: {reason}")
             }
+            BreakCause::Device { reason } => write!(f, "the device communicator failed: {reason}"),
             BreakCause::JoinFailed { reason } => write!(f, "join failed: {reason}"),
             BreakCause::Aborted => f.write_str("aborted by this process"),
         }

@@ -81,6 +81,9 @@ struct Inner {
     events: broadcast::Sender<WorldEvent>,
     root: CancellationToken,
     hosts: tokio::sync::Mutex<Vec<HostedStore>>,
+    /// The NCCL runtime of this process's NCCL worlds.
+    #[cfg(feature = "nccl")]
+    nccl: crate::device::RuntimeSlot,
 }
 
 impl Drop for Inner {
@@ -153,9 +156,20 @@ impl WorldManager {
             events,
             root: CancellationToken::new(),
             hosts: tokio::sync::Mutex::new(Vec::new()),
+            #[cfg(feature = "nccl")]
+            nccl: std::sync::Mutex::new(None),
         });
         tokio::spawn(monitor(Arc::downgrade(&inner), inner.root.clone()));
         WorldManager { inner }
+    }
+
+    /// Sets the NCCL runtime (the loaded NCCL and CUDA driver libraries) that
+    /// NCCL worlds joined from now on use. Without it, the first NCCL join
+    /// loads one with [`NcclRuntime::load`](multiworld_nccl::NcclRuntime::load)
+    /// (`NCCL_LIBRARY`, the loader path, pip-wheel locations).
+    #[cfg(feature = "nccl")]
+    pub fn use_nccl_runtime(&self, runtime: multiworld_nccl::NcclRuntime) {
+        *self.inner.nccl.lock().unwrap_or_else(|e| e.into_inner()) = Some(runtime);
     }
 
     /// Subscribes to world events from now on.
@@ -206,11 +220,11 @@ impl WorldManager {
         if self.inner.root.is_cancelled() {
             return Err(WorldError::ShutDown);
         }
-        if config.backend != Backend::Tcp {
+        #[cfg(not(feature = "nccl"))]
+        if config.backend == Backend::Nccl {
             return Err(WorldError::join_failed(
                 &config.name,
-                "the world manager does not drive NCCL worlds yet: use the TCP backend, or the \
-                 `nccl` feature's `multiworld::nccl` communicator directly",
+                "this build has no NCCL support: enable the `nccl` feature of multiworld",
             ));
         }
         let started = Instant::now();
@@ -362,8 +376,20 @@ impl WorldManager {
             let token = self.inner.root.child_token();
             match Communicator::join_with_token(comm_config, &rendezvous, token.child_token()).await {
                 Ok(comm) => {
+                    #[cfg(feature = "nccl")]
+                    let device = if config.backend == Backend::Nccl {
+                        match crate::device::join(&self.inner.nccl, config, &store, deadline).await {
+                            Ok(device) => Some(Arc::new(device)),
+                            Err(reason) => {
+                                comm.abort_with_reason("the world's NCCL communicator could not be set up");
+                                return Err(WorldError::join_failed(name, reason));
+                            }
+                        }
+                    } else {
+                        None
+                    };
                     opened.armed = false;
-                    return Ok(WorldShared::new(
+                    let shared = WorldShared::new(
                         config.clone(),
                         Arc::new(comm),
                         store,
@@ -372,7 +398,13 @@ impl WorldManager {
                         token,
                         self.inner.events.clone(),
                         Arc::downgrade(&self.inner.registry),
-                    ));
+                    );
+                    #[cfg(feature = "nccl")]
+                    if let Some(device) = device {
+                        // A fresh world's slot is empty, so this cannot be refused.
+                        let _ = shared.device.set(device);
+                    }
+                    return Ok(shared);
                 }
                 // We found the store of a generation that was being torn down
                 // (a replacement member racing the teardown): look again.

@@ -109,6 +109,9 @@ pub struct Observations {
     pub store_gone: Option<String>,
     /// A member that declared the world broken, and why.
     pub reported_broken: Option<(u32, String)>,
+    /// The world's device communicator reported this error (NCCL's
+    /// asynchronous error, or a failed device operation).
+    pub device_error: Option<String>,
 }
 
 /// The verdict of one decision.
@@ -157,6 +160,12 @@ pub fn decide(now: Instant, obs: &Observations, cfg: &WatchdogConfig) -> Decisio
     if let Some((rank, reason)) = &obs.reported_broken {
         return broken(BreakCause::ReportedByPeer {
             rank: *rank,
+            reason: reason.clone(),
+        });
+    }
+    // The device communicator failed: NCCL's error is definitive.
+    if let Some(reason) = &obs.device_error {
+        return broken(BreakCause::Device {
             reason: reason.clone(),
         });
     }
@@ -289,6 +298,7 @@ mod tests {
             store_error: None,
             store_gone: None,
             reported_broken: None,
+            device_error: None,
         }
     }
 
@@ -420,6 +430,26 @@ mod tests {
         assert!(matches!(
             decide(t0, &obs, &cfg).verdict,
             Verdict::Broken(BreakCause::StoreLost { reason }) if reason.contains("closed")
+        ));
+    }
+
+    #[test]
+    fn a_device_error_breaks_at_once_and_ranks_after_peer_reports() {
+        let cfg = WatchdogConfig::default();
+        let t0 = Instant::now();
+        let mut obs = healthy_obs(t0, &[1]);
+        obs.device_error = Some("ncclRemoteError: a peer failed".into());
+        let d = decide(t0, &obs, &cfg);
+        assert!(d.reason.contains("device communicator failed"), "{}", d.reason);
+        assert!(matches!(
+            d.verdict,
+            Verdict::Broken(BreakCause::Device { reason }) if reason.contains("ncclRemoteError")
+        ));
+        // A member's report is the better explanation of a remote error.
+        obs.reported_broken = Some((1, "rank 2 lost".into()));
+        assert!(matches!(
+            decide(t0, &obs, &cfg).verdict,
+            Verdict::Broken(BreakCause::ReportedByPeer { rank: 1, .. })
         ));
     }
 

@@ -113,6 +113,9 @@ pub(crate) struct WorldShared {
     last_tick_us: std::sync::atomic::AtomicU64,
     epoch: Instant,
     removed: watch::Sender<bool>,
+    /// The world's NCCL communicator (NCCL worlds only), set once at join.
+    #[cfg(feature = "nccl")]
+    pub(crate) device: std::sync::OnceLock<Arc<crate::device::DeviceSide>>,
 }
 
 impl WorldShared {
@@ -156,6 +159,8 @@ impl WorldShared {
             last_tick_us: std::sync::atomic::AtomicU64::new(0),
             epoch: Instant::now(),
             removed: watch::Sender::new(false),
+            #[cfg(feature = "nccl")]
+            device: std::sync::OnceLock::new(),
         })
     }
 
@@ -193,7 +198,7 @@ impl WorldShared {
     }
 
     /// The error every operation gets once the world is not ready.
-    fn unusable(&self) -> WorldError {
+    pub(crate) fn unusable(&self) -> WorldError {
         match self.cause.get() {
             Some(cause) => WorldError::Broken {
                 world: self.name.clone(),
@@ -237,7 +242,7 @@ impl WorldShared {
     }
 
     /// Refuses the tags reserved for the runtime and the collectives.
-    fn check_tag(&self, tag: Tag) -> Result<(), WorldError> {
+    pub(crate) fn check_tag(&self, tag: Tag) -> Result<(), WorldError> {
         if multiworld_tcp::collectives::is_internal_tag(tag) {
             return Err(WorldError::InvalidArgument {
                 world: self.name.clone(),
@@ -247,7 +252,7 @@ impl WorldShared {
         Ok(())
     }
 
-    fn check(&self) -> Result<(), WorldError> {
+    pub(crate) fn check(&self) -> Result<(), WorldError> {
         if self.lifecycle().is_usable() {
             Ok(())
         } else {
@@ -344,6 +349,25 @@ impl WorldShared {
         {
             tracing::error!(world = %self.name, "communicator tasks did not stop within {TEARDOWN_WAIT:?}");
         }
+        #[cfg(feature = "nccl")]
+        if let Some(device) = self.device.get() {
+            let outcome = Arc::clone(device).abort().await;
+            if outcome.is_quarantined() {
+                tracing::error!(
+                    world = %self.name,
+                    generation = self.generation,
+                    ?outcome,
+                    "the NCCL communicator did not abort in time: quarantined (leaked)"
+                );
+                let _ = self.events.send(WorldEvent::Quarantined {
+                    world: self.name.clone(),
+                    generation: self.generation,
+                    reason: format!("{outcome:?}"),
+                });
+            } else {
+                tracing::debug!(world = %self.name, ?outcome, "NCCL communicator aborted");
+            }
+        }
         // Close exactly this generation of the world's store, so its waiters
         // wake and a re-join gets a fresh generation, even on a standalone
         // store that no member hosts.
@@ -411,6 +435,14 @@ async fn watchdog(w: Arc<WorldShared>, mut store: watch::Receiver<StoreStatus>) 
         // While the world is closing, members that leave in an orderly way
         // (and the store their host closes) are expected; a crash is not.
         let closing = w.closing.load(std::sync::atomic::Ordering::Relaxed);
+        #[cfg(feature = "nccl")]
+        let (device_error, device_op) = w.device.get().map(|d| d.observe()).unwrap_or((None, None));
+        #[cfg(not(feature = "nccl"))]
+        let (device_error, device_op): (Option<String>, Option<crate::watchdog::PendingOp>) = (None, None);
+        let earliest_op = match (w.earliest_deadline(), device_op) {
+            (Some(a), Some(b)) => Some(if b.deadline < a.deadline { b } else { a }),
+            (a, b) => a.or(b),
+        };
         let obs = Observations {
             peers: w
                 .comm
@@ -423,11 +455,12 @@ async fn watchdog(w: Arc<WorldShared>, mut store: watch::Receiver<StoreStatus>) 
                     transport_error: p.lost.map(|c| c.to_string()),
                 })
                 .collect(),
-            earliest_op: w.earliest_deadline(),
+            earliest_op,
             store_last_ok: status.last_ok,
             store_error: if closing { None } else { status.error },
             store_gone: if closing { None } else { status.gone },
             reported_broken: if closing { None } else { status.reported },
+            device_error,
         };
         let decision = decide(now, &obs, &cfg);
         if log.changed(&decision.reason) {
@@ -437,7 +470,14 @@ async fn watchdog(w: Arc<WorldShared>, mut store: watch::Receiver<StoreStatus>) 
             w.break_with(cause);
             return;
         }
-        let wake = tokio::time::Instant::from_std(decision.next_check.max(now + Duration::from_millis(1)));
+        #[allow(unused_mut)]
+        let mut next_check = decision.next_check;
+        // A device communicator is polled: NCCL cannot wake us.
+        #[cfg(feature = "nccl")]
+        if w.device.get().is_some() {
+            next_check = next_check.min(now + crate::device::DEVICE_POLL);
+        }
+        let wake = tokio::time::Instant::from_std(next_check.max(now + Duration::from_millis(1)));
         tokio::select! {
             biased;
             _ = w.token.cancelled() => return,

@@ -1,0 +1,485 @@
+//! A world's GPU side (the `nccl` feature).
+//!
+//! - **NCCL worlds** (`Backend::Nccl`): the world keeps its TCP mesh as the
+//!   control plane (heartbeats, host tensors, `finish`) and adds one
+//!   non-blocking NCCL communicator on its own CUDA stream for device
+//!   tensors. Rank 0 makes the NCCL unique id and publishes it in the
+//!   world's store (or publishes why it could not, so nobody waits for an id
+//!   that will never come); every rank then initialises its communicator
+//!   within the join deadline. [`NcclWorld`] issues the device operations;
+//!   each returns a [`DeviceOp`] that the world's watchdog also tracks: it
+//!   polls the communicator's asynchronous error and every pending
+//!   operation's completion event against its deadline, never blocking in
+//!   CUDA or NCCL. A failure breaks only this world; its teardown aborts the
+//!   communicator on a dedicated thread with a deadline, and a communicator
+//!   whose abort does not return in time is quarantined (leaked on purpose)
+//!   and reported with [`WorldEvent::Quarantined`](crate::WorldEvent).
+//! - **Host-staged device tensors on any world**: [`World::send_device`] and
+//!   [`World::recv_device`] move a [`DeviceBuffer`] over the world's TCP
+//!   communicator, copied through pinned host memory, so processes that share
+//!   one GPU (and so cannot form an NCCL world) can still exchange GPU
+//!   tensors. The buffers come from a [`DeviceContext`](multiworld_nccl::DeviceContext)
+//!   or an NCCL world.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use multiworld_nccl::{
+    AbortOutcome, CommConfig, DType, DeviceBuffer, NcclComm, NcclError, NcclRuntime, OpHandle, ReduceOp,
+    UniqueId,
+};
+use multiworld_store::WorldStore;
+use multiworld_tcp::{DType as HostDType, Rank, Tag, Tensor, TensorView};
+
+use crate::{
+    config::WorldConfig,
+    error::WorldError,
+    lifecycle::BreakCause,
+    watchdog::PendingOp,
+    world::{World, WorldShared},
+};
+
+/// The store key under which rank 0 publishes the NCCL unique id: one byte
+/// [`ID_OK`] followed by the 128-byte id, or [`ID_ERR`] followed by why rank
+/// 0 could not make one.
+pub(crate) const NCCL_ID_KEY: &str = "multiworld/nccl-id";
+const ID_OK: u8 = 0;
+const ID_ERR: u8 = 1;
+
+/// The deadline of device operations and host copies when the world sets no
+/// `op_timeout`: unlike the TCP side, a hung kernel is not caught by
+/// heartbeats, so device operations always have one.
+pub const DEFAULT_DEVICE_OP_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// How often the watchdog polls an NCCL world's communicator and pending
+/// operations.
+pub(crate) const DEVICE_POLL: Duration = Duration::from_millis(10);
+
+/// Where the manager keeps its NCCL runtime: set by
+/// `WorldManager::use_nccl_runtime`, or loaded on the first NCCL join.
+pub(crate) type RuntimeSlot = Mutex<Option<NcclRuntime>>;
+
+/// The runtime in `slot`, loading (and keeping) one if none is there yet. A
+/// failed load is not kept, so a later join reports it again.
+pub(crate) fn runtime(slot: &RuntimeSlot) -> Result<NcclRuntime, NcclError> {
+    let mut guard = slot.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(rt) = guard.as_ref() {
+        return Ok(rt.clone());
+    }
+    let rt = NcclRuntime::load()?;
+    *guard = Some(rt.clone());
+    Ok(rt)
+}
+
+/// The NCCL side of one world.
+pub(crate) struct DeviceSide {
+    pub(crate) comm: NcclComm,
+    /// Operations issued and not yet seen complete by the watchdog.
+    pending: Mutex<Vec<Arc<OpHandle>>>,
+}
+
+impl DeviceSide {
+    /// What the watchdog needs: the communicator's error (or a pending
+    /// operation's), and the pending operation whose deadline comes first.
+    /// Never blocks.
+    pub(crate) fn observe(&self) -> (Option<String>, Option<PendingOp>) {
+        if let Some(e) = self.comm.poll_error() {
+            return (Some(e.to_string()), None);
+        }
+        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        let mut error = None;
+        pending.retain(|h| match h.is_completed() {
+            Ok(done) => !done,
+            Err(e) => {
+                error.get_or_insert_with(|| format!("{}: {e}", h.op()));
+                false
+            }
+        });
+        let earliest = pending.iter().min_by_key(|h| h.deadline()).map(|h| PendingOp {
+            op: format!("device {}", h.op()),
+            deadline: h.deadline(),
+            timeout: h.deadline().saturating_duration_since(h.issued_at()),
+        });
+        (error, earliest)
+    }
+
+    /// Aborts the communicator (bounded by its abort deadline); runs on a
+    /// blocking thread.
+    pub(crate) async fn abort(self: Arc<Self>) -> AbortOutcome {
+        let me = Arc::clone(&self);
+        let deadline = self.comm.config().abort_deadline;
+        match tokio::task::spawn_blocking(move || me.comm.abort(deadline)).await {
+            Ok(outcome) => outcome,
+            // The blocking pool is gone (runtime shutting down): abort here;
+            // it is still bounded by the deadline.
+            Err(_) => self.comm.abort(deadline),
+        }
+    }
+}
+
+/// Sets up this rank's NCCL communicator for a world whose TCP mesh is up:
+/// exchanges the unique id through the world's store and initialises the
+/// communicator before `deadline`.
+pub(crate) async fn join(
+    slot: &RuntimeSlot,
+    config: &WorldConfig,
+    store: &WorldStore,
+    deadline: Instant,
+) -> Result<DeviceSide, String> {
+    let remaining = || deadline.saturating_duration_since(Instant::now());
+    let rt = runtime(slot);
+    let id = if config.rank == 0 {
+        let made = match &rt {
+            Ok(rt) => rt.unique_id().map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        let value: Vec<u8> = match &made {
+            Ok(id) => std::iter::once(ID_OK).chain(id.to_bytes()).collect(),
+            Err(e) => std::iter::once(ID_ERR).chain(e.bytes()).collect(),
+        };
+        store
+            .set(NCCL_ID_KEY, value)
+            .await
+            .map_err(|e| format!("publishing the NCCL id: {e}"))?;
+        made?
+    } else {
+        let value = store
+            .get(NCCL_ID_KEY, remaining())
+            .await
+            .map_err(|e| format!("waiting for rank 0's NCCL id: {e}"))?;
+        match value.split_first() {
+            Some((&ID_OK, id)) => UniqueId::from_bytes(id).map_err(|e| format!("rank 0's NCCL id: {e}"))?,
+            Some((&ID_ERR, why)) => {
+                return Err(format!(
+                    "rank 0 could not set up NCCL: {}",
+                    String::from_utf8_lossy(why)
+                ));
+            }
+            _ => return Err(format!("malformed NCCL id in the store ({} bytes)", value.len())),
+        }
+    };
+    let rt = rt.map_err(|e| e.to_string())?;
+    let comm_config = CommConfig::new(config.rank as usize, config.size as usize)
+        .with_device(config.local_rank as usize)
+        .with_init_timeout(remaining())
+        .with_op_timeout(config.op_timeout.unwrap_or(DEFAULT_DEVICE_OP_TIMEOUT))
+        .with_abort_deadline(config.nccl_abort_deadline);
+    let comm = tokio::task::spawn_blocking(move || NcclComm::init(&rt, &comm_config, &id))
+        .await
+        .map_err(|e| format!("NCCL init did not finish: {e}"))?
+        .map_err(|e| format!("NCCL init: {e}"))?;
+    Ok(DeviceSide {
+        comm,
+        pending: Mutex::new(Vec::new()),
+    })
+}
+
+impl WorldShared {
+    /// Turns an NCCL error of this world's communicator into the caller's
+    /// error; a world-fatal one breaks the world.
+    pub(crate) fn fail_device(self: &Arc<Self>, err: NcclError) -> WorldError {
+        if err.is_world_fatal() {
+            self.break_with(BreakCause::Device {
+                reason: err.to_string(),
+            });
+            return self.unusable();
+        }
+        device_call_error(&self.name, err)
+    }
+}
+
+/// An error of one device call that says nothing about the world's health
+/// (bad argument, unsupported, out of memory, a host copy timing out).
+fn device_call_error(world: &str, err: NcclError) -> WorldError {
+    match err {
+        NcclError::Timeout { op, after } => WorldError::Timeout {
+            world: world.to_string(),
+            op: op.to_string(),
+            after,
+        },
+        NcclError::InvalidArgument { what } => WorldError::InvalidArgument {
+            world: world.to_string(),
+            detail: what,
+        },
+        other => WorldError::Device {
+            world: world.to_string(),
+            detail: other.to_string(),
+        },
+    }
+}
+
+/// Runs a blocking device call (a deadline-bounded host copy) from async
+/// code without stalling the other tasks of a multi-threaded runtime.
+fn blocking<R>(f: impl FnOnce() -> R) -> R {
+    match tokio::runtime::Handle::try_current() {
+        Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+            tokio::task::block_in_place(f)
+        }
+        _ => f(),
+    }
+}
+
+/// The host dtype a device buffer travels as over TCP. FP8 has no host
+/// dtype and travels as bytes (the byte size is still checked).
+fn host_dtype(d: DType) -> HostDType {
+    match d {
+        DType::F16 => HostDType::F16,
+        DType::BF16 => HostDType::BF16,
+        DType::F32 => HostDType::F32,
+        DType::F64 => HostDType::F64,
+        DType::I8 => HostDType::I8,
+        DType::I16 => HostDType::I16,
+        DType::I32 => HostDType::I32,
+        DType::I64 => HostDType::I64,
+        DType::U16 => HostDType::U16,
+        DType::U32 => HostDType::U32,
+        DType::U64 => HostDType::U64,
+        DType::Bool => HostDType::Bool,
+        // U8, FP8 and any later byte-sized type.
+        _ => HostDType::U8,
+    }
+}
+
+impl World {
+    /// This world's NCCL communicator, for device operations. Fails with
+    /// `InvalidArgument` if the world was not joined with `Backend::Nccl`.
+    pub fn nccl(&self) -> Result<NcclWorld, WorldError> {
+        self.shared.check()?;
+        match self.shared.device.get() {
+            Some(dev) => Ok(NcclWorld {
+                world: self.clone(),
+                dev: Arc::clone(dev),
+            }),
+            None => Err(WorldError::InvalidArgument {
+                world: self.shared.name.clone(),
+                detail: "not an NCCL world (joined with the TCP backend); use send_device/recv_device \
+                         for host-staged device tensors"
+                    .into(),
+            }),
+        }
+    }
+
+    /// Sends a device buffer to `dst` over this world's TCP communicator,
+    /// copied to the host through pinned memory first (host-staged: works
+    /// on any world, e.g. between processes that share one GPU). The
+    /// receiver must post [`recv_device`](World::recv_device) (or a host
+    /// receive) of the same dtype and length.
+    pub async fn send_device(&self, dst: Rank, tag: Tag, buf: &DeviceBuffer) -> Result<(), WorldError> {
+        let w = &self.shared;
+        w.check()?;
+        w.check_tag(tag)?;
+        let timeout = w.config.op_timeout.unwrap_or(DEFAULT_DEVICE_OP_TIMEOUT);
+        let host = blocking(|| buf.to_host_vec(timeout)).map_err(|e| device_call_error(&w.name, e))?;
+        let view = TensorView::from_bytes(host_dtype(buf.dtype()), &host).map_err(|e| {
+            WorldError::InvalidArgument {
+                world: w.name.clone(),
+                detail: e.to_string(),
+            }
+        })?;
+        self.send(dst, tag, view).await
+    }
+
+    /// Receives into a device buffer from `src` over this world's TCP
+    /// communicator (see [`send_device`](World::send_device)); the message
+    /// must match the buffer's dtype and length, or this fails with
+    /// `Mismatch` and the buffer is untouched.
+    pub async fn recv_device(&self, src: Rank, tag: Tag, buf: &mut DeviceBuffer) -> Result<(), WorldError> {
+        let w = &self.shared;
+        let mut host =
+            Tensor::zeros(host_dtype(buf.dtype()), [buf.len()]).map_err(|e| WorldError::InvalidArgument {
+                world: w.name.clone(),
+                detail: e.to_string(),
+            })?;
+        self.recv(src, tag, &mut host).await?;
+        let timeout = w.config.op_timeout.unwrap_or(DEFAULT_DEVICE_OP_TIMEOUT);
+        blocking(|| buf.copy_from_host(host.as_bytes(), timeout)).map_err(|e| device_call_error(&w.name, e))
+    }
+}
+
+/// The device operations of an NCCL world. Cheap to clone. Every operation
+/// is enqueued on the world's own stream and returns at once with a
+/// [`DeviceOp`]; buffers must come from this world ([`NcclWorld::alloc`],
+/// [`NcclWorld::upload`]). Once the world is broken every call fails with
+/// `WorldError::Broken`.
+#[derive(Clone)]
+pub struct NcclWorld {
+    world: World,
+    dev: Arc<DeviceSide>,
+}
+
+impl std::fmt::Debug for NcclWorld {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NcclWorld")
+            .field("world", &self.world.name())
+            .field("comm", &self.dev.comm)
+            .finish()
+    }
+}
+
+impl NcclWorld {
+    /// The raw communicator (state, configuration, runtime). Operations
+    /// issued on it directly are not tracked by the world's watchdog.
+    pub fn comm(&self) -> &NcclComm {
+        &self.dev.comm
+    }
+
+    /// A zeroed device buffer of `len` elements owned by this world.
+    pub fn alloc(&self, dtype: DType, len: usize) -> Result<DeviceBuffer, WorldError> {
+        self.world.shared.check()?;
+        self.dev
+            .comm
+            .alloc(dtype, len)
+            .map_err(|e| self.world.shared.fail_device(e))
+    }
+
+    /// A device buffer holding `bytes` (native-endian elements of `dtype`).
+    pub fn upload(&self, dtype: DType, bytes: &[u8]) -> Result<DeviceBuffer, WorldError> {
+        self.world.shared.check()?;
+        self.dev
+            .comm
+            .upload(dtype, bytes)
+            .map_err(|e| self.world.shared.fail_device(e))
+    }
+
+    /// Copies a device buffer of this world to the host, after the world's
+    /// earlier operations (bounded by the device operation deadline).
+    pub fn download(&self, buf: &DeviceBuffer) -> Result<Vec<u8>, WorldError> {
+        self.world.shared.check()?;
+        let timeout = self.dev.comm.config().op_timeout;
+        blocking(|| buf.to_host_vec(timeout)).map_err(|e| self.world.shared.fail_device(e))
+    }
+
+    fn issue(
+        &self,
+        f: impl FnOnce(&NcclComm) -> Result<OpHandle, NcclError>,
+    ) -> Result<DeviceOp, WorldError> {
+        let w = &self.world.shared;
+        w.check()?;
+        let handle = Arc::new(f(&self.dev.comm).map_err(|e| w.fail_device(e))?);
+        self.dev
+            .pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(Arc::clone(&handle));
+        Ok(DeviceOp {
+            handle,
+            world: Arc::clone(w),
+        })
+    }
+
+    /// All-reduce in place.
+    pub fn all_reduce(&self, buf: &mut DeviceBuffer, op: ReduceOp) -> Result<DeviceOp, WorldError> {
+        self.issue(|c| c.all_reduce_in_place(buf, op))
+    }
+
+    /// Broadcast from `root`, in place.
+    pub fn broadcast(&self, buf: &mut DeviceBuffer, root: Rank) -> Result<DeviceOp, WorldError> {
+        self.issue(|c| c.broadcast(buf, root.0 as usize))
+    }
+
+    /// Reduce to `root`, in place (only the root's buffer holds the result).
+    pub fn reduce(&self, buf: &mut DeviceBuffer, op: ReduceOp, root: Rank) -> Result<DeviceOp, WorldError> {
+        self.issue(|c| c.reduce_in_place(buf, op, root.0 as usize))
+    }
+
+    /// All-gather: `recv` holds every rank's `send`, in rank order.
+    pub fn all_gather(&self, send: &DeviceBuffer, recv: &mut DeviceBuffer) -> Result<DeviceOp, WorldError> {
+        self.issue(|c| c.all_gather(send, recv))
+    }
+
+    /// Reduce-scatter: `recv` gets this rank's slice of the reduction of
+    /// every rank's `send`.
+    pub fn reduce_scatter(
+        &self,
+        send: &DeviceBuffer,
+        recv: &mut DeviceBuffer,
+        op: ReduceOp,
+    ) -> Result<DeviceOp, WorldError> {
+        self.issue(|c| c.reduce_scatter(send, recv, op))
+    }
+
+    /// Sends `buf` to `peer`.
+    pub fn send(&self, buf: &DeviceBuffer, peer: Rank) -> Result<DeviceOp, WorldError> {
+        self.issue(|c| c.send(buf, peer.0 as usize))
+    }
+
+    /// Receives into `buf` from `peer`.
+    pub fn recv(&self, buf: &mut DeviceBuffer, peer: Rank) -> Result<DeviceOp, WorldError> {
+        self.issue(|c| c.recv(buf, peer.0 as usize))
+    }
+
+    /// All-to-all with equal slices.
+    pub fn all_to_all(&self, send: &DeviceBuffer, recv: &mut DeviceBuffer) -> Result<DeviceOp, WorldError> {
+        self.issue(|c| c.all_to_all(send, recv))
+    }
+
+    /// Gather to `root` (`recv` only on the root).
+    pub fn gather(
+        &self,
+        send: &DeviceBuffer,
+        recv: Option<&mut DeviceBuffer>,
+        root: Rank,
+    ) -> Result<DeviceOp, WorldError> {
+        self.issue(|c| c.gather(send, recv, root.0 as usize))
+    }
+
+    /// Scatter from `root` (`send` only on the root).
+    pub fn scatter(
+        &self,
+        send: Option<&DeviceBuffer>,
+        recv: &mut DeviceBuffer,
+        root: Rank,
+    ) -> Result<DeviceOp, WorldError> {
+        self.issue(|c| c.scatter(send, recv, root.0 as usize))
+    }
+
+    /// A barrier on the device (an all-reduce of one element).
+    pub fn barrier(&self) -> Result<DeviceOp, WorldError> {
+        self.issue(|c| c.barrier())
+    }
+}
+
+/// A device operation in flight: completes when its completion event does.
+/// Dropping it does not cancel the operation (the device runs it anyway);
+/// the watchdog keeps watching its deadline either way.
+pub struct DeviceOp {
+    handle: Arc<OpHandle>,
+    world: Arc<WorldShared>,
+}
+
+impl std::fmt::Debug for DeviceOp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceOp")
+            .field("world", &self.world.name)
+            .field("op", &self.handle.op())
+            .field("deadline", &self.handle.deadline())
+            .finish()
+    }
+}
+
+impl DeviceOp {
+    /// Whether the operation has completed (never blocks).
+    pub fn is_completed(&self) -> Result<bool, WorldError> {
+        self.world.check()?;
+        self.handle.is_completed().map_err(|e| self.world.fail_device(e))
+    }
+
+    /// Waits for completion without blocking the runtime. Fails with
+    /// `WorldError::Broken` as soon as the world breaks (the watchdog breaks
+    /// it when the operation passes its deadline).
+    pub async fn wait(self) -> Result<(), WorldError> {
+        let mut polls = 0u32;
+        loop {
+            if self.is_completed()? {
+                return Ok(());
+            }
+            // Short operations: poll eagerly; long ones: once a millisecond.
+            if polls < 64 {
+                polls += 1;
+                tokio::task::yield_now().await;
+            } else {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
+    }
+}
