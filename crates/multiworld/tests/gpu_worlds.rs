@@ -1,0 +1,186 @@
+//! NCCL worlds on a real GPU, driven by the world manager. Each test loads
+//! the NCCL runtime and looks for a device first; where there is none it
+//! prints `skipped: <reason>` and returns (set `MULTIWORLD_NCCL_REQUIRE_GPU=1`
+//! to make that a failure). One GPU is enough: the NCCL worlds have one
+//! member, and the host-staged test runs two processes on the same device.
+//!
+//! `MULTIWORLD_NCCL_REQUIRE_GPU=1 cargo test -p multiworld --features nccl --test gpu_worlds -- --nocapture --test-threads=1`
+#![cfg(feature = "nccl")]
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
+
+use std::time::{Duration, Instant};
+
+use multiworld::nccl::{DType, DeviceContext, NcclRuntime, ReduceOp};
+use multiworld::{Backend, BreakCause, Rank, Tag, WorldConfig, WorldEvent, WorldManager, WorldState};
+
+const T: Duration = Duration::from_secs(60);
+
+/// The runtime, or `None` after printing why the test is skipped.
+fn gpu(test: &str) -> Option<NcclRuntime> {
+    let require = std::env::var_os("MULTIWORLD_NCCL_REQUIRE_GPU").is_some_and(|v| v == "1");
+    let reason = match NcclRuntime::load() {
+        Err(e) => e.to_string(),
+        Ok(rt) => match rt.device_count() {
+            Ok(0) => "the CUDA driver reports no device".to_owned(),
+            Err(e) => e.to_string(),
+            Ok(n) => {
+                println!(
+                    "{test}: NCCL {} ({}), {n} device(s)",
+                    rt.version(),
+                    rt.nccl_library()
+                );
+                return Some(rt);
+            }
+        },
+    };
+    assert!(!require, "{test}: MULTIWORLD_NCCL_REQUIRE_GPU=1 but: {reason}");
+    println!("skipped: {test}: {reason}");
+    None
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_ne_bytes()).collect()
+}
+
+fn nccl_cfg(name: &str, store: &str) -> WorldConfig {
+    let mut c = WorldConfig::new(name, 0, 1, store);
+    c.backend = Backend::Nccl;
+    c.join_timeout = T;
+    c
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_nccl_worlds_in_one_process_and_aborting_one_leaves_the_other_running() {
+    let Some(rt) = gpu("two_nccl_worlds_in_one_process") else {
+        return;
+    };
+    let m = WorldManager::default();
+    m.use_nccl_runtime(rt);
+    let store = m.serve_store("127.0.0.1:0").await.unwrap().to_string();
+    let started = Instant::now();
+    let (a, b) = tokio::join!(
+        m.join(nccl_cfg("gpu-a", &store)),
+        m.join(nccl_cfg("gpu-b", &store))
+    );
+    let (a, b) = (a.unwrap(), b.unwrap());
+    println!("two NCCL worlds joined in {:?}", started.elapsed());
+    let mut events = m.events();
+
+    let n = 16 << 20; // 64 MiB of f32
+    let x: Vec<f32> = (0..n).map(|i| (i % 1000) as f32).collect();
+    for w in [&a, &b] {
+        let nccl = w.nccl().unwrap();
+        let mut buf = nccl.upload(DType::F32, &f32_bytes(&x)).unwrap();
+        let t = Instant::now();
+        nccl.all_reduce(&mut buf, ReduceOp::Sum)
+            .unwrap()
+            .wait()
+            .await
+            .unwrap();
+        println!("{}: 64 MiB all_reduce in {:?}", w.name(), t.elapsed());
+        assert!(
+            nccl.download(&buf).unwrap() == f32_bytes(&x),
+            "{}: wrong result",
+            w.name()
+        );
+    }
+
+    // b keeps working on the device while a is aborted.
+    let nb = b.nccl().unwrap();
+    let mut bb = nb.upload(DType::F32, &f32_bytes(&x)).unwrap();
+    let running = nb.all_reduce(&mut bb, ReduceOp::Max).unwrap();
+    let t = Instant::now();
+    a.abort();
+    loop {
+        match tokio::time::timeout(T, events.recv()).await.unwrap().unwrap() {
+            WorldEvent::Removed { world, .. } if world == "gpu-a" => break,
+            WorldEvent::Broken { world, cause, .. } if world == "gpu-a" => {
+                assert_eq!(cause, BreakCause::Aborted)
+            }
+            WorldEvent::Quarantined { world, .. } => panic!("{world} quarantined"),
+            _ => {}
+        }
+    }
+    println!("gpu-a aborted and removed in {:?}", t.elapsed());
+    running.wait().await.unwrap();
+    assert!(nb.download(&bb).unwrap() == f32_bytes(&x));
+    assert_eq!(b.state(), WorldState::Ready);
+    nb.barrier().unwrap().wait().await.unwrap();
+    m.leave("gpu-b").await.unwrap();
+    m.shutdown().await;
+}
+
+/// Kills the child process if the test fails before it exits.
+struct Child(std::process::Child);
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The child's half of the host-staged test: rank 1 of a TCP world whose
+/// store address is in `MW_GPU_STORE`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "run by host_staged_transfer_between_two_processes_on_one_gpu"]
+async fn child_host_staged_rank_1() {
+    let store = std::env::var("MW_GPU_STORE").unwrap();
+    let n: usize = std::env::var("MW_GPU_N").unwrap().parse().unwrap();
+    let rt = NcclRuntime::load().unwrap();
+    let ctx = DeviceContext::open(&rt, 0).unwrap();
+    let m = WorldManager::default();
+    let w = m.join(WorldConfig::new("staged", 1, 2, &store)).await.unwrap();
+    let mut buf = ctx.alloc(DType::F32, n).unwrap();
+    w.recv_device(Rank(0), Tag(1), &mut buf).await.unwrap();
+    // Echo it back from device memory.
+    w.send_device(Rank(0), Tag(2), &buf).await.unwrap();
+    w.finish(T).await.unwrap();
+    m.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn host_staged_transfer_between_two_processes_on_one_gpu() {
+    let Some(rt) = gpu("host_staged_transfer_between_two_processes_on_one_gpu") else {
+        return;
+    };
+    let n = 16 << 20; // 64 MiB of f32
+    let m = WorldManager::default();
+    let store = m.serve_store("127.0.0.1:0").await.unwrap().to_string();
+    let mut child = Child(
+        std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "child_host_staged_rank_1", "--ignored", "--nocapture"])
+            .env("MW_GPU_STORE", &store)
+            .env("MW_GPU_N", n.to_string())
+            .spawn()
+            .unwrap(),
+    );
+    let ctx = DeviceContext::open(&rt, 0).unwrap();
+    let w = m.join(WorldConfig::new("staged", 0, 2, &store)).await.unwrap();
+    let x: Vec<f32> = (0..n).map(|i| i as f32 * 0.5).collect();
+    let src = ctx.upload(DType::F32, &f32_bytes(&x), T).unwrap();
+    let mut back = ctx.alloc(DType::F32, n).unwrap();
+    let t = Instant::now();
+    w.send_device(Rank(1), Tag(1), &src).await.unwrap();
+    w.recv_device(Rank(1), Tag(2), &mut back).await.unwrap();
+    let took = t.elapsed();
+    println!(
+        "64 MiB device -> TCP -> device and back between two processes: {took:?} ({:.2} GB/s each way)",
+        2.0 * (n * 4) as f64 / took.as_secs_f64() / 1e9
+    );
+    assert!(
+        back.to_host_vec(T).unwrap() == f32_bytes(&x),
+        "echoed data differs"
+    );
+    w.finish(T).await.unwrap();
+    let deadline = Instant::now() + T;
+    let status = loop {
+        if let Some(status) = child.0.try_wait().unwrap() {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "the child did not exit");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(status.success(), "child failed: {status}");
+    m.shutdown().await;
+}
