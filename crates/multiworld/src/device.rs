@@ -46,6 +46,15 @@ pub(crate) const NCCL_ID_KEY: &str = "multiworld/nccl-id";
 const ID_OK: u8 = 0;
 const ID_ERR: u8 = 1;
 
+/// The key a rank sets once it has read [`NCCL_ID_KEY`].
+fn seen_key(rank: u32) -> String {
+    format!("multiworld/nccl-id-seen/{rank}")
+}
+
+/// How long a rank 0 that could not make an id waits for the others to read
+/// its reason before it gives up the world (and closes its store).
+const SEEN_WAIT: Duration = Duration::from_secs(5);
+
 /// The deadline of device operations and host copies when the world sets no
 /// `op_timeout`: unlike the TCP side, a hung kernel is not caught by
 /// heartbeats, so device operations always have one.
@@ -141,12 +150,20 @@ pub(crate) async fn join(
             .set(NCCL_ID_KEY, value)
             .await
             .map_err(|e| format!("publishing the NCCL id: {e}"))?;
+        if made.is_err() {
+            // Failing closes the world's store: first let every rank read why
+            // (bounded), so none is left with "no store is open".
+            let seen: Vec<String> = (1..config.size).map(seen_key).collect();
+            let _ = store.wait(&seen, remaining().min(SEEN_WAIT)).await;
+        }
         made?
     } else {
         let value = store
             .get(NCCL_ID_KEY, remaining())
             .await
             .map_err(|e| format!("waiting for rank 0's NCCL id: {e}"))?;
+        // Best effort: rank 0 waits for this only when it failed.
+        let _ = store.set(seen_key(config.rank), Vec::new()).await;
         match value.split_first() {
             Some((&ID_OK, id)) => UniqueId::from_bytes(id).map_err(|e| format!("rank 0's NCCL id: {e}"))?,
             Some((&ID_ERR, why)) => {
