@@ -171,3 +171,60 @@ fn per_world_collectives_complete_and_a_lost_member_fails_only_its_world() {
     );
     assert!(out.contains("only the world that lost a member failed"), "{out}");
 }
+
+/// The GPU example against the fake CUDA driver and NCCL of
+/// `multiworld-nccl` (device memory is host memory), so it runs everywhere;
+/// on a GPU machine it runs bare.
+#[cfg(feature = "nccl")]
+#[path = "../../crates/multiworld-nccl/tests/fake/mod.rs"]
+mod fake;
+
+#[cfg(feature = "nccl")]
+fn run_gpu_example(env: &[(&str, &std::ffi::OsStr)], args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_gpu_worlds"))
+        .args(args)
+        .envs(env.iter().copied())
+        .stdin(Stdio::null())
+        .output()
+        .unwrap()
+}
+
+#[cfg(feature = "nccl")]
+#[test]
+fn gpu_worlds_runs_nccl_worlds_and_host_staged_tensors_and_an_abort_stays_in_its_world() {
+    let (nccl, cuda) = fake::fake_libs();
+    let env = [
+        ("NCCL_LIBRARY", nccl.as_os_str()),
+        ("CUDA_DRIVER_LIBRARY", cuda.as_os_str()),
+    ];
+    let out = run_gpu_example(&env, &["--abort", "gpu-a"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for line in [
+        "leader: gpu-a: device all_reduce correct",
+        "leader: gpu-b: device all_reduce correct",
+        "leader: staged: 4 MiB device tensor to the worker and its double back",
+        "leader: gpu-a aborted and removed: world 'gpu-a' is broken: aborted by this process",
+        "leader: gpu-b: its all_reduce completed correctly; only gpu-a is gone",
+        "leader: done",
+    ] {
+        assert!(text.contains(line), "no {line:?} in:\n{text}");
+    }
+}
+
+#[cfg(feature = "nccl")]
+#[test]
+fn gpu_worlds_without_nccl_says_why_and_exits_2() {
+    let nowhere = std::ffi::OsStr::new("/nonexistent/libnccl.so.2");
+    let out = run_gpu_example(&[("NCCL_LIBRARY", nowhere)], &[]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("NCCL is not available here") && err.contains("/nonexistent/libnccl.so.2"),
+        "{err}"
+    );
+}
