@@ -1,5 +1,6 @@
-//! [`DeviceBuffer`]: device memory owned by one world, with its dtype and
-//! length, and deadline-bounded copies to and from the host.
+//! [`DeviceBuffer`]: device memory owned by one world — a device tensor:
+//! dtype, shape (flat by default) and device — with deadline-bounded copies
+//! to and from the host.
 //!
 //! Every access is ordered on the world's stream: NCCL operations, copies
 //! and the final free are all enqueued there, so a buffer dropped while an
@@ -32,13 +33,15 @@ pub struct DeviceBuffer {
     ptr: CuDevicePtr,
     dtype: DType,
     len: usize,
+    /// The tensor's shape: its product is always `len` (`[len]` by default).
+    shape: Vec<usize>,
 }
 
 impl std::fmt::Debug for DeviceBuffer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DeviceBuffer")
             .field("dtype", &self.dtype)
-            .field("len", &self.len)
+            .field("shape", &self.shape)
             .field("device", &self.dev.ordinal())
             .finish()
     }
@@ -55,6 +58,7 @@ impl DeviceBuffer {
             ptr,
             dtype,
             len,
+            shape: vec![len],
         })
     }
 
@@ -66,6 +70,26 @@ impl DeviceBuffer {
     /// Number of elements.
     pub fn len(&self) -> usize {
         self.len
+    }
+
+    /// The tensor's shape (`[len]` unless [`reshape`](Self::reshape)d).
+    /// Operations and copies see the data flat, in row-major order.
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// Gives the buffer a new shape with the same number of elements.
+    pub fn reshape(&mut self, shape: impl Into<Vec<usize>>) -> Result<(), NcclError> {
+        let shape = shape.into();
+        let numel = shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
+        if numel != Some(self.len) {
+            return Err(NcclError::invalid(format!(
+                "shape {shape:?} does not hold the buffer's {} elements",
+                self.len
+            )));
+        }
+        self.shape = shape;
+        Ok(())
     }
 
     /// True if the buffer has no elements.

@@ -425,6 +425,12 @@ fn host_copies_stage_through_pinned_memory_in_chunks_and_release_it() {
     let e = buf.copy_to_host(&mut back[..10], T).unwrap_err();
     assert!(e.to_string().contains("host slice is 10 bytes"), "{e}");
     ctx.synchronize(T).unwrap();
+    let mut buf = buf;
+    assert_eq!(buf.shape(), &[data.len()]);
+    let e = buf.reshape([3, 5]).unwrap_err();
+    assert!(e.to_string().contains("does not hold"), "{e}");
+    buf.reshape([1, data.len()]).unwrap();
+    assert_eq!(buf.shape(), &[1, data.len()]);
     drop(buf);
     drop(ctx);
     drop(rt);

@@ -257,6 +257,26 @@ fn host_dtype(d: DType) -> HostDType {
     }
 }
 
+/// The device dtype of a host dtype (every host dtype of today has one).
+fn device_dtype(d: HostDType) -> Option<DType> {
+    Some(match d {
+        HostDType::F16 => DType::F16,
+        HostDType::BF16 => DType::BF16,
+        HostDType::F32 => DType::F32,
+        HostDType::F64 => DType::F64,
+        HostDType::I8 => DType::I8,
+        HostDType::I16 => DType::I16,
+        HostDType::I32 => DType::I32,
+        HostDType::I64 => DType::I64,
+        HostDType::U8 => DType::U8,
+        HostDType::U16 => DType::U16,
+        HostDType::U32 => DType::U32,
+        HostDType::U64 => DType::U64,
+        HostDType::Bool => DType::Bool,
+        _ => return None,
+    })
+}
+
 impl World {
     /// This world's NCCL communicator, for device operations. Fails with
     /// `InvalidArgument` if the world was not joined with `Backend::Nccl`.
@@ -364,6 +384,31 @@ impl NcclWorld {
         self.world.shared.check()?;
         let timeout = self.dev.comm.config().op_timeout;
         blocking(|| buf.to_host_vec(timeout)).map_err(|e| self.world.shared.fail_device(e))
+    }
+
+    /// A device tensor holding a host tensor's data, with its dtype and
+    /// shape.
+    pub fn upload_tensor(&self, tensor: &Tensor) -> Result<DeviceBuffer, WorldError> {
+        let dtype = device_dtype(tensor.dtype()).ok_or_else(|| WorldError::InvalidArgument {
+            world: self.world.shared.name.clone(),
+            detail: format!("{} has no device dtype", tensor.dtype()),
+        })?;
+        let mut buf = self.upload(dtype, tensor.as_bytes())?;
+        buf.reshape(tensor.shape())
+            .map_err(|e| device_call_error(&self.world.shared.name, e))?;
+        Ok(buf)
+    }
+
+    /// A host tensor with a device tensor's data, dtype and shape (FP8
+    /// device data comes back as `u8`).
+    pub fn download_tensor(&self, buf: &DeviceBuffer) -> Result<Tensor, WorldError> {
+        let bytes = self.download(buf)?;
+        Tensor::from_bytes(host_dtype(buf.dtype()), buf.shape(), &bytes).map_err(|e| {
+            WorldError::InvalidArgument {
+                world: self.world.shared.name.clone(),
+                detail: e.to_string(),
+            }
+        })
     }
 
     fn issue(

@@ -118,6 +118,18 @@ async fn nccl_worlds_run_device_operations_and_an_nccl_error_breaks_only_its_wor
         let short = nccl.alloc(DType::F32, 3).unwrap();
         let e = nccl.all_gather(&short, &mut out).unwrap_err();
         assert!(matches!(e, WorldError::InvalidArgument { .. }), "{e}");
+        // Host tensors go to the device and back with dtype and shape.
+        let t = multiworld::Tensor::from_vec((0..6i64).collect::<Vec<_>>(), [2, 3]).unwrap();
+        let mut d = nccl.upload_tensor(&t).unwrap();
+        assert_eq!((d.dtype(), d.shape()), (DType::I64, &[2usize, 3][..]));
+        nccl.all_reduce(&mut d, ReduceOp::Sum)
+            .unwrap()
+            .wait()
+            .await
+            .unwrap();
+        let back = nccl.download_tensor(&d).unwrap();
+        assert_eq!(back.shape(), &[2, 3]);
+        assert_eq!(back.as_slice::<i64>().unwrap(), &[0, 1, 2, 3, 4, 5]);
         assert_eq!(w.state(), WorldState::Ready);
     }
 
