@@ -225,8 +225,9 @@ fn device_call_error(world: &str, err: NcclError) -> WorldError {
     }
 }
 
-/// Runs a blocking device call (a deadline-bounded host copy) from async
-/// code without stalling the other tasks of a multi-threaded runtime.
+/// Runs a blocking device call (a deadline-bounded host copy) without
+/// stalling the other tasks of a multi-threaded Tokio runtime it is called
+/// from (`block_in_place`); elsewhere it simply runs it.
 fn blocking<R>(f: impl FnOnce() -> R) -> R {
     match tokio::runtime::Handle::try_current() {
         Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
@@ -372,10 +373,7 @@ impl NcclWorld {
     /// A device buffer holding `bytes` (native-endian elements of `dtype`).
     pub fn upload(&self, dtype: DType, bytes: &[u8]) -> Result<DeviceBuffer, WorldError> {
         self.world.shared.check()?;
-        self.dev
-            .comm
-            .upload(dtype, bytes)
-            .map_err(|e| self.world.shared.fail_device(e))
+        blocking(|| self.dev.comm.upload(dtype, bytes)).map_err(|e| self.world.shared.fail_device(e))
     }
 
     /// Copies a device buffer of this world to the host, after the world's
