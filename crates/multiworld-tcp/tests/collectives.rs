@@ -343,6 +343,55 @@ async fn every_op_every_dtype_with_3_ranks() {
     every_op(3, &DType::ALL, &[0, 1, 13]).await;
 }
 
+/// The ring all-reduce with tiny chunks, so that every segment is many chunks
+/// (and segments of different sizes have different chunk counts): the pipelined
+/// stream must match every message with the right receive and fold every chunk
+/// in the right place, for 2 to 5 ranks, pipeline depths 1 and 3, lengths 0, 1,
+/// primes and sizes not divisible by the world size, several dtypes and ops.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ring_all_reduce_with_many_small_chunks() {
+    for n in 2..=5u32 {
+        let gs = groups(&format!("small-chunks-{n}"), n).await;
+        on_all(&gs, |me, g| async move {
+            let n = g.size();
+            for depth in [1usize, 3] {
+                let mut cfg = CollectiveConfig::default().with_algorithm(Algorithm::Ring);
+                cfg.chunk_bytes = 16;
+                cfg.pipeline_depth = depth;
+                let g = g.with_config(cfg);
+                for dtype in [DType::F32, DType::I64, DType::BF16, DType::Bool] {
+                    for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::BXor] {
+                        if !op.supports(dtype) {
+                            continue;
+                        }
+                        for len in [0usize, 1, 7, 13, 61, 1031] {
+                            let seed = seed_of(&[dtype.code().into(), op as u64, len as u64, depth as u64]);
+                            let what = format!("n={n} depth={depth} {dtype} {op} len={len}");
+                            let ins: Vec<Tensor> = (0..n).map(|r| input(dtype, len, r, seed)).collect();
+                            let want = reference(&ins, op);
+                            let mut t = ins[me].clone();
+                            g.all_reduce(&mut t, op).await.unwrap();
+                            assert_same(&t, &want, &format!("all_reduce {what}"));
+                        }
+                    }
+                }
+                // The all-gather runs through the same chunking.
+                for len in [0usize, 1, 13, 61] {
+                    let ins: Vec<Tensor> = (0..n).map(|r| input(DType::F32, len, r, 5)).collect();
+                    let mut out = Tensor::zeros(DType::F32, [n * len]).unwrap();
+                    g.all_gather_into_tensor(&mut out, &ins[me]).await.unwrap();
+                    assert_same(
+                        &out,
+                        &concat(&ins),
+                        &format!("all_gather n={n} depth={depth} len={len}"),
+                    );
+                }
+            }
+        })
+        .await;
+    }
+}
+
 /// 16 MiB buffers through the bandwidth algorithms (default, automatic choice).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sixteen_mib() {

@@ -186,6 +186,22 @@ pub struct RawRingRow {
     pub time_us: f64,
 }
 
+/// The memory reference for one world size, measured in the same run: as many
+/// threads as ranks each copy `bytes` between two buffers of their own (already
+/// touched), all at once. A large all-reduce touches memory several times per
+/// byte on every rank (the kernel's copies into and out of the sockets, the
+/// reduction, the copy out of the receive scratch), so this rate bounds it from
+/// below as much as the raw TCP floor does.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MemCopyRow {
+    /// Threads copying at once (the world size).
+    pub threads: u32,
+    /// Bytes each thread copies.
+    pub bytes: usize,
+    /// Best time over the repeats for all of them to finish, µs.
+    pub time_us: f64,
+}
+
 /// The benchmark's results.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CollectivesReport {
@@ -197,6 +213,8 @@ pub struct CollectivesReport {
     pub rows: Vec<BenchRow>,
     /// Raw-TCP references (largest size, when all-reduce was measured).
     pub raw: Vec<RawRingRow>,
+    /// Memory-copy references (largest size, when all-reduce was measured).
+    pub memory: Vec<MemCopyRow>,
 }
 
 impl CollectivesReport {
@@ -256,6 +274,17 @@ impl fmt::Display for CollectivesReport {
                 None => writeln!(f)?,
             }
         }
+        for m in &self.memory {
+            let secs = m.time_us / 1e6;
+            writeln!(
+                f,
+                "memory copy reference: {} threads each copying {} at once: {:.2} ms ({:.1} GB/s per thread)",
+                m.threads,
+                human(m.bytes),
+                m.time_us / 1000.0,
+                m.bytes as f64 / secs / 1e9
+            )?;
+        }
         Ok(())
     }
 }
@@ -274,6 +303,7 @@ pub fn collectives_bench_blocking(cfg: &CollectivesBenchConfig) -> Result<Collec
     }
     let mut rows = Vec::new();
     let mut raw = Vec::new();
+    let mut memory = Vec::new();
     let largest = cfg.sizes.iter().copied().max().unwrap_or(0);
     for &n in &cfg.world_sizes {
         rows.extend(run_world(cfg, n)?);
@@ -287,6 +317,11 @@ pub fn collectives_bench_blocking(cfg: &CollectivesBenchConfig) -> Result<Collec
                 bytes: largest,
                 time_us: best * 1e6,
             });
+            memory.push(MemCopyRow {
+                threads: n,
+                bytes: largest,
+                time_us: mem_copy(n as usize, largest, cfg.repeats)? * 1e6,
+            });
         }
     }
     Ok(CollectivesReport {
@@ -294,7 +329,44 @@ pub fn collectives_bench_blocking(cfg: &CollectivesBenchConfig) -> Result<Collec
         chunk_bytes: cfg.collective.chunk_bytes,
         rows,
         raw,
+        memory,
     })
+}
+
+/// Best seconds, over `repeats`, for `threads` threads to each copy `bytes`
+/// between two buffers of their own at the same time (see [`MemCopyRow`]).
+fn mem_copy(threads: usize, bytes: usize, repeats: usize) -> Result<f64> {
+    let start = Arc::new(std::sync::Barrier::new(threads + 1));
+    let done = Arc::new(std::sync::Barrier::new(threads + 1));
+    let workers: Vec<_> = (0..threads)
+        .map(|_| {
+            let (start, done) = (Arc::clone(&start), Arc::clone(&done));
+            std::thread::spawn(move || {
+                // Non-zero contents, so every page is really backed before timing.
+                let src = vec![1u8; bytes];
+                let mut dst = vec![2u8; bytes];
+                for _ in 0..repeats {
+                    start.wait();
+                    dst.copy_from_slice(&src);
+                    std::hint::black_box(&mut dst);
+                    done.wait();
+                }
+            })
+        })
+        .collect();
+    let mut best = f64::INFINITY;
+    for _ in 0..repeats {
+        start.wait();
+        let t0 = Instant::now();
+        done.wait();
+        best = best.min(t0.elapsed().as_secs_f64());
+    }
+    for w in workers {
+        if let Err(p) = w.join() {
+            std::panic::resume_unwind(p);
+        }
+    }
+    Ok(best)
 }
 
 /// Seconds to move a ring all-reduce's traffic for `bytes` over `n` ranks with
@@ -539,6 +611,14 @@ mod tests {
         assert_eq!(report.raw.len(), 2);
         assert!(report.raw.iter().all(|r| r.time_us > 0.0 && r.bytes == 1 << 20));
         assert!(text.contains("raw TCP floor"), "{text}");
+        assert_eq!(report.memory.len(), 2);
+        assert!(
+            report
+                .memory
+                .iter()
+                .all(|m| m.time_us > 0.0 && m.bytes == 1 << 20)
+        );
+        assert!(text.contains("memory copy reference"), "{text}");
         assert_eq!(BenchOp::parse("reduce_scatter"), Some(BenchOp::ReduceScatter));
     }
 }
