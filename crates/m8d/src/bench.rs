@@ -56,6 +56,10 @@ pub struct CollectivesArgs {
     /// Write the results as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// Draw bus bandwidth against size, per operation and world size, with
+    /// the raw TCP floor, as an SVG file.
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
 }
 
 /// Flags of `m8d bench p2p`.
@@ -605,22 +609,47 @@ async fn p2p(args: P2pArgs) -> anyhow::Result<()> {
 
 /// Bandwidth against message size (log scale), communicator and raw TCP.
 fn plot_p2p(path: &std::path::Path, rows: &[P2pRowOut]) -> anyhow::Result<()> {
+    let series = vec![
+        Series {
+            name: "multiworld".into(),
+            points: rows.iter().map(|r| (r.bytes, r.comm_gbps)).collect(),
+        },
+        Series {
+            name: "raw TCP (same run)".into(),
+            points: rows.iter().map(|r| (r.bytes, r.raw_gbps)).collect(),
+        },
+    ];
+    plot_bandwidth(path, "multiworld p2p streaming over loopback", "GB/s", &series)
+}
+
+/// One line of a bandwidth plot: (bytes, GB/s) points.
+struct Series {
+    name: String,
+    points: Vec<(usize, f64)>,
+}
+
+/// Draws each series as a line with markers (a one-point series is a
+/// marker), bandwidth against size on a log2 axis, as an SVG file.
+fn plot_bandwidth(
+    path: &std::path::Path,
+    caption: &str,
+    y_desc: &str,
+    series: &[Series],
+) -> anyhow::Result<()> {
     use plotters::prelude::*;
-    anyhow::ensure!(!rows.is_empty(), "nothing to plot");
-    let top = rows
-        .iter()
-        .map(|r| r.comm_gbps.max(r.raw_gbps))
-        .fold(0.0f64, f64::max)
-        * 1.1;
-    let x = |b: usize| (b as f64).log2();
-    let (x0, x1) = (
-        x(rows[0].bytes),
-        x(rows[rows.len() - 1].bytes).max(x(rows[0].bytes) + 1.0),
-    );
+    let all = || series.iter().flat_map(|s| s.points.iter().copied());
+    anyhow::ensure!(all().next().is_some(), "nothing to plot");
+    let top = all().map(|(_, v)| v).fold(0.0f64, f64::max) * 1.1;
+    let x = |b: usize| (b.max(1) as f64).log2();
+    let x0 = all().map(|(b, _)| x(b)).fold(f64::INFINITY, f64::min);
+    let x1 = all()
+        .map(|(b, _)| x(b))
+        .fold(f64::NEG_INFINITY, f64::max)
+        .max(x0 + 1.0);
     let root = SVGBackend::new(path, (900, 540)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| anyhow::anyhow!("{e}"))?;
     let mut chart = ChartBuilder::on(&root)
-        .caption("multiworld p2p streaming over loopback", ("sans-serif", 22))
+        .caption(caption, ("sans-serif", 22))
         .margin(16)
         .x_label_area_size(44)
         .y_label_area_size(56)
@@ -628,8 +657,8 @@ fn plot_p2p(path: &std::path::Path, rows: &[P2pRowOut]) -> anyhow::Result<()> {
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     chart
         .configure_mesh()
-        .x_desc("message size")
-        .y_desc("GB/s")
+        .x_desc("size")
+        .y_desc(y_desc)
         .x_label_formatter(&|v| {
             let b = 2f64.powf(*v).round() as usize;
             if b >= 1 << 20 {
@@ -642,16 +671,13 @@ fn plot_p2p(path: &std::path::Path, rows: &[P2pRowOut]) -> anyhow::Result<()> {
         })
         .draw()
         .map_err(|e| anyhow::anyhow!("{e}"))?;
-    let series = [("multiworld", &BLUE, true), ("raw TCP (same run)", &RED, false)];
-    for (name, color, comm) in series {
-        let pts: Vec<(f64, f64)> = rows
-            .iter()
-            .map(|r| (x(r.bytes), if comm { r.comm_gbps } else { r.raw_gbps }))
-            .collect();
+    for (i, s) in series.iter().enumerate() {
+        let color = Palette99::pick(i).to_rgba();
+        let pts: Vec<(f64, f64)> = s.points.iter().map(|&(b, v)| (x(b), v)).collect();
         chart
             .draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))
             .map_err(|e| anyhow::anyhow!("{e}"))?
-            .label(name)
+            .label(s.name.as_str())
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
         chart
             .draw_series(pts.into_iter().map(|p| Circle::new(p, 3, color.filled())))
@@ -659,12 +685,48 @@ fn plot_p2p(path: &std::path::Path, rows: &[P2pRowOut]) -> anyhow::Result<()> {
     }
     chart
         .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
         .border_style(BLACK)
         .background_style(WHITE)
         .draw()
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     root.present().map_err(|e| anyhow::anyhow!("{e}"))?;
     Ok(())
+}
+
+/// Bus bandwidth against size, one line per (operation, world size), and
+/// the raw TCP floor of the largest all-reduce as a marker per world size.
+fn plot_collectives(
+    path: &std::path::Path,
+    report: &multiworld_tcp::collectives::bench::CollectivesReport,
+) -> anyhow::Result<()> {
+    let mut series: Vec<Series> = Vec::new();
+    for r in &report.rows {
+        let name = format!("{} x{}", r.op.name(), r.ranks);
+        match series.iter_mut().find(|s| s.name == name) {
+            Some(s) => s.points.push((r.bytes, r.busbw_gbps)),
+            None => series.push(Series {
+                name,
+                points: vec![(r.bytes, r.busbw_gbps)],
+            }),
+        }
+    }
+    for raw in &report.raw {
+        // The floor moves the ring's bytes: report it as the bus bandwidth
+        // an all-reduce of that size would have at that time.
+        let n = f64::from(raw.ranks);
+        let busbw = 2.0 * (n - 1.0) / n * raw.bytes as f64 / (raw.time_us * 1e3);
+        series.push(Series {
+            name: format!("raw TCP floor x{}", raw.ranks),
+            points: vec![(raw.bytes, busbw)],
+        });
+    }
+    plot_bandwidth(
+        path,
+        "multiworld collectives over loopback (bus bandwidth)",
+        "busbw GB/s",
+        &series,
+    )
 }
 
 #[derive(Serialize)]
@@ -842,6 +904,10 @@ async fn collectives(args: CollectivesArgs) -> anyhow::Result<()> {
             busbw_gbps: r.busbw_gbps,
         })
         .collect();
+    if let Some(path) = &args.plot {
+        plot_collectives(path, &report)?;
+        println!("wrote {}", path.display());
+    }
     write_json(args.json.as_deref(), &rows)?;
     Ok(())
 }
