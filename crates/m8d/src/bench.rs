@@ -39,6 +39,20 @@ pub enum BenchCommand {
     /// Every collective, 1 KiB to 64 MiB, over 2 and 4 ranks: time,
     /// algorithm bandwidth and bus bandwidth.
     Collectives(CollectivesArgs),
+    /// Joining a world of 2 on loopback: store, rendezvous, connections and
+    /// handshake, both members in this process.
+    Join(JoinArgs),
+}
+
+/// Flags of `m8d bench join`.
+#[derive(Args, Debug)]
+pub struct JoinArgs {
+    /// Worlds joined (one after another, each finished before the next).
+    #[arg(long, default_value_t = 200)]
+    pub rounds: usize,
+    /// Write the results as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
 }
 
 /// Flags of `m8d bench collectives`.
@@ -156,6 +170,7 @@ pub async fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::P2p(args) => p2p(args).await,
         BenchCommand::Worlds(args) => worlds(args).await,
         BenchCommand::Collectives(args) => collectives(args).await,
+        BenchCommand::Join(args) => join(args).await,
     }
 }
 
@@ -909,5 +924,66 @@ async fn collectives(args: CollectivesArgs) -> anyhow::Result<()> {
         println!("wrote {}", path.display());
     }
     write_json(args.json.as_deref(), &rows)?;
+    Ok(())
+}
+
+#[derive(Serialize)]
+struct JoinOut {
+    rounds: usize,
+    median_us: f64,
+    p90_us: f64,
+    p99_us: f64,
+    max_us: f64,
+}
+
+/// Joins worlds of 2 (leader hosting the store, worker connecting), one
+/// after another, timing from the two `join` calls until both return.
+async fn join(args: JoinArgs) -> anyhow::Result<()> {
+    use multiworld::{WorldConfig, WorldManager};
+    anyhow::ensure!(args.rounds > 0, "--rounds must be at least 1");
+    let (leader, worker) = (WorldManager::default(), WorldManager::default());
+    let store = leader.serve_store("127.0.0.1:0").await?.to_string();
+    let mut times = Vec::with_capacity(args.rounds);
+    // Two unmeasured rounds warm up the store connections' code paths.
+    for i in 0..args.rounds + 2 {
+        let name = format!("join-{i}");
+        let started = Instant::now();
+        let (a, b) = tokio::join!(
+            leader.join(WorldConfig::new(&name, 0, 2, &store)),
+            worker.join(WorldConfig::new(&name, 1, 2, &store)),
+        );
+        let took = started.elapsed();
+        let (a, b) = (a?, b?);
+        if i >= 2 {
+            times.push(took.as_secs_f64() * 1e6);
+        }
+        let (x, y) = tokio::join!(
+            a.finish(Duration::from_secs(10)),
+            b.finish(Duration::from_secs(10))
+        );
+        x?;
+        y?;
+    }
+    times.sort_by(f64::total_cmp);
+    let at = |q: f64| times[((times.len() - 1) as f64 * q).round() as usize];
+    let out = JoinOut {
+        rounds: times.len(),
+        median_us: at(0.5),
+        p90_us: at(0.9),
+        p99_us: at(0.99),
+        max_us: at(1.0),
+    };
+    println!(
+        "joining a world of 2 on loopback ({} rounds): median {:.2} ms, p90 {:.2} ms, p99 {:.2} ms, max {:.2} ms",
+        out.rounds,
+        out.median_us / 1e3,
+        out.p90_us / 1e3,
+        out.p99_us / 1e3,
+        out.max_us / 1e3
+    );
+    println!("target: ≤ 5 ms (torch.distributed gloo on the design's machine: 2.6–3.7 ms)");
+    leader.shutdown().await;
+    worker.shutdown().await;
+    write_json(args.json.as_deref(), &out)?;
     Ok(())
 }

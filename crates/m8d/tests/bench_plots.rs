@@ -1,5 +1,6 @@
-//! `m8d bench p2p` and `m8d bench collectives` write their plots (SVG) and
-//! JSON: quick runs, checked for the series and rows they must contain.
+//! Quick runs of the benchmark commands' outputs: `m8d bench p2p` and `m8d
+//! bench collectives` write their plots (SVG) and JSON, `m8d bench join` its
+//! quantiles; each checked for the series and fields it must contain.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
 use std::process::{Command, Stdio};
@@ -66,4 +67,18 @@ fn the_p2p_benchmark_plots_against_raw_tcp() {
     for label in ["multiworld", "raw TCP (same run)", "GB/s"] {
         assert!(svg.contains(label), "no {label:?} in the plot");
     }
+}
+
+#[test]
+fn the_join_benchmark_reports_quantiles() {
+    let json = tmp("join.json");
+    let out = m8d(&["bench", "join", "--rounds", "5", "--json", json.to_str().unwrap()]);
+    assert!(
+        out.contains("joining a world of 2 on loopback (5 rounds): median"),
+        "{out}"
+    );
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(v["rounds"], 5);
+    let (median, max) = (v["median_us"].as_f64().unwrap(), v["max_us"].as_f64().unwrap());
+    assert!(median > 0.0 && median <= max, "{v}");
 }

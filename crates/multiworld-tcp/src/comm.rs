@@ -1166,7 +1166,13 @@ impl Inner {
             });
         }
         if self.aborted.get().is_none() {
-            warn!(local = %self.identity, peer = %rank, %cause, "peer lost");
+            // A goodbye is not a failure: the owner decides whether it breaks
+            // anything (a world that is finishing expects it).
+            if peer.departed.load(Ordering::Relaxed) {
+                debug!(local = %self.identity, peer = %rank, "peer left");
+            } else {
+                warn!(local = %self.identity, peer = %rank, %cause, "peer lost");
+            }
             let _ = self.health_tx.send(HealthEvent::PeerLost { rank, cause });
         }
     }
