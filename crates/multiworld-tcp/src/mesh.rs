@@ -137,11 +137,17 @@ async fn read_reject_body<S: AsyncRead + Unpin>(s: &mut S) -> io::Result<Reject>
 struct Refusal {
     reject: Reject,
     tell: bool,
+    /// Who refused: this side, or the connecting side (which sent a reject).
+    side: Side,
 }
 
 impl From<Reject> for Refusal {
     fn from(reject: Reject) -> Self {
-        Refusal { reject, tell: true }
+        Refusal {
+            reject,
+            tell: true,
+            side: Side::Local,
+        }
     }
 }
 
@@ -149,6 +155,7 @@ fn io_refusal(what: &str, e: &io::Error) -> Refusal {
     Refusal {
         reject: Reject::new(RejectCode::Malformed, format!("{what}: {e}")),
         tell: false,
+        side: Side::Local,
     }
 }
 
@@ -163,6 +170,10 @@ struct AcceptCtx {
     pending: AtomicUsize,
     max_pending: usize,
     rejected: Arc<AtomicU64>,
+    /// The last refused handshake (not counting refusals for being busy):
+    /// what a join that times out reports, since a peer with the wrong
+    /// secret, world or generation is otherwise only a missing peer here.
+    last_refusal: Mutex<Option<(SocketAddr, Side, Reject)>>,
     token: CancellationToken,
     tracker: TaskTracker,
 }
@@ -217,6 +228,7 @@ impl AcceptCtx {
                 return Err(Refusal {
                     reject: Reject::new(r.code, format!("refused by the connecting side: {}", r.detail)),
                     tell: false,
+                    side: Side::Remote,
                 });
             }
             other => {
@@ -251,9 +263,20 @@ impl AcceptCtx {
         Ok(hello.from)
     }
 
-    fn note_refusal(&self, addr: SocketAddr, r: &Reject) {
+    fn note_refusal(&self, addr: SocketAddr, side: Side, r: &Reject) {
         self.rejected.fetch_add(1, Ordering::Relaxed);
         warn!(peer = %addr, local = %self.identity, code = ?r.code, reason = %r, "refused inbound connection");
+        if r.code != RejectCode::Busy {
+            let mut last = self.last_refusal.lock().unwrap_or_else(|e| e.into_inner());
+            *last = Some((addr, side, r.clone()));
+        }
+    }
+
+    fn last_refusal(&self) -> Option<(SocketAddr, Side, Reject)> {
+        self.last_refusal
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 }
 
@@ -287,6 +310,7 @@ async fn accept_loop(listener: TcpListener, ctx: Arc<AcceptCtx>) {
             ctx.pending.fetch_sub(1, Ordering::Relaxed);
             ctx.note_refusal(
                 addr,
+                Side::Local,
                 &Reject::new(RejectCode::Busy, "too many handshakes in progress"),
             );
             continue;
@@ -308,7 +332,7 @@ async fn accept_loop(listener: TcpListener, ctx: Arc<AcceptCtx>) {
                     let _ = ctx.established.send((rank, stream));
                 }
                 Ok(Err(refusal)) => {
-                    ctx.note_refusal(addr, &refusal.reject);
+                    ctx.note_refusal(addr, refusal.side, &refusal.reject);
                     if refusal.tell {
                         let bytes = refusal.reject.encode();
                         let _ =
@@ -320,7 +344,7 @@ async fn accept_loop(listener: TcpListener, ctx: Arc<AcceptCtx>) {
                         RejectCode::Timeout,
                         format!("no complete handshake within {:?}", ctx.handshake_timeout),
                     );
-                    ctx.note_refusal(addr, &r);
+                    ctx.note_refusal(addr, Side::Local, &r);
                     let _ = stream.try_write(&r.encode());
                 }
             }
@@ -420,10 +444,11 @@ pub(crate) async fn build(
         pending: AtomicUsize::new(0),
         max_pending: cfg.max_pending_handshakes,
         rejected,
+        last_refusal: Mutex::new(None),
         token: token.clone(),
         tracker: tracker.clone(),
     });
-    tracker.spawn(accept_loop(listener, ctx));
+    tracker.spawn(accept_loop(listener, Arc::clone(&ctx)));
 
     let start = Instant::now();
     let deadline = start + cfg.join_timeout;
@@ -487,7 +512,21 @@ pub(crate) async fn build(
                     .map(|(i, _)| i)
                     .collect();
                 warn!(local = %identity, missing = ?absent, "join timed out waiting for peers");
-                return Err(timeout_err());
+                // A member with the wrong secret, world or generation shows up
+                // here only as a refused connection: say so rather than just
+                // "timed out".
+                return Err(match ctx.last_refusal() {
+                    Some((addr, side, r)) => Error::Refused {
+                        addr,
+                        side,
+                        code: r.code,
+                        detail: Arc::from(format!(
+                            "{}; rank(s) {absent:?} did not connect within {:?}",
+                            r.detail, cfg.join_timeout
+                        )),
+                    },
+                    None => timeout_err(),
+                });
             }
             _ = token.cancelled() => {
                 return Err(Error::Aborted { reason: Arc::from("join cancelled") });

@@ -448,7 +448,8 @@ async fn abort_fails_everything_pending_and_releases_resources() {
 async fn joins_that_must_fail() {
     init_tracing();
     // Wrong secret on one side: the connecting rank refuses the accepting rank's
-    // proof; the accepting rank never completes and times out.
+    // proof; the accepting rank never completes, and at its deadline it says
+    // which connection was refused and why, not just that it timed out.
     let rdv = MemoryRendezvous::new();
     let mut c0 = config("badsecret", 0, 2);
     c0.join_timeout = Duration::from_millis(500);
@@ -466,7 +467,15 @@ async fn joins_that_must_fail() {
         "{e1}"
     );
     let e0 = r0.unwrap_err();
-    assert!(matches!(e0, Error::Timeout { op: "join", .. }), "{e0}");
+    match &e0 {
+        Error::Refused {
+            side: Side::Remote,
+            code: RejectCode::Auth,
+            detail,
+            ..
+        } => assert!(detail.contains("[1] did not connect"), "{e0}"),
+        other => panic!("{other}"),
+    }
 
     // A peer that never shows up.
     let mut c = config("alone", 1, 2);
@@ -481,6 +490,53 @@ async fn joins_that_must_fail() {
     // A world of one is fine.
     let solo = Communicator::join(c, &rdv).await.unwrap();
     assert_eq!(solo.size(), 1);
+}
+
+/// Sends pending towards a peer that goes away (a big one stuck on a full
+/// socket because the peer never receives it, and one queued behind it)
+/// fail with `PeerLost` naming that peer, promptly, and the sender's
+/// connections to its other peers keep working.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pending_sends_to_a_peer_that_goes_away_fail_naming_it() {
+    let mut ranks = mesh("sendloss", 3).await;
+    let c = ranks.pop().unwrap();
+    let b = ranks.pop().unwrap();
+    let a = Arc::new(ranks.pop().unwrap());
+    let a2 = Arc::clone(&a);
+    let stuck_send = tokio::spawn(async move {
+        let big = Tensor::zeros(DType::U8, [64 << 20]).unwrap();
+        a2.send(Rank(1), Tag(3), &big).await
+    });
+    // Give the big send time to fill the socket buffers: rank 1 never posts
+    // a receive, so it cannot finish (asserted, not assumed).
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!stuck_send.is_finished(), "the big send is blocked");
+    let queued = a.isend(Rank(1), Tag(4), Tensor::from(vec![1u8; 8]));
+    assert!(!queued.is_completed());
+
+    let start = Instant::now();
+    b.abort();
+    let e1 = tokio::time::timeout(DETECT, stuck_send)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap_err();
+    let e2 = tokio::time::timeout(DETECT, queued).await.unwrap().unwrap_err();
+    let took = start.elapsed();
+    println!("the peer's loss failed 2 pending sends in {took:?}");
+    for e in [&e1, &e2] {
+        assert!(matches!(e, Error::PeerLost { rank: Rank(1), .. }), "{e}");
+        assert!(e.to_string().contains("rank 1"), "{e}");
+    }
+    // Rank 2 is still reachable both ways.
+    let mut got = Tensor::zeros(DType::U8, [3]).unwrap();
+    let (s, r) = tokio::join!(
+        a.send(Rank(2), Tag(5), &[7u8, 8, 9][..]),
+        c.recv(Rank(0), Tag(5), &mut got)
+    );
+    s.unwrap();
+    r.unwrap();
+    assert_eq!(got.as_slice::<u8>().unwrap(), &[7, 8, 9]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

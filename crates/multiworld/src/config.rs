@@ -90,6 +90,16 @@ pub struct WorldConfig {
     pub nccl_abort_deadline: Duration,
 }
 
+/// A world of one (`"world"`, rank 0 of 1) whose store rank 0 hosts at
+/// `127.0.0.1:29500` (torch.distributed's customary `MASTER_PORT`), with
+/// every other setting at its default; set the fields that differ, or start
+/// from [`WorldConfig::new`] or [`WorldConfig::from_env`].
+impl Default for WorldConfig {
+    fn default() -> Self {
+        WorldConfig::new("world", 0, 1, "127.0.0.1:29500")
+    }
+}
+
 impl WorldConfig {
     /// A configuration with the defaults: TCP backend, rank 0 hosts the store
     /// at `store_addr`, no secret, 30 s to join, default watchdog.
@@ -281,5 +291,16 @@ mod tests {
         let mut c = WorldConfig::new("w", 0, 2, "x:1");
         c.watchdog.heartbeat_timeout = Duration::from_millis(1);
         assert!(c.validate().unwrap_err().to_string().contains("watchdog"));
+    }
+
+    #[test]
+    fn the_default_is_a_valid_world_of_one_hosting_its_store() {
+        let c = WorldConfig::default();
+        assert!(c.validate().is_ok());
+        assert_eq!((c.name.as_str(), c.rank, c.size), ("world", 0, 1));
+        assert!(c.host_store);
+        assert_eq!(c.store_addr, "127.0.0.1:29500");
+        assert_eq!(c.backend, Backend::Tcp);
+        assert!(c.secret.is_none() && c.op_timeout.is_none());
     }
 }

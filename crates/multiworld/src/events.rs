@@ -39,6 +39,17 @@ pub enum WorldEvent {
         /// What the abort reported.
         reason: String,
     },
+    /// The process monitor found the world's watchdog not running for
+    /// `stuck_for` (at least `ManagerConfig::stall_after`): the Tokio
+    /// runtime the watchdogs run on is blocked or starved, so failures of
+    /// this world are not being detected. Reported once per episode; the
+    /// world itself is not changed.
+    WatchdogStalled {
+        /// The world.
+        world: String,
+        /// How long its watchdog had not run when this was reported.
+        stuck_for: std::time::Duration,
+    },
     /// The world was torn down (after a break or a leave); its name can be
     /// joined again.
     Removed {
@@ -56,6 +67,7 @@ impl WorldEvent {
             WorldEvent::Joined { world, .. }
             | WorldEvent::Broken { world, .. }
             | WorldEvent::Quarantined { world, .. }
+            | WorldEvent::WatchdogStalled { world, .. }
             | WorldEvent::Removed { world, .. } => world,
         }
     }

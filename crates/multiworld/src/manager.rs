@@ -146,8 +146,8 @@ impl Drop for OpenedStore<'_> {
 }
 
 impl WorldManager {
-    /// A manager with no worlds. Starts the process monitor on the current
-    /// Tokio runtime.
+    /// A manager with no worlds. Starts the process monitor on a thread of
+    /// its own (see [`WorldEvent::WatchdogStalled`]).
     pub fn new(config: ManagerConfig) -> WorldManager {
         let (events, _) = broadcast::channel(config.event_capacity.max(16));
         let inner = Arc::new(Inner {
@@ -159,7 +159,14 @@ impl WorldManager {
             #[cfg(feature = "nccl")]
             nccl: std::sync::Mutex::new(None),
         });
-        tokio::spawn(monitor(Arc::downgrade(&inner), inner.root.clone()));
+        let (weak, stop) = (Arc::downgrade(&inner), inner.root.clone());
+        if let Err(e) = std::thread::Builder::new()
+            .name("multiworld-monitor".into())
+            .spawn(move || monitor(weak, stop))
+        {
+            // Worlds still work without it; only stuck watchdogs go unreported.
+            tracing::error!(error = %e, "could not start the process monitor thread");
+        }
         WorldManager { inner }
     }
 
@@ -508,18 +515,31 @@ fn stalled_now(inner: &Inner) -> Vec<(String, Duration)> {
     )
 }
 
-/// The process monitor: reports (once per episode) every watchdog that has
-/// stopped ticking, and when it recovers.
-async fn monitor(inner: Weak<Inner>, stop: CancellationToken) {
+/// The process monitor, on its own OS thread so that it keeps running when
+/// the Tokio runtime the watchdogs live on is blocked (the very failure it
+/// is there to notice): reports (once per episode) every watchdog that has
+/// stopped ticking, as an error log line and a
+/// [`WorldEvent::WatchdogStalled`], and logs when it recovers. Stops when the
+/// manager is shut down or dropped.
+fn monitor(inner: Weak<Inner>, stop: CancellationToken) {
     let mut reported: HashSet<String> = HashSet::new();
     loop {
         let every = match inner.upgrade() {
             Some(i) => i.config.monitor_interval,
             None => return,
         };
-        tokio::select! {
-            _ = stop.cancelled() => return,
-            _ = tokio::time::sleep(every) => {}
+        // Sleep in short steps so a dropped or shut down manager's thread
+        // ends promptly.
+        let wake = Instant::now() + every;
+        loop {
+            if stop.is_cancelled() || inner.strong_count() == 0 {
+                return;
+            }
+            let left = wake.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            std::thread::sleep(left.min(MONITOR_POLL));
         }
         let Some(inner) = inner.upgrade() else {
             return;
@@ -528,6 +548,10 @@ async fn monitor(inner: Weak<Inner>, stop: CancellationToken) {
         for (name, stuck) in &now_stalled {
             if reported.insert(name.clone()) {
                 tracing::error!(world = %name, stuck_for = ?stuck, "the world's watchdog is not running");
+                let _ = inner.events.send(WorldEvent::WatchdogStalled {
+                    world: name.clone(),
+                    stuck_for: *stuck,
+                });
             }
         }
         reported.retain(|name| {
@@ -539,3 +563,7 @@ async fn monitor(inner: Weak<Inner>, stop: CancellationToken) {
         });
     }
 }
+
+/// How often the monitor thread checks, while it waits, whether its manager
+/// is gone.
+const MONITOR_POLL: Duration = Duration::from_millis(50);

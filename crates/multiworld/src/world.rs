@@ -133,13 +133,13 @@ impl WorldShared {
         let mut lifecycle = Lifecycle::new();
         // A fresh lifecycle is Joining, so this cannot be refused.
         let _ = lifecycle.ready();
-        Arc::new(WorldShared {
+        Arc::new_cyclic(|me| WorldShared {
             name: config.name.clone(),
             generation: store.generation(),
             rank: config.rank,
             size: config.size,
             config,
-            collectives: Group::world(&comm),
+            collectives: Group::world(&comm).with_observer(Arc::new(CollectiveDeadlines(me.clone()))),
             comm,
             store,
             store_addr,
@@ -420,6 +420,17 @@ impl Drop for OpDeadline {
     }
 }
 
+/// Registers every collective call of a world (and of its sub-groups) with
+/// the world's deadlines, like its point-to-point operations: a call still
+/// running at `op_timeout` breaks the world with `BreakCause::OpDeadline`.
+struct CollectiveDeadlines(Weak<WorldShared>);
+
+impl multiworld_tcp::collectives::CallObserver for CollectiveDeadlines {
+    fn call_started(&self, op: &'static str) -> Box<dyn Send> {
+        Box::new(self.0.upgrade().and_then(|w| w.track(op)))
+    }
+}
+
 /// Watches one world until it breaks or is torn down.
 async fn watchdog(w: Arc<WorldShared>, mut store: watch::Receiver<StoreStatus>) {
     let mut health = Some(w.comm.health_events());
@@ -621,7 +632,12 @@ impl World {
     /// barrier, sub-groups), as one group over every member. Every member
     /// must call the same collectives in the same order. If a member is lost
     /// during a collective, every surviving member's call fails; the world
-    /// then breaks as for any lost member.
+    /// then breaks as for any lost member. Each call (also on sub-groups made
+    /// from this group) is bound by the world's `op_timeout` like a send or a
+    /// receive: one still running at its deadline breaks the world, and the
+    /// call fails with [`CommError::Aborted`](crate::CommError) naming the
+    /// world and the cause. Errors are the backend's:
+    /// `is_world_fatal()` tells a broken world from a wrong call.
     pub fn collectives(&self) -> &Group {
         &self.shared.collectives
     }

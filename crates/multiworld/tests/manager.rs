@@ -7,8 +7,8 @@
 use std::time::{Duration, Instant};
 
 use multiworld::{
-    BreakCause, ManagerConfig, Rank, Tag, Tensor, WorldConfig, WorldError, WorldEvent, WorldManager,
-    WorldState,
+    BreakCause, ManagerConfig, Rank, ReduceOp, Tag, Tensor, WorldConfig, WorldError, WorldEvent,
+    WorldManager, WorldState,
 };
 use multiworld_store::{ServerConfig, StoreServer};
 use tokio::sync::broadcast;
@@ -206,16 +206,27 @@ async fn losing_the_worlds_store_breaks_only_that_world() {
     let (a, b) = tokio::join!(leader.join(sa), worker.join(sb));
     let (a, _b) = (a.unwrap(), b.unwrap());
     let (t_a, t_b) = pair(&leader, &worker, "t", &own).await;
-    let mut events = leader.events();
+    let mut events = [leader.events(), worker.events()];
 
     let killed_at = Instant::now();
     separate.shutdown(Duration::from_secs(1)).await;
-    match next_event_for(&mut events, "s", Duration::from_secs(10)).await {
-        WorldEvent::Broken {
-            cause: BreakCause::StoreLost { reason },
-            ..
-        } => assert!(!reason.is_empty()),
-        other => panic!("{other:?}"),
+    // Both members lose the store; whichever breaks first closes its
+    // connections, which the other may see before its own store loss.
+    let mut causes = Vec::new();
+    for rx in &mut events {
+        match next_event_for(rx, "s", Duration::from_secs(10)).await {
+            WorldEvent::Broken { cause, .. } => causes.push(cause),
+            other => panic!("{other:?}"),
+        }
+    }
+    let store_lost = |c: &BreakCause| matches!(c, BreakCause::StoreLost { reason } if !reason.is_empty());
+    assert!(causes.iter().any(store_lost), "{causes:?}");
+    for (r, c) in causes.iter().enumerate() {
+        let other = 1 - r as u32;
+        assert!(
+            store_lost(c) || matches!(c, BreakCause::PeerLost { rank, .. } if *rank == other),
+            "member {r}: {c:?}"
+        );
     }
     let took = killed_at.elapsed();
     assert!(took < Duration::from_secs(5), "store loss noticed after {took:?}");
@@ -379,6 +390,151 @@ async fn an_operation_past_its_deadline_breaks_the_world() {
     ));
 }
 
+/// A collective that a member never joins is bound by the world's
+/// `op_timeout` like a send or a receive: the world breaks at the deadline,
+/// the call fails naming the world and the cause, and the peer is told.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_collective_past_its_deadline_breaks_the_world() {
+    init_tracing();
+    let leader = WorldManager::default();
+    let worker = WorldManager::default();
+    let store = leader.serve_store("127.0.0.1:0").await.unwrap().to_string();
+    let with_deadline = |rank| {
+        let mut c = cfg("coll-deadline", rank, 2, &store);
+        c.op_timeout = Some(Duration::from_millis(300));
+        c
+    };
+    let (a, b) = tokio::join!(leader.join(with_deadline(0)), worker.join(with_deadline(1)));
+    let (a, b) = (a.unwrap(), b.unwrap());
+    // Collectives that both members make finish and leave no deadline behind.
+    for i in 0..3 {
+        let mut x = Tensor::from_vec(vec![i as f32; 8], [8]).unwrap();
+        let mut y = Tensor::from_vec(vec![1.0f32; 8], [8]).unwrap();
+        let (ra, rb) = tokio::join!(
+            a.collectives().all_reduce(&mut x, ReduceOp::Sum),
+            b.collectives().all_reduce(&mut y, ReduceOp::Sum)
+        );
+        ra.unwrap();
+        rb.unwrap();
+        assert_eq!(x.as_slice::<f32>().unwrap(), &[i as f32 + 1.0; 8]);
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(a.state(), WorldState::Ready);
+    // Only the leader calls: its call breaks the world at the deadline.
+    let mut worker_events = worker.events();
+    let started = Instant::now();
+    let mut x = Tensor::from_vec(vec![1.0f32; 8], [8]).unwrap();
+    let err = a
+        .collectives()
+        .all_reduce(&mut x, ReduceOp::Sum)
+        .await
+        .unwrap_err();
+    let took = started.elapsed();
+    assert!(err.is_world_fatal(), "{err:?}");
+    let text = err.to_string();
+    assert!(
+        text.contains("coll-deadline") && text.contains("all_reduce"),
+        "{text}"
+    );
+    assert!(took >= Duration::from_millis(300), "broke early: {took:?}");
+    assert!(took < Duration::from_secs(3), "broke late: {took:?}");
+    match a.state() {
+        WorldState::Broken(BreakCause::OpDeadline { op, after }) => {
+            assert_eq!(op, "all_reduce");
+            assert_eq!(after, Duration::from_millis(300));
+        }
+        WorldState::Removed => match leader_cause(&a).await {
+            Some(BreakCause::OpDeadline { op, .. }) => assert_eq!(op, "all_reduce"),
+            other => panic!("{other:?}"),
+        },
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(
+        next_event_for(&mut worker_events, "coll-deadline", Duration::from_secs(5)).await,
+        WorldEvent::Broken { .. }
+    ));
+}
+
+/// The break cause a broken world reports to a late caller.
+async fn leader_cause(w: &multiworld::World) -> Option<BreakCause> {
+    let mut buf = Tensor::zeros(multiworld::DType::F32, [1]).unwrap();
+    match w.recv(Rank(1), Tag(0), &mut buf).await {
+        Err(WorldError::Broken { cause, .. }) => Some(cause),
+        _ => None,
+    }
+}
+
+/// A member that breaks the world tells the others through the world's
+/// store, so they break with its cause even when their own connections and
+/// heartbeats are fine (here the announcement is written straight into the
+/// store, as a member that saw a cause its peers cannot see would).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_break_announced_in_the_store_reaches_every_member() {
+    init_tracing();
+    let managers: Vec<WorldManager> = (0..3).map(|_| WorldManager::default()).collect();
+    let store = managers[0].serve_store("127.0.0.1:0").await.unwrap().to_string();
+    let mut events: Vec<_> = managers.iter().map(|m| m.events()).collect();
+    let joins = managers
+        .iter()
+        .enumerate()
+        .map(|(r, m)| m.join(cfg("told", r as u32, 3, &store)));
+    let worlds: Vec<_> = futures::future::join_all(joins)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    let other = &managers[1];
+    let (x, y) = pair(&managers[0], other, "untouched", &store).await;
+    // Announce as rank 2 would, in this generation of the world's store.
+    let client = multiworld_store::StoreClient::connect(&store, multiworld_store::ClientConfig::default())
+        .await
+        .unwrap();
+    let options = multiworld_store::OpenOptions {
+        secret: Some(multiworld_store::Secret::new(b"test secret")),
+        create: false,
+        timeout: Duration::from_secs(5),
+    };
+    let handle = client.open("told", options).await.unwrap();
+    assert_eq!(handle.generation(), worlds[0].generation());
+    handle
+        .set(
+            "multiworld/broken",
+            b"2\nrank 2's operation all_gather passed its deadline".to_vec(),
+        )
+        .await
+        .unwrap();
+    // Nothing else is wrong, so the first member to break learned it from
+    // the store. Once it has broken, its closed connections may reach the
+    // other member before the store does: either cause is right there.
+    let mut causes = Vec::new();
+    for rx in events.iter_mut().take(2) {
+        causes.push(loop {
+            match next_event_for(rx, "told", Duration::from_secs(5)).await {
+                WorldEvent::Broken { cause, .. } => break cause,
+                WorldEvent::Joined { .. } => continue,
+                other => panic!("{other:?}"),
+            }
+        });
+    }
+    let told = |c: &BreakCause| matches!(c, BreakCause::ReportedByPeer { rank: 2, reason } if reason.contains("all_gather"));
+    assert!(causes.iter().any(told), "{causes:?}");
+    for (r, c) in causes.iter().enumerate() {
+        let other = 1 - r as u32;
+        assert!(
+            told(c) || matches!(c, BreakCause::PeerLost { rank, .. } if *rank == other),
+            "member {r}: {c:?}"
+        );
+    }
+    for w in &worlds {
+        tokio::time::timeout(Duration::from_secs(10), w.removed())
+            .await
+            .unwrap();
+    }
+    // The other world on the same managers and store is untouched.
+    assert_eq!(x.state(), WorldState::Ready);
+    ping(&x, &y, 7.0).await;
+}
+
 /// Without the `nccl` feature an NCCL world cannot be joined, and says why.
 /// (With it, `tests/nccl_worlds.rs` covers NCCL joins, including a machine
 /// without NCCL.)
@@ -406,10 +562,27 @@ async fn a_stuck_watchdog_is_reported() {
     // Let the watchdogs tick normally first.
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(leader.stalled_watchdogs().is_empty());
+    let mut events = leader.events();
     // Block the runtime's only thread: no watchdog can run meanwhile.
-    std::thread::sleep(Duration::from_millis(2500));
+    let blocked = Instant::now();
+    std::thread::sleep(Duration::from_millis(3500));
     let stalled = leader.stalled_watchdogs();
     assert_eq!(stalled.len(), 1, "{stalled:?}");
     assert_eq!(stalled[0].0, "stuck");
     assert!(stalled[0].1 >= Duration::from_secs(2), "{stalled:?}");
+    // The monitor runs on its own thread, so it said so while the runtime
+    // was still blocked: its event is already waiting, sent by nobody else.
+    let mut said = None;
+    while let Ok(e) = events.try_recv() {
+        if let WorldEvent::WatchdogStalled { world, stuck_for } = e {
+            said = Some((world, stuck_for));
+        }
+    }
+    let (world, stuck_for) = said.expect("the monitor thread reported nothing while the runtime was blocked");
+    assert_eq!(world, "stuck");
+    assert!(stuck_for >= Duration::from_secs(2), "{stuck_for:?}");
+    assert!(
+        stuck_for < blocked.elapsed() + Duration::from_secs(1),
+        "{stuck_for:?}"
+    );
 }

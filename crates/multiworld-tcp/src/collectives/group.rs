@@ -226,6 +226,18 @@ static WORLDS: Mutex<Registry> = Mutex::new(Vec::new());
 pub struct Group {
     inner: Arc<GroupInner>,
     cfg: Arc<CollectiveConfig>,
+    observer: Option<Arc<dyn CallObserver>>,
+}
+
+/// Told when each collective call of a group starts running; what it returns
+/// is dropped when the call ends, however it ends. A runtime that watches its
+/// worlds uses it to register every call's deadline with its watchdog
+/// (see [`Group::with_observer`]). Called on the async task making the call:
+/// it must not block.
+pub trait CallObserver: Send + Sync {
+    /// Call `op` (e.g. `"all_reduce"`) starts; the returned value lives as
+    /// long as the call runs.
+    fn call_started(&self, op: &'static str) -> Box<dyn Send>;
 }
 
 impl fmt::Debug for Group {
@@ -265,6 +277,7 @@ impl Group {
         Group {
             inner,
             cfg: Arc::new(CollectiveConfig::default()),
+            observer: None,
         }
     }
 
@@ -273,6 +286,17 @@ impl Group {
         Group {
             inner: Arc::clone(&self.inner),
             cfg: Arc::new(cfg),
+            observer: self.observer.clone(),
+        }
+    }
+
+    /// This group with an observer told of every call it runs, and of every
+    /// call of the sub-groups made from it (the state is shared).
+    pub fn with_observer(&self, observer: Arc<dyn CallObserver>) -> Group {
+        Group {
+            inner: Arc::clone(&self.inner),
+            cfg: Arc::clone(&self.cfg),
+            observer: Some(observer),
         }
     }
 
@@ -396,6 +420,7 @@ impl Group {
         Ok(Group {
             inner: Arc::new(inner),
             cfg: Arc::clone(&self.cfg),
+            observer: self.observer.clone(),
         })
     }
 
@@ -657,6 +682,7 @@ impl<'g> Call<'g> {
         let op = self.kind.name();
         let local = g.comm.rank();
         debug!(rank = %local, group = g.id, seq = self.seq, op, "collective call starts");
+        let _observed = self.group.observer.as_ref().map(|o| o.call_started(op));
         let body = async {
             match self.group.cfg.timeout.or(g.comm.config().op_timeout) {
                 None => fut.await,

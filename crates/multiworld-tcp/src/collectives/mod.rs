@@ -49,7 +49,7 @@ mod reduce;
 mod tags;
 mod util;
 
-pub use group::{Algorithm, CollectiveConfig, Group};
+pub use group::{Algorithm, CallObserver, CollectiveConfig, Group};
 pub use handle::CollectiveHandle;
 pub use reduce::ReduceOp;
 pub use tags::{
