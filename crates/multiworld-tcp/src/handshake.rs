@@ -159,6 +159,14 @@ impl Reject {
         }
     }
 
+    /// What may be told to the other end, which has not proven the secret
+    /// (refusals are sent before it has, or because it failed to): the code
+    /// alone, so a stranger learns nothing of this world's name, generation,
+    /// size or ranks. The full detail stays in the refusing side's log.
+    pub fn for_the_wire(&self) -> Reject {
+        Reject::new(self.code, "details in the refusing side's log")
+    }
+
     /// Encodes the message, truncating the detail at a character boundary.
     pub fn encode(&self) -> Vec<u8> {
         let mut end = self.detail.len().min(MAX_DETAIL_LEN);

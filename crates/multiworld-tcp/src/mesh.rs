@@ -334,7 +334,7 @@ async fn accept_loop(listener: TcpListener, ctx: Arc<AcceptCtx>) {
                 Ok(Err(refusal)) => {
                     ctx.note_refusal(addr, refusal.side, &refusal.reject);
                     if refusal.tell {
-                        let bytes = refusal.reject.encode();
+                        let bytes = refusal.reject.for_the_wire().encode();
                         let _ =
                             tokio::time::timeout(Duration::from_millis(100), stream.write_all(&bytes)).await;
                     }
@@ -345,7 +345,7 @@ async fn accept_loop(listener: TcpListener, ctx: Arc<AcceptCtx>) {
                         format!("no complete handshake within {:?}", ctx.handshake_timeout),
                     );
                     ctx.note_refusal(addr, Side::Local, &r);
-                    let _ = stream.try_write(&r.encode());
+                    let _ = stream.try_write(&r.for_the_wire().encode());
                 }
             }
         });

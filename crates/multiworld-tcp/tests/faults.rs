@@ -177,7 +177,14 @@ async fn strangers_are_refused_without_harming_the_world() {
                 code: c,
                 ref detail,
                 ..
-            } => assert_eq!(c, code, "{detail}"),
+            } => {
+                assert_eq!(c, code, "{detail}");
+                // The code only: nothing of the listener's world reaches a
+                // peer that has not proven the secret.
+                for secret_fact in ["guarded", "generation 1", "size 2", "rank 0"] {
+                    assert!(!detail.contains(secret_fact), "{detail}");
+                }
+            }
             other => panic!("expected a refusal with {code}, got {other}"),
         }
         refused += 1;
