@@ -25,7 +25,7 @@ use tonic::{
 
 use crate::{
     auth::{AUTH_METADATA, Secret},
-    error::StoreError,
+    error::{Limit, StoreError},
     table::CasOutcome,
 };
 
@@ -325,9 +325,21 @@ impl WorldStore {
     /// Sends one request with this world's proof and a client-side deadline.
     async fn call<Q, R, F, Fut>(&self, message: Q, waited: Option<Duration>, rpc: F) -> Result<R, StoreError>
     where
+        Q: prost::Message,
         F: FnOnce(Rpc, Request<Q>) -> Fut,
         Fut: Future<Output = Result<Response<R>, Status>>,
     {
+        // Over this client's own bound the gRPC encoder would fail halfway
+        // through the request body, which reaches us as an opaque HTTP/2
+        // error: refuse it here, typed, before anything is sent.
+        let len = message.encoded_len();
+        if len > self.client.config.max_message_bytes {
+            return Err(StoreError::LimitExceeded {
+                limit: Limit::MessageBytes,
+                max: self.client.config.max_message_bytes as u64,
+                requested: len as u64,
+            });
+        }
         let mut req = Request::new(message);
         if let Some(a) = &self.auth {
             req.metadata_mut().insert(AUTH_METADATA, a.clone());

@@ -41,10 +41,15 @@ pub enum Limit {
     Worlds,
     /// Bytes in one world name.
     NameLen,
+    /// Bytes of one encoded request or reply (the gRPC layer's message
+    /// bound: `ServerConfig::max_message_bytes` on the server,
+    /// `ClientConfig::max_message_bytes` on the client), enforced before the
+    /// message is decoded.
+    MessageBytes,
 }
 
 impl Limit {
-    const ALL: [Limit; 8] = [
+    const ALL: [Limit; 9] = [
         Limit::KeyLen,
         Limit::ValueLen,
         Limit::Keys,
@@ -53,6 +58,7 @@ impl Limit {
         Limit::WaitersPerClient,
         Limit::Worlds,
         Limit::NameLen,
+        Limit::MessageBytes,
     ];
 
     /// The stable wire code of the limit.
@@ -66,6 +72,7 @@ impl Limit {
             Limit::WaitersPerClient => "waiters-per-client",
             Limit::Worlds => "worlds",
             Limit::NameLen => "name-len",
+            Limit::MessageBytes => "message-bytes",
         }
     }
 
@@ -84,6 +91,7 @@ impl Limit {
             Limit::WaitersPerClient => "waiters per client",
             Limit::Worlds => "worlds per server",
             Limit::NameLen => "world name length",
+            Limit::MessageBytes => "message size",
         }
     }
 }
@@ -252,6 +260,16 @@ impl StoreError {
                 .and_then(parse_limit)
                 .unwrap_or_else(|| StoreError::Protocol(format!("limit exceeded: {msg}"))),
             (_, "invalid-argument") | (Code::InvalidArgument, _) => StoreError::InvalidArgument(msg),
+            // The gRPC codec's own bound (either side's), checked before a
+            // message is decoded: it says so only in its text.
+            (Code::OutOfRange, _) if msg.contains("message length too large") => {
+                let (requested, max) = message_bounds(&msg);
+                StoreError::LimitExceeded {
+                    limit: Limit::MessageBytes,
+                    max,
+                    requested,
+                }
+            }
             (Code::Unavailable, _) | (Code::Cancelled, _) | (Code::Unknown, _) => StoreError::Unavailable {
                 addr: addr.to_string(),
                 reason: msg,
@@ -259,6 +277,18 @@ impl StoreError {
             _ => StoreError::Protocol(format!("{:?}: {msg}", status.code())),
         }
     }
+}
+
+/// The sizes in the gRPC codec's "message length too large: found N bytes,
+/// the limit is: M bytes" (0 where the text says otherwise).
+fn message_bounds(msg: &str) -> (u64, u64) {
+    let number_after = |marker: &str| -> u64 {
+        msg.split_once(marker)
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0)
+    };
+    (number_after("found "), number_after("limit is: "))
 }
 
 fn parse_limit(text: &str) -> Option<StoreError> {

@@ -454,12 +454,37 @@ async fn oversized_keys_values_and_requests_are_refused() {
     }
     assert_eq!(limit_of(w.set("k4", "v").await.unwrap_err()), Limit::Keys);
     // The server's message bound (default 4 MiB values + slack) refuses a
-    // huge request before decoding it.
-    let big = vec![7u8; 64 << 20];
-    let err = w.set("k0", big).await.unwrap_err();
-    assert!(!matches!(err, StoreError::Unavailable { .. }), "{err}");
-    // And the world is still fine.
+    // request over it before decoding it, with a typed error (the client's
+    // own bound, 64 MiB, lets it through).
+    let bound = ServerConfig::default().max_message_bytes;
+    let big = vec![7u8; bound + 1];
+    match w.set("k0", big).await.unwrap_err() {
+        StoreError::LimitExceeded {
+            limit: Limit::MessageBytes,
+            max,
+            requested,
+        } => {
+            assert_eq!(max, bound as u64);
+            assert!(requested > bound as u64, "{requested}");
+        }
+        other => panic!("{other:?}"),
+    }
+    // The client's own bound is typed alike, and nothing is sent.
+    let mut tight = ClientConfig::default();
+    tight.max_message_bytes = 1024;
+    let small = StoreClient::connect(&s.local_addr().to_string(), tight)
+        .await
+        .unwrap()
+        .open("w", OpenOptions::default())
+        .await
+        .unwrap();
+    assert_eq!(
+        limit_of(small.set("k0", vec![1u8; 4096]).await.unwrap_err()),
+        Limit::MessageBytes
+    );
+    // And the world is still fine, "k0" untouched.
     assert_eq!(w.num_keys().await.unwrap(), 4);
+    assert_eq!(&w.get("k0", Duration::from_secs(1)).await.unwrap()[..], b"v");
 }
 
 async fn send_raw(addr: SocketAddr, bytes: &[u8]) {
