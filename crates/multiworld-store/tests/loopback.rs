@@ -470,8 +470,10 @@ async fn oversized_keys_values_and_requests_are_refused() {
         other => panic!("{other:?}"),
     }
     // The client's own bound is typed alike, and nothing is sent.
-    let mut tight = ClientConfig::default();
-    tight.max_message_bytes = 1024;
+    let tight = ClientConfig {
+        max_message_bytes: 1024,
+        ..ClientConfig::default()
+    };
     let small = StoreClient::connect(&s.local_addr().to_string(), tight)
         .await
         .unwrap()
