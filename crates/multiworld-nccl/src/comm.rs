@@ -454,7 +454,7 @@ impl NcclComm {
         config.validate()?;
         let size = to_int("size", config.size)?;
         let rank = to_int("rank", config.rank)?;
-        let dev = WorldDevice::open(rt, config.device)?;
+        let dev = WorldDevice::open(rt.cuda_driver(), config.device)?;
         let scratch = DeviceBuffer::alloc(&dev, DType::I32, 1)?;
         dev.bind()?;
         let start = Instant::now();
@@ -714,7 +714,7 @@ impl NcclComm {
             size: size - sorted.len(),
             ..sh.config.clone()
         };
-        let dev = WorldDevice::open(&sh.rt, sh.config.device)?;
+        let dev = WorldDevice::open(sh.rt.cuda_driver(), sh.config.device)?;
         let scratch = DeviceBuffer::alloc(&dev, DType::I32, 1)?;
         let mut list: Vec<c_int> = sorted
             .iter()

@@ -2,7 +2,8 @@
 //! — its own stream, memory pool and pinned staging — for worlds whose
 //! device tensors travel over another transport (the TCP backend, staged
 //! through pinned host memory), for example two processes that share one GPU
-//! and so cannot form an NCCL world.
+//! and so cannot form an NCCL world. It needs only the CUDA driver
+//! ([`CudaDriver`]); NCCL need not be installed.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -11,7 +12,7 @@ use crate::buffer::DeviceBuffer;
 use crate::cuda::WorldDevice;
 use crate::dtype::DType;
 use crate::error::NcclError;
-use crate::runtime::NcclRuntime;
+use crate::runtime::CudaDriver;
 
 /// Device memory and copies for one world on one GPU, with no NCCL
 /// communicator. `Send + Sync`; buffers it allocates keep it alive.
@@ -22,11 +23,13 @@ pub struct DeviceContext {
 
 impl DeviceContext {
     /// Retains device `device`'s primary context and creates the world's own
-    /// stream and memory pool. Fails with [`NcclError::NoDevice`] when the
-    /// device does not exist.
-    pub fn open(rt: &NcclRuntime, device: usize) -> Result<DeviceContext, NcclError> {
+    /// stream and memory pool. Takes a [`CudaDriver`] (no NCCL needed:
+    /// [`CudaDriver::load`]) or an [`NcclRuntime`](crate::NcclRuntime)
+    /// (its driver). Fails with [`NcclError::NoDevice`] when the device does
+    /// not exist.
+    pub fn open(driver: &impl AsRef<CudaDriver>, device: usize) -> Result<DeviceContext, NcclError> {
         Ok(DeviceContext {
-            dev: WorldDevice::open(rt, device)?,
+            dev: WorldDevice::open(driver.as_ref(), device)?,
         })
     }
 

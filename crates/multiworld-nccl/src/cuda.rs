@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 use crate::error::NcclError;
 use crate::ffi::{self, CuDevice, CuDevicePtr, CuMemPoolProps, SendPtr};
 use crate::poll::poll_until;
-use crate::runtime::NcclRuntime;
+use crate::runtime::CudaDriver;
 
 /// Source of world-device ids, used to check that a buffer belongs to the
 /// communicator it is passed to.
@@ -44,7 +44,7 @@ struct Pinned(SendPtr);
 
 /// A world's context reference, stream and memory pool.
 pub(crate) struct WorldDevice {
-    rt: NcclRuntime,
+    rt: CudaDriver,
     id: u64,
     ordinal: usize,
     device: CuDevice,
@@ -72,7 +72,7 @@ impl std::fmt::Debug for WorldDevice {
 impl WorldDevice {
     /// Retains the primary context of device `ordinal` and creates the
     /// world's stream and memory pool.
-    pub(crate) fn open(rt: &NcclRuntime, ordinal: usize) -> Result<Arc<WorldDevice>, NcclError> {
+    pub(crate) fn open(rt: &CudaDriver, ordinal: usize) -> Result<Arc<WorldDevice>, NcclError> {
         let count = rt.device_count()?;
         if count == 0 {
             return Err(NcclError::NoDevice {
@@ -147,7 +147,7 @@ impl WorldDevice {
         self.ordinal
     }
 
-    pub(crate) fn runtime(&self) -> &NcclRuntime {
+    pub(crate) fn runtime(&self) -> &CudaDriver {
         &self.rt
     }
 

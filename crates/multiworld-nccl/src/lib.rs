@@ -5,7 +5,8 @@
 //! Module map:
 //! - `runtime` — [`NcclRuntime`]: finds and `dlopen`s `libnccl.so.2` and
 //!   `libcuda.so.1`, reads the NCCL version, gates optional calls, counts
-//!   devices, makes [`UniqueId`]s.
+//!   devices, makes [`UniqueId`]s; [`CudaDriver`]: the CUDA driver alone,
+//!   for device memory and host copies without NCCL.
 //! - `search` — [`LibrarySearch`]: the ordered list of places to look (the
 //!   `NCCL_LIBRARY` variable, the loader path, pip-wheel and conda
 //!   locations), computed without running Python.
@@ -19,7 +20,8 @@
 //! - `buffer` — [`DeviceBuffer`]: device memory owned by one world, with
 //!   deadline-bounded host copies (staged through pinned memory).
 //! - `context` — [`DeviceContext`]: a world's stream, memory pool and pinned
-//!   staging without an NCCL communicator (device tensors over TCP).
+//!   staging without an NCCL communicator (device tensors over TCP); needs
+//!   only a [`CudaDriver`].
 //! - `cuda` — a world's context reference, own stream, memory pool, pinned
 //!   staging buffers and events (crate-private).
 //! - `config` — [`CommConfig`]: rank, size, device and deadlines, validated.
@@ -74,7 +76,7 @@ pub use context::DeviceContext;
 pub use dtype::{DType, NcclDataType, NcclRedOp, ReduceOp, nccl_reduction, wire_type};
 pub use error::{LibraryKind, NcclError};
 pub use handle::OpHandle;
-pub use runtime::NcclRuntime;
+pub use runtime::{CudaDriver, NcclRuntime};
 pub use search::{Candidate, LibrarySearch};
 pub use unique_id::UniqueId;
 pub use version::NcclVersion;

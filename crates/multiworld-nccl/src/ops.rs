@@ -138,13 +138,49 @@ impl NcclComm {
         self.check_owned("buf", buf)?;
         let root = self.check_rank("root", root)?;
         let (t, n) = wire_type(buf.dtype(), buf.len(), self.version())?;
-        let p = buf.ptr();
+        self.enqueue_broadcast(buf.ptr(), buf.ptr(), t, n, root)
+    }
+
+    /// Out-of-place broadcast (`ncclBroadcast`): every rank's `recv` (the
+    /// root's included) gets the root's `send`. `send` is required on
+    /// `root`, with `recv`'s dtype and length, and ignored elsewhere.
+    pub fn broadcast_into(
+        &self,
+        send: Option<&DeviceBuffer>,
+        recv: &mut DeviceBuffer,
+        root: usize,
+    ) -> Result<OpHandle, NcclError> {
+        self.check_owned("recv", recv)?;
+        let root_int = self.check_rank("root", root)?;
+        let s = if self.rank() == root {
+            let Some(send) = send else {
+                return Err(NcclError::invalid("broadcast: the root must pass a send buffer"));
+            };
+            self.check_pair("broadcast", send, recv, send.len())?;
+            send.ptr()
+        } else {
+            // NCCL reads the send buffer on the root only.
+            recv.ptr()
+        };
+        let (t, n) = wire_type(recv.dtype(), recv.len(), self.version())?;
+        self.enqueue_broadcast(s, recv.ptr(), t, n, root_int)
+    }
+
+    fn enqueue_broadcast(
+        &self,
+        s: CuDevicePtr,
+        r: CuDevicePtr,
+        t: NcclDataType,
+        n: usize,
+        root: c_int,
+    ) -> Result<OpHandle, NcclError> {
         self.issue("broadcast", "ncclBroadcast", move |rt, comm, stream| {
             if n == 0 {
                 return Ok(());
             }
-            // SAFETY: as in all_reduce; `n` is the wire count of the buffer.
-            let rc = unsafe { (rt.nccl().broadcast)(cptr(p), mptr(p), n, t.code(), root, comm, stream) };
+            // SAFETY: as in all_reduce; `n` is the wire count of both
+            // buffers (checked by the callers).
+            let rc = unsafe { (rt.nccl().broadcast)(cptr(s), mptr(r), n, t.code(), root, comm, stream) };
             rt.nccl_check("ncclBroadcast", rc, Some(comm))
         })
     }

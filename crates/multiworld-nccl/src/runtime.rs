@@ -1,9 +1,11 @@
 //! [`NcclRuntime`]: NCCL and the CUDA driver, found and loaded at run time
-//! with `dlopen`. Loading never panics: a missing library, a missing symbol
-//! or too old a version is an [`NcclError`] that lists what was tried. The
-//! runtime is a cheap-to-clone `Arc` handle shared by every world's
-//! communicator; it holds only function pointers and immutable facts, so
-//! sharing it couples no world to another.
+//! with `dlopen`; [`CudaDriver`]: the CUDA driver alone, which is all that
+//! device memory and host copies ([`DeviceContext`](crate::DeviceContext))
+//! need. Loading never panics: a missing library, a missing symbol or too
+//! old a version is an [`NcclError`] that lists what was tried. Both are
+//! cheap-to-clone `Arc` handles shared by every world; they hold only
+//! function pointers and immutable facts, so sharing them couples no world
+//! to another.
 //!
 //! The libraries are never unloaded: NCCL keeps background threads (proxy
 //! threads, and the abort thread of a quarantined communicator) that may
@@ -32,13 +34,9 @@ pub struct NcclRuntime {
 
 struct RuntimeInner {
     nccl: NcclApi,
-    cuda: CudaApi,
     version: NcclVersion,
     nccl_library: String,
-    cuda_library: String,
-    /// `cuInit(0)`'s result, computed once (cuInit is idempotent but not
-    /// free).
-    cu_init: OnceLock<CuResult>,
+    driver: CudaDriver,
 }
 
 impl std::fmt::Debug for NcclRuntime {
@@ -46,8 +44,145 @@ impl std::fmt::Debug for NcclRuntime {
         f.debug_struct("NcclRuntime")
             .field("version", &self.inner.version)
             .field("nccl_library", &self.inner.nccl_library)
-            .field("cuda_library", &self.inner.cuda_library)
+            .field("cuda_library", &self.inner.driver.library())
             .finish()
+    }
+}
+
+/// The CUDA driver alone, loaded: enough for device memory, streams and
+/// host copies ([`DeviceContext`](crate::DeviceContext)); NCCL is not
+/// needed. Clone freely (`Arc` inside); `Send + Sync`. An [`NcclRuntime`]
+/// holds one ([`NcclRuntime::cuda_driver`]).
+#[derive(Clone)]
+pub struct CudaDriver {
+    inner: Arc<DriverInner>,
+}
+
+struct DriverInner {
+    cuda: CudaApi,
+    library: String,
+    /// `cuInit(0)`'s result, computed once (cuInit is idempotent but not
+    /// free).
+    cu_init: OnceLock<CuResult>,
+}
+
+impl std::fmt::Debug for CudaDriver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaDriver")
+            .field("library", &self.inner.library)
+            .finish()
+    }
+}
+
+impl AsRef<CudaDriver> for CudaDriver {
+    fn as_ref(&self) -> &CudaDriver {
+        self
+    }
+}
+
+impl AsRef<CudaDriver> for NcclRuntime {
+    fn as_ref(&self) -> &CudaDriver {
+        self.cuda_driver()
+    }
+}
+
+impl CudaDriver {
+    /// Finds and loads the CUDA driver only (`CUDA_DRIVER_LIBRARY` first;
+    /// see the `search` module docs); NCCL is neither needed nor looked
+    /// for.
+    pub fn load() -> Result<CudaDriver, NcclError> {
+        CudaDriver::load_with(&LibrarySearch::from_env())
+    }
+
+    /// Loads the CUDA driver with an explicit search (its NCCL fields are
+    /// not used).
+    pub fn load_with(search: &LibrarySearch) -> Result<CudaDriver, NcclError> {
+        let (lib, library) = open_first(LibraryKind::CudaDriver, &search.cuda_driver_candidates())?;
+        let cuda = CudaApi::load(&lib, &library)?;
+        // Never unloaded: see the module docs.
+        std::mem::forget(lib);
+        tracing::debug!(path = %library, "CUDA driver loaded");
+        Ok(CudaDriver {
+            inner: Arc::new(DriverInner {
+                cuda,
+                library,
+                cu_init: OnceLock::new(),
+            }),
+        })
+    }
+
+    /// Where the CUDA driver was loaded from.
+    pub fn library(&self) -> &str {
+        &self.inner.library
+    }
+
+    /// The CUDA driver's version as `(major, minor)` (`cuDriverGetVersion`;
+    /// works without a GPU).
+    pub fn version(&self) -> Result<(u32, u32), NcclError> {
+        let mut v: c_int = 0;
+        // SAFETY: writes one int.
+        let rc = unsafe { (self.inner.cuda.driver_get_version)(&mut v) };
+        self.cuda_check("cuDriverGetVersion", rc)?;
+        let v = u32::try_from(v).unwrap_or(0);
+        Ok((v / 1000, (v % 1000) / 10))
+    }
+
+    /// Number of visible CUDA devices. `Ok(0)` when the driver reports no
+    /// device; an error when the driver cannot initialise (e.g. a stub
+    /// library, or a driver older than the kernel module).
+    pub fn device_count(&self) -> Result<usize, NcclError> {
+        let rc = self.cu_init();
+        if rc == ffi::CUDA_ERROR_NO_DEVICE {
+            return Ok(0);
+        }
+        self.cuda_check("cuInit", rc)?;
+        let mut n: c_int = 0;
+        // SAFETY: writes one int; cuInit succeeded.
+        let rc = unsafe { (self.inner.cuda.device_get_count)(&mut n) };
+        self.cuda_check("cuDeviceGetCount", rc)?;
+        Ok(usize::try_from(n).unwrap_or(0))
+    }
+
+    pub(crate) fn cuda(&self) -> &CudaApi {
+        &self.inner.cuda
+    }
+
+    fn cu_init(&self) -> CuResult {
+        *self.inner.cu_init.get_or_init(|| {
+            // SAFETY: cuInit(0) is thread-safe and idempotent.
+            unsafe { (self.inner.cuda.init)(0) }
+        })
+    }
+
+    /// Maps a `CUresult` to `Ok` or [`NcclError::Cuda`] with the driver's
+    /// name and description of the code.
+    pub(crate) fn cuda_check(&self, call: &'static str, rc: CuResult) -> Result<(), NcclError> {
+        if rc == ffi::CUDA_SUCCESS {
+            return Ok(());
+        }
+        Err(NcclError::Cuda {
+            call,
+            code: rc,
+            message: self.cuda_message(rc),
+        })
+    }
+
+    fn cuda_message(&self, rc: CuResult) -> String {
+        let mut name = std::ptr::null();
+        let mut text = std::ptr::null();
+        // SAFETY: both calls write a pointer to a static string (or leave it
+        // null for unknown codes); `c_string` copies it at once.
+        let (name, text) = unsafe {
+            let _ = (self.inner.cuda.get_error_name)(rc, &mut name);
+            let _ = (self.inner.cuda.get_error_string)(rc, &mut text);
+            (ffi::c_string(name), ffi::c_string(text))
+        };
+        match (name, text) {
+            (Some(n), Some(t)) => format!("{n}: {t}"),
+            (Some(n), None) => n,
+            (None, Some(t)) => t,
+            (None, None) => "unknown CUDA error".to_owned(),
+        }
     }
 }
 
@@ -114,23 +249,24 @@ impl NcclRuntime {
         let nccl = NcclApi::load(&nccl_lib, &nccl_library)?;
         tracing::debug!(%version, path = %nccl_library, "NCCL found; loading the CUDA driver");
 
-        let (cuda_lib, cuda_library) = open_first(LibraryKind::CudaDriver, &search.cuda_driver_candidates())?;
-        let cuda = CudaApi::load(&cuda_lib, &cuda_library)?;
+        let driver = CudaDriver::load_with(search)?;
 
         // Never unloaded: see the module docs.
         std::mem::forget(nccl_lib);
-        std::mem::forget(cuda_lib);
-        tracing::info!(%version, nccl = %nccl_library, cuda = %cuda_library, "NCCL runtime loaded");
+        tracing::info!(%version, nccl = %nccl_library, cuda = %driver.library(), "NCCL runtime loaded");
         Ok(NcclRuntime {
             inner: Arc::new(RuntimeInner {
                 nccl,
-                cuda,
                 version,
                 nccl_library,
-                cuda_library,
-                cu_init: OnceLock::new(),
+                driver,
             }),
         })
+    }
+
+    /// The CUDA driver this runtime uses.
+    pub fn cuda_driver(&self) -> &CudaDriver {
+        &self.inner.driver
     }
 
     /// The NCCL version of the loaded library (`ncclGetVersion`).
@@ -146,7 +282,7 @@ impl NcclRuntime {
 
     /// Where the CUDA driver was loaded from.
     pub fn cuda_driver_library(&self) -> &str {
-        &self.inner.cuda_library
+        self.inner.driver.library()
     }
 
     /// Whether `ncclCommShrink` may be used: runtime NCCL ≥ 2.27 and the
@@ -164,28 +300,12 @@ impl NcclRuntime {
     /// The CUDA driver's version as `(major, minor)` (`cuDriverGetVersion`;
     /// works without a GPU).
     pub fn cuda_driver_version(&self) -> Result<(u32, u32), NcclError> {
-        let mut v: c_int = 0;
-        // SAFETY: writes one int.
-        let rc = unsafe { (self.inner.cuda.driver_get_version)(&mut v) };
-        self.cuda_check("cuDriverGetVersion", rc)?;
-        let v = u32::try_from(v).unwrap_or(0);
-        Ok((v / 1000, (v % 1000) / 10))
+        self.inner.driver.version()
     }
 
-    /// Number of visible CUDA devices. `Ok(0)` when the driver reports no
-    /// device; an error when the driver cannot initialise (e.g. a stub
-    /// library, or a driver older than the kernel module).
+    /// Number of visible CUDA devices (see [`CudaDriver::device_count`]).
     pub fn device_count(&self) -> Result<usize, NcclError> {
-        let rc = self.cu_init();
-        if rc == ffi::CUDA_ERROR_NO_DEVICE {
-            return Ok(0);
-        }
-        self.cuda_check("cuInit", rc)?;
-        let mut n: c_int = 0;
-        // SAFETY: writes one int; cuInit succeeded.
-        let rc = unsafe { (self.inner.cuda.device_get_count)(&mut n) };
-        self.cuda_check("cuDeviceGetCount", rc)?;
-        Ok(usize::try_from(n).unwrap_or(0))
+        self.inner.driver.device_count()
     }
 
     /// A fresh NCCL unique id (`ncclGetUniqueId`), to be created on one rank
@@ -202,48 +322,6 @@ impl NcclRuntime {
 
     pub(crate) fn nccl(&self) -> &NcclApi {
         &self.inner.nccl
-    }
-
-    pub(crate) fn cuda(&self) -> &CudaApi {
-        &self.inner.cuda
-    }
-
-    fn cu_init(&self) -> CuResult {
-        *self.inner.cu_init.get_or_init(|| {
-            // SAFETY: cuInit(0) is thread-safe and idempotent.
-            unsafe { (self.inner.cuda.init)(0) }
-        })
-    }
-
-    /// Maps a `CUresult` to `Ok` or [`NcclError::Cuda`] with the driver's
-    /// name and description of the code.
-    pub(crate) fn cuda_check(&self, call: &'static str, rc: CuResult) -> Result<(), NcclError> {
-        if rc == ffi::CUDA_SUCCESS {
-            return Ok(());
-        }
-        Err(NcclError::Cuda {
-            call,
-            code: rc,
-            message: self.cuda_message(rc),
-        })
-    }
-
-    fn cuda_message(&self, rc: CuResult) -> String {
-        let mut name = std::ptr::null();
-        let mut text = std::ptr::null();
-        // SAFETY: both calls write a pointer to a static string (or leave it
-        // null for unknown codes); `c_string` copies it at once.
-        let (name, text) = unsafe {
-            let _ = (self.inner.cuda.get_error_name)(rc, &mut name);
-            let _ = (self.inner.cuda.get_error_string)(rc, &mut text);
-            (ffi::c_string(name), ffi::c_string(text))
-        };
-        match (name, text) {
-            (Some(n), Some(t)) => format!("{n}: {t}"),
-            (Some(n), None) => n,
-            (None, Some(t)) => t,
-            (None, None) => "unknown CUDA error".to_owned(),
-        }
     }
 
     /// Maps an `ncclResult_t` to `Ok` (success *or* `ncclInProgress`, which a

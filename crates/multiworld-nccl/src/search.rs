@@ -402,6 +402,53 @@ mod tests {
         );
     }
 
+    /// A venv that is not activated (no `$VIRTUAL_ENV`), only its `python3`
+    /// on `PATH`, a symlink to a Python 3.12 elsewhere (as `python -m venv`
+    /// and `uv venv` make it): the wheel inside the venv is a candidate, and
+    /// comes before the base interpreter's.
+    #[cfg(unix)]
+    #[test]
+    fn the_wheel_of_a_venv_python3_12_on_path_is_a_candidate() {
+        let scratch = Scratch::new("venv312");
+        let base_bin = scratch.mkdir("base/bin");
+        fs::write(base_bin.join("python3.12"), b"").unwrap();
+        let base_site = scratch.mkdir("base/lib/python3.12/site-packages");
+        let venv_bin = scratch.mkdir("venv/bin");
+        std::os::unix::fs::symlink(base_bin.join("python3.12"), venv_bin.join("python3")).unwrap();
+        let venv_site = scratch.mkdir("venv/lib/python3.12/site-packages");
+        scratch.mkdir("venv/lib/python3.9/site-packages");
+        let wheel = venv_site.join("nvidia/nccl/lib/libnccl.so.2");
+        let s = LibrarySearch {
+            path: vec![scratch.0.join("elsewhere"), venv_bin.clone()],
+            ..LibrarySearch::default()
+        };
+        let found: Vec<Candidate> = s.nccl_candidates();
+        let at = |p: &Path| found.iter().position(|c| c.name == p);
+        let venv_at = at(&wheel).unwrap_or_else(|| panic!("{wheel:?} not in {found:?}"));
+        assert_eq!(found[venv_at].origin, "pip wheel of python3 on PATH");
+        let old = at(&scratch
+            .0
+            .join("venv/lib/python3.9/site-packages/nvidia/nccl/lib/libnccl.so.2"));
+        assert!(
+            old.is_some_and(|o| o > venv_at),
+            "python3.12 before python3.9: {found:?}"
+        );
+        let base = at(&base_site.join("nvidia/nccl/lib/libnccl.so.2"));
+        assert!(
+            base.is_some_and(|b| b > venv_at),
+            "the venv before its base: {found:?}"
+        );
+
+        // The same venv activated: $VIRTUAL_ENV finds it first.
+        let s = LibrarySearch {
+            virtual_env: Some(scratch.0.join("venv")),
+            ..LibrarySearch::default()
+        };
+        let found = s.nccl_candidates();
+        assert_eq!(found[2].name, wheel, "{found:?}");
+        assert_eq!(found[2].origin, "pip wheel under $VIRTUAL_ENV");
+    }
+
     #[test]
     fn driver_candidates_skip_stubs_and_dedup() {
         let s = LibrarySearch {

@@ -16,15 +16,17 @@
 // calls the fake's control functions.
 #![allow(clippy::unwrap_used, clippy::expect_used, unsafe_code)]
 
+mod device_checks;
 mod fake;
 
 use fake::{fake, fake_with};
 
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use multiworld_nccl::{
-    AbortOutcome, CloseOutcome, CommConfig, CommState, DType, DeviceContext, NcclComm, NcclError,
-    NcclVersion, ReduceOp, ShrinkMode,
+    AbortOutcome, CloseOutcome, CommConfig, CommState, CudaDriver, DType, DeviceContext, LibraryKind,
+    LibrarySearch, NcclComm, NcclError, NcclRuntime, NcclVersion, ReduceOp, ShrinkMode,
 };
 
 const T: Duration = Duration::from_secs(10);
@@ -52,6 +54,41 @@ fn loads_through_dlopen_and_reads_the_version() {
     assert!(rt.nccl_library().ends_with("libnccl.so.2"));
     let id = rt.unique_id().unwrap();
     assert_eq!(multiworld_nccl::UniqueId::from_bytes(&id.to_bytes()).unwrap(), id);
+}
+
+/// NCCL installed as the pip wheel in a venv that is not activated, found
+/// through the venv's `python3` on `PATH` (a Python 3.12 layout):
+/// `<venv>/lib/python3.12/site-packages/nvidia/nccl/lib/libnccl.so.2`.
+#[test]
+fn nccl_is_loaded_from_the_pip_wheel_of_a_venv_python_on_path() {
+    let (_g, _f) = fake();
+    // SAFETY: probing for a system NCCL, which would be found first by name.
+    if unsafe { libloading::Library::new("libnccl.so.2") }.is_ok() {
+        println!("skipped: a system libnccl.so.2 is found before any wheel here");
+        return;
+    }
+    let (nccl, cuda) = fake::fake_libs();
+    let root = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("venv-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let wheel = root.join("venv/lib/python3.12/site-packages/nvidia/nccl/lib");
+    std::fs::create_dir_all(&wheel).unwrap();
+    std::fs::copy(nccl, wheel.join("libnccl.so.2")).unwrap();
+    let bin = root.join("venv/bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    std::fs::write(bin.join("python3"), b"").unwrap();
+    let search = LibrarySearch {
+        path: vec![root.join("no-python-here"), bin],
+        cuda_driver_library: Some(cuda.clone()),
+        ..LibrarySearch::default()
+    };
+    let rt = NcclRuntime::load_with(&search).unwrap();
+    assert_eq!(
+        rt.nccl_library(),
+        wheel.join("libnccl.so.2").display().to_string()
+    );
+    assert_eq!(rt.version(), NcclVersion::new(2, 27, 3));
+    // The library stays mapped (never unloaded); its file can go.
+    let _ = std::fs::remove_dir_all(&root);
 }
 
 #[test]
@@ -145,6 +182,97 @@ fn operations_run_and_teardown_releases_everything() {
         before,
         "comms, allocations, streams, events, ctx refs, pools"
     );
+}
+
+/// The result checks of `tests/gpu.rs` (`tests/device_checks`), against
+/// the fake: they pass with operations that move data, and fail against a
+/// broken NCCL whose operations complete without writing anything (which
+/// an in-place "result == input" check on a world of one cannot see).
+#[test]
+fn the_gpu_result_checks_pass_here_and_catch_an_nccl_that_writes_nothing() {
+    let (_g, f) = fake();
+    let before = f.live();
+    let rt = f.runtime().unwrap();
+    let comm = NcclComm::init(&rt, &cfg(0, 1), &rt.unique_id().unwrap()).unwrap();
+    device_checks::every_result_is_written(&comm);
+
+    f.noop(true);
+    let x = f32_bytes(&device_checks::ramp(100, 0.5));
+    let mut b = comm.upload(DType::F32, &x).unwrap();
+    comm.all_reduce_in_place(&mut b, ReduceOp::Sum)
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!(b.to_host_vec(T).unwrap(), x, "the weak check is fooled");
+    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        device_checks::every_result_is_written(&comm)
+    }));
+    f.noop(false);
+    let message = caught.expect_err("the checks passed against an NCCL that writes nothing");
+    let message = message
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| message.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_default();
+    assert!(message.contains("wrong result"), "{message}");
+    drop(b);
+    assert!(matches!(comm.close(T), CloseOutcome::Destroyed { .. }));
+    drop(rt);
+    assert_eq!(f.live(), before);
+}
+
+/// An enqueue that NCCL answers with `ncclInProgress` is polled (holding the
+/// issue lock) until the communicator is ready, and at most `op_timeout`:
+/// then the operation fails with a timeout and the communicator is failed.
+/// A call that blocks inside NCCL makes the issue take as long.
+#[test]
+fn an_enqueue_in_progress_is_polled_until_ready_or_its_deadline() {
+    let (_g, f) = fake();
+    let before = f.live();
+    let rt = f.runtime().unwrap();
+    let op_timeout = Duration::from_millis(400);
+    let comm = NcclComm::init(
+        &rt,
+        &cfg(0, 1).with_op_timeout(op_timeout),
+        &rt.unique_id().unwrap(),
+    )
+    .unwrap();
+    let x = f32_bytes(&device_checks::ramp(256, 0.25));
+    let send = comm.upload(DType::F32, &x).unwrap();
+
+    // In progress for 50 polls, then done.
+    f.stall_last(50, 0);
+    let got = device_checks::into_poisoned(&comm, DType::F32, 256, |o| {
+        comm.all_reduce(&send, o, ReduceOp::Sum)
+    });
+    assert_eq!(got, x);
+    // The NCCL call itself takes 150 ms.
+    f.stall_last(0, 150);
+    let started = Instant::now();
+    let h = comm.all_reduce(&send, &mut comm.alloc(DType::F32, 256).unwrap(), ReduceOp::Sum);
+    let took = started.elapsed();
+    h.unwrap().wait().unwrap();
+    assert!(took >= Duration::from_millis(150), "{took:?}");
+    assert_eq!(comm.state(), CommState::Live);
+
+    // Never ready: the issue gives up at op_timeout.
+    f.stall_last(i32::MAX, 0);
+    let mut out = comm.alloc(DType::F32, 256).unwrap();
+    let started = Instant::now();
+    let e = comm.all_reduce(&send, &mut out, ReduceOp::Sum).unwrap_err();
+    let took = started.elapsed();
+    assert!(
+        matches!(e, NcclError::Timeout { op: "ncclAllReduce", after } if after == op_timeout),
+        "{e:?}"
+    );
+    assert!(took >= op_timeout && took < op_timeout * 5, "{took:?}");
+    assert!(e.is_world_fatal());
+    assert_eq!(comm.state(), CommState::Failed);
+    assert!(matches!(comm.poll_error(), Some(NcclError::Timeout { .. })));
+    f.stall_last(0, 0);
+    assert!(matches!(comm.abort(T), AbortOutcome::Aborted { .. }));
+    drop((send, out, comm, rt));
+    assert_eq!(f.live(), before);
 }
 
 #[test]
@@ -452,6 +580,43 @@ fn without_pinned_memory_copies_stage_through_ordinary_memory() {
     assert_eq!(f.live()[6], before[6], "no pinned memory was taken");
     drop((buf, ctx, rt));
     assert_eq!(f.live(), before);
+}
+
+/// Device memory and host copies need only the CUDA driver: with NCCL
+/// missing (`NCCL_LIBRARY` pointing nowhere) the NCCL runtime cannot load,
+/// but a `CudaDriver` does, and a `DeviceContext` on it works.
+#[test]
+fn a_device_context_needs_only_the_cuda_driver() {
+    let (_g, f) = fake();
+    let before = f.live();
+    let (_, cuda) = fake::fake_libs();
+    let search = LibrarySearch {
+        nccl_library: Some(PathBuf::from("/nonexistent/libnccl.so.2")),
+        cuda_driver_library: Some(cuda.clone()),
+        ..LibrarySearch::default()
+    };
+    assert!(matches!(
+        NcclRuntime::load_with(&search),
+        Err(NcclError::LibraryNotFound {
+            library: LibraryKind::Nccl,
+            ..
+        })
+    ));
+    let driver = CudaDriver::load_with(&search).unwrap();
+    assert_eq!(driver.library(), cuda.display().to_string());
+    assert_eq!(driver.version().unwrap(), (12, 4));
+    assert_eq!(driver.device_count().unwrap(), 1);
+    let ctx = DeviceContext::open(&driver, 0).unwrap();
+    let data = big_pattern();
+    let buf = ctx.upload(DType::U8, &data, T).unwrap();
+    let mut back = vec![device_checks::POISON; data.len()];
+    buf.copy_to_host(&mut back, T).unwrap();
+    assert!(back == data, "round trip differs");
+    ctx.synchronize(T).unwrap();
+    let e = DeviceContext::open(&driver, 1).unwrap_err();
+    assert!(matches!(e, NcclError::NoDevice { .. }), "{e:?}");
+    drop((buf, ctx, driver));
+    assert_eq!(f.live(), before, "the context and its memory are released");
 }
 
 #[test]

@@ -225,9 +225,17 @@ fn device_call_error(world: &str, err: NcclError) -> WorldError {
     }
 }
 
-/// Runs a blocking device call (a deadline-bounded host copy) without
-/// stalling the other tasks of a multi-threaded Tokio runtime it is called
-/// from (`block_in_place`); elsewhere it simply runs it.
+/// Runs a device call that may block (a deadline-bounded host copy, or an
+/// operation's enqueue, which waits for NCCL's `ncclInProgress` to clear for
+/// up to the operation deadline) without stalling the other tasks of the
+/// multi-threaded Tokio runtime it is called from: `block_in_place` hands
+/// this worker's queue to another thread for the duration. The calls borrow
+/// the caller's buffers, so `spawn_blocking` (which needs `'static` data)
+/// cannot run them, and a caller that gave up waiting could free a buffer
+/// that NCCL is about to use. `block_in_place` panics on a current-thread
+/// runtime, so there (and outside any runtime) the call simply runs on the
+/// calling thread: a current-thread runtime has no other thread to hand its
+/// tasks to.
 fn blocking<R>(f: impl FnOnce() -> R) -> R {
     match tokio::runtime::Handle::try_current() {
         Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
@@ -335,10 +343,17 @@ impl World {
 }
 
 /// The device operations of an NCCL world. Cheap to clone. Every operation
-/// is enqueued on the world's own stream and returns at once with a
-/// [`DeviceOp`]; buffers must come from this world ([`NcclWorld::alloc`],
-/// [`NcclWorld::upload`]). Once the world is broken every call fails with
-/// `WorldError::Broken`.
+/// is enqueued on the world's own stream and returns with a [`DeviceOp`] once
+/// NCCL has accepted it; buffers must come from this world
+/// ([`NcclWorld::alloc`], [`NcclWorld::upload`]). Once the world is broken
+/// every call fails with `WorldError::Broken`.
+///
+/// The enqueue itself can take a while (NCCL may answer `ncclInProgress`,
+/// and the world then polls until it clears, at most the device operation
+/// deadline, after which the world breaks). On a multi-threaded Tokio
+/// runtime it runs under `block_in_place`, as do uploads and downloads, so
+/// other tasks — and other worlds — keep running; on a current-thread
+/// runtime it blocks that runtime for as long as it takes.
 #[derive(Clone)]
 pub struct NcclWorld {
     world: World,
@@ -415,7 +430,10 @@ impl NcclWorld {
     ) -> Result<DeviceOp, WorldError> {
         let w = &self.world.shared;
         w.check()?;
-        let handle = Arc::new(f(&self.dev.comm).map_err(|e| w.fail_device(e))?);
+        // May wait in `NcclComm::issue` (its lock, and polling NCCL until the
+        // enqueue completes): off the async worker (see `blocking`).
+        let comm = &self.dev.comm;
+        let handle = Arc::new(blocking(|| f(comm)).map_err(|e| w.fail_device(e))?);
         self.dev
             .pending
             .lock()
@@ -432,14 +450,50 @@ impl NcclWorld {
         self.issue(|c| c.all_reduce_in_place(buf, op))
     }
 
+    /// All-reduce out of place: `recv` gets the reduction of every rank's
+    /// `send` (same dtype and length); `send` is left as it was.
+    pub fn all_reduce_into(
+        &self,
+        send: &DeviceBuffer,
+        recv: &mut DeviceBuffer,
+        op: ReduceOp,
+    ) -> Result<DeviceOp, WorldError> {
+        self.issue(|c| c.all_reduce(send, recv, op))
+    }
+
     /// Broadcast from `root`, in place.
     pub fn broadcast(&self, buf: &mut DeviceBuffer, root: Rank) -> Result<DeviceOp, WorldError> {
         self.issue(|c| c.broadcast(buf, root.0 as usize))
     }
 
+    /// Broadcast from `root` out of place: every rank's `recv` (the root's
+    /// included) gets the root's `send`. `send` is required on the root
+    /// (same dtype and length as `recv`) and ignored elsewhere.
+    pub fn broadcast_into(
+        &self,
+        send: Option<&DeviceBuffer>,
+        recv: &mut DeviceBuffer,
+        root: Rank,
+    ) -> Result<DeviceOp, WorldError> {
+        self.issue(|c| c.broadcast_into(send, recv, root.0 as usize))
+    }
+
     /// Reduce to `root`, in place (only the root's buffer holds the result).
     pub fn reduce(&self, buf: &mut DeviceBuffer, op: ReduceOp, root: Rank) -> Result<DeviceOp, WorldError> {
         self.issue(|c| c.reduce_in_place(buf, op, root.0 as usize))
+    }
+
+    /// Reduce to `root` out of place: the root's `recv` gets the reduction
+    /// of every rank's `send` (same dtype and length); `recv` is left
+    /// untouched on the other ranks.
+    pub fn reduce_into(
+        &self,
+        send: &DeviceBuffer,
+        recv: &mut DeviceBuffer,
+        op: ReduceOp,
+        root: Rank,
+    ) -> Result<DeviceOp, WorldError> {
+        self.issue(|c| c.reduce(send, recv, op, root.0 as usize))
     }
 
     /// All-gather: `recv` holds every rank's `send`, in rank order.

@@ -1,11 +1,14 @@
 //! NCCL worlds driven by the world manager, against the fake CUDA driver and
 //! NCCL of `multiworld-nccl` (`crates/multiworld-nccl/tests/fake`; device
 //! memory is host memory, one device): device collectives on worlds of one,
-//! an asynchronous NCCL error, a device operation past its deadline and an
-//! abort that hangs, each breaking (or quarantining) only its own world
-//! while another NCCL world keeps working; rank 0 without NCCL failing every
-//! rank's join with its reason; and device tensors staged through pinned
-//! host memory over a TCP world between two members sharing one device.
+//! each written out of place into a poisoned buffer; an asynchronous NCCL
+//! error, a device operation past its deadline and an abort that hangs, each
+//! breaking (or quarantining) only its own world while another NCCL world
+//! keeps working; an enqueue stuck in `ncclInProgress` that stalls neither
+//! the runtime's other tasks nor another world; rank 0 without NCCL failing
+//! every rank's join with its reason; and device tensors staged through
+//! pinned host memory over a TCP world between two members sharing one
+//! device, also with only the CUDA driver (no NCCL).
 //!
 //! The fakes keep global state: every test holds the harness lock. Runs with
 //! the `nccl` feature (`cargo test --workspace --all-features`).
@@ -18,12 +21,15 @@
 #[path = "../../multiworld-nccl/tests/fake/mod.rs"]
 mod fake;
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use multiworld::nccl::{DType, DeviceBuffer, DeviceContext, ReduceOp};
 use multiworld::{
     Backend, BreakCause, Rank, Tag, WorldConfig, WorldError, WorldEvent, WorldManager, WorldState,
 };
+use multiworld::{DeviceOp, NcclWorld};
 use tokio::sync::broadcast;
 
 const T: Duration = Duration::from_secs(10);
@@ -64,18 +70,40 @@ async fn next_event_for(
     }
 }
 
-/// Runs an all-reduce on `world`'s device and checks the result (a world of
-/// one: the input itself).
+/// The byte every result buffer is filled with before an operation writes
+/// it: no input of these tests contains it, so an operation that writes
+/// nothing (or too little) cannot pass for the identity of a world of one.
+const POISON: u8 = 0xA5;
+
+/// Non-trivial f32 values: distinct, fractional, both signs, no poison.
+fn ramp(n: usize, k: f32) -> Vec<f32> {
+    (0..n).map(|i| (i % 251) as f32 * k - 31.75).collect()
+}
+
+/// Runs `op` into a fresh `len`-element f32 buffer full of [`POISON`] and
+/// returns what the buffer holds afterwards.
+async fn into_poisoned(
+    nccl: &NcclWorld,
+    len: usize,
+    op: impl FnOnce(&mut DeviceBuffer) -> Result<DeviceOp, WorldError>,
+) -> Vec<u8> {
+    let mut out = nccl.upload(DType::F32, &vec![POISON; len * 4]).unwrap();
+    assert!(nccl.download(&out).unwrap().iter().all(|b| *b == POISON));
+    op(&mut out).unwrap().wait().await.unwrap();
+    nccl.download(&out).unwrap()
+}
+
+/// An out-of-place all-reduce on `world`'s device into a poisoned buffer
+/// (a world of one: the result is the only rank's input).
 async fn all_reduce_works(world: &multiworld::World) {
     let nccl = world.nccl().unwrap();
-    let x: Vec<f32> = (0..1000).map(|i| i as f32 * 0.25).collect();
-    let mut buf = nccl.upload(DType::F32, &f32_bytes(&x)).unwrap();
-    nccl.all_reduce(&mut buf, ReduceOp::Sum)
-        .unwrap()
-        .wait()
-        .await
-        .unwrap();
-    assert_eq!(nccl.download(&buf).unwrap(), f32_bytes(&x));
+    let x = ramp(1000, 0.25);
+    let send = nccl.upload(DType::F32, &f32_bytes(&x)).unwrap();
+    let got = into_poisoned(&nccl, x.len(), |out| {
+        nccl.all_reduce_into(&send, out, ReduceOp::Sum)
+    })
+    .await;
+    assert_eq!(got, f32_bytes(&x));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -91,32 +119,59 @@ async fn nccl_worlds_run_device_operations_and_an_nccl_error_breaks_only_its_wor
 
     for w in [&a, &b] {
         all_reduce_works(w).await;
+        // Every operation writes a poisoned buffer (on a world of one each
+        // result is the input itself; cross-rank results need 2+ ranks).
         let nccl = w.nccl().unwrap();
-        let x: Vec<f32> = vec![1.5; 64];
-        let send = nccl.upload(DType::F32, &f32_bytes(&x)).unwrap();
-        let mut out = nccl.alloc(DType::F32, 64).unwrap();
+        let x = ramp(64, 1.5);
+        let want = f32_bytes(&x);
+        let send = nccl.upload(DType::F32, &want).unwrap();
         for op in [
-            nccl.all_gather(&send, &mut out).unwrap(),
-            nccl.reduce_scatter(&send, &mut out, ReduceOp::Max).unwrap(),
-            nccl.all_to_all(&send, &mut out).unwrap(),
-            nccl.gather(&send, Some(&mut out), Rank(0)).unwrap(),
-            nccl.scatter(Some(&send), &mut out, Rank(0)).unwrap(),
-            nccl.barrier().unwrap(),
+            ReduceOp::Sum,
+            ReduceOp::Product,
+            ReduceOp::Max,
+            ReduceOp::Min,
+            ReduceOp::Avg,
         ] {
-            op.wait().await.unwrap();
+            let got = into_poisoned(&nccl, 64, |o| nccl.all_reduce_into(&send, o, op)).await;
+            assert_eq!(got, want, "all_reduce_into {op}");
+            let got = into_poisoned(&nccl, 64, |o| nccl.reduce_into(&send, o, op, Rank(0))).await;
+            assert_eq!(got, want, "reduce_into {op}");
         }
-        assert_eq!(nccl.download(&out).unwrap(), f32_bytes(&x));
-        let mut s = nccl.upload(DType::F32, &f32_bytes(&x)).unwrap();
+        let got = into_poisoned(&nccl, 64, |o| nccl.broadcast_into(Some(&send), o, Rank(0))).await;
+        assert_eq!(got, want, "broadcast_into");
+        let got = into_poisoned(&nccl, 64, |o| nccl.all_gather(&send, o)).await;
+        assert_eq!(got, want, "all_gather");
+        let got = into_poisoned(&nccl, 64, |o| nccl.reduce_scatter(&send, o, ReduceOp::Max)).await;
+        assert_eq!(got, want, "reduce_scatter");
+        let got = into_poisoned(&nccl, 64, |o| nccl.all_to_all(&send, o)).await;
+        assert_eq!(got, want, "all_to_all");
+        let got = into_poisoned(&nccl, 64, |o| nccl.gather(&send, Some(o), Rank(0))).await;
+        assert_eq!(got, want, "gather");
+        let got = into_poisoned(&nccl, 64, |o| nccl.scatter(Some(&send), o, Rank(0))).await;
+        assert_eq!(got, want, "scatter");
+        assert_eq!(
+            nccl.download(&send).unwrap(),
+            want,
+            "inputs are left as they were"
+        );
+        nccl.barrier().unwrap().wait().await.unwrap();
+        // In place (a world of one leaves the data as it was).
+        let mut s = nccl.upload(DType::F32, &want).unwrap();
         nccl.broadcast(&mut s, Rank(0)).unwrap().wait().await.unwrap();
         nccl.reduce(&mut s, ReduceOp::Min, Rank(0))
             .unwrap()
             .wait()
             .await
             .unwrap();
-        assert_eq!(nccl.download(&s).unwrap(), f32_bytes(&x));
+        assert_eq!(nccl.download(&s).unwrap(), want);
+        let mut out = nccl.alloc(DType::F32, 64).unwrap();
         // A call error is the caller's, not the world's.
         let short = nccl.alloc(DType::F32, 3).unwrap();
         let e = nccl.all_gather(&short, &mut out).unwrap_err();
+        assert!(matches!(e, WorldError::InvalidArgument { .. }), "{e}");
+        let e = nccl.broadcast_into(None, &mut out, Rank(0)).unwrap_err();
+        assert!(e.to_string().contains("root must pass a send buffer"), "{e}");
+        let e = nccl.all_reduce_into(&short, &mut out, ReduceOp::Sum).unwrap_err();
         assert!(matches!(e, WorldError::InvalidArgument { .. }), "{e}");
         // Host tensors go to the device and back with dtype and shape.
         let t = multiworld::Tensor::from_vec((0..6i64).collect::<Vec<_>>(), [2, 3]).unwrap();
@@ -255,6 +310,105 @@ async fn an_abort_that_hangs_quarantines_only_that_world() {
     m.shutdown().await;
 }
 
+/// An enqueue that NCCL keeps "in progress" (the world polls it until the
+/// operation deadline, 1.5 s here) runs off the async worker: on a runtime
+/// with a single worker thread, another task keeps ticking and another NCCL
+/// world keeps completing device operations the whole time, and only the
+/// stuck world breaks. (Issued inline, the enqueue would hold the only
+/// worker for the full 1.5 s.)
+#[test]
+fn a_hanging_enqueue_does_not_stall_other_tasks_on_the_runtime() {
+    let (_g, f) = fake::fake();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let (m, store) = manager(&f).await;
+        let steady = m.join(nccl_cfg("steady", 0, 1, &store)).await.unwrap();
+        let deadline = Duration::from_millis(1500);
+        let mut cfg = nccl_cfg("wedged", 0, 1, &store);
+        cfg.op_timeout = Some(deadline);
+        let wedged = m.join(cfg).await.unwrap();
+        let mut events = m.events();
+        // Joined last, so the fake's "last communicator" is wedged's: each of
+        // its enqueues stays ncclInProgress forever.
+        f.stall_last(i32::MAX, 0);
+
+        let issuing = Arc::new(AtomicBool::new(false));
+        let issued = Arc::new(AtomicBool::new(false));
+        let ticker = tokio::spawn({
+            let (issuing, issued) = (Arc::clone(&issuing), Arc::clone(&issued));
+            async move {
+                while !issuing.load(Ordering::SeqCst) {
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+                let (mut ticks, mut reduces, mut max_gap) = (0u32, 0u32, Duration::ZERO);
+                let mut last = Instant::now();
+                while !issued.load(Ordering::SeqCst) {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    if ticks % 10 == 0 {
+                        all_reduce_works(&steady).await;
+                        reduces += 1;
+                    }
+                    let now = Instant::now();
+                    max_gap = max_gap.max(now - last);
+                    last = now;
+                    ticks += 1;
+                }
+                (ticks, reduces, max_gap, steady)
+            }
+        });
+        let issuer = tokio::spawn({
+            let (issuing, issued) = (Arc::clone(&issuing), Arc::clone(&issued));
+            async move {
+                let nccl = wedged.nccl().unwrap();
+                let mut buf = nccl.alloc(DType::F32, 16).unwrap();
+                // Let the ticker reach its loop first.
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                issuing.store(true, Ordering::SeqCst);
+                let started = Instant::now();
+                let result = nccl.all_reduce(&mut buf, ReduceOp::Sum).map(|_| ());
+                let took = started.elapsed();
+                issued.store(true, Ordering::SeqCst);
+                (result, took)
+            }
+        });
+        let (result, took) = issuer.await.unwrap();
+        let (ticks, reduces, max_gap, steady) = ticker.await.unwrap();
+        eprintln!(
+            "enqueue stuck in progress for {took:?}: meanwhile {ticks} ticks, {reduces} all-reduces on \
+             another world, longest gap {max_gap:?}"
+        );
+        // The enqueue really was stuck until its deadline...
+        let e = result.unwrap_err();
+        assert!(e.is_world_broken(), "{e}");
+        assert!(took >= deadline && took < deadline * 4, "{took:?}");
+        // ...and the runtime's only worker kept running everything else.
+        assert!(ticks >= 20, "only {ticks} ticks while the enqueue was stuck");
+        assert!(reduces >= 2, "only {reduces} all-reduces on the other world");
+        assert!(
+            max_gap < Duration::from_millis(750),
+            "a tick was late by {max_gap:?}"
+        );
+        match next_event_for(&mut events, "wedged", T).await {
+            WorldEvent::Broken {
+                cause: BreakCause::Device { reason },
+                ..
+            } => assert!(reason.contains("ncclAllReduce"), "{reason}"),
+            other => panic!("expected wedged broken by its device: {other:?}"),
+        }
+        assert!(matches!(
+            next_event_for(&mut events, "wedged", T).await,
+            WorldEvent::Removed { .. }
+        ));
+        assert_eq!(steady.state(), WorldState::Ready);
+        all_reduce_works(&steady).await;
+        m.shutdown().await;
+    });
+}
+
 #[test]
 fn rank_0_without_nccl_fails_every_ranks_join_with_its_reason() {
     // A child process, so NCCL_LIBRARY can point nowhere for the whole run.
@@ -303,6 +457,64 @@ async fn child_rank_0_without_nccl() {
     );
     a.unwrap();
     b.unwrap();
+    leader.shutdown().await;
+    worker.shutdown().await;
+}
+
+/// Host-staged device tensors need only the CUDA driver: a child process
+/// with `NCCL_LIBRARY` pointing nowhere (and `CUDA_DRIVER_LIBRARY` at the
+/// fake driver) moves device data over a TCP world.
+#[test]
+fn host_staged_device_tensors_need_only_the_cuda_driver() {
+    let (_, cuda) = fake::fake_libs();
+    let exe = std::env::current_exe().unwrap();
+    let out = std::process::Command::new(exe)
+        .args([
+            "--exact",
+            "child_host_staged_without_nccl",
+            "--ignored",
+            "--nocapture",
+        ])
+        .env("NCCL_LIBRARY", "/nonexistent/libnccl.so.2")
+        .env("CUDA_DRIVER_LIBRARY", cuda)
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("1 passed"), "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "run by host_staged_device_tensors_need_only_the_cuda_driver"]
+async fn child_host_staged_without_nccl() {
+    let e = multiworld::nccl::NcclRuntime::load().unwrap_err();
+    assert!(e.to_string().contains("/nonexistent/libnccl.so.2"), "{e}");
+    let driver = multiworld::nccl::CudaDriver::load().unwrap();
+    let (ctx_a, ctx_b) = (
+        DeviceContext::open(&driver, 0).unwrap(),
+        DeviceContext::open(&driver, 0).unwrap(),
+    );
+    let (leader, worker) = (WorldManager::default(), WorldManager::default());
+    let store = leader.serve_store("127.0.0.1:0").await.unwrap().to_string();
+    let (a, b) = tokio::join!(
+        leader.join(WorldConfig::new("cuda-only", 0, 2, &store)),
+        worker.join(WorldConfig::new("cuda-only", 1, 2, &store)),
+    );
+    let (a, b) = (a.unwrap(), b.unwrap());
+    let x = f32_bytes(&ramp(100_003, 0.5));
+    let src = ctx_a.upload(DType::F32, &x, T).unwrap();
+    let mut dst = ctx_b.upload(DType::F32, &vec![POISON; x.len()], T).unwrap();
+    let (sent, received) = tokio::join!(
+        a.send_device(Rank(1), Tag(3), &src),
+        b.recv_device(Rank(0), Tag(3), &mut dst)
+    );
+    sent.unwrap();
+    received.unwrap();
+    assert!(dst.to_host_vec(T).unwrap() == x, "device data differs");
     leader.shutdown().await;
     worker.shutdown().await;
 }

@@ -127,10 +127,13 @@ typedef struct { size_t size; unsigned magic, version; int blocking, cga, min_ct
 struct fake_comm {
   int nranks, rank, polls_left, async_error, aborted;
   struct fake_stream *hung_stream;
+  /* A slow enqueue (fake_nccl_stall_last): each collective call sleeps
+   * stall_ms, then returns ncclInProgress for stall_polls queries. */
+  int stall_polls, stall_ms;
 };
 
 static int g_version = 22703; /* 2.27.3 */
-static int g_init_hang, g_ops_hang, g_abort_hang, g_init_polls = 3;
+static int g_init_hang, g_ops_hang, g_abort_hang, g_init_polls = 3, g_noop;
 static volatile long g_comms;
 static struct fake_comm *g_last;
 static __thread int t_group_depth;
@@ -139,10 +142,27 @@ static __thread struct { int is_send; char *ptr; size_t bytes; int peer; struct 
 static __thread int t_p2p_n;
 
 void fake_nccl_reset(int version) {
-  g_version = version; g_init_hang = g_ops_hang = g_abort_hang = 0; g_init_polls = 3; g_last = NULL;
+  g_version = version; g_init_hang = g_ops_hang = g_abort_hang = g_noop = 0; g_init_polls = 3; g_last = NULL;
+}
+/* A broken NCCL for testing the tests: operations complete but move no data
+ * (so a check that cannot tell a result from its untouched buffer passes).
+ * Also on when the environment has FAKE_NCCL_NOOP=1. */
+void fake_nccl_noop(int on) { g_noop = on; }
+static int noop(void) {
+  const char *e = getenv("FAKE_NCCL_NOOP");
+  return g_noop || (e && strcmp(e, "1") == 0);
 }
 void fake_nccl_set(int init_hang, int ops_hang, int abort_hang) {
   g_init_hang = init_hang; g_ops_hang = ops_hang; g_abort_hang = abort_hang;
+}
+/* Makes every later collective enqueued on the most recently created
+ * communicator slow: the call itself sleeps `sleep_ms` (an enqueue that
+ * blocks inside NCCL), then returns ncclInProgress, and
+ * ncclCommGetAsyncError keeps answering ncclInProgress for `polls` queries
+ * (INT_MAX: forever, so the caller's deadline must end it). The data is
+ * moved as usual. (0, 0) turns it off. */
+void fake_nccl_stall_last(int polls, int sleep_ms) {
+  if (g_last) { g_last->stall_polls = polls; g_last->stall_ms = sleep_ms; }
 }
 /* Injects an asynchronous error into the most recently created communicator. */
 void fake_nccl_fail_last(int code) { if (g_last) g_last->async_error = code; }
@@ -157,7 +177,15 @@ static int bad_stream(struct fake_stream *s) { return !s || s->magic != STREAM_M
  * while ops_hang is set, never complete. */
 static ncclResult_t finish(struct fake_comm *c, struct fake_stream *s, void *dst, const void *src, size_t bytes) {
   if (g_ops_hang || c->nranks > 1) { s->hung = 1; c->hung_stream = s; return OK; }
-  if (dst && src && dst != src) memmove(dst, src, bytes);
+  if (dst && src && dst != src && !noop()) memmove(dst, src, bytes);
+  return OK;
+}
+/* A collective's enqueue, slowed down as fake_nccl_stall_last asked. */
+static ncclResult_t enqueue(struct fake_comm *c, struct fake_stream *s, void *dst, const void *src, size_t bytes) {
+  ncclResult_t r = finish(c, s, dst, src, bytes);
+  if (r != OK) return r;
+  if (c->stall_ms > 0) usleep((useconds_t)c->stall_ms * 1000);
+  if (c->stall_polls > 0) { c->polls_left = c->stall_polls; return IN_PROGRESS; }
   return OK;
 }
 
@@ -204,23 +232,23 @@ const char *ncclGetLastError(struct fake_comm *c) { (void)c; return "fake last e
 
 ncclResult_t ncclAllReduce(const void *s, void *r, size_t n, int t, int op, struct fake_comm *c, struct fake_stream *st) {
   if (!c || bad_stream(st) || !type_size(t) || op < 0 || op > 4 || !s || !r) return INVALID_ARGUMENT;
-  return finish(c, st, r, s, n * type_size(t));
+  return enqueue(c, st, r, s, n * type_size(t));
 }
 ncclResult_t ncclBroadcast(const void *s, void *r, size_t n, int t, int root, struct fake_comm *c, struct fake_stream *st) {
   if (!c || bad_stream(st) || !type_size(t) || root < 0 || root >= c->nranks) return INVALID_ARGUMENT;
-  return finish(c, st, r, s, n * type_size(t));
+  return enqueue(c, st, r, s, n * type_size(t));
 }
 ncclResult_t ncclReduce(const void *s, void *r, size_t n, int t, int op, int root, struct fake_comm *c, struct fake_stream *st) {
   if (!c || bad_stream(st) || !type_size(t) || op < 0 || op > 4 || root < 0 || root >= c->nranks) return INVALID_ARGUMENT;
-  return finish(c, st, r, s, n * type_size(t));
+  return enqueue(c, st, r, s, n * type_size(t));
 }
 ncclResult_t ncclAllGather(const void *s, void *r, size_t n, int t, struct fake_comm *c, struct fake_stream *st) {
   if (!c || bad_stream(st) || !type_size(t)) return INVALID_ARGUMENT;
-  return finish(c, st, r, s, n * type_size(t));
+  return enqueue(c, st, r, s, n * type_size(t));
 }
 ncclResult_t ncclReduceScatter(const void *s, void *r, size_t n, int t, int op, struct fake_comm *c, struct fake_stream *st) {
   if (!c || bad_stream(st) || !type_size(t) || op < 0 || op > 4) return INVALID_ARGUMENT;
-  return finish(c, st, r, s, n * type_size(t));
+  return enqueue(c, st, r, s, n * type_size(t));
 }
 static ncclResult_t p2p(int is_send, void *ptr, size_t n, int t, int peer, struct fake_comm *c, struct fake_stream *st) {
   if (!c || bad_stream(st) || !type_size(t) || peer < 0 || peer >= c->nranks || t_p2p_n >= 64) return INVALID_ARGUMENT;

@@ -85,6 +85,30 @@ impl Fake {
         }
     }
 
+    /// Slows every later collective enqueued on the most recently created
+    /// communicator: the NCCL call sleeps `sleep_ms`, then the communicator
+    /// reports `ncclInProgress` for `polls` queries (`i32::MAX`: until the
+    /// caller gives up). `(0, 0)` turns it off.
+    pub fn stall_last(&self, polls: i32, sleep_ms: i32) {
+        // SAFETY: signature as in fake_cuda_nccl.c.
+        unsafe {
+            self.nccl
+                .get::<unsafe extern "C" fn(i32, i32)>(b"fake_nccl_stall_last")
+                .unwrap()(polls, sleep_ms)
+        }
+    }
+
+    /// A broken NCCL: operations complete but move no data (to show that
+    /// a check can fail).
+    pub fn noop(&self, on: bool) {
+        // SAFETY: signature as in fake_cuda_nccl.c.
+        unsafe {
+            self.nccl
+                .get::<unsafe extern "C" fn(i32)>(b"fake_nccl_noop")
+                .unwrap()(on as i32)
+        }
+    }
+
     pub fn fail_last(&self, code: i32) {
         // SAFETY: signature as in fake_cuda_nccl.c.
         unsafe {
