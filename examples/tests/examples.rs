@@ -1,22 +1,24 @@
 //! Every example runs, in both launch styles where it has them, and prints
-//! what it should.
+//! what it should. Each runs with a deadline (a hung example fails its test
+//! with its output so far) and is killed, with everything it started, if its
+//! test fails.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
-use std::process::{Command, Stdio};
+/// The child-process helpers of m8d's tests: deadlines and guards.
+#[path = "../../crates/m8d/tests/common/mod.rs"]
+mod common;
+
+use std::process::Command;
 
 fn run(bin: &str, args: &[&str]) -> String {
-    let out = Command::new(bin)
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let out = common::run(Command::new(bin).args(args));
     assert!(
-        out.status.success(),
-        "{bin} {args:?} failed:\n{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
+        out.success(),
+        "{bin} {args:?} failed:\n{}\n{}",
+        out.stdout,
+        out.stderr
     );
-    text
+    out.stdout
 }
 
 #[test]
@@ -34,16 +36,25 @@ fn ring_spawns_its_own_ranks() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ring_runs_under_the_launcher() {
-    let outcome = m8d::launch::launch(m8d::launch::LaunchConfig {
+    let launch = m8d::launch::launch(m8d::launch::LaunchConfig {
         nproc: 2,
         master_addr: "127.0.0.1".into(),
         master_port: None,
         program: env!("CARGO_BIN_EXE_ring").into(),
         args: vec![],
         grace: std::time::Duration::from_secs(5),
-    })
-    .await
-    .unwrap();
+    });
+    // On expiry the launch is dropped and the runtime with it, which kills
+    // the ranks (each is killed when its handle is dropped).
+    let outcome = tokio::time::timeout(common::DEADLINE, launch)
+        .await
+        .unwrap_or_else(|_| {
+            panic!(
+                "the ring under the launcher still running after {:?}",
+                common::DEADLINE
+            )
+        })
+        .unwrap();
     assert_eq!(outcome.code, 0);
     assert_eq!(outcome.first_failure, None);
 }
@@ -180,13 +191,12 @@ fn per_world_collectives_complete_and_a_lost_member_fails_only_its_world() {
 mod fake;
 
 #[cfg(feature = "nccl")]
-fn run_gpu_example(env: &[(&str, &std::ffi::OsStr)], args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_gpu_worlds"))
-        .args(args)
-        .envs(env.iter().copied())
-        .stdin(Stdio::null())
-        .output()
-        .unwrap()
+fn run_gpu_example(env: &[(&str, &std::ffi::OsStr)], args: &[&str]) -> common::Ran {
+    common::run(
+        Command::new(env!("CARGO_BIN_EXE_gpu_worlds"))
+            .args(args)
+            .envs(env.iter().copied()),
+    )
 }
 
 #[cfg(feature = "nccl")]
@@ -198,12 +208,8 @@ fn gpu_worlds_runs_nccl_worlds_and_host_staged_tensors_and_an_abort_stays_in_its
         ("CUDA_DRIVER_LIBRARY", cuda.as_os_str()),
     ];
     let out = run_gpu_example(&env, &["--abort", "gpu-a"]);
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let text = &out.stdout;
+    assert!(out.success(), "{text}\n{}", out.stderr);
     for line in [
         "leader: gpu-a: device all_reduce correct",
         "leader: gpu-b: device all_reduce correct",
@@ -221,7 +227,7 @@ fn gpu_worlds_runs_nccl_worlds_and_host_staged_tensors_and_an_abort_stays_in_its
 fn gpu_worlds_without_nccl_says_why_and_exits_2() {
     let nowhere = std::ffi::OsStr::new("/nonexistent/libnccl.so.2");
     let out = run_gpu_example(&[("NCCL_LIBRARY", nowhere)], &[]);
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = &out.stderr;
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(
         err.contains("NCCL is not available here") && err.contains("/nonexistent/libnccl.so.2"),

@@ -1,14 +1,24 @@
 //! `m8d bench`: benchmarks that print a table, compare with the targets of
-//! docs/benchmarks.md and can write JSON.
+//! docs/benchmarks.md and can write JSON (`--json FILE`).
 //!
-//! `m8d bench store` runs a real `m8d store` child process on loopback and
-//! measures, from this process:
-//! - set+get round trips with 1 and 64 concurrent clients (one connection
-//!   each): median and p99 of one set followed by one get;
-//! - one set releasing N clients waiting on one key: time from the set until
-//!   the last waiter has its value;
-//! - the store host's death: SIGKILL the server while calls are in flight and
-//!   time until every one of them has failed.
+//! - `store` runs a real `m8d store` child process on loopback and measures,
+//!   from this process: set+get round trips with 1 and 64 concurrent clients
+//!   (one connection each), median and p99 of one set followed by one get;
+//!   one set releasing N clients waiting on one key (time from the set until
+//!   the last waiter has its value); the store host's death (SIGKILL the
+//!   server while calls are in flight, time until every one of them failed).
+//! - `failover`: a leader in one world per `m8d worker` process; one worker
+//!   is SIGKILLed, then frozen (SIGSTOP), in rounds: detection time and the
+//!   healthy worlds' throughput and longest pause around each fault.
+//! - `p2p` and `collectives`: streaming and every collective against raw TCP
+//!   references measured in the same run; `--plot FILE.svg` draws them.
+//! - `worlds`: a leader receiving from K workers in K worlds against the same
+//!   traffic in one world of K + 1.
+//! - `join`: joining a world of 2 on loopback.
+//!
+//! Every size, count and duration has a flag, so the tests run each one in
+//! seconds (`crates/m8d/tests/bench_plots.rs`); the defaults are the full
+//! benchmarks of docs/benchmarks.md.
 
 use std::{
     io::{BufRead, BufReader},
@@ -71,8 +81,8 @@ pub struct CollectivesArgs {
     #[arg(long)]
     pub json: Option<PathBuf>,
     /// Draw bus bandwidth against size, per operation and world size, with
-    /// the raw TCP floor, as an SVG file.
-    #[arg(long)]
+    /// the raw TCP floor, as an SVG file (the name must end in `.svg`).
+    #[arg(long, value_parser = svg_path)]
     pub plot: Option<PathBuf>,
 }
 
@@ -86,8 +96,8 @@ pub struct P2pArgs {
     #[arg(long)]
     pub json: Option<PathBuf>,
     /// Draw bandwidth against message size, with the raw TCP reference, as
-    /// an SVG file.
-    #[arg(long)]
+    /// an SVG file (the name must end in `.svg`).
+    #[arg(long, value_parser = svg_path)]
     pub plot: Option<PathBuf>,
 }
 
@@ -150,6 +160,20 @@ pub struct StoreBenchArgs {
     /// Write the results as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
+}
+
+/// A `--plot` file name: plots are drawn as SVG only (plotters' bitmap
+/// backend is not built in), so any other extension is refused while the
+/// command line is parsed, before a benchmark runs, rather than writing SVG
+/// into a file whose name says otherwise.
+fn svg_path(s: &str) -> Result<PathBuf, String> {
+    let path = PathBuf::from(s);
+    match path.extension() {
+        Some(ext) if ext.eq_ignore_ascii_case("svg") => Ok(path),
+        _ => Err(format!(
+            "plots are written as SVG only: give a file name ending in .svg (not '{s}')"
+        )),
+    }
 }
 
 /// Writes `value` as pretty JSON to `path`, if one was given, and says so.

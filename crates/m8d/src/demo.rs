@@ -217,8 +217,17 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     }
     stream_for(&fleet, &mut table, started, Duration::from_secs_f64(args.then)).await?;
 
-    let mut total = 0u64;
     for m in &fleet.members {
+        if args.respawn && !matches!(m.world.state(), WorldState::Ready) {
+            problems.push(format!("{} ended {}", m.name, m.world.state().label()));
+        }
+    }
+    // Every worker still streaming ends its stream with how many messages it
+    // sent, and the leader must have received exactly those.
+    let expected = |i: usize| !(args.fault != Fault::None && !args.respawn && i == victim);
+    fleet.end_streams(Duration::from_secs(10)).await;
+    let (mut total, mut sent_total) = (0u64, 0u64);
+    for (i, m) in fleet.members.iter().enumerate() {
         let s = &m.stats;
         total += s.count();
         let (corrupted, lost) = (
@@ -228,19 +237,30 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         if corrupted > 0 || lost > 0 {
             problems.push(format!("{}: {corrupted} corrupted, {lost} lost", m.name));
         }
-        if args.respawn && !matches!(m.world.state(), WorldState::Ready) {
-            problems.push(format!("{} ended {}", m.name, m.world.state().label()));
+        match s.sent() {
+            Some(sent) => {
+                sent_total += sent;
+                if sent != s.count() {
+                    problems.push(format!(
+                        "{}: its worker sent {sent} messages, the leader received {}",
+                        m.name,
+                        s.count()
+                    ));
+                }
+            }
+            None if expected(i) => problems.push(format!("{}: its stream did not end cleanly", m.name)),
+            None => {}
         }
     }
     let exits = fleet.shutdown().await;
-    let expected = |i: usize| !(args.fault != Fault::None && !args.respawn && i == victim);
     for (i, code) in exits.iter().enumerate() {
         if expected(i) && *code != Some(0) {
             problems.push(format!("worker {} exited with {code:?}", i + 1));
         }
     }
     println!(
-        "\nsummary: {total} messages received intact by the leader in {:?}",
+        "\nsummary: {total} messages received intact by the leader in {:?}; \
+         the workers that ended their streams cleanly said they sent {sent_total}",
         started.elapsed()
     );
     if let Some(d) = detection {

@@ -15,14 +15,14 @@ use std::{
 };
 
 use anyhow::{Context, bail};
-use multiworld::{Rank, World, WorldConfig, WorldError, WorldManager};
+use multiworld::{Rank, World, WorldConfig, WorldError, WorldManager, WorldState};
 use nix::{
     sys::signal::{Signal, kill},
     unistd::Pid,
 };
 use tokio::task::JoinHandle;
 
-use crate::stream::{StreamStats, receive_stream};
+use crate::stream::{StreamStats, receive_stream, request_end};
 
 /// How to run a fleet.
 #[derive(Debug, Clone)]
@@ -268,10 +268,48 @@ impl Fleet {
             .collect()
     }
 
-    /// Stops receiving, leaves every world and waits (bounded) for the
+    /// Ends every stream still flowing cleanly: asks its worker to stop
+    /// ([`request_end`]), receives until its end-of-stream message (so
+    /// [`StreamStats::sent`] is known and every message sent was counted),
+    /// then finishes the world together with the worker. Each step is
+    /// bounded by `limit`; a member whose stream already ended, whose world
+    /// is not ready, or that misses a step is left as it is (the shutdown
+    /// that follows ends it). Returns the members whose streams ended cleanly.
+    pub async fn end_streams(&mut self, limit: Duration) -> Vec<usize> {
+        let mut asked = Vec::new();
+        for (i, m) in self.members.iter().enumerate() {
+            let live = m.task.as_ref().is_some_and(|t| !t.is_finished());
+            if live && matches!(m.world.state(), WorldState::Ready) {
+                if let Ok(Ok(())) = tokio::time::timeout(limit, request_end(&m.world, Rank(1))).await {
+                    asked.push(i);
+                }
+            }
+        }
+        let mut ended = Vec::new();
+        for i in asked {
+            let m = &mut self.members[i];
+            let Some(mut task) = m.task.take() else { continue };
+            match tokio::time::timeout(limit, &mut task).await {
+                Ok(Ok(None)) if m.stats.sent().is_some() => {
+                    if m.world.finish(limit).await.is_ok() {
+                        ended.push(i);
+                    }
+                }
+                // Ended otherwise (the world broke meanwhile): nothing to wait for.
+                Ok(_) => {}
+                // Still receiving: the shutdown stops it.
+                Err(_) => m.task = Some(task),
+            }
+        }
+        ended
+    }
+
+    /// Ends every stream still flowing cleanly ([`end_streams`](Self::end_streams)),
+    /// stops receiving, leaves every world and waits (bounded) for the
     /// workers to exit. Returns each worker's exit: `Some(code)`, or `None`
     /// for one that was killed or had to be.
     pub async fn shutdown(mut self) -> Vec<Option<i32>> {
+        self.end_streams(Duration::from_secs(10)).await;
         self.stop.store(true, Ordering::Relaxed);
         self.leader.shutdown().await;
         let mut exits = Vec::new();

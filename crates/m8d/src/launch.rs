@@ -3,8 +3,11 @@
 //! `MASTER_PORT` set (what `WorldConfig::from_env` reads). Every line a rank
 //! prints is prefixed with `[rank R]`. When a rank fails, the others are asked
 //! to stop (SIGTERM, then SIGKILL after a grace period) and the launcher exits
-//! with the first failing rank's exit code. Ctrl-C (and SIGTERM) are forwarded
-//! to every rank.
+//! with the first failing rank's exit code. Ctrl-C (SIGINT) and SIGTERM sent
+//! to the launcher are forwarded to every rank's process group (each rank
+//! leads its own, so nothing else reaches them); the launcher then exits with
+//! 130 or 143 (128 + the signal), whatever the ranks' own codes, after the
+//! same grace period and SIGKILL as above.
 
 use std::{
     ffi::OsString,
@@ -21,6 +24,7 @@ use nix::{
 use tokio::{
     io::{AsyncBufReadExt, AsyncRead, BufReader},
     process::{Child, Command},
+    signal::unix::{SignalKind, signal},
     sync::mpsc,
 };
 
@@ -45,8 +49,8 @@ pub struct LaunchConfig {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LaunchOutcome {
     /// The exit code to leave with: 0 if every rank succeeded, else the first
-    /// failing rank's code (128 + signal for a rank killed by a signal, 130
-    /// after Ctrl-C).
+    /// failing rank's code (128 + signal for a rank killed by a signal); 130
+    /// after Ctrl-C (SIGINT) and 143 after SIGTERM, forwarded to the ranks.
     pub code: i32,
     /// The first rank that failed, if any.
     pub first_failure: Option<u32>,
@@ -76,12 +80,20 @@ async fn forward_lines(rank: u32, stream: impl AsyncRead + Unpin, to_stderr: boo
 }
 
 /// Runs the ranks to completion.
+///
+/// From the first call on, this process handles SIGINT and SIGTERM itself
+/// (forwarding them to the ranks while they run): the handlers are
+/// installed before any rank starts, so a signal can never end the launcher
+/// and leave its ranks running, and, as with any tokio signal handler, they
+/// stay installed for the rest of the process's life.
 pub async fn launch(config: LaunchConfig) -> anyhow::Result<LaunchOutcome> {
     anyhow::ensure!(config.nproc >= 1, "--nproc must be at least 1");
     let port = match config.master_port {
         Some(p) => p,
         None => free_port(&config.master_addr)?,
     };
+    let mut sigint = signal(SignalKind::interrupt()).context("handling SIGINT")?;
+    let mut sigterm = signal(SignalKind::terminate()).context("handling SIGTERM")?;
     let (exit_tx, mut exit_rx) = mpsc::unbounded_channel::<(u32, ExitStatus)>();
     let mut children: Vec<Child> = Vec::new();
     let mut printers = Vec::new();
@@ -159,11 +171,18 @@ pub async fn launch(config: LaunchConfig) -> anyhow::Result<LaunchOutcome> {
                     grace.as_mut().reset(tokio::time::Instant::now() + config.grace);
                 }
             }
-            _ = tokio::signal::ctrl_c(), if !interrupted => {
+            _ = sigint.recv(), if !interrupted => {
                 interrupted = true;
-                outcome.code = 130;
+                outcome.code = 128 + Signal::SIGINT as i32;
                 eprintln!("m8d launch: interrupted; forwarding to every rank");
                 signal_pids(Signal::SIGINT);
+                grace.as_mut().reset(tokio::time::Instant::now() + config.grace);
+            }
+            _ = sigterm.recv(), if !interrupted => {
+                interrupted = true;
+                outcome.code = 128 + Signal::SIGTERM as i32;
+                eprintln!("m8d launch: terminated (SIGTERM); forwarding to every rank");
+                signal_pids(Signal::SIGTERM);
                 grace.as_mut().reset(tokio::time::Instant::now() + config.grace);
             }
             _ = &mut grace => {

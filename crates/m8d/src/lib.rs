@@ -8,7 +8,7 @@
 //! - [`stream`]: checksummed tensor streams between a leader and its workers
 //!   (what the demo, the failover benchmark and the fault-injection tests
 //!   send), with live counters of messages, bytes, corruption, losses and
-//!   pauses.
+//!   pauses, and a clean end that tells the receiver how many were sent.
 
 pub mod fleet;
 pub mod launch;

@@ -6,11 +6,17 @@
 //! - [`store`]: `m8d store`, the standalone store server.
 //! - [`kv`]: `m8d kv`, one store operation from the shell (debugging,
 //!   scripts, tests).
-//! - [`bench`]: `m8d bench`, the benchmarks (store round trips, wake-ups and
-//!   host-death detection).
+//! - [`bench`]: `m8d bench`, the benchmarks: `store` (round trips, wake-ups,
+//!   host-death detection), `failover` (detection of a killed and a frozen
+//!   worker, the healthy worlds meanwhile), `p2p` and `collectives` (against
+//!   raw TCP in the same run; `--plot FILE.svg`), `worlds` (K worlds against
+//!   one), `join` (joining a world of 2).
 //! - [`secret`]: reading a world secret from a file or the environment.
 //! - [`worker`]: `m8d worker`, one streaming member of one world as a real
 //!   process (used by the demo and the fault-injection tests).
+//!
+//! `m8d launch` lives in the library ([`m8d::launch`]), with the fleet and
+//! the checksummed streams the demo, the benchmarks and the tests share.
 
 mod bench;
 mod demo;
@@ -36,7 +42,8 @@ enum Command {
     /// killed or frozen, the others untouched, a replacement re-joining.
     Demo(demo::DemoArgs),
     /// Run PROGRAM once per rank with RANK, LOCAL_RANK, WORLD_SIZE,
-    /// MASTER_ADDR and MASTER_PORT set; exit with the first failing rank's code.
+    /// MASTER_ADDR and MASTER_PORT set; exit with the first failing rank's
+    /// code. Ctrl-C and SIGTERM are forwarded to every rank (exit 130 / 143).
     Launch(LaunchArgs),
     /// Run a standalone store server that hosts the stores of many worlds.
     Store(store::StoreArgs),
@@ -62,7 +69,8 @@ struct LaunchArgs {
     /// MASTER_PORT for every rank (default: a free port).
     #[arg(long)]
     master_port: Option<u16>,
-    /// Seconds ranks get to stop after SIGTERM before SIGKILL.
+    /// Seconds ranks get to stop, once asked (SIGTERM after a rank failed,
+    /// or the forwarded Ctrl-C / SIGTERM), before SIGKILL.
     #[arg(long, default_value_t = 5.0)]
     grace: f64,
     /// The program and its arguments (after `--`).

@@ -1,13 +1,24 @@
 //! `m8d worker`: one member of one world, as a real process, for the demo and
 //! the fault-injection tests. It joins the world and streams checksummed
 //! messages to rank 0 until the world ends (the leader left or broke it),
-//! then exits 0. Any other failure exits non-zero.
+//! then exits 0. When the leader asks it to end its stream
+//! ([`m8d::stream::request_end`]), or after `--seconds`, it stops, sends the
+//! end-of-stream message carrying how many messages it sent (so the leader
+//! can check it received every one), finishes the world together with the
+//! leader (only when asked), and exits 0. Any other failure exits non-zero.
+//! It prints how many it sent on stderr in every case.
 
-use std::time::{Duration, Instant};
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::{Duration, Instant},
+};
 
 use anyhow::Context;
 use clap::Args;
-use m8d::stream::send_stream;
+use m8d::stream::{end_requested, send_end, send_stream};
 use multiworld::{Rank, WorldConfig, WorldError, WorldManager};
 
 use crate::secret::SecretArgs;
@@ -75,29 +86,49 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     if args.mode == Mode::AllReduce {
         return all_reduce_forever(&world, args.elements).await;
     }
+    let asked = Arc::new(AtomicBool::new(false));
+    let listener = {
+        let (world, asked) = (world.clone(), Arc::clone(&asked));
+        tokio::spawn(async move {
+            if end_requested(&world, Rank(0)).await.is_ok() {
+                asked.store(true, Ordering::Relaxed);
+            }
+        })
+    };
     let until = args.seconds.map(|s| Instant::now() + Duration::from_secs_f64(s));
     let (sent, err) = send_stream(&world, Rank(0), args.bytes, || {
-        until.is_some_and(|u| Instant::now() >= u)
+        asked.load(Ordering::Relaxed) || until.is_some_and(|u| Instant::now() >= u)
     })
     .await;
-    match err {
+    let who = format!("worker {} of {}", args.rank, args.world);
+    let err = match err {
+        None => send_end(&world, Rank(0), args.bytes, sent).await.err(),
+        Some(e) => Some(e),
+    };
+    let result = match err {
         None => {
-            manager.shutdown().await;
-            eprintln!(
-                "worker {} of {}: sent {sent} messages, done",
-                args.rank, args.world
-            );
+            if asked.load(Ordering::Relaxed) {
+                // The leader ends the world with us once it has the end.
+                world
+                    .finish(Duration::from_secs(30))
+                    .await
+                    .context("finishing the world with the leader")?;
+            }
+            eprintln!("{who}: sent {sent} messages, done");
             Ok(())
         }
         Some(WorldError::Broken { cause, .. }) => {
-            eprintln!(
-                "worker {} of {}: sent {sent} messages; world ended: {cause}",
-                args.rank, args.world
-            );
+            eprintln!("{who}: sent {sent} messages; world ended: {cause}");
             Ok(())
         }
-        Some(e) => Err(e).context("streaming"),
-    }
+        Some(e) => {
+            eprintln!("{who}: sent {sent} messages; failed: {e}");
+            Err(e).context("streaming")
+        }
+    };
+    listener.abort();
+    manager.shutdown().await;
+    result
 }
 
 /// All-reduces forever; returns when the world ends. A result that is not

@@ -2,24 +2,18 @@
 //! behaved: with a killed worker, a frozen one, and no fault.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
-use std::process::{Command, Stdio};
+mod common;
+
+use std::process::Command;
 
 const M8D: &str = env!("CARGO_BIN_EXE_m8d");
 
 fn demo(fault: &str) -> (bool, String) {
-    let out = Command::new(M8D)
-        .args(["demo", "--after", "1", "--then", "1", "--fault", fault])
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    if !out.status.success() {
-        eprintln!(
-            "stdout:\n{text}\nstderr:\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+    let out = common::run(Command::new(M8D).args(["demo", "--after", "1", "--then", "1", "--fault", fault]));
+    if !out.success() {
+        eprintln!("stdout:\n{}\nstderr:\n{}", out.stdout, out.stderr);
     }
-    (out.status.success(), text)
+    (out.success(), out.stdout)
 }
 
 #[test]

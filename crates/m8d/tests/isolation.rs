@@ -78,9 +78,23 @@ fn assert_intact(f: &Fleet, which: &[usize]) {
     }
 }
 
-/// Shuts down and checks that every worker still running saw the leader
-/// leave and exited 0 by itself.
-async fn finish(f: Fleet, killed: &[usize]) {
+/// Ends the streams of the workers still running, checks that the leader
+/// received every message each of them sent, then shuts down and checks
+/// that each one exited 0 by itself.
+async fn finish(mut f: Fleet, killed: &[usize]) {
+    let ended = f.end_streams(Duration::from_secs(30)).await;
+    for (i, m) in f.members.iter().enumerate() {
+        if killed.contains(&i) {
+            continue;
+        }
+        assert!(ended.contains(&i), "{}'s stream did not end cleanly", m.name);
+        assert_eq!(
+            m.stats.sent(),
+            Some(m.stats.count()),
+            "{}: messages sent by its worker vs received",
+            m.name
+        );
+    }
     let exits = f.shutdown().await;
     for (i, code) in exits.iter().enumerate() {
         if !killed.contains(&i) {

@@ -1,11 +1,18 @@
 //! `m8d launch`: the launcher environment, per-rank output prefixes, the
-//! first failing rank's exit code, and Ctrl-C forwarded to every rank.
+//! first failing rank's exit code, and Ctrl-C and SIGTERM forwarded to every
+//! rank (and everything it started).
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
+mod common;
+
 use std::{
+    io::{BufRead, BufReader},
     process::{Command, Stdio},
+    sync::mpsc,
     time::{Duration, Instant},
 };
+
+use common::Guard;
 
 use nix::{
     sys::signal::{Signal, kill},
@@ -16,18 +23,17 @@ const M8D: &str = env!("CARGO_BIN_EXE_m8d");
 
 #[test]
 fn every_rank_gets_the_launcher_environment_and_a_prefix() {
-    let out = Command::new(M8D)
-        .args(["launch", "--nproc", "3", "--master-port", "29555", "--"])
-        .args([
-            "sh",
-            "-c",
-            "echo rank=$RANK local=$LOCAL_RANK size=$WORLD_SIZE at=$MASTER_ADDR:$MASTER_PORT; echo oops >&2",
-        ])
-        .output()
-        .unwrap();
-    assert!(out.status.success());
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let out = common::run(
+        Command::new(M8D)
+            .args(["launch", "--nproc", "3", "--master-port", "29555", "--"])
+            .args([
+                "sh",
+                "-c",
+                "echo rank=$RANK local=$LOCAL_RANK size=$WORLD_SIZE at=$MASTER_ADDR:$MASTER_PORT; echo oops >&2",
+            ]),
+    );
+    assert!(out.success(), "{out:?}");
+    let (stdout, stderr) = (&out.stdout, &out.stderr);
     for r in 0..3 {
         assert!(
             stdout.contains(&format!(
@@ -42,59 +48,163 @@ fn every_rank_gets_the_launcher_environment_and_a_prefix() {
 #[test]
 fn the_first_failing_rank_decides_the_exit_code_and_stops_the_others() {
     let started = Instant::now();
-    let status = Command::new(M8D)
-        .args(["launch", "--nproc", "3", "--grace", "2", "--"])
-        .args(["sh", "-c", "if [ $RANK = 1 ]; then exit 7; fi; sleep 60"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .unwrap();
-    assert_eq!(status.code(), Some(7));
+    let out = common::run(
+        Command::new(M8D)
+            .args(["launch", "--nproc", "3", "--grace", "2", "--"])
+            .args(["sh", "-c", "if [ $RANK = 1 ]; then exit 7; fi; sleep 60"]),
+    );
+    assert_eq!(out.status.code(), Some(7), "{out:?}");
     assert!(
         started.elapsed() < Duration::from_secs(20),
         "the other ranks were not stopped"
     );
 }
 
-#[test]
-fn ctrl_c_is_forwarded_to_every_rank() {
-    let mut launcher = Command::new(M8D)
-        .args(["launch", "--nproc", "2", "--grace", "5", "--"])
-        .args([
-            "sh",
-            "-c",
-            "trap 'echo got-int; exit 3' INT; echo ready; while :; do sleep 0.05; done",
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let stdout = launcher.stdout.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    let reader = std::thread::spawn(move || {
-        use std::io::{BufRead, BufReader};
+/// Starts the launcher with 2 ranks running `script`, its stdout read line
+/// by line on a thread into the returned channel.
+fn launch_two(script: &str) -> (Guard, mpsc::Receiver<String>) {
+    let mut launcher = Guard::spawn(
+        Command::new(M8D)
+            .args(["launch", "--nproc", "2", "--grace", "5", "--", "sh", "-c", script])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null()),
+    );
+    let stdout = launcher.child().stdout.take().unwrap();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
         for line in BufReader::new(stdout).lines() {
-            if tx.send(line.unwrap()).is_err() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
                 break;
             }
         }
     });
+    (launcher, rx)
+}
+
+/// Receives lines until `n` of them end with `marker`.
+fn wait_for_lines(rx: &mpsc::Receiver<String>, lines: &mut Vec<String>, marker: &str, n: usize) {
+    while lines.iter().filter(|l| l.contains(marker)).count() < n {
+        match rx.recv_timeout(Duration::from_secs(60)) {
+            Ok(line) => lines.push(line),
+            Err(e) => panic!("waiting for {n} {marker:?} lines ({e}): {lines:?}"),
+        }
+    }
+}
+
+#[test]
+fn ctrl_c_is_forwarded_to_every_rank() {
+    let (mut launcher, rx) =
+        launch_two("trap 'echo got-int; exit 3' INT; echo ready; while :; do sleep 0.05; done");
     // Both ranks are up once their "ready" lines came through.
     let mut lines = Vec::new();
-    while lines.iter().filter(|l: &&String| l.ends_with("ready")).count() < 2 {
-        lines.push(
-            rx.recv_timeout(Duration::from_secs(20))
-                .expect("ranks never became ready"),
-        );
+    wait_for_lines(&rx, &mut lines, "ready", 2);
+    launcher.signal(Signal::SIGINT);
+    let status = launcher.wait_within(common::DEADLINE, || format!("{lines:?}"));
+    // The reader ends when the launcher's stdout closes.
+    while let Ok(line) = rx.recv_timeout(Duration::from_secs(10)) {
+        lines.push(line);
     }
-    kill(Pid::from_raw(launcher.id() as i32), Signal::SIGINT).unwrap();
-    let status = launcher.wait().unwrap();
-    reader.join().unwrap();
-    lines.extend(rx.try_iter());
     assert_eq!(status.code(), Some(130), "{lines:?}");
     assert_eq!(
         lines.iter().filter(|l| l.ends_with("got-int")).count(),
         2,
         "{lines:?}"
     );
+}
+
+/// Whether `pid` is gone: no such process, or a zombie nobody reaped yet
+/// (an orphan's reaper may be slow, or absent in a container).
+fn gone(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        // "pid (comm) STATE ...": the state follows the last ')'.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with(['Z', 'X'])),
+    }
+}
+
+/// SIGKILLs the processes it holds if the test fails before they are gone
+/// (only then: once a test saw them gone, their pids are not ours).
+struct KillOnPanic(Vec<i32>);
+
+impl Drop for KillOnPanic {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            for &pid in &self.0 {
+                let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+            }
+        }
+    }
+}
+
+#[test]
+fn sigterm_is_forwarded_to_every_rank_and_what_it_started() {
+    // Each rank starts a grandchild and waits for it; neither handles
+    // SIGTERM, so both die of it if it reaches the rank's process group.
+    let (mut launcher, rx) = launch_two("sleep 300 & echo pids $$ $!; wait");
+    let mut lines = Vec::new();
+    wait_for_lines(&rx, &mut lines, "pids ", 2);
+    let pids: Vec<i32> = lines
+        .iter()
+        .filter_map(|l| l.split_once("pids "))
+        .flat_map(|(_, p)| p.split_whitespace().map(|p| p.parse::<i32>().unwrap()))
+        .collect();
+    assert_eq!(pids.len(), 4, "{lines:?}");
+    let _cleanup = KillOnPanic(pids.clone());
+    assert!(pids.iter().all(|&p| !gone(p)), "a rank ended early: {lines:?}");
+
+    launcher.signal(Signal::SIGTERM);
+    let status = launcher.wait_within(common::DEADLINE, || format!("{lines:?}"));
+    assert_eq!(
+        status.code(),
+        Some(143),
+        "the launcher must exit 128 + SIGTERM after forwarding it ({status:?}): {lines:?}"
+    );
+    // The launcher reaped its ranks before exiting; the grandchildren die of
+    // the same signal. Poll: an orphan's exit can take a moment to show.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !pids.iter().all(|&p| gone(p)) {
+        assert!(
+            Instant::now() < deadline,
+            "still running 30 s after the launcher exited: {:?} of {pids:?}",
+            pids.iter().filter(|&&p| !gone(p)).collect::<Vec<_>>()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The deadline every test here (and in demo.rs, bench_plots.rs,
+/// store_process.rs and the examples' tests) puts on its child processes: a
+/// hung child is killed, with what it started, and the test fails with the
+/// output so far.
+#[test]
+fn a_hung_child_is_killed_at_its_deadline_and_its_test_fails_with_its_output() {
+    let failed = std::panic::catch_unwind(|| {
+        common::run_within(
+            Command::new("sh").args(["-c", "sleep 300 & echo started $$ $!; wait"]),
+            Duration::from_secs(2),
+        )
+    });
+    let message = match failed {
+        Ok(ran) => panic!("a child sleeping 300 s finished within 2 s: {ran:?}"),
+        Err(e) => e.downcast::<String>().map(|s| *s).unwrap_or_default(),
+    };
+    assert!(message.contains("still running after 2s"), "{message}");
+    let pids: Vec<i32> = message
+        .lines()
+        .find_map(|l| l.strip_prefix("started "))
+        .unwrap_or_else(|| panic!("no output in the failure: {message}"))
+        .split_whitespace()
+        .map(|p| p.parse().unwrap())
+        .collect();
+    assert_eq!(pids.len(), 2, "{message}");
+    let _cleanup = KillOnPanic(pids.clone());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !pids.iter().all(|&p| gone(p)) {
+        assert!(Instant::now() < deadline, "{pids:?} outlived their deadline");
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }

@@ -2,7 +2,12 @@
 //! freezes and re-joins of worker processes while checksummed traffic flows
 //! in every other world. Reports faults injected, detection times, messages
 //! received, corrupted (must be 0) and lost (must be 0: a world's stream is
-//! either intact and in order or ended by its break).
+//! either intact and in order or ended by its break). At the end every
+//! worker still running (a generation never faulted) ends its stream with
+//! how many messages it sent ([`m8d::fleet::Fleet::end_streams`]): the
+//! leader must have received exactly that many from each, so a lost tail
+//! counts too, not only gaps. Sent is reported for those generations (a
+//! killed worker cannot say).
 //!
 //! Not part of the default test run:
 //! `cargo test --release -p m8d --test soak -- --ignored --nocapture`
@@ -38,6 +43,10 @@ struct Totals {
     received: u64,
     corrupted: u64,
     lost: u64,
+    /// Sent by the healthy generations (the last ones, ended cleanly).
+    healthy_sent: u64,
+    /// Received from those generations.
+    healthy_received: u64,
 }
 
 fn collect(f: &Fleet, i: usize, t: &mut Totals) {
@@ -109,13 +118,30 @@ async fn random_kills_freezes_and_rejoins_for_ten_minutes() {
         collect(&f, victim, &mut totals);
         f.respawn(victim).await.unwrap();
     }
+    // The last generation of every world was never faulted: each ends its
+    // stream cleanly, saying how many it sent.
+    let ended = f.end_streams(Duration::from_secs(30)).await;
+    let mut mismatches = Vec::new();
     for i in 0..workers {
         collect(&f, i, &mut totals);
+        let m = &f.members[i];
+        let received = m.stats.count();
+        match m.stats.sent() {
+            Some(sent) => {
+                totals.healthy_sent += sent;
+                totals.healthy_received += received;
+                if sent != received {
+                    mismatches.push(format!("{}: sent {sent}, received {received}", m.name));
+                }
+            }
+            None => mismatches.push(format!("{}: no clean end (received {received})", m.name)),
+        }
     }
     let exits = f.shutdown().await;
     eprintln!(
         "soak done: {} kills (median detection {:?}), {} freezes (median detection {:?}); \
-         {} messages received, {} corrupted, {} lost; longest pause of a healthy world during a fault {:?}; \
+         {} messages received, {} corrupted, {} lost; the {} healthy generations (never faulted, ended cleanly) \
+         sent {} and the leader received {} of them; longest pause of a healthy world during a fault {:?}; \
          workers' exits {exits:?}",
         kills.len(),
         median(&mut kills),
@@ -124,10 +150,22 @@ async fn random_kills_freezes_and_rejoins_for_ten_minutes() {
         totals.received,
         totals.corrupted,
         totals.lost,
+        ended.len(),
+        totals.healthy_sent,
+        totals.healthy_received,
         longest_healthy_pause,
     );
     assert_eq!(totals.corrupted, 0, "corrupted messages");
     assert_eq!(totals.lost, 0, "messages lost from a stream");
+    assert_eq!(
+        ended.len(),
+        workers,
+        "every last generation ends cleanly: {mismatches:?}"
+    );
+    assert!(
+        mismatches.is_empty(),
+        "healthy generations: sent != received: {mismatches:?}"
+    );
     assert!(
         exits.iter().all(|c| *c == Some(0)),
         "every last worker exits 0: {exits:?}"

@@ -3,9 +3,11 @@
 //! SIGKILLed while it waits and must leave no waiter behind.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
+mod common;
+
 use std::{
     io::{BufRead, BufReader, Write},
-    process::{Child, Command, Output, Stdio},
+    process::{Child, Command, Stdio},
     time::{Duration, Instant},
 };
 
@@ -49,7 +51,7 @@ fn start_store(extra: &[&str], env: &[(&str, &str)]) -> (Proc, String) {
     (Proc(child), addr)
 }
 
-fn kv(addr: &str, world: &str, args: &[&str], env: &[(&str, &str)]) -> Output {
+fn kv(addr: &str, world: &str, args: &[&str], env: &[(&str, &str)]) -> common::Ran {
     let mut cmd = Command::new(M8D);
     cmd.args([
         "kv",
@@ -61,16 +63,15 @@ fn kv(addr: &str, world: &str, args: &[&str], env: &[(&str, &str)]) -> Output {
         "--connect-timeout",
         "10",
     ])
-    .args(args)
-    .stdin(Stdio::null());
+    .args(args);
     for (k, v) in env {
         cmd.env(k, v);
     }
-    cmd.output().unwrap()
+    common::run(&mut cmd)
 }
 
-fn stdout(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stdout).trim().to_string()
+fn stdout(o: &common::Ran) -> String {
+    o.stdout.trim().to_string()
 }
 
 #[test]
@@ -92,10 +93,7 @@ fn the_standalone_server_serves_kv_commands() {
     // A get that times out fails with a message and a non-zero exit code.
     let late = kv(&addr, "w", &["get", "missing", "--timeout", "0.2"], &[]);
     assert!(!late.status.success());
-    assert!(
-        String::from_utf8_lossy(&late.stderr).contains("timed out"),
-        "{late:?}"
-    );
+    assert!(late.stderr.as_str().contains("timed out"), "{late:?}");
 }
 
 #[test]
@@ -112,7 +110,7 @@ fn a_server_secret_refuses_clients_without_it() {
 
     let refused = kv(&addr, "w", &["set", "k", "v"], &[]);
     assert!(!refused.status.success());
-    let err = String::from_utf8_lossy(&refused.stderr);
+    let err = refused.stderr.as_str();
     assert!(err.contains("unauthenticated"), "{err}");
 
     let wrong = kv(
@@ -122,10 +120,7 @@ fn a_server_secret_refuses_clients_without_it() {
         &[("MULTIWORLD_SECRET", "open says me")],
     );
     assert!(!wrong.status.success());
-    assert!(
-        String::from_utf8_lossy(&wrong.stderr).contains("does not match"),
-        "{wrong:?}"
-    );
+    assert!(wrong.stderr.as_str().contains("does not match"), "{wrong:?}");
 
     let ok = kv(&addr, "w", &["--secret-file", file, "set", "k", "v"], &[]);
     assert!(ok.status.success(), "{ok:?}");

@@ -9,13 +9,32 @@ use std::{
         Arc,
         atomic::{AtomicU32, Ordering},
     },
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use multiworld::{DType, Rank, Tag, Tensor, WorldConfig, WorldError, WorldManager};
 use multiworld_examples::{Process, arg, spawn_self};
+use tokio::task::JoinHandle;
 
 const MESSAGES: u32 = 50;
+
+/// How long the leader waits for the workers' messages before it gives up
+/// with an error instead of hanging (they take a fraction of a second).
+const PATIENCE: Duration = Duration::from_secs(60);
+
+/// A world's outcome at the leader: messages received, and whether the world
+/// completed (rather than broke).
+type Outcome = anyhow::Result<(u32, bool)>;
+
+/// Waits for a receiving task until `deadline`.
+async fn outcome(name: &str, task: JoinHandle<Outcome>, deadline: Instant) -> Outcome {
+    match tokio::time::timeout_at(deadline.into(), task).await {
+        Ok(joined) => joined?,
+        Err(_) => {
+            anyhow::bail!("{name} neither delivered its {MESSAGES} messages nor broke within {PATIENCE:?}")
+        }
+    }
+}
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
@@ -64,6 +83,7 @@ async fn main() -> anyhow::Result<()> {
         w.finish(Duration::from_secs(30)).await?;
         Ok((got, true))
     };
+    let deadline = Instant::now() + PATIENCE;
     let h1 = tokio::spawn(receive(worlds[0].clone(), Arc::clone(&progress[0])));
     let h2 = tokio::spawn(receive(worlds[1].clone(), Arc::clone(&progress[1])));
     if let Some(victim) = &kill {
@@ -71,15 +91,30 @@ async fn main() -> anyhow::Result<()> {
             .iter()
             .position(|(n, _)| n == victim)
             .ok_or_else(|| anyhow::anyhow!("no world {victim}"))?;
-        // Kill it part-way: once the leader has received a few of its messages.
+        // Kill it part-way: once the leader has received a few of its
+        // messages. Its world may end first (its worker failed on its own):
+        // then there is nothing to kill part-way, and no reason to wait.
+        let task = if i == 0 { &h1 } else { &h2 };
         while progress[i].load(Ordering::Relaxed) < 5 {
+            let got = progress[i].load(Ordering::Relaxed);
+            anyhow::ensure!(
+                !task.is_finished(),
+                "{victim} ended after {got} messages, before its worker could be killed part-way"
+            );
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "{victim} delivered only {got} messages in {PATIENCE:?}; giving up before killing its worker"
+            );
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
         let p = &mut workers[i].1;
         println!("leader: killing the worker of {victim}");
         p.kill()?;
     }
-    let (r1, r2) = (h1.await??, h2.await??);
+    let (r1, r2) = (
+        outcome("w1", h1, deadline).await?,
+        outcome("w2", h2, deadline).await?,
+    );
     println!(
         "leader: w1 delivered {} messages, w2 delivered {} messages",
         r1.0, r2.0

@@ -9,13 +9,17 @@ use std::{
         Arc,
         atomic::{AtomicU32, Ordering},
     },
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use multiworld::{DType, Rank, Tag, Tensor, WorldConfig, WorldError, WorldManager};
 use multiworld_examples::{arg, spawn_self};
 
 const MESSAGES: u32 = 50;
+
+/// How long the leader waits for the workers' messages before it gives up
+/// with an error instead of hanging (they take a fraction of a second).
+const PATIENCE: Duration = Duration::from_secs(60);
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
@@ -59,14 +63,31 @@ async fn main() -> anyhow::Result<()> {
             anyhow::Ok(got)
         }
     };
+    let deadline = Instant::now() + PATIENCE;
     let (h1, h2) = (tokio::spawn(receive(1)), tokio::spawn(receive(2)));
-    // Kill rank 1 part-way: once the leader has received a few of its messages.
+    // Kill rank 1 part-way: once the leader has received a few of its
+    // messages. The world may break first (a worker failed on its own): then
+    // there is nothing to kill part-way, and no reason to wait.
     while from_one.load(Ordering::Relaxed) < 5 {
+        let got = from_one.load(Ordering::Relaxed);
+        anyhow::ensure!(
+            !h1.is_finished(),
+            "rank 1's stream ended after {got} messages, before its worker could be killed part-way"
+        );
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "rank 1 delivered only {got} messages in {PATIENCE:?}; giving up before killing it"
+        );
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
     println!("leader: killing the worker with rank 1");
     one.kill()?;
-    let (g1, g2) = (h1.await??, h2.await??);
+    let both = async { anyhow::Ok((h1.await??, h2.await??)) };
+    let (g1, g2) = tokio::time::timeout_at(deadline.into(), both)
+        .await
+        .map_err(|_| {
+            anyhow::anyhow!("the world neither broke nor delivered every message within {PATIENCE:?}")
+        })??;
     println!("leader: rank 1 delivered {g1} messages, rank 2 (healthy) delivered {g2} of {MESSAGES}");
     anyhow::ensure!(
         g2 < MESSAGES,
