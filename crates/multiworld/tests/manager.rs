@@ -346,19 +346,27 @@ async fn finishing_together_ends_a_world_without_breaking_it() {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_operation_past_its_deadline_breaks_the_world() {
-    init_tracing();
+/// Two managers (the first hosting the store) joined to a world of 2 whose
+/// operations have a 300 ms deadline.
+async fn pair_with_deadline(
+    name: &str,
+) -> (WorldManager, WorldManager, multiworld::World, multiworld::World) {
     let leader = WorldManager::default();
     let worker = WorldManager::default();
     let store = leader.serve_store("127.0.0.1:0").await.unwrap().to_string();
     let with_deadline = |rank| {
-        let mut c = cfg("deadline", rank, 2, &store);
+        let mut c = cfg(name, rank, 2, &store);
         c.op_timeout = Some(Duration::from_millis(300));
         c
     };
     let (a, b) = tokio::join!(leader.join(with_deadline(0)), worker.join(with_deadline(1)));
-    let (a, b) = (a.unwrap(), b.unwrap());
+    (leader, worker, a.unwrap(), b.unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operation_past_its_deadline_breaks_the_world() {
+    init_tracing();
+    let (_leader, worker, a, b) = pair_with_deadline("deadline").await;
     // Operations that finish in time leave nothing behind...
     for i in 0..5 {
         ping(&a, &b, i as f32).await;
@@ -396,16 +404,7 @@ async fn an_operation_past_its_deadline_breaks_the_world() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_collective_past_its_deadline_breaks_the_world() {
     init_tracing();
-    let leader = WorldManager::default();
-    let worker = WorldManager::default();
-    let store = leader.serve_store("127.0.0.1:0").await.unwrap().to_string();
-    let with_deadline = |rank| {
-        let mut c = cfg("coll-deadline", rank, 2, &store);
-        c.op_timeout = Some(Duration::from_millis(300));
-        c
-    };
-    let (a, b) = tokio::join!(leader.join(with_deadline(0)), worker.join(with_deadline(1)));
-    let (a, b) = (a.unwrap(), b.unwrap());
+    let (_leader, worker, a, b) = pair_with_deadline("coll-deadline").await;
     // Collectives that both members make finish and leave no deadline behind.
     for i in 0..3 {
         let mut x = Tensor::from_vec(vec![i as f32; 8], [8]).unwrap();
