@@ -315,21 +315,45 @@ async fn shutdown_removes_everything_and_refuses_new_joins() {
     b.removed().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn finishing_together_ends_a_world_without_breaking_it() {
-    init_tracing();
+/// Three managers (the first hosting the store), each subscribed to events
+/// before joining, and their members of one world of 3.
+struct Three {
+    managers: Vec<WorldManager>,
+    store: String,
+    events: Vec<broadcast::Receiver<WorldEvent>>,
+    worlds: Vec<multiworld::World>,
+}
+
+async fn three(name: &str) -> Three {
     let managers: Vec<WorldManager> = (0..3).map(|_| WorldManager::default()).collect();
     let store = managers[0].serve_store("127.0.0.1:0").await.unwrap().to_string();
-    let mut events: Vec<_> = managers.iter().map(|m| m.events()).collect();
+    let events = managers.iter().map(|m| m.events()).collect();
     let joins = managers
         .iter()
         .enumerate()
-        .map(|(r, m)| m.join(cfg("together", r as u32, 3, &store)));
-    let worlds: Vec<_> = futures::future::join_all(joins)
+        .map(|(r, m)| m.join(cfg(name, r as u32, 3, &store)));
+    let worlds = futures::future::join_all(joins)
         .await
         .into_iter()
         .map(Result::unwrap)
         .collect();
+    Three {
+        managers,
+        store,
+        events,
+        worlds,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn finishing_together_ends_a_world_without_breaking_it() {
+    init_tracing();
+    let Three {
+        managers,
+        store: _,
+        mut events,
+        worlds,
+    } = three("together").await;
     // Everyone finishes at slightly different times; nobody's world breaks.
     let finishes = worlds.iter().enumerate().map(|(i, w)| async move {
         tokio::time::sleep(Duration::from_millis(30 * i as u64)).await;
@@ -470,18 +494,12 @@ async fn leader_cause(w: &multiworld::World) -> Option<BreakCause> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_break_announced_in_the_store_reaches_every_member() {
     init_tracing();
-    let managers: Vec<WorldManager> = (0..3).map(|_| WorldManager::default()).collect();
-    let store = managers[0].serve_store("127.0.0.1:0").await.unwrap().to_string();
-    let mut events: Vec<_> = managers.iter().map(|m| m.events()).collect();
-    let joins = managers
-        .iter()
-        .enumerate()
-        .map(|(r, m)| m.join(cfg("told", r as u32, 3, &store)));
-    let worlds: Vec<_> = futures::future::join_all(joins)
-        .await
-        .into_iter()
-        .map(Result::unwrap)
-        .collect();
+    let Three {
+        managers,
+        store,
+        mut events,
+        worlds,
+    } = three("told").await;
     let other = &managers[1];
     let (x, y) = pair(&managers[0], other, "untouched", &store).await;
     // Announce as rank 2 would, in this generation of the world's store.

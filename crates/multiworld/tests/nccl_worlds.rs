@@ -412,12 +412,21 @@ fn a_hanging_enqueue_does_not_stall_other_tasks_on_the_runtime() {
 #[test]
 fn rank_0_without_nccl_fails_every_ranks_join_with_its_reason() {
     // A child process, so NCCL_LIBRARY can point nowhere for the whole run.
+    run_child_without_nccl("child_rank_0_without_nccl", &[]);
+}
+
+/// Runs the ignored test `name` of this binary in a child process whose
+/// `NCCL_LIBRARY` points nowhere (plus `env`), and asserts that it passed.
+fn run_child_without_nccl(name: &str, env: &[(&str, &std::path::Path)]) {
     let exe = std::env::current_exe().unwrap();
-    let out = std::process::Command::new(exe)
-        .args(["--exact", "child_rank_0_without_nccl", "--ignored", "--nocapture"])
-        .env("NCCL_LIBRARY", "/nonexistent/libnccl.so.2")
-        .output()
-        .unwrap();
+    let mut child = std::process::Command::new(exe);
+    child
+        .args(["--exact", name, "--ignored", "--nocapture"])
+        .env("NCCL_LIBRARY", "/nonexistent/libnccl.so.2");
+    for (key, value) in env {
+        child.env(key, value);
+    }
+    let out = child.output().unwrap();
     let text = format!(
         "{}{}",
         String::from_utf8_lossy(&out.stdout),
@@ -467,25 +476,10 @@ async fn child_rank_0_without_nccl() {
 #[test]
 fn host_staged_device_tensors_need_only_the_cuda_driver() {
     let (_, cuda) = fake::fake_libs();
-    let exe = std::env::current_exe().unwrap();
-    let out = std::process::Command::new(exe)
-        .args([
-            "--exact",
-            "child_host_staged_without_nccl",
-            "--ignored",
-            "--nocapture",
-        ])
-        .env("NCCL_LIBRARY", "/nonexistent/libnccl.so.2")
-        .env("CUDA_DRIVER_LIBRARY", cuda)
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
+    run_child_without_nccl(
+        "child_host_staged_without_nccl",
+        &[("CUDA_DRIVER_LIBRARY", cuda.as_path())],
     );
-    assert!(out.status.success(), "{text}");
-    assert!(text.contains("1 passed"), "{text}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
