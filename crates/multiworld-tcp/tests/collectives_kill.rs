@@ -2,9 +2,12 @@
 //! surviving rank's call must fail (never return a partial result as success)
 //! within a bound. World of 4: this test is rank 0 and re-executes its own binary
 //! for ranks 1..=3 (see `collectives_kill_child`); they rendezvous through files in
-//! a temporary directory, all run 16 MiB ring all-reduces back to back, and rank 2
-//! is killed while rank 0's call is under way. Each survivor records when its call
-//! failed; the test reports the delays from the kill.
+//! a temporary directory, all run 16 MiB all-reduces back to back, and rank 2 is
+//! killed while rank 0's call is under way. Each survivor records when its call
+//! failed; the test reports the delays from the kill. Two routes: the default
+//! settings (the four processes share a host, so the data go through shared
+//! memory and TCP only orders the phases) and the TCP ring (`Algorithm::Ring`);
+//! the test checks that each run really took its route.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -15,15 +18,61 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use common::*;
-use multiworld_tcp::collectives::{Group, ReduceOp};
-use multiworld_tcp::{Communicator, DType, Error, Rank, Tensor};
+use multiworld_tcp::collectives::{Algorithm, CollectiveConfig, Group, ReduceOp, SharedMemory};
+use multiworld_tcp::{Communicator, Error, Rank, Tensor};
 
 const DIR_ENV: &str = "MW_COLL_KILL_DIR";
 const RANK_ENV: &str = "MW_COLL_KILL_RANK";
+/// Which route the children take: [`Route::env`].
+const ROUTE_ENV: &str = "MW_COLL_KILL_ROUTE";
 const CHILD_TEST: &str = "collectives_kill_child";
 const WORLD: u32 = 4;
 const VICTIM: u32 = 2;
-const LEN: usize = 4 << 20; // 16 MiB of f32: a ring all-reduce
+const LEN: usize = 4 << 20; // 16 MiB of f32: shared memory, or the ring
+
+/// The route the all-reduces take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Route {
+    /// Default settings: on one host, through shared memory.
+    SharedMemory,
+    /// `Algorithm::Ring`: the data over TCP.
+    Ring,
+}
+
+impl Route {
+    fn env(self) -> &'static str {
+        match self {
+            Route::SharedMemory => "shm",
+            Route::Ring => "ring",
+        }
+    }
+
+    fn from_env(s: &str) -> Route {
+        match s {
+            "shm" => Route::SharedMemory,
+            "ring" => Route::Ring,
+            other => panic!("{ROUTE_ENV}={other:?}"),
+        }
+    }
+
+    fn config(self) -> CollectiveConfig {
+        match self {
+            Route::SharedMemory => CollectiveConfig::default(),
+            Route::Ring => CollectiveConfig::default().with_algorithm(Algorithm::Ring),
+        }
+    }
+}
+
+/// Rank `rank`'s input: every element `rank + 1`, so every complete all-reduce
+/// gives 1 + 2 + 3 + 4 everywhere.
+fn input(rank: u32) -> Tensor {
+    Tensor::from(vec![(rank + 1) as f32; LEN])
+}
+
+fn is_complete_result(t: &Tensor) -> bool {
+    let want = (1..=WORLD).sum::<u32>() as f32;
+    t.as_slice::<f32>().unwrap().iter().all(|&x| x == want)
+}
 
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
@@ -49,17 +98,22 @@ impl Drop for Children {
     }
 }
 
-/// A rank process: runs all-reduces until one fails, then writes
-/// `<unix nanos of the failure> <completed calls> <error>` to `result-<rank>`.
-/// Does nothing unless started by the test below.
+/// A rank process: runs all-reduces until one fails (or one that succeeds has
+/// a wrong result), then writes `<unix nanos of the failure> <completed calls>
+/// <error>` to `result-<rank>`. Does nothing unless started by the tests below.
 #[test]
-#[ignore = "helper process for a_rank_killed_mid_collective_fails_every_survivor"]
+#[ignore = "helper process for the a_rank_killed_mid_collective_* tests"]
 fn collectives_kill_child() {
-    let (Ok(dir), Ok(rank)) = (std::env::var(DIR_ENV), std::env::var(RANK_ENV)) else {
+    let (Ok(dir), Ok(rank), Ok(route)) = (
+        std::env::var(DIR_ENV),
+        std::env::var(RANK_ENV),
+        std::env::var(ROUTE_ENV),
+    ) else {
         eprintln!("{CHILD_TEST}: not started by the parent test; nothing to do");
         return;
     };
     let rank: u32 = rank.parse().unwrap();
+    let route = Route::from_env(&route);
     runtime().block_on(async {
         let rdv = FileRendezvous {
             dir: dir.clone().into(),
@@ -69,13 +123,15 @@ fn collectives_kill_child() {
                 .await
                 .unwrap(),
         );
-        let g = Group::world(&comm);
-        let mut t = Tensor::zeros(DType::F32, [LEN]).unwrap();
+        let g = Group::world(&comm).with_config(route.config());
+        let mine = input(rank);
         let mut done = 0u64;
         let err = loop {
+            let mut t = mine.clone();
             match g.all_reduce(&mut t, ReduceOp::Sum).await {
-                Ok(()) => done += 1,
-                Err(e) => break e,
+                Ok(()) if is_complete_result(&t) => done += 1,
+                Ok(()) => break format!("call {done} succeeded with a wrong result"),
+                Err(e) => break e.to_string(),
             }
         };
         let line = format!("{} {done} {err}", now_nanos());
@@ -86,9 +142,23 @@ fn collectives_kill_child() {
 }
 
 #[test]
-fn a_rank_killed_mid_collective_fails_every_survivor() {
+fn a_rank_killed_mid_collective_fails_every_survivor_shared_memory() {
+    killed_mid_collective(Route::SharedMemory);
+}
+
+#[test]
+fn a_rank_killed_mid_collective_fails_every_survivor_ring() {
+    killed_mid_collective(Route::Ring);
+}
+
+fn killed_mid_collective(route: Route) {
+    // One scenario at a time: each runs four processes on the host.
+    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = ONE_AT_A_TIME
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     init_tracing();
-    let dir = temp_dir("collkill");
+    let dir = temp_dir(&format!("collkill-{}", route.env()));
     let exe = std::env::current_exe().unwrap();
     let mut children = Children(Vec::new());
     for r in 1..WORLD {
@@ -102,6 +172,7 @@ fn a_rank_killed_mid_collective_fails_every_survivor() {
             ])
             .env(DIR_ENV, &dir)
             .env(RANK_ENV, r.to_string())
+            .env(ROUTE_ENV, route.env())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .spawn()
@@ -115,16 +186,56 @@ fn a_rank_killed_mid_collective_fails_every_survivor() {
                 .await
                 .unwrap(),
         );
-        let g = Group::world(&comm);
-        let mut t = Tensor::zeros(DType::F32, [LEN]).unwrap();
+        let g = Group::world(&comm).with_config(route.config());
+        let mine = input(0);
+        let received = || comm.peer_stats(Rank(WORLD - 1)).unwrap().bytes_received;
+        let at_start = received();
+        let t_calls = Instant::now();
         for _ in 0..3 {
+            let mut t = mine.clone();
             g.all_reduce(&mut t, ReduceOp::Sum).await.unwrap();
+            assert!(is_complete_result(&t), "a complete call's result");
         }
-        // Start a call and wait until data is flowing in it, then kill rank 2.
-        let before = comm.peer_stats(Rank(WORLD - 1)).unwrap().bytes_received;
-        let handle = g.all_reduce_handle(t, ReduceOp::Sum);
-        let flowing = eventually(Duration::from_secs(30), || {
-            comm.peer_stats(Rank(WORLD - 1)).unwrap().bytes_received >= before + (1 << 20)
+        // Each run took its route: the ring moves the data over TCP and never
+        // tries shared memory; the shared-memory path moves only small control
+        // messages over TCP.
+        let moved = received() - at_start;
+        let state = g.shared_memory().await;
+        println!(
+            "{route:?}: 3 calls took {:?} and received {moved} bytes from rank {}; shared memory {state}",
+            t_calls.elapsed(),
+            WORLD - 1
+        );
+        match route {
+            Route::SharedMemory => {
+                assert!(
+                    matches!(state, SharedMemory::Active { .. }),
+                    "shared memory: {state}"
+                );
+                assert!(moved < 1 << 20, "{moved} bytes over TCP: not shared memory");
+            }
+            Route::Ring => {
+                assert_eq!(state, SharedMemory::Untried);
+                assert!(moved >= 3 * (LEN as u64 * 4) / 2, "only {moved} bytes over TCP");
+            }
+        }
+        // Start a call and wait until it is under way, then kill rank 2. The
+        // ring: data are flowing in it. Shared memory: rank 0 has sent every
+        // peer its part of the agreement round that starts the call (the data
+        // then move through the segment, where rank 0's progress cannot be
+        // seen from here); rank 2 cannot finish its part of the call before
+        // rank 0 has done nearly all of its own, so the call must fail.
+        let sent = || -> Vec<u64> {
+            (1..WORLD)
+                .map(|r| comm.peer_stats(Rank(r)).unwrap().messages_sent)
+                .collect()
+        };
+        let (before, sent_before) = (received(), sent());
+        let started = Instant::now();
+        let handle = g.all_reduce_handle(mine.clone(), ReduceOp::Sum);
+        let flowing = eventually(Duration::from_secs(30), || match route {
+            Route::Ring => received() >= before + (1 << 20),
+            Route::SharedMemory => sent().iter().zip(&sent_before).all(|(now, was)| now > was),
         })
         .await;
         assert!(flowing, "the call never got under way");
@@ -136,6 +247,10 @@ fn a_rank_killed_mid_collective_fails_every_survivor() {
         assert!(victim.try_wait().unwrap().is_none(), "victim still running");
         victim.kill().unwrap(); // SIGKILL on Unix
         let killed_at = now_nanos();
+        println!(
+            "{route:?}: rank {VICTIM} killed {:?} into rank 0's call",
+            started.elapsed()
+        );
         let t0 = Instant::now();
         let r = tokio::time::timeout(Duration::from_secs(10), handle)
             .await
@@ -144,7 +259,7 @@ fn a_rank_killed_mid_collective_fails_every_survivor() {
         let e = r.expect_err("rank 0's call must not succeed with a partial result");
         (killed_at, took, e)
     });
-    println!("rank 0: call failed {parent_took:?} after the SIGKILL: {parent_err}");
+    println!("{route:?}: rank 0: call failed {parent_took:?} after the SIGKILL: {parent_err}");
     assert!(parent_err.is_world_fatal(), "{parent_err}");
     assert!(
         matches!(&parent_err, Error::PeerLost { .. }),
@@ -174,7 +289,9 @@ fn a_rank_killed_mid_collective_fails_every_survivor() {
         let calls: u64 = parts.next().unwrap().parse().unwrap();
         let err = parts.next().unwrap_or_default();
         let took = Duration::from_nanos(at.saturating_sub(killed_at) as u64);
-        println!("rank {r}: call failed {took:?} after the SIGKILL (after {calls} completed calls): {err}");
+        println!(
+            "{route:?}: rank {r}: call failed {took:?} after the SIGKILL (after {calls} completed calls): {err}"
+        );
         assert!(
             err.contains("lost"),
             "rank {r}: expected a lost peer, got {err:?}"

@@ -316,7 +316,8 @@ pub(crate) async fn all_reduce(
         return Ok(());
     }
     match d.algo {
-        Algo::Ring => with_type!(t.dtype(), T => {
+        // Shared memory that turned out unavailable falls back to the ring.
+        Algo::Ring | Algo::Shm => with_type!(t.dtype(), T => {
             let data = t.as_mut_slice::<T>()?;
             let segs = even_segments(data.len(), n);
             ring_reduce_scatter_inplace(cx, sc, data, &segs, op).await?;
@@ -366,7 +367,7 @@ pub(crate) async fn reduce(
             give_all(sc, parts);
             Ok(())
         }
-        Algo::Ring => with_type!(t.dtype(), T => reduce_ring::<T>(cx, sc, t, root, op).await),
+        Algo::Ring | Algo::Shm => with_type!(t.dtype(), T => reduce_ring::<T>(cx, sc, t, root, op).await),
     }
 }
 
@@ -492,7 +493,7 @@ pub(crate) async fn all_gather(cx: Ctx<'_>, outputs: &mut [Tensor], input: &Tens
             );
             try_join2(sending, receiving).await.map(|_| ())
         }
-        Algo::Ring => {
+        Algo::Ring | Algo::Shm => {
             // Whole tensors travel around the ring, received in place.
             for s in 0..n - 1 {
                 let (si, ri) = ((me + n - s) % n, (me + 2 * n - s - 1) % n);
@@ -546,7 +547,7 @@ pub(crate) async fn all_gather_into(
             }
             Ok(())
         }
-        Algo::Ring => with_type!(output.dtype(), T => {
+        Algo::Ring | Algo::Shm => with_type!(output.dtype(), T => {
             let segs = segments_of((0..n).map(|_| count));
             ring_all_gather_inplace(cx, sc, output.as_mut_slice::<T>()?, &segs).await
         }),

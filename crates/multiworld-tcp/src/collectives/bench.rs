@@ -23,8 +23,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::bench::RankRuntime;
-use crate::collectives::desc::Kind;
-use crate::collectives::{CollectiveConfig, Group, ReduceOp};
+use crate::collectives::desc::{Algo, Kind};
+use crate::collectives::{CollectiveConfig, Group, ReduceOp, SharedMemory};
 use crate::comm::Communicator;
 use crate::config::CommConfig;
 use crate::error::{Error, Result};
@@ -527,7 +527,9 @@ impl Buffers {
         }
     }
 
-    fn algorithm(&self, g: &Group) -> &'static str {
+    /// The algorithm the calls used (after they ran: whether shared memory is
+    /// available is only known then).
+    async fn algorithm(&self, g: &Group) -> &'static str {
         let (kind, size) = match self.op {
             BenchOp::AllReduce => (Kind::AllReduce, self.a.nbytes()),
             BenchOp::Broadcast => (Kind::Broadcast, self.a.nbytes()),
@@ -536,7 +538,11 @@ impl Buffers {
             BenchOp::ReduceScatter => (Kind::ReduceScatterTensor, self.b.nbytes()),
             BenchOp::AllToAll => (Kind::AllToAllSingle, 0),
         };
-        g.algorithm_for(kind, size as u64).name()
+        let algo = g.algorithm_for(kind, size as u64);
+        match (algo, g.shared_memory().await) {
+            (Algo::Shm, SharedMemory::Unavailable { .. }) => Algo::Ring.name(),
+            (a, _) => a.name(),
+        }
     }
 }
 
@@ -572,7 +578,7 @@ async fn rank_main(g: &Group, cfg: &CollectivesBenchConfig) -> Result<Vec<BenchR
                 op,
                 ranks: n as u32,
                 bytes: size,
-                algorithm: bufs.algorithm(g),
+                algorithm: bufs.algorithm(g).await,
                 iters,
                 time_us: per_call * 1e6,
                 algbw_gbps: algbw,

@@ -185,6 +185,8 @@ pub(crate) enum Algo {
     Direct,
     /// Ring reduce-scatter / all-gather, or a pipelined chain for broadcast.
     Ring,
+    /// Same-host shared memory (all-reduce; see `shm.rs`).
+    Shm,
 }
 
 impl Algo {
@@ -192,6 +194,7 @@ impl Algo {
         match self {
             Algo::Direct => 1,
             Algo::Ring => 2,
+            Algo::Shm => 3,
         }
     }
 
@@ -199,6 +202,7 @@ impl Algo {
         match c {
             1 => Some(Algo::Direct),
             2 => Some(Algo::Ring),
+            3 => Some(Algo::Shm),
             _ => None,
         }
     }
@@ -207,6 +211,7 @@ impl Algo {
         match self {
             Algo::Direct => "direct",
             Algo::Ring => "ring",
+            Algo::Shm => "shm",
         }
     }
 }
@@ -526,7 +531,12 @@ pub(crate) fn agree(descs: &[Desc], cx: &AgreeCtx<'_>) -> Result<()> {
         .iter()
         .all(|d| d.algo == mine.algo && d.config == mine.config)
     {
-        return Err(differ("the algorithm (their CollectiveConfig differs)", &|d| {
+        let why = if descs.iter().all(|d| d.config == mine.config) {
+            "the algorithm (same CollectiveConfig: shared memory is off on some members only, after a cancelled call that used it)"
+        } else {
+            "the algorithm (their CollectiveConfig differs)"
+        };
+        return Err(differ(why, &|d| {
             format!("{} (config {:#x})", d.algo.name(), d.config)
         }));
     }

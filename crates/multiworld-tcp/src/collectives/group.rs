@@ -33,6 +33,7 @@ use tracing::debug;
 
 use crate::collectives::desc::{self, AgreeCtx, Algo, Desc, Kind};
 use crate::collectives::handle::CollectiveHandle;
+use crate::collectives::shm::{SharedMemory, ShmState};
 use crate::collectives::tags::{self, MAX_GROUP_ID, Phase, check_user_tag};
 use crate::collectives::util::{Scratch, try_join_all};
 use crate::comm::{Communicator, HealthEvent, Received, RecvHandle, SendHandle};
@@ -45,14 +46,20 @@ use crate::tensor::{DType, Tensor, TensorView};
 #[non_exhaustive]
 pub enum Algorithm {
     /// Direct exchange for small buffers, ring / pipelined chain for large ones
-    /// (see [`CollectiveConfig::direct_max_bytes`]).
+    /// (see [`CollectiveConfig::direct_max_bytes`]); all-reduces of at least
+    /// [`CollectiveConfig::shm_min_bytes`] go through shared memory when every
+    /// member is on the same host (see [`Group::shared_memory`]).
     #[default]
     Auto,
     /// Always the latency-optimal direct exchange (one round).
     Direct,
     /// Always the bandwidth-optimal ring (reduce-scatter + all-gather) or pipelined
-    /// chain (broadcast), where the operation has one; direct otherwise.
+    /// chain (broadcast), where the operation has one; direct otherwise. Never
+    /// shared memory.
     Ring,
+    /// All-reduce through same-host shared memory at every size (where the
+    /// members cannot share memory: the ring); other operations as with `Ring`.
+    SharedMemory,
 }
 
 /// Settings of a [`Group`]'s collectives. Fields that change the algorithm
@@ -85,6 +92,26 @@ pub struct CollectiveConfig {
     /// bounds each internal send and receive). After a timeout the group's state is
     /// unknown: treat the world as broken.
     pub timeout: Option<Duration>,
+    /// Whether this member agrees to move data through memory shared with the
+    /// other members when they are all on the same host. A member that says no
+    /// (or cannot map the segment) makes the whole group use TCP; the members
+    /// need not agree on this field. Default `true`.
+    pub shared_memory: bool,
+    /// With [`Algorithm::Auto`], an all-reduce uses shared memory (when it is
+    /// available) once `buffer bytes × (group size − 1)` is at least this. Must
+    /// be the same on every member. Default 768 KiB (see `COLLECTIVES.md` for
+    /// the measured crossover).
+    pub shm_min_bytes: usize,
+    /// Size of the group's shared segment: a 4 KiB header and two buffers of one
+    /// slot per member; larger tensors go through it in slot-sized pieces. Memory
+    /// is only committed where it is written, and stays with the group until
+    /// every member has dropped it. Must be the same on every member; a size
+    /// without room for two slots of 64 bytes per member turns shared memory
+    /// off for the group. Default
+    /// 32 MiB (slots of 8 MiB with 2 members, 4 MiB with 4: small enough for
+    /// the pieces to stay in the last-level cache while the members pass them
+    /// around).
+    pub shm_segment_bytes: usize,
 }
 
 impl Default for CollectiveConfig {
@@ -98,6 +125,9 @@ impl Default for CollectiveConfig {
             max_object_bytes: 256 << 20,
             scratch_cache_bytes: 256 << 20,
             timeout: None,
+            shared_memory: true,
+            shm_min_bytes: 768 << 10,
+            shm_segment_bytes: 32 << 20,
         }
     }
 }
@@ -106,6 +136,13 @@ impl CollectiveConfig {
     /// Sets the algorithm choice.
     pub fn with_algorithm(mut self, algorithm: Algorithm) -> Self {
         self.algorithm = algorithm;
+        self
+    }
+
+    /// Sets whether this member agrees to share memory with the others
+    /// (see [`CollectiveConfig::shared_memory`]).
+    pub fn with_shared_memory(mut self, on: bool) -> Self {
+        self.shared_memory = on;
         self
     }
 
@@ -121,9 +158,16 @@ impl CollectiveConfig {
             Algorithm::Auto => 1u64,
             Algorithm::Direct => 2,
             Algorithm::Ring => 3,
+            Algorithm::SharedMemory => 4,
         };
         let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-        for v in [alg, self.direct_max_bytes as u64, self.chunk_bytes.max(1) as u64] {
+        for v in [
+            alg,
+            self.direct_max_bytes as u64,
+            self.chunk_bytes.max(1) as u64,
+            self.shm_min_bytes as u64,
+            self.shm_segment_bytes as u64,
+        ] {
             h ^= v;
             h = h.wrapping_mul(0x0000_0100_0000_01b3);
         }
@@ -135,6 +179,7 @@ impl CollectiveConfig {
 pub(crate) struct GroupState {
     seq: u64,
     scratch: Scratch,
+    shm: ShmState,
 }
 
 /// The sub-group id counter of one communicator.
@@ -175,6 +220,7 @@ impl GroupInner {
             state: Arc::new(tokio::sync::Mutex::new(GroupState {
                 seq: 0,
                 scratch: Scratch::new(0),
+                shm: ShmState::Untried,
             })),
         }
     }
@@ -435,6 +481,13 @@ impl Group {
         self.ticket().acquire().await.scratch.held()
     }
 
+    /// Whether this group moves large all-reduces through same-host shared
+    /// memory (waits for the group's turn). The group finds out in its first
+    /// call that would use it; from then on every member reports the same state.
+    pub async fn shared_memory(&self) -> SharedMemory {
+        self.ticket().acquire().await.shm.status()
+    }
+
     // ---- point-to-point within the group, refusing internal tags ----
 
     /// [`Communicator::send`] to a member, refusing tags reserved for collectives
@@ -512,8 +565,15 @@ impl Group {
         })
     }
 
-    /// The algorithm a call of `kind` on a buffer of `size_bytes` (per rank) uses.
+    /// The algorithm a call of `kind` on a buffer of `size_bytes` (per rank) uses,
+    /// while shared memory is still possible for the group.
     pub(crate) fn algorithm_for(&self, kind: Kind, size_bytes: u64) -> Algo {
+        self.algorithm_with(kind, size_bytes, true)
+    }
+
+    /// As [`Group::algorithm_for`]; `shm`: whether the group may still use shared
+    /// memory (the same on every member, see [`super::shm`]).
+    fn algorithm_with(&self, kind: Kind, size_bytes: u64, shm: bool) -> Algo {
         let n = self.size() as u64;
         let ring_capable = matches!(
             kind,
@@ -528,9 +588,16 @@ impl Group {
         if !ring_capable || n <= 1 {
             return Algo::Direct;
         }
+        let shm =
+            shm && kind == Kind::AllReduce && super::shm::usable(self.cfg.shm_segment_bytes, self.size());
         match self.cfg.algorithm {
             Algorithm::Direct => Algo::Direct,
             Algorithm::Ring => Algo::Ring,
+            Algorithm::SharedMemory if shm => Algo::Shm,
+            Algorithm::SharedMemory => Algo::Ring,
+            Algorithm::Auto if shm && size_bytes.saturating_mul(n - 1) >= self.cfg.shm_min_bytes as u64 => {
+                Algo::Shm
+            }
             // With two members a ring reduce moves 1.5x the bytes of the direct one
             // (reduce-scatter both ways, then half to the root) for no benefit.
             Algorithm::Auto if kind == Kind::Reduce && n == 2 => Algo::Direct,
@@ -617,7 +684,9 @@ impl<'g> Call<'g> {
     /// `send_bytes`: what this rank sends in the direct algorithm.
     pub(crate) fn plan(&self, d: &mut Desc, size_bytes: u64, send_bytes: u64) {
         let n = self.group.size() as u64;
-        d.algo = self.group.algorithm_for(self.kind, size_bytes);
+        d.algo = self
+            .group
+            .algorithm_with(self.kind, size_bytes, self.guard.shm.possible());
         d.eager = d.algo == Algo::Direct && n > 1 && send_bytes <= self.group.cfg.eager_max_bytes as u64;
     }
 
@@ -629,6 +698,23 @@ impl<'g> Call<'g> {
 
     pub(crate) fn put_scratch(&mut self, s: Scratch) {
         self.guard.scratch = s;
+    }
+
+    /// Moves the group's shared-memory state out for the call (give it back with
+    /// [`Call::put_shm`]).
+    /// If the call is cancelled before it gives the state back, this member
+    /// stays off shared memory, so its next call disagrees with the others on
+    /// the algorithm (an error on every member) instead of running a different
+    /// protocol.
+    pub(crate) fn take_shm(&mut self) -> ShmState {
+        std::mem::replace(
+            &mut self.guard.shm,
+            ShmState::Unavailable("a call using shared memory was cancelled on this member".to_owned()),
+        )
+    }
+
+    pub(crate) fn put_shm(&mut self, s: ShmState) {
+        self.guard.shm = s;
     }
 
     /// Finishes a call whose local validation failed: tells the other members (an

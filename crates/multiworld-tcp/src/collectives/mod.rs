@@ -31,6 +31,7 @@
 //! | `ops.rs` | the tensor operations |
 //! | `object.rs` | the object operations |
 //! | `algo.rs` | direct, ring and pipelined-chain algorithms |
+//! | `shm.rs` | same-host shared memory: the segment, its setup, the all-reduce through it |
 //! | `desc.rs` | call descriptors and the agreement check (pure) |
 //! | `reduce.rs` | [`ReduceOp`] and the element kernels (pure) |
 //! | `tags.rs` | the reserved tag range (pure) |
@@ -46,12 +47,14 @@ mod handle;
 mod object;
 mod ops;
 mod reduce;
+mod shm;
 mod tags;
 mod util;
 
 pub use group::{Algorithm, CallObserver, CollectiveConfig, Group};
 pub use handle::CollectiveHandle;
 pub use reduce::ReduceOp;
+pub use shm::SharedMemory;
 pub use tags::{
     GROUP_ID_BITS, INTERNAL_TAG_BIT, MAX_GROUP_ID, RUNTIME_GROUP_ID, SEQ_BITS, is_internal_tag, runtime_tag,
 };

@@ -4,10 +4,11 @@
 //! agreement, then the algorithm from `algo.rs` under the member-loss guard.
 
 use crate::collectives::algo::{self, to_peers};
-use crate::collectives::desc::Kind;
+use crate::collectives::desc::{Algo, Kind};
 use crate::collectives::group::{Group, Ticket, finish_sends};
 use crate::collectives::handle::CollectiveHandle;
 use crate::collectives::reduce::{ReduceOp, with_type};
+use crate::collectives::shm;
 use crate::collectives::util::{even_segments, segments_of, view_range};
 use crate::error::{Error, Result};
 use crate::id::Rank;
@@ -223,6 +224,11 @@ impl Group {
         };
         call.plan(&mut d, bytes, send_bytes);
         let mut sc = call.take_scratch();
+        // Only a call that may use the segment takes the group's state (see
+        // `take_shm`). Not bool: a byte another process wrote is only read as a
+        // number type, for which every bit pattern is valid.
+        let mut shm =
+            (root_i.is_none() && d.algo == Algo::Shm && t.dtype() != DType::Bool).then(|| call.take_shm());
         let shape = Shape::of(t);
         let r = call
             .guard(async {
@@ -234,6 +240,17 @@ impl Group {
                 let (_, sends) = cx.exchange(&d, &payloads).await?;
                 drop(payloads);
                 match root_i {
+                    None if shm.is_some() => {
+                        let state = shm
+                            .as_mut()
+                            .ok_or_else(|| Error::invalid("internal: no shared-memory state"))?;
+                        match shm::ensure(cx, state).await? {
+                            Some(seg) => with_type!(t.dtype(), T => {
+                                shm::all_reduce::<T>(cx, seg, &mut sc, t.as_mut_slice::<T>()?, op).await?
+                            }),
+                            None => algo::all_reduce(cx, &mut sc, t, op, &d).await?,
+                        }
+                    }
                     None => algo::all_reduce(cx, &mut sc, t, op, &d).await?,
                     Some(r) => algo::reduce(cx, &mut sc, t, r, op, &d).await?,
                 }
@@ -241,6 +258,9 @@ impl Group {
             })
             .await;
         call.put_scratch(sc);
+        if let Some(shm) = shm {
+            call.put_shm(shm);
+        }
         if r.is_err() {
             shape.restore(t);
         }

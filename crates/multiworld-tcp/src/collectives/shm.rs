@@ -1,0 +1,652 @@
+//! Same-host shared memory for large all-reduces: the data move through one
+//! memory segment mapped by every member, and the TCP mesh carries only the
+//! small messages that order the phases (and, as for every call, detects a lost
+//! member).
+//!
+//! **Setting up** (once per group, inside the first call that picks the
+//! shared-memory algorithm; see `COLLECTIVES.md`): member 0 creates an anonymous
+//! memory file (`memfd`, sealed against resizing), writes a random 128-bit nonce
+//! into its header, and sends every other member an *offer* (its pid, the file
+//! descriptor number, the size and the nonce) over the authenticated mesh. Each
+//! member opens `/proc/<pid>/fd/<fd>`, maps it and checks the size and the nonce,
+//! so a member on another host (or in another pid namespace, or another user)
+//! fails the check instead of mapping some other file; it answers yes or no.
+//! Member 0 tells every member the outcome: all yes, and the group uses the
+//! segment from then on; any no, and the group uses the TCP ring for good. Every
+//! member reaches the same state, so later calls agree on the algorithm. The file
+//! has no name, so nothing is left behind if a process dies: its memory goes when
+//! the last member unmaps it.
+//!
+//! **Layout.** A 4 KiB header, then two buffers, each with one slot per member.
+//! A call works through its tensor in *pieces* of at most one slot, alternating
+//! buffers.
+//!
+//! **One piece** of an all-reduce, on member `p` (the piece is split into `n`
+//! segments as in the ring):
+//! 1. copy the piece's segments other than `p` into `p`'s slot; signal; wait for
+//!    every member's signal;
+//! 2. reduce segment `p` over every member's copy **in rank order** (`x0 op x1 op
+//!    ...`, exactly the sequential reference), write the result into the caller's
+//!    tensor and into segment `p` of `p`'s slot; signal; wait;
+//! 3. copy the other members' reduced segments from their slots.
+//!
+//! A piece writes the buffer that the piece before the previous one read; every
+//! member has finished reading it once it has passed step 1 of the previous
+//! piece, and the agreement round that starts every call orders calls the same
+//! way. So two signals per piece are enough.
+//!
+//! **Trust.** Only members that proved the world's secret get an offer, and the
+//! file can only be opened by the same user. A member that broke the protocol
+//! could corrupt results, as it could by sending wrong data over TCP; it cannot
+//! make others fault (the file is sealed against shrinking).
+
+// The segment is memory shared with other processes: mapping it and reading and
+// writing it need raw pointers. Every `unsafe` block below says why it is sound.
+#![allow(unsafe_code)]
+
+use std::fmt;
+use std::ops::Range;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::collectives::group::Ctx;
+use crate::collectives::reduce::{Kernel, ReduceOp};
+use crate::collectives::util::{Scratch, even_segments, try_join_all};
+use crate::error::{Error, Result};
+use crate::tensor::{DType, Tensor};
+
+/// Size of the segment header (keeps the slots page-aligned).
+const HEADER: usize = 4096;
+/// "MWSHM\0v1" as a little-endian word.
+const MAGIC: u64 = u64::from_le_bytes(*b"MWSHM\0v1");
+/// Elements reduced per block (the running result stays in the L1/L2 cache).
+const BLOCK_BYTES: usize = 32 << 10;
+/// Bytes copied or reduced between two yields to the runtime, so that a
+/// current-thread runtime keeps serving its sockets (and sees a lost member).
+const YIELD_BYTES: usize = 1 << 20;
+/// Words of an offer: present, pid, fd, size, nonce (2).
+const OFFER_WORDS: usize = 6;
+/// Offset of member 0's arrival counter in the header; each member's counter has
+/// its own 64-byte cache line.
+const COUNTERS: usize = 64;
+/// Most members a group may have to use shared memory (one counter line each
+/// in the header).
+pub(crate) const MAX_MEMBERS: usize = (HEADER - COUNTERS) / 64;
+/// Checks of the other members' counters before a barrier waits on a thread.
+const SPINS: usize = 64;
+/// Longest one futex sleep of a waiting thread (it re-checks after).
+const WAIT_SLICE: Duration = Duration::from_millis(10);
+/// Longest a blocking-pool thread waits before handing back to the call.
+const BLOCKING_WAIT: Duration = Duration::from_millis(100);
+
+/// Whether a group moves the data of large all-reduces through shared memory.
+/// See [`crate::collectives::Group::shared_memory`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum SharedMemory {
+    /// Not tried yet: the first call that would use it sets it up.
+    Untried,
+    /// Every member maps the group's segment; large all-reduces use it.
+    Active {
+        /// Size of the segment (memory is only committed where it is written).
+        segment_bytes: usize,
+    },
+    /// The members cannot (or chose not to) share memory; the group uses the
+    /// TCP algorithms for good.
+    Unavailable {
+        /// Why, as seen by this member.
+        reason: String,
+    },
+}
+
+impl fmt::Display for SharedMemory {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SharedMemory::Untried => f.write_str("not tried yet"),
+            SharedMemory::Active { segment_bytes } => write!(f, "active ({segment_bytes} byte segment)"),
+            SharedMemory::Unavailable { reason } => write!(f, "unavailable: {reason}"),
+        }
+    }
+}
+
+/// Whether a segment of `segment_bytes` has slots of at least 64 bytes for a
+/// group of `n` (and a counter for every member): the same answer on every
+/// member, as both are agreed.
+pub(crate) fn usable(segment_bytes: usize, n: usize) -> bool {
+    (2..=MAX_MEMBERS).contains(&n) && segment_bytes.saturating_sub(HEADER) / (2 * n) >= 64
+}
+
+/// A group's shared-memory state (kept between calls).
+pub(crate) enum ShmState {
+    Untried,
+    Ready(Arc<Segment>),
+    Unavailable(String),
+}
+
+impl ShmState {
+    /// Whether the shared-memory algorithm may still be chosen.
+    pub(crate) fn possible(&self) -> bool {
+        !matches!(self, ShmState::Unavailable(_))
+    }
+
+    pub(crate) fn status(&self) -> SharedMemory {
+        match self {
+            ShmState::Untried => SharedMemory::Untried,
+            ShmState::Ready(s) => SharedMemory::Active { segment_bytes: s.len },
+            ShmState::Unavailable(r) => SharedMemory::Unavailable { reason: r.clone() },
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The segment
+
+/// A mapped segment.
+pub(crate) struct Segment {
+    map: memmap2::MmapRaw,
+    len: usize,
+    /// Arrivals this member has made (the members move in lockstep, so this is
+    /// also what every member's counter reaches at the current barrier).
+    arrivals: AtomicU32,
+}
+
+/// What member 0 sends: where to find the segment and how to recognise it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Offer {
+    pid: u64,
+    fd: u64,
+    len: u64,
+    nonce: [u64; 2],
+}
+
+impl Offer {
+    fn encode(&self) -> Vec<u64> {
+        vec![1, self.pid, self.fd, self.len, self.nonce[0], self.nonce[1]]
+    }
+
+    fn decode(w: &[u64]) -> Option<Offer> {
+        match w {
+            [1, pid, fd, len, n0, n1] => Some(Offer {
+                pid: *pid,
+                fd: *fd,
+                len: *len,
+                nonce: [*n0, *n1],
+            }),
+            _ => None,
+        }
+    }
+}
+
+impl Segment {
+    /// Creates a segment of `len` bytes; returns it, the file (to keep open until
+    /// every member has mapped it) and the offer.
+    #[cfg(target_os = "linux")]
+    fn create(len: usize) -> std::result::Result<(Segment, std::fs::File, Offer), String> {
+        use nix::fcntl::{FcntlArg, SealFlag, fcntl};
+        use nix::sys::memfd::{MFdFlags, memfd_create};
+        use std::os::fd::AsRawFd;
+
+        let fd = memfd_create(
+            "multiworld-collectives",
+            MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING,
+        )
+        .map_err(|e| format!("memfd_create: {e}"))?;
+        let file = std::fs::File::from(fd);
+        file.set_len(len as u64)
+            .map_err(|e| format!("sizing the segment to {len} bytes: {e}"))?;
+        fcntl(
+            &file,
+            FcntlArg::F_ADD_SEALS(SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_SEAL),
+        )
+        .map_err(|e| format!("sealing the segment: {e}"))?;
+        let seg = Segment::map(&file, len)?;
+        let nonce = [rand::random::<u64>(), rand::random::<u64>()];
+        seg.write_header(nonce);
+        let offer = Offer {
+            pid: u64::from(std::process::id()),
+            fd: u64::try_from(file.as_raw_fd()).map_err(|_| "negative file descriptor".to_owned())?,
+            len: len as u64,
+            nonce,
+        };
+        Ok((seg, file, offer))
+    }
+
+    #[cfg(not(target_os = "linux"))]
+    fn create(_len: usize) -> std::result::Result<(Segment, std::fs::File, Offer), String> {
+        Err("shared memory between members needs Linux".to_owned())
+    }
+
+    /// Opens the segment member 0 offered, if it is this host's and the one it
+    /// described.
+    #[cfg(target_os = "linux")]
+    fn open(offer: &Offer, want_len: usize) -> std::result::Result<Segment, String> {
+        if offer.len != want_len as u64 {
+            return Err(format!(
+                "offered a {} byte segment, this member expects {want_len} bytes",
+                offer.len
+            ));
+        }
+        let path = format!("/proc/{}/fd/{}", offer.pid, offer.fd);
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .map_err(|e| format!("opening {path}: {e} (not the same host, pid namespace or user?)"))?;
+        let meta = file.metadata().map_err(|e| format!("{path}: {e}"))?;
+        if meta.len() != offer.len {
+            return Err(format!(
+                "{path} has {} bytes, not the offered {}",
+                meta.len(),
+                offer.len
+            ));
+        }
+        let seg = Segment::map(&file, want_len)?;
+        if seg.header() != (MAGIC, offer.nonce) {
+            return Err(format!(
+                "{path} is not the offered segment (another host's process?)"
+            ));
+        }
+        Ok(seg)
+    }
+
+    #[cfg(not(target_os = "linux"))]
+    fn open(_offer: &Offer, _want_len: usize) -> std::result::Result<Segment, String> {
+        Err("shared memory between members needs Linux".to_owned())
+    }
+
+    fn map(file: &std::fs::File, len: usize) -> std::result::Result<Segment, String> {
+        if len < HEADER {
+            return Err(format!("a segment needs at least {HEADER} bytes"));
+        }
+        let map = memmap2::MmapOptions::new()
+            .len(len)
+            .map_raw(file)
+            .map_err(|e| format!("mapping the segment: {e}"))?;
+        Ok(Segment {
+            map,
+            len,
+            arrivals: AtomicU32::new(0),
+        })
+    }
+
+    fn write_header(&self, nonce: [u64; 2]) {
+        let p = self.map.as_mut_ptr().cast::<u64>();
+        // SAFETY: the mapping is at least HEADER bytes, page-aligned, and nobody
+        // else has it yet (it is written before the offer is sent).
+        unsafe {
+            p.write_volatile(MAGIC);
+            p.add(1).write_volatile(nonce[0]);
+            p.add(2).write_volatile(nonce[1]);
+        }
+    }
+
+    fn header(&self) -> (u64, [u64; 2]) {
+        let p = self.map.as_ptr().cast::<u64>();
+        // SAFETY: as in `write_header`; the header is only written before the
+        // offer, so it does not change while it is read.
+        unsafe {
+            (
+                p.read_volatile(),
+                [p.add(1).read_volatile(), p.add(2).read_volatile()],
+            )
+        }
+    }
+
+    /// Member `p`'s arrival counter.
+    fn counter(&self, p: usize) -> Result<&AtomicU32> {
+        if p >= MAX_MEMBERS {
+            return Err(Error::invalid(format!(
+                "internal: no arrival counter for member {p}"
+            )));
+        }
+        // SAFETY: the counter lies inside the header (checked above), is 4-byte
+        // aligned (64-byte lines in a page-aligned mapping) and lives as long as
+        // `self`; every member only touches it atomically.
+        Ok(unsafe { AtomicU32::from_ptr(self.map.as_mut_ptr().add(COUNTERS + 64 * p).cast::<u32>()) })
+    }
+
+    /// Whether every member other than `me` has made arrival `target`.
+    fn all_arrived(&self, n: usize, me: usize, target: u32) -> Result<bool> {
+        for q in (0..n).filter(|&q| q != me) {
+            let v = self.counter(q)?.load(Ordering::Acquire);
+            // Counters wrap; the others are never more than one arrival ahead.
+            if (v.wrapping_sub(target) as i32) < 0 {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
+    /// Sleeps (blocking this thread) until every other member has made arrival
+    /// `target`, or `limit` has passed; returns whether they all did.
+    fn wait_blocking(&self, n: usize, me: usize, target: u32, limit: Duration) -> Result<bool> {
+        let started = Instant::now();
+        for q in (0..n).filter(|&q| q != me) {
+            let c = self.counter(q)?;
+            loop {
+                let v = c.load(Ordering::Acquire);
+                if v.wrapping_sub(target) as i32 >= 0 {
+                    break;
+                }
+                let left = limit.saturating_sub(started.elapsed());
+                if left.is_zero() {
+                    return Ok(false);
+                }
+                futex::wait(c, v, left.min(WAIT_SLICE));
+            }
+        }
+        Ok(true)
+    }
+    /// Bytes per slot for a group of `n`: two buffers of `n` slots after the
+    /// header, each a multiple of 64 bytes.
+    fn slot_bytes(&self, n: usize) -> usize {
+        ((self.len - HEADER) / (2 * n.max(1))) & !63
+    }
+
+    /// Elements `range` of slot `slot` of buffer `buf`, as a typed pointer.
+    /// Fails (instead of pointing outside the mapping) if they do not fit.
+    fn ptr<T>(&self, n: usize, buf: usize, slot: usize, range: &Range<usize>) -> Result<*mut T> {
+        let sb = self.slot_bytes(n);
+        let size = std::mem::size_of::<T>();
+        if buf > 1 || slot >= n || range.start > range.end || range.end.saturating_mul(size) > sb {
+            return Err(Error::invalid(format!(
+                "internal: elements {range:?} of slot {slot} of buffer {buf} outside the segment"
+            )));
+        }
+        let off = HEADER + (buf * n + slot) * sb + range.start * size;
+        // SAFETY: `off + range.len() * size` is within the mapping (checked
+        // above: the slot lies inside `len`), and the offset keeps `T`'s
+        // alignment (the mapping is page-aligned, slots are multiples of 64 bytes
+        // and the element offset is a multiple of `size`).
+        Ok(unsafe { self.map.as_mut_ptr().add(off) }.cast::<T>())
+    }
+
+    /// A shared view of slot elements. The protocol guarantees that no member
+    /// writes them while this call reads them (see the module docs).
+    fn read<T>(&self, n: usize, buf: usize, slot: usize, range: Range<usize>) -> Result<&[T]> {
+        let p = self.ptr::<T>(n, buf, slot, &range)?;
+        // SAFETY: in bounds and aligned (`ptr`); the element types used here are
+        // plain numbers, valid for any bit pattern; the phases of the protocol
+        // keep writers out of this range while the view lives.
+        Ok(unsafe { std::slice::from_raw_parts(p, range.len()) })
+    }
+
+    /// A mutable view of slot elements that only this member writes, and nobody
+    /// reads, in the current phase.
+    #[allow(clippy::mut_from_ref)]
+    fn write<T>(&self, n: usize, buf: usize, slot: usize, range: Range<usize>) -> Result<&mut [T]> {
+        let p = self.ptr::<T>(n, buf, slot, &range)?;
+        // SAFETY: as in `read`; in this phase only this member touches the range
+        // and the call makes one view of it at a time.
+        Ok(unsafe { std::slice::from_raw_parts_mut(p, range.len()) })
+    }
+}
+
+/// Sleeping on a counter in the segment until another member changes it.
+#[cfg(target_os = "linux")]
+mod futex {
+    use std::sync::atomic::AtomicU32;
+    use std::time::Duration;
+
+    /// Sleeps while `word` holds `expected`, at most `timeout` (wakes early on
+    /// [`wake`], a signal, or spuriously: callers re-check).
+    pub(super) fn wait(word: &AtomicU32, expected: u32, timeout: Duration) {
+        let ts = libc::timespec {
+            tv_sec: libc::time_t::try_from(timeout.as_secs()).unwrap_or(libc::time_t::MAX),
+            // Below 10^9, so it fits a c_long on every target.
+            tv_nsec: timeout.subsec_nanos() as libc::c_long,
+        };
+        // SAFETY: `word` is a valid, aligned u32 for the whole call; FUTEX_WAIT
+        // (the shared variant, as the word is in memory shared between
+        // processes) only reads it, and `ts` outlives the call.
+        unsafe {
+            libc::syscall(
+                libc::SYS_futex,
+                word.as_ptr(),
+                libc::FUTEX_WAIT,
+                expected,
+                &ts as *const libc::timespec,
+                std::ptr::null::<u32>(),
+                0u32,
+            );
+        }
+    }
+
+    /// Wakes every member sleeping on `word`.
+    pub(super) fn wake(word: &AtomicU32) {
+        // SAFETY: as in `wait`; FUTEX_WAKE does not touch the word's memory.
+        unsafe {
+            libc::syscall(
+                libc::SYS_futex,
+                word.as_ptr(),
+                libc::FUTEX_WAKE,
+                i32::MAX,
+                std::ptr::null::<libc::timespec>(),
+                std::ptr::null::<u32>(),
+                0u32,
+            );
+        }
+    }
+}
+
+/// Elsewhere no segment is ever set up; waiting just yields.
+#[cfg(not(target_os = "linux"))]
+mod futex {
+    use std::sync::atomic::AtomicU32;
+    use std::time::Duration;
+
+    pub(super) fn wait(_word: &AtomicU32, _expected: u32, _timeout: Duration) {
+        std::thread::yield_now();
+    }
+
+    pub(super) fn wake(_word: &AtomicU32) {}
+}
+
+// ---------------------------------------------------------------------------
+// Setting up
+
+/// The segment to use, setting it up if this group has not tried yet; `None`
+/// when the members cannot share memory (the caller then runs the TCP ring).
+/// Every member calls it in the same call, and all reach the same state.
+pub(crate) async fn ensure<'s>(cx: Ctx<'_>, state: &'s mut ShmState) -> Result<Option<&'s Arc<Segment>>> {
+    if let ShmState::Untried = state {
+        *state = setup(cx).await?;
+    }
+    Ok(match state {
+        ShmState::Ready(seg) => Some(seg),
+        _ => None,
+    })
+}
+
+async fn setup(cx: Ctx<'_>) -> Result<ShmState> {
+    let n = cx.n();
+    let len = cx.cfg.shm_segment_bytes;
+    let rank = cx.comm.rank();
+    if cx.me == 0 {
+        let created = if cx.cfg.shared_memory {
+            Segment::create(len)
+        } else {
+            Err("shared memory is turned off in this member's CollectiveConfig".to_owned())
+        };
+        let words = match &created {
+            Ok((_, _, offer)) => offer.encode(),
+            Err(_) => vec![0; OFFER_WORDS],
+        };
+        let offers: Vec<_> = cx.peers().map(|q| (q, Tensor::from(words.clone()))).collect();
+        try_join_all(offers.iter().map(|(q, t)| cx.send(*q, t))).await?;
+        let answers = try_join_all(cx.peers().map(|q| async move {
+            let t = cx.recv_new(q, Tensor::zeros(DType::U64, [1])?).await?;
+            Ok((q, t.as_slice::<u64>()?.first().copied().unwrap_or(0)))
+        }))
+        .await?;
+        let refused = answers.iter().find(|(_, ok)| *ok != 1).map(|(q, _)| *q);
+        let outcome = match (&created, refused) {
+            (Err(e), _) => Err(format!("member 0 (rank {rank}) could not share memory: {e}")),
+            (Ok(_), Some(q)) => Err(format!(
+                "rank {} could not map the segment (its log says why)",
+                cx.members[q]
+            )),
+            (Ok(_), None) => Ok(()),
+        };
+        let verdict = [u64::from(outcome.is_ok()), refused.map_or(u64::MAX, |q| q as u64)];
+        try_join_all(cx.peers().map(|q| cx.send(q, &verdict[..]))).await?;
+        Ok(match (created, outcome) {
+            // The file closes here; every member has its mapping.
+            (Ok((seg, _file, _)), Ok(())) => ShmState::Ready(Arc::new(seg)),
+            (_, Err(reason)) | (Err(reason), _) => {
+                tracing::info!(rank = %rank, group = cx.group_id, %reason, "collectives use TCP only");
+                ShmState::Unavailable(reason)
+            }
+        })
+    } else {
+        let w = cx.recv_new(0, Tensor::zeros(DType::U64, [OFFER_WORDS])?).await?;
+        let opened = if !cx.cfg.shared_memory {
+            Err("shared memory is turned off in this member's CollectiveConfig".to_owned())
+        } else {
+            match Offer::decode(w.as_slice::<u64>()?) {
+                Some(offer) => Segment::open(&offer, len),
+                None => Err(format!("rank {} made no offer", cx.members[0])),
+            }
+        };
+        if let Err(reason) = &opened {
+            tracing::info!(rank = %rank, group = cx.group_id, %reason, "cannot map the group's shared memory");
+        }
+        cx.send(0, &[u64::from(opened.is_ok())][..]).await?;
+        let v = cx.recv_new(0, Tensor::zeros(DType::U64, [2])?).await?;
+        let v = v.as_slice::<u64>()?;
+        let (ok, who) = (v.first() == Some(&1), v.get(1).copied().unwrap_or(u64::MAX));
+        Ok(match opened {
+            Ok(seg) if ok => ShmState::Ready(Arc::new(seg)),
+            Err(reason) => ShmState::Unavailable(reason),
+            Ok(_) => {
+                let reason = match usize::try_from(who).ok().and_then(|q| cx.members.get(q)) {
+                    Some(r) => format!("rank {r} could not map the segment (its log says why)"),
+                    None => format!("rank {} could not share memory (its log says why)", cx.members[0]),
+                };
+                tracing::info!(rank = %rank, group = cx.group_id, %reason, "collectives use TCP only");
+                ShmState::Unavailable(reason)
+            }
+        })
+    }
+    .inspect(|s| {
+        if let ShmState::Ready(seg) = s {
+            tracing::debug!(rank = %rank, group = cx.group_id, n, bytes = seg.len, "shared-memory segment mapped");
+        }
+    })
+}
+
+// ---------------------------------------------------------------------------
+// The algorithm
+
+/// A barrier through the segment: publishes this member's arrival (after its
+/// writes, `Release`) and waits until every other member has arrived too
+/// (`Acquire`, so their writes are visible). After a short spin, the waiting is
+/// done on a blocking-pool thread that sleeps on the members' counters (a
+/// futex), so no runtime thread is held: other tasks (other ranks in this
+/// runtime, other worlds, the call's guard watching for a lost member or a
+/// deadline) keep running. A call that ends early leaves that thread to finish
+/// its current wait (at most [`BLOCKING_WAIT`]).
+async fn arrive_and_wait(cx: Ctx<'_>, seg: &Arc<Segment>) -> Result<()> {
+    let (n, me) = (cx.n(), cx.me);
+    let target = seg.arrivals.fetch_add(1, Ordering::Relaxed).wrapping_add(1);
+    let mine = seg.counter(me)?;
+    mine.store(target, Ordering::Release);
+    futex::wake(mine);
+    for _ in 0..SPINS {
+        if seg.all_arrived(n, me, target)? {
+            return Ok(());
+        }
+        std::hint::spin_loop();
+    }
+    loop {
+        let s = Arc::clone(seg);
+        let done = tokio::task::spawn_blocking(move || s.wait_blocking(n, me, target, BLOCKING_WAIT))
+            .await
+            .map_err(|e| Error::invalid(format!("internal: shared-memory wait failed: {e}")))??;
+        if done {
+            return Ok(());
+        }
+    }
+}
+
+/// Copies `src` into `dst` in pieces, yielding to the runtime between them.
+async fn copy_yielding<T: Copy>(dst: &mut [T], src: &[T]) {
+    let step = (YIELD_BYTES / std::mem::size_of::<T>().max(1)).max(1);
+    for (d, s) in dst.chunks_mut(step).zip(src.chunks(step)) {
+        d.copy_from_slice(s);
+        tokio::task::yield_now().await;
+    }
+}
+
+/// All-reduce of `data` in place through the segment (see the module docs).
+pub(crate) async fn all_reduce<T: Kernel>(
+    cx: Ctx<'_>,
+    seg: &Arc<Segment>,
+    sc: &mut Scratch,
+    data: &mut [T],
+    op: ReduceOp,
+) -> Result<()> {
+    let (n, me) = (cx.n(), cx.me);
+    let size = std::mem::size_of::<T>().max(1);
+    let piece = seg.slot_bytes(n) / size;
+    if piece == 0 {
+        return Err(Error::invalid("internal: shared-memory slots too small"));
+    }
+    let block = (BLOCK_BYTES / size).max(1);
+    let mut tmp = sc.take(T::DTYPE, block)?;
+    let eop = op.elem();
+    let mut buf = 0;
+    let mut start = 0;
+    while start < data.len() {
+        let len = piece.min(data.len() - start);
+        let x = &mut data[start..start + len];
+        let segs = even_segments(len, n);
+        // 1. Publish what the others reduce.
+        for (_, s) in segs.iter().enumerate().filter(|&(q, _)| q != me) {
+            copy_yielding(seg.write::<T>(n, buf, me, s.clone())?, &x[s.clone()]).await;
+        }
+        arrive_and_wait(cx, seg).await?;
+        // 2. Reduce this member's segment in rank order.
+        let mine = segs[me].clone();
+        let acc = &mut tmp.as_mut_slice::<T>()?[..];
+        let mut done = 0;
+        let mut at = mine.start;
+        while at < mine.end {
+            let b = at..(at + block).min(mine.end);
+            let a = &mut acc[..b.len()];
+            for q in 0..n {
+                let src: &[T] = if q == me {
+                    &x[b.clone()]
+                } else {
+                    seg.read::<T>(n, buf, q, b.clone())?
+                };
+                if q == 0 {
+                    a.copy_from_slice(src);
+                } else {
+                    T::combine_assign(eop, a, src);
+                }
+            }
+            if op == ReduceOp::Avg {
+                T::divide(a, n);
+            }
+            x[b.clone()].copy_from_slice(a);
+            seg.write::<T>(n, buf, me, b.clone())?.copy_from_slice(a);
+            done += b.len() * size * n;
+            if done >= YIELD_BYTES {
+                done = 0;
+                tokio::task::yield_now().await;
+            }
+            at = b.end;
+        }
+        arrive_and_wait(cx, seg).await?;
+        // 3. Take the others' results.
+        for (q, s) in segs.iter().enumerate().filter(|&(q, _)| q != me) {
+            copy_yielding(&mut x[s.clone()], seg.read::<T>(n, buf, q, s.clone())?).await;
+        }
+        buf ^= 1;
+        start += len;
+    }
+    sc.give(tmp);
+    Ok(())
+}

@@ -1,0 +1,929 @@
+//! The same-host shared-memory all-reduce (`Algorithm::SharedMemory`, and
+//! `Algorithm::Auto` above `shm_min_bytes`) between in-process ranks: every
+//! dtype × reduce op on 2, 3 and 5 ranks, bit for bit equal to the sequential
+//! rank-order reference even with general (non-integer) floats; tensors that go
+//! through the segment in many pieces, back to back and interleaved with other
+//! operations and handle forms; the Auto threshold on 1 to 8 ranks; one 16 MiB
+//! case; a member that declines (the group falls back to the ring for good);
+//! sub-groups with their own segments, set up and used concurrently with the
+//! world's; settings that disagree; a member lost in the middle of a call; a
+//! member that never calls; no file descriptor or mapping left behind.
+//!
+//! The tests run one at a time (see [`run`]): they measure time, count file
+//! descriptors and mappings of this process, and share two cores.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+#[path = "common/coll.rs"]
+mod coll;
+mod common;
+
+use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use coll::*;
+use common::eventually;
+use multiworld_tcp::collectives::{Algorithm, CollectiveConfig, Group, ReduceOp, SharedMemory};
+use multiworld_tcp::{DType, Error, Rank, Tensor, bf16, f16};
+
+/// Default segment size (see `CollectiveConfig::shm_segment_bytes`).
+const DEFAULT_SEGMENT: usize = 32 << 20;
+
+/// Runs one test on its own runtime (multi-thread, 2 workers), one test of this
+/// file at a time, so that timings, descriptor counts and mappings are this
+/// test's own; the runtime is shut down before the next test starts.
+fn run<F: Future>(f: F) -> F::Output {
+    static SERIAL: Mutex<()> = Mutex::new(());
+    let _one_at_a_time = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let out = rt.block_on(f);
+    drop(rt);
+    out
+}
+
+fn shm_cfg() -> CollectiveConfig {
+    CollectiveConfig::default().with_algorithm(Algorithm::SharedMemory)
+}
+
+/// A config whose segment has slots of `slot` bytes for `n` members.
+fn small_segment(n: usize, slot: usize) -> CollectiveConfig {
+    let mut c = shm_cfg();
+    c.shm_segment_bytes = 4096 + 2 * n * slot;
+    c
+}
+
+fn with_cfg(gs: &[Group], cfg: &CollectiveConfig) -> Vec<Group> {
+    gs.iter().map(|g| g.with_config(cfg.clone())).collect()
+}
+
+async fn statuses(gs: &[Group]) -> Vec<SharedMemory> {
+    let mut out = Vec::new();
+    for g in gs {
+        out.push(g.shared_memory().await);
+    }
+    out
+}
+
+#[track_caller]
+fn assert_all(got: &[SharedMemory], want: &SharedMemory, what: &str) {
+    for (r, s) in got.iter().enumerate() {
+        assert_eq!(s, want, "{what}: member {r}");
+    }
+}
+
+fn seed_of(parts: &[u64]) -> u64 {
+    parts.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &p| {
+        (h ^ p).wrapping_mul(0x100_0000_01b3)
+    })
+}
+
+/// Rank `rank`'s input: for floats, general values `±(1 + m) × 2^e` (random
+/// mantissa bits, exponents spread over a range; never zero, infinite or NaN),
+/// so that sums and products round and only the rank-order reduction gives the
+/// reference's bits; other dtypes as [`input`].
+fn general_input(dtype: DType, numel: usize, rank: usize, seed: u64) -> Tensor {
+    let mut r = Rng::new(seed ^ ((rank as u64 + 1) * 0x9e37_79b9) ^ (numel as u64).rotate_left(17));
+    let mut val = |bits: u32, e_max: u64| -> f64 {
+        let m = (r.next() >> 11) & ((1u64 << bits) - 1);
+        let e = (r.next() % (2 * e_max + 1)) as i32 - e_max as i32;
+        let s = if r.next() & 1 == 1 { -1.0 } else { 1.0 };
+        s * (1.0 + m as f64 / (1u64 << bits) as f64) * 2f64.powi(e)
+    };
+    match dtype {
+        DType::F16 => Tensor::from((0..numel).map(|_| f16::from_f64(val(10, 3))).collect::<Vec<_>>()),
+        DType::BF16 => Tensor::from((0..numel).map(|_| bf16::from_f64(val(7, 12))).collect::<Vec<_>>()),
+        DType::F32 => Tensor::from((0..numel).map(|_| val(23, 20) as f32).collect::<Vec<_>>()),
+        DType::F64 => Tensor::from((0..numel).map(|_| val(52, 40)).collect::<Vec<_>>()),
+        d => input(d, numel, rank, seed),
+    }
+}
+
+/// Payload bytes this member has sent to the other members so far.
+fn bytes_sent(g: &Group) -> u64 {
+    g.ranks()
+        .iter()
+        .filter_map(|&r| g.comm().peer_stats(r))
+        .map(|s| s.bytes_sent)
+        .sum()
+}
+
+// ------------------------------------------------------------------- 1. matrix
+
+const MATRIX_LENGTHS: [usize; 5] = [0, 1, 4, 1009, 3031];
+
+/// Every (dtype, reduce op) pair through the shared-memory all-reduce on `n`
+/// ranks; undefined pairs fail with InvalidArgument as with the other algorithms.
+async fn shm_matrix(n: u32) {
+    let gs = with_cfg(&groups(&format!("shm-matrix-{n}"), n).await, &shm_cfg());
+    assert_all(&statuses(&gs).await, &SharedMemory::Untried, "before any call");
+    let t0 = Instant::now();
+    let counts = on_all(&gs, |me, g| async move {
+        let n = g.size();
+        let mut checked = 0usize;
+        for dtype in DType::ALL {
+            for op in ReduceOp::ALL {
+                for len in MATRIX_LENGTHS {
+                    let seed = seed_of(&[dtype.code().into(), op as u64, len as u64, n as u64]);
+                    let what = format!("n={n} shm {dtype} {op} len={len}");
+                    let ins: Vec<Tensor> = (0..n).map(|r| general_input(dtype, len, r, seed)).collect();
+                    let mut t = ins[me].clone();
+                    if !op.supports(dtype) {
+                        let e = g.all_reduce(&mut t, op).await.unwrap_err();
+                        assert!(
+                            matches!(&e, Error::InvalidArgument(m) if m.contains("not defined")),
+                            "{what}: {e}"
+                        );
+                        assert_same(&t, &ins[me], "input untouched");
+                        continue;
+                    }
+                    let want = reference(&ins, op);
+                    g.all_reduce(&mut t, op).await.unwrap();
+                    assert_same(&t, &want, &format!("all_reduce {what}"));
+                    checked += 1;
+                }
+            }
+        }
+        checked
+    })
+    .await;
+    println!(
+        "n={n}: {} checked shm all-reduces per rank in {:?}",
+        counts[0],
+        t0.elapsed()
+    );
+    assert!(counts.iter().all(|&c| c == counts[0] && c > 0));
+    assert_all(
+        &statuses(&gs).await,
+        &SharedMemory::Active {
+            segment_bytes: DEFAULT_SEGMENT,
+        },
+        &format!("n={n} after the matrix"),
+    );
+}
+
+#[test]
+fn every_dtype_and_reduce_op_bit_exact_in_rank_order() {
+    // The inputs have the power to tell the orders apart: with 3 or more ranks,
+    // summing general floats in another order changes some bits.
+    let ins: Vec<Tensor> = (0..3).map(|r| general_input(DType::F32, 1009, r, 1)).collect();
+    let reversed: Vec<Tensor> = ins.iter().rev().cloned().collect();
+    assert_ne!(
+        reference(&ins, ReduceOp::Sum).as_bytes(),
+        reference(&reversed, ReduceOp::Sum).as_bytes(),
+        "general float inputs must depend on the order of the ranks"
+    );
+    run(async {
+        for n in [2, 3, 5] {
+            shm_matrix(n).await;
+        }
+    });
+}
+
+// --------------------------------------------------------------- 2. many pieces
+
+#[test]
+fn tensors_larger_than_a_slot_go_through_in_pieces() {
+    run(async {
+        const N: usize = 3;
+        const SLOT: usize = 4096;
+        let cfg = small_segment(N, SLOT);
+        let seg = cfg.shm_segment_bytes;
+        let gs = with_cfg(&groups("shm-pieces", N as u32).await, &cfg);
+        // Operations other than all_reduce run as with `Algorithm::Ring` and
+        // do not set up the segment (small-integer inputs: exact in any order).
+        on_all(&gs, |me, g| async move {
+            let ins: Vec<Tensor> = (0..N).map(|r| input(DType::F32, 30_001, r, 20)).collect();
+            let want = reference(&ins, ReduceOp::Sum);
+            let mut t = ins[me].clone();
+            g.reduce(&mut t, Rank(2), ReduceOp::Sum).await.unwrap();
+            assert_same(&t, if me == 2 { &want } else { &ins[me] }, "reduce");
+            let big: Vec<Tensor> = (0..N).map(|r| input(DType::BF16, N * 10_007, r, 21)).collect();
+            let want_big = reference(&big, ReduceOp::Avg);
+            let mut out = Tensor::zeros(DType::BF16, [10_007]).unwrap();
+            g.reduce_scatter_tensor(&mut out, &big[me], ReduceOp::Avg)
+                .await
+                .unwrap();
+            assert_same(
+                &out,
+                &slice(&want_big, me * 10_007..(me + 1) * 10_007),
+                "reduce_scatter_tensor",
+            );
+            let src = input(DType::I16, 40_000, 0, 22);
+            let mut t = if me == 0 {
+                src.clone()
+            } else {
+                Tensor::zeros(DType::I16, [40_000]).unwrap()
+            };
+            g.broadcast(&mut t, Rank(0)).await.unwrap();
+            assert_same(&t, &src, "broadcast");
+        })
+        .await;
+        assert_all(
+            &statuses(&gs).await,
+            &SharedMemory::Untried,
+            "after other operations",
+        );
+        let t0 = Instant::now();
+        // Back to back: many pieces, exactly one piece, one piece and one
+        // element, whole pieces, and dtypes of every width in successive calls.
+        let calls: Vec<(DType, ReduceOp, usize)> = vec![
+            (DType::F32, ReduceOp::Sum, 300_007),
+            (DType::F64, ReduceOp::Avg, SLOT / 8),
+            (DType::F64, ReduceOp::Product, SLOT / 8 + 1),
+            (DType::I8, ReduceOp::Sum, SLOT * 7 + 5),
+            (DType::BF16, ReduceOp::Max, SLOT / 2 * 3),
+            (DType::U64, ReduceOp::BXor, 20_001),
+            (DType::F16, ReduceOp::Sum, 50_001),
+            (DType::Bool, ReduceOp::Min, 9_999),
+            (DType::F32, ReduceOp::Avg, 2 * SLOT / 4 - 1),
+        ];
+        let calls = Arc::new(calls);
+        on_all(&gs, move |me, g| {
+            let calls = Arc::clone(&calls);
+            async move {
+                for (i, &(dtype, op, len)) in calls.iter().enumerate() {
+                    let ins: Vec<Tensor> = (0..N).map(|r| general_input(dtype, len, r, i as u64)).collect();
+                    let mut t = ins[me].clone();
+                    g.all_reduce(&mut t, op).await.unwrap();
+                    assert_same(
+                        &t,
+                        &reference(&ins, op),
+                        &format!("call {i}: {dtype} {op} len={len}"),
+                    );
+                }
+            }
+        })
+        .await;
+        println!("back-to-back calls in {:?}", t0.elapsed());
+        // Handle forms, started back to back and interleaved with other
+        // operations, then awaited.
+        let t0 = Instant::now();
+        on_all(&gs, |me, g| async move {
+            let ar = |dtype: DType, len: usize, seed: u64| -> Vec<Tensor> {
+                (0..N).map(|r| general_input(dtype, len, r, seed)).collect()
+            };
+            let a = ar(DType::F32, 100_003, 10);
+            let b = ar(DType::F64, 7_777, 11);
+            let c = ar(DType::I32, 4_099, 12);
+            let bc = general_input(DType::U8, 50_000, 1, 13);
+            let gin: Vec<Tensor> = (0..N)
+                .map(|r| general_input(DType::BF16, 1_000 + r, r, 14))
+                .collect();
+
+            let h1 = g.all_reduce_handle(a[me].clone(), ReduceOp::Sum);
+            let bt = if me == 1 {
+                bc.clone()
+            } else {
+                Tensor::zeros(DType::U8, [50_000]).unwrap()
+            };
+            let h2 = g.broadcast_handle(bt, Rank(1));
+            let h3 = g.all_reduce_handle(b[me].clone(), ReduceOp::Avg);
+            let outs: Vec<Tensor> = (0..N)
+                .map(|r| Tensor::zeros(DType::BF16, [1_000 + r]).unwrap())
+                .collect();
+            let h4 = g.all_gather_handle(outs, gin[me].clone());
+            let h5 = g.all_reduce_handle(c[me].clone(), ReduceOp::Max);
+            let h6 = g.all_reduce_handle(Tensor::zeros(DType::F32, [0]).unwrap(), ReduceOp::Sum);
+            // A blocking-style call queued behind them.
+            let mut d = a[me].clone();
+            g.all_reduce(&mut d, ReduceOp::Product).await.unwrap();
+
+            assert_same(&h1.await.unwrap(), &reference(&a, ReduceOp::Sum), "handle 1");
+            assert_same(&h2.await.unwrap(), &bc, "broadcast between");
+            assert_same(&h3.await.unwrap(), &reference(&b, ReduceOp::Avg), "handle 3");
+            for (r, o) in h4.await.unwrap().iter().enumerate() {
+                assert_same(o, &gin[r], &format!("all_gather output {r}"));
+            }
+            assert_same(&h5.await.unwrap(), &reference(&c, ReduceOp::Max), "handle 5");
+            assert_eq!(h6.await.unwrap().numel(), 0);
+            assert_same(
+                &d,
+                &reference(&a, ReduceOp::Product),
+                "blocking call after handles",
+            );
+        })
+        .await;
+        println!("handles in {:?}", t0.elapsed());
+        assert_all(
+            &statuses(&gs).await,
+            &SharedMemory::Active { segment_bytes: seg },
+            "small segment",
+        );
+    });
+}
+
+// ------------------------------------------------------ 3. Auto, sizes 1 to 8
+
+#[test]
+fn auto_uses_shared_memory_from_the_threshold_on_every_world_size() {
+    run(async {
+        let min = CollectiveConfig::default().shm_min_bytes;
+        let t0 = Instant::now();
+        for n in 1..=8u32 {
+            let gs = groups(&format!("shm-auto-{n}"), n).await;
+            let nu = n as usize;
+            // The smallest f32 length with `bytes × (n − 1) >= shm_min_bytes`.
+            let at = if nu == 1 {
+                1 << 18
+            } else {
+                min.div_ceil(4 * (nu - 1))
+            };
+            // Just below: the TCP algorithms, shared memory not tried.
+            if nu > 1 {
+                let ins: Arc<Vec<Tensor>> =
+                    Arc::new((0..nu).map(|r| input(DType::F32, at - 1, r, 1)).collect());
+                let want = Arc::new(reference(&ins, ReduceOp::Sum));
+                on_all(&gs, |me, g| {
+                    let (ins, want) = (Arc::clone(&ins), Arc::clone(&want));
+                    async move {
+                        let mut t = ins[me].clone();
+                        g.all_reduce(&mut t, ReduceOp::Sum).await.unwrap();
+                        assert_same(&t, &want, &format!("n={n} below the threshold"));
+                    }
+                })
+                .await;
+                assert_all(
+                    &statuses(&gs).await,
+                    &SharedMemory::Untried,
+                    &format!("n={n} below the threshold"),
+                );
+            }
+            // At the threshold: shared memory, and the data do not go over TCP.
+            let ins: Arc<Vec<Tensor>> = Arc::new((0..nu).map(|r| input(DType::F32, at, r, 2)).collect());
+            let want = Arc::new(reference(&ins, ReduceOp::Sum));
+            let sent = on_all(&gs, |me, g| {
+                let (ins, want) = (Arc::clone(&ins), Arc::clone(&want));
+                async move {
+                    let before = bytes_sent(&g);
+                    let mut t = ins[me].clone();
+                    g.all_reduce(&mut t, ReduceOp::Sum).await.unwrap();
+                    assert_same(&t, &want, &format!("n={n} at the threshold"));
+                    bytes_sent(&g) - before
+                }
+            })
+            .await;
+            let st = statuses(&gs).await;
+            if nu == 1 {
+                assert_all(&st, &SharedMemory::Untried, "a group of one");
+            } else {
+                assert_all(
+                    &st,
+                    &SharedMemory::Active {
+                        segment_bytes: DEFAULT_SEGMENT,
+                    },
+                    &format!("n={n} at the threshold"),
+                );
+                for (r, s) in sent.iter().enumerate() {
+                    // Less than a quarter of the tensor's bytes.
+                    assert!(
+                        *s < at as u64,
+                        "n={n} rank {r} sent {s} bytes over TCP for a {} byte shm all-reduce",
+                        at * 4
+                    );
+                }
+            }
+        }
+        println!("world sizes 1..=8 in {:?}", t0.elapsed());
+    });
+}
+
+/// The one large case: 16 MiB per rank on 4 ranks with the default settings
+/// (Auto picks shared memory; slots of 4 MiB, so four pieces), general floats,
+/// bit for bit; the data do not go over TCP.
+#[test]
+fn a_16_mib_all_reduce_with_the_default_settings() {
+    run(async {
+        const LEN: usize = 4 << 20;
+        let gs = groups("shm-16mib", 4).await;
+        let ins: Arc<Vec<Tensor>> = Arc::new((0..4).map(|r| general_input(DType::F32, LEN, r, 16)).collect());
+        let want = Arc::new(reference(&ins, ReduceOp::Sum));
+        let t0 = Instant::now();
+        let sent = on_all(&gs, move |me, g| {
+            let (ins, want) = (Arc::clone(&ins), Arc::clone(&want));
+            async move {
+                let before = bytes_sent(&g);
+                let mut t = ins[me].clone();
+                g.all_reduce(&mut t, ReduceOp::Sum).await.unwrap();
+                assert_same(&t, &want, "16 MiB");
+                bytes_sent(&g) - before
+            }
+        })
+        .await;
+        println!(
+            "16 MiB on 4 ranks in {:?}; TCP bytes sent per rank: {sent:?}",
+            t0.elapsed()
+        );
+        assert!(sent.iter().all(|&s| s < 1 << 20), "{sent:?}");
+        assert_all(
+            &statuses(&gs).await,
+            &SharedMemory::Active {
+                segment_bytes: DEFAULT_SEGMENT,
+            },
+            "16 MiB",
+        );
+    });
+}
+
+// ------------------------------------------------------- 4. a member declines
+
+#[test]
+fn a_member_that_declines_makes_the_group_use_the_ring_for_good() {
+    run(async {
+        const LEN: usize = 1 << 18; // 1 MiB of f32: Auto picks shared memory with 3 ranks
+        for decliner in [1usize, 0] {
+            let base = groups(&format!("shm-decline-{decliner}"), 3).await;
+            let gs: Vec<Group> = base
+                .iter()
+                .enumerate()
+                .map(|(r, g)| g.with_config(CollectiveConfig::default().with_shared_memory(r != decliner)))
+                .collect();
+            let ins: Arc<Vec<Tensor>> = Arc::new((0..3).map(|r| input(DType::F32, LEN, r, 5)).collect());
+            let want = Arc::new(reference(&ins, ReduceOp::Sum));
+            let mut first: Option<Vec<SharedMemory>> = None;
+            for (call, algo) in [
+                (0, Algorithm::Auto),
+                (1, Algorithm::Auto),
+                (2, Algorithm::SharedMemory),
+            ] {
+                let (ins, want) = (Arc::clone(&ins), Arc::clone(&want));
+                let sent = on_all(&gs, move |me, g| {
+                    let (ins, want) = (Arc::clone(&ins), Arc::clone(&want));
+                    async move {
+                        let mut cfg = g.config().clone();
+                        cfg.algorithm = algo;
+                        let g = g.with_config(cfg);
+                        let before = bytes_sent(&g);
+                        let mut t = ins[me].clone();
+                        tokio::time::timeout(Duration::from_secs(30), g.all_reduce(&mut t, ReduceOp::Sum))
+                            .await
+                            .expect("no hang")
+                            .unwrap();
+                        assert_same(&t, &want, &format!("call {call} ({algo:?}) on rank {me}"));
+                        bytes_sent(&g) - before
+                    }
+                })
+                .await;
+                // The ring moved the data over TCP.
+                for (r, s) in sent.iter().enumerate() {
+                    assert!(
+                        *s >= (LEN * 4 / 2) as u64,
+                        "call {call}: rank {r} sent only {s} bytes: not the ring"
+                    );
+                }
+                let st = statuses(&gs).await;
+                for (r, s) in st.iter().enumerate() {
+                    let SharedMemory::Unavailable { reason } = s else {
+                        panic!("decliner {decliner}, call {call}: rank {r} reports {s}");
+                    };
+                    if r == decliner {
+                        assert!(reason.contains("turned off"), "rank {r}: {reason}");
+                    } else {
+                        assert!(
+                            reason.contains(&format!("rank {decliner}")),
+                            "rank {r} must name rank {decliner}: {reason}"
+                        );
+                    }
+                }
+                match &first {
+                    None => first = Some(st),
+                    Some(f) => assert_eq!(f, &st, "the state does not change after the first call"),
+                }
+            }
+            println!("decliner {decliner}: {:?}", first.unwrap());
+        }
+    });
+}
+
+// ------------------------------------------------------------- 5. sub-groups
+
+#[test]
+fn sub_groups_have_their_own_segments() {
+    run(async {
+        const SEG_A: usize = 2 << 20;
+        const SEG_B: usize = 1 << 20;
+        let world = with_cfg(&groups("shm-sub", 4).await, &shm_cfg());
+        // A = world ranks 1, 2, 3 (its member 0, which creates its segment, is
+        // world rank 1); B = world ranks 0 and 3. Every world member makes both.
+        let made = on_all(&world, |_, g| async move {
+            let a = g.new_group(&[Rank(1), Rank(2), Rank(3)]).await.unwrap();
+            let b = g.new_group(&[Rank(3), Rank(0)]).await.unwrap();
+            (a, b)
+        })
+        .await;
+        let seg_cfg = |bytes: usize| {
+            let mut c = shm_cfg();
+            c.shm_segment_bytes = bytes;
+            c
+        };
+        let a: Vec<Group> = made.iter().map(|(a, _)| a.with_config(seg_cfg(SEG_A))).collect();
+        let b: Vec<Group> = made.iter().map(|(_, b)| b.with_config(seg_cfg(SEG_B))).collect();
+        let (a, b) = (Arc::new(a), Arc::new(b));
+        let ins_a: Arc<Vec<Tensor>> =
+            Arc::new((0..3).map(|r| general_input(DType::F32, 300_001, r, 3)).collect());
+        let want_a = Arc::new(reference(&ins_a, ReduceOp::Sum));
+        let ins_b: Arc<Vec<Tensor>> =
+            Arc::new((0..2).map(|r| general_input(DType::F16, 100_003, r, 4)).collect());
+        let want_b = Arc::new(reference(&ins_b, ReduceOp::Product));
+        let ins_w: Arc<Vec<Tensor>> =
+            Arc::new((0..4).map(|r| general_input(DType::F64, 200_003, r, 5)).collect());
+        let want_w = Arc::new(reference(&ins_w, ReduceOp::Avg));
+        // A sets up its segment alone; the world group and B are not involved.
+        {
+            let (ins, want) = (Arc::clone(&ins_a), Arc::clone(&want_a));
+            on_all(&a[1..], move |i, g| {
+                let (ins, want) = (Arc::clone(&ins), Arc::clone(&want));
+                async move {
+                    assert_eq!(g.group_rank(), Some(i));
+                    let mut t = ins[i].clone();
+                    g.all_reduce(&mut t, ReduceOp::Sum).await.unwrap();
+                    assert_same(&t, &want, "sub-group A alone");
+                }
+            })
+            .await;
+        }
+        assert_all(
+            &statuses(&a[1..]).await,
+            &SharedMemory::Active { segment_bytes: SEG_A },
+            "sub-group A",
+        );
+        assert_eq!(
+            a[0].shared_memory().await,
+            SharedMemory::Untried,
+            "A's non-member"
+        );
+        assert_all(
+            &statuses(&world).await,
+            &SharedMemory::Untried,
+            "world after A's call",
+        );
+        assert_all(&statuses(&b).await, &SharedMemory::Untried, "B after A's call");
+        // Then all three groups at once on every rank that is a member: the
+        // world and B set up their segments concurrently in round 0.
+        for round in 0..3 {
+            let (a, b) = (Arc::clone(&a), Arc::clone(&b));
+            let (ins_a, want_a, ins_b, want_b, ins_w, want_w) = (
+                Arc::clone(&ins_a),
+                Arc::clone(&want_a),
+                Arc::clone(&ins_b),
+                Arc::clone(&want_b),
+                Arc::clone(&ins_w),
+                Arc::clone(&want_w),
+            );
+            on_all(&world, move |me, g| {
+                let (a, b) = (Arc::clone(&a), Arc::clone(&b));
+                let (ins_a, want_a, ins_b, want_b, ins_w, want_w) = (
+                    Arc::clone(&ins_a),
+                    Arc::clone(&want_a),
+                    Arc::clone(&ins_b),
+                    Arc::clone(&want_b),
+                    Arc::clone(&ins_w),
+                    Arc::clone(&want_w),
+                );
+                async move {
+                    let hw = g.all_reduce_handle(ins_w[me].clone(), ReduceOp::Avg);
+                    let ha = a[me]
+                        .group_rank()
+                        .map(|i| a[me].all_reduce_handle(ins_a[i].clone(), ReduceOp::Sum));
+                    let hb = b[me]
+                        .group_rank()
+                        .map(|i| b[me].all_reduce_handle(ins_b[i].clone(), ReduceOp::Product));
+                    assert_same(&hw.await.unwrap(), &want_w, &format!("world, round {round}"));
+                    if let Some(h) = ha {
+                        assert_same(&h.await.unwrap(), &want_a, &format!("A, round {round}"));
+                    }
+                    if let Some(h) = hb {
+                        assert_same(&h.await.unwrap(), &want_b, &format!("B, round {round}"));
+                    }
+                }
+            })
+            .await;
+        }
+        assert_all(
+            &statuses(&world).await,
+            &SharedMemory::Active {
+                segment_bytes: DEFAULT_SEGMENT,
+            },
+            "world",
+        );
+        assert_all(
+            &statuses(&a[1..]).await,
+            &SharedMemory::Active { segment_bytes: SEG_A },
+            "A at the end",
+        );
+        assert_all(
+            &[b[0].shared_memory().await, b[3].shared_memory().await],
+            &SharedMemory::Active { segment_bytes: SEG_B },
+            "B",
+        );
+        assert_eq!(
+            b[1].shared_memory().await,
+            SharedMemory::Untried,
+            "B's non-member"
+        );
+    });
+}
+
+// ---------------------------------------------------- 6. settings that differ
+
+#[test]
+fn shared_memory_settings_that_differ_fail_on_every_member() {
+    run(async {
+        let base = groups("shm-mismatch", 3).await;
+        let odd_segment = |c: CollectiveConfig| {
+            let mut c = c.with_algorithm(Algorithm::SharedMemory);
+            c.shm_segment_bytes = 8 << 20;
+            c
+        };
+        let odd_min = |c: CollectiveConfig| {
+            let mut c = c;
+            c.shm_min_bytes = 64 << 10;
+            c
+        };
+        // (setting, the member that differs, how it differs, everyone's algorithm)
+        type Tweak = fn(CollectiveConfig) -> CollectiveConfig;
+        let variants: [(&str, usize, Tweak, Algorithm); 3] = [
+            ("shm_segment_bytes", 2, odd_segment, Algorithm::SharedMemory),
+            ("shm_min_bytes", 0, odd_min, Algorithm::Auto),
+            (
+                "algorithm",
+                1,
+                |c| c.with_algorithm(Algorithm::SharedMemory),
+                Algorithm::Auto,
+            ),
+        ];
+        for (what, odd, tweak, algo) in variants {
+            let gs: Vec<Group> = base
+                .iter()
+                .enumerate()
+                .map(|(r, g)| {
+                    let c = CollectiveConfig::default().with_algorithm(algo);
+                    g.with_config(if r == odd { tweak(c) } else { c })
+                })
+                .collect();
+            let t0 = Instant::now();
+            let errs = on_all(&gs, |_, g| async move {
+                let mut t = Tensor::zeros(DType::F32, [1 << 18]).unwrap();
+                tokio::time::timeout(Duration::from_secs(10), g.all_reduce(&mut t, ReduceOp::Sum))
+                    .await
+                    .expect("a disagreement must not hang")
+                    .unwrap_err()
+            })
+            .await;
+            assert!(t0.elapsed() < Duration::from_secs(10));
+            for (r, e) in errs.iter().enumerate() {
+                assert!(
+                    matches!(e, Error::InvalidArgument(m) if m.contains("CollectiveConfig")),
+                    "{what}: rank {r}: {e}"
+                );
+            }
+            assert_all(&statuses(&gs).await, &SharedMemory::Untried, what);
+        }
+        // Agreeing members go on: the group is usable and sets up its segment.
+        let gs = with_cfg(&base, &shm_cfg());
+        let ins: Arc<Vec<Tensor>> = Arc::new((0..3).map(|r| input(DType::I64, 10_000, r, 6)).collect());
+        let want = Arc::new(reference(&ins, ReduceOp::Sum));
+        on_all(&gs, move |me, g| {
+            let (ins, want) = (Arc::clone(&ins), Arc::clone(&want));
+            async move {
+                let mut t = ins[me].clone();
+                g.all_reduce(&mut t, ReduceOp::Sum).await.unwrap();
+                assert_same(&t, &want, "after the disagreements");
+            }
+        })
+        .await;
+        assert_all(
+            &statuses(&gs).await,
+            &SharedMemory::Active {
+                segment_bytes: DEFAULT_SEGMENT,
+            },
+            "after the disagreements",
+        );
+    });
+}
+
+// ------------------------------------------------------ 7. a member is lost
+
+#[test]
+fn a_member_lost_during_a_shared_memory_all_reduce_fails_the_others() {
+    run(async {
+        const N: usize = 3;
+        const LEN: usize = 1 << 20; // 4 MiB of f32 in 64 KiB pieces
+        // The loss lands wherever the calls happen to be; several rounds try
+        // several places, and lose the member that created the segment too.
+        let rounds = [("abort", 2, 1), ("abort", 0, 3), ("abort", 1, 6), ("close", 0, 2)];
+        for (round, (how, victim, calls)) in rounds.into_iter().enumerate() {
+            let gs = with_cfg(
+                &groups(&format!("shm-lost-{round}"), N as u32).await,
+                &small_segment(N, 64 << 10),
+            );
+            let ins: Arc<Vec<Tensor>> = Arc::new((0..N).map(|r| input(DType::F32, LEN, r, 8)).collect());
+            let want = Arc::new(reference(&ins, ReduceOp::Sum));
+            let done: Arc<[AtomicUsize; N]> = Arc::new(Default::default());
+            // Every rank runs all-reduces back to back until one fails; every
+            // call that succeeds must be exact.
+            let tasks: Vec<_> = gs
+                .iter()
+                .enumerate()
+                .map(|(me, g)| {
+                    let (g, ins, want, done) =
+                        (g.clone(), Arc::clone(&ins), Arc::clone(&want), Arc::clone(&done));
+                    tokio::spawn(async move {
+                        loop {
+                            let mut t = ins[me].clone();
+                            match g.all_reduce(&mut t, ReduceOp::Sum).await {
+                                Ok(()) => {
+                                    assert_same(&t, &want, &format!("rank {me}: a call that succeeded"));
+                                    let k = done[me].fetch_add(1, Ordering::SeqCst) + 1;
+                                    assert!(k < 10_000, "rank {me}: the calls never fail");
+                                }
+                                Err(e) => return (e, Instant::now()),
+                            }
+                        }
+                    })
+                })
+                .collect();
+            let under_way = eventually(Duration::from_secs(30), || {
+                done.iter().all(|d| d.load(Ordering::SeqCst) >= calls)
+            })
+            .await;
+            assert!(under_way, "the calls never got going");
+            assert_all(
+                &statuses(&gs[..1]).await,
+                &SharedMemory::Active {
+                    segment_bytes: 4096 + 2 * N * (64 << 10),
+                },
+                "before the loss",
+            );
+            let comm = gs[victim].comm().clone();
+            let at = Instant::now();
+            match how {
+                "abort" => comm.abort(),
+                _ => comm.close().await,
+            }
+            let mut outs = Vec::new();
+            for (r, t) in tasks.into_iter().enumerate() {
+                let (e, when) = tokio::time::timeout(Duration::from_secs(20), t)
+                    .await
+                    .unwrap_or_else(|_| panic!("{how} of rank {victim}: rank {r} hung"))
+                    .unwrap();
+                let took = when.saturating_duration_since(at);
+                println!(
+                    "{how} of rank {victim}: rank {r} failed {took:?} after the loss (after {} calls): {e}",
+                    done[r].load(Ordering::SeqCst)
+                );
+                outs.push((e, took));
+            }
+            assert!(
+                matches!(outs[victim].0, Error::Aborted { .. }),
+                "{how} of rank {victim}: the victim: {}",
+                outs[victim].0
+            );
+            for (r, (e, took)) in outs.iter().enumerate().filter(|&(r, _)| r != victim) {
+                assert!(e.is_world_fatal(), "{how} of rank {victim}: rank {r}: {e}");
+                assert!(
+                    *took < Duration::from_secs(5),
+                    "{how} of rank {victim}: rank {r} took {took:?}"
+                );
+            }
+            // Later calls fail at once.
+            for g in gs.iter().filter(|g| g.group_rank() != Some(victim)) {
+                let t0 = Instant::now();
+                let mut t = ins[0].clone();
+                let e = g.all_reduce(&mut t, ReduceOp::Sum).await.unwrap_err();
+                assert!(e.is_world_fatal(), "{how} of rank {victim}: a later call: {e}");
+                assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
+            }
+        }
+    });
+}
+
+// -------------------------------------------------- 8. a member never arrives
+
+#[test]
+fn a_member_that_never_calls_hits_the_deadline_after_setup() {
+    run(async {
+        const DEADLINE: Duration = Duration::from_millis(300);
+        let gs = with_cfg(
+            &groups("shm-deadline", 2).await,
+            &shm_cfg().with_timeout(Some(DEADLINE)),
+        );
+        let ins: Arc<Vec<Tensor>> = Arc::new((0..2).map(|r| input(DType::F32, 100_000, r, 9)).collect());
+        let want = Arc::new(reference(&ins, ReduceOp::Sum));
+        {
+            let (ins, want) = (Arc::clone(&ins), Arc::clone(&want));
+            on_all(&gs, move |me, g| {
+                let (ins, want) = (Arc::clone(&ins), Arc::clone(&want));
+                async move {
+                    let mut t = ins[me].clone();
+                    g.all_reduce(&mut t, ReduceOp::Sum).await.unwrap();
+                    assert_same(&t, &want, "first call");
+                }
+            })
+            .await;
+        }
+        assert_all(
+            &statuses(&gs).await,
+            &SharedMemory::Active {
+                segment_bytes: DEFAULT_SEGMENT,
+            },
+            "after the first call",
+        );
+        // Rank 1 does not call.
+        let t0 = Instant::now();
+        let mut t = ins[0].clone();
+        let e = tokio::time::timeout(Duration::from_secs(10), gs[0].all_reduce(&mut t, ReduceOp::Sum))
+            .await
+            .expect("the deadline must end the call")
+            .unwrap_err();
+        let took = t0.elapsed();
+        println!("rank 0 failed after {took:?}: {e}");
+        assert!(matches!(e, Error::Timeout { op: "all_reduce", .. }), "{e}");
+        assert!(
+            took >= DEADLINE - Duration::from_millis(10) && took < Duration::from_secs(5),
+            "{took:?}"
+        );
+    });
+}
+
+// ------------------------------------------- 9. nothing left behind (Linux)
+
+/// Open file descriptors of this process.
+#[cfg(target_os = "linux")]
+fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").unwrap().count()
+}
+
+/// Open file descriptors of this process that are a shared-memory segment.
+#[cfg(target_os = "linux")]
+fn segment_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter(|p| p.to_string_lossy().contains("multiworld-collectives"))
+        .count()
+}
+
+/// Mappings of a shared-memory segment in this process.
+#[cfg(target_os = "linux")]
+fn segment_maps() -> usize {
+    std::fs::read_to_string("/proc/self/maps")
+        .unwrap()
+        .lines()
+        .filter(|l| l.contains("multiworld-collectives"))
+        .count()
+}
+
+/// A world of 3 that sets up its segment and runs an all-reduce through it;
+/// everything is dropped at the end.
+#[cfg(target_os = "linux")]
+async fn one_shm_world(name: &str) {
+    let gs = with_cfg(&groups(name, 3).await, &shm_cfg());
+    let ins: Arc<Vec<Tensor>> = Arc::new((0..3).map(|r| input(DType::F32, 10_000, r, 10)).collect());
+    let want = Arc::new(reference(&ins, ReduceOp::Sum));
+    on_all(&gs, move |me, g| {
+        let (ins, want) = (Arc::clone(&ins), Arc::clone(&want));
+        async move {
+            let mut t = ins[me].clone();
+            g.all_reduce(&mut t, ReduceOp::Sum).await.unwrap();
+            assert_same(&t, &want, "fd test");
+        }
+    })
+    .await;
+    assert_all(
+        &statuses(&gs).await,
+        &SharedMemory::Active {
+            segment_bytes: DEFAULT_SEGMENT,
+        },
+        name,
+    );
+    // Every member maps the segment; nobody keeps a descriptor of it.
+    assert_eq!(segment_maps(), 3, "one mapping per member");
+    assert_eq!(segment_fds(), 0, "the creator's memfd is closed after setup");
+    drop(gs);
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn no_descriptor_or_mapping_is_left_behind() {
+    run(async {
+        let quiet = || segment_maps() == 0 && segment_fds() == 0;
+        let start = open_fds();
+        for i in 0..3 {
+            one_shm_world(&format!("shm-fd-{i}")).await;
+            assert!(
+                eventually(Duration::from_secs(10), quiet).await,
+                "world {i}: {} mappings and {} descriptors of a segment left after the groups were dropped",
+                segment_maps(),
+                segment_fds()
+            );
+        }
+        let ok = eventually(Duration::from_secs(10), || open_fds() <= start).await;
+        println!("descriptors: {start} before, {} after", open_fds());
+        assert!(ok, "{} descriptors open, {start} before the worlds", open_fds());
+    });
+}
