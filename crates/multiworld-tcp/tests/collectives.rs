@@ -21,12 +21,6 @@ use serde::{Deserialize, Serialize};
 
 const ALGOS: [Algorithm; 2] = [Algorithm::Direct, Algorithm::Ring];
 
-fn seed_of(parts: &[u64]) -> u64 {
-    parts.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &p| {
-        (h ^ p).wrapping_mul(0x100_0000_01b3)
-    })
-}
-
 fn algo_code(a: Algorithm) -> u64 {
     match a {
         Algorithm::Direct => 1,
@@ -53,13 +47,7 @@ async fn reduction_matrix(n: u32) {
                         let what = format!("n={n} {algo:?} {dtype} {op} len={len}");
                         let ins: Vec<Tensor> = (0..n).map(|r| input(dtype, len, r, seed)).collect();
                         if !op.supports(dtype) {
-                            let mut t = ins[me].clone();
-                            let e = g.all_reduce(&mut t, op).await.unwrap_err();
-                            assert!(
-                                matches!(&e, Error::InvalidArgument(m) if m.contains("not defined")),
-                                "{what}: {e}"
-                            );
-                            assert_same(&t, &ins[me], "input untouched");
+                            assert_undefined_op_refused(&g, &ins[me], op, &what).await;
                             continue;
                         }
                         let want = reference(&ins, op);

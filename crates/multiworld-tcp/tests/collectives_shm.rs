@@ -57,10 +57,6 @@ fn small_segment(n: usize, slot: usize) -> CollectiveConfig {
     c
 }
 
-fn with_cfg(gs: &[Group], cfg: &CollectiveConfig) -> Vec<Group> {
-    gs.iter().map(|g| g.with_config(cfg.clone())).collect()
-}
-
 async fn statuses(gs: &[Group]) -> Vec<SharedMemory> {
     let mut out = Vec::new();
     for g in gs {
@@ -74,12 +70,6 @@ fn assert_all(got: &[SharedMemory], want: &SharedMemory, what: &str) {
     for (r, s) in got.iter().enumerate() {
         assert_eq!(s, want, "{what}: member {r}");
     }
-}
-
-fn seed_of(parts: &[u64]) -> u64 {
-    parts.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &p| {
-        (h ^ p).wrapping_mul(0x100_0000_01b3)
-    })
 }
 
 /// Rank `rank`'s input: for floats, general values `±(1 + m) × 2^e` (random
@@ -112,6 +102,31 @@ fn bytes_sent(g: &Group) -> u64 {
         .sum()
 }
 
+/// A sum all-reduce of `ins[rank]` on every member, checked bit for bit against
+/// the rank-order reference; returns the payload bytes each member sent over
+/// TCP meanwhile.
+async fn sum_checked(gs: &[Group], ins: Vec<Tensor>, what: &str) -> Vec<u64> {
+    let want = Arc::new(reference(&ins, ReduceOp::Sum));
+    let ins = Arc::new(ins);
+    let what: Arc<str> = what.into();
+    on_all(gs, move |me, g| {
+        let (ins, want, what) = (Arc::clone(&ins), Arc::clone(&want), Arc::clone(&what));
+        async move {
+            let before = bytes_sent(&g);
+            let mut t = ins[me].clone();
+            g.all_reduce(&mut t, ReduceOp::Sum).await.unwrap();
+            assert_same(&t, &want, &what);
+            bytes_sent(&g) - before
+        }
+    })
+    .await
+}
+
+/// The state of a group whose segment is set up.
+fn active(segment_bytes: usize) -> SharedMemory {
+    SharedMemory::Active { segment_bytes }
+}
+
 // ------------------------------------------------------------------- 1. matrix
 
 const MATRIX_LENGTHS: [usize; 5] = [0, 1, 4, 1009, 3031];
@@ -131,16 +146,11 @@ async fn shm_matrix(n: u32) {
                     let seed = seed_of(&[dtype.code().into(), op as u64, len as u64, n as u64]);
                     let what = format!("n={n} shm {dtype} {op} len={len}");
                     let ins: Vec<Tensor> = (0..n).map(|r| general_input(dtype, len, r, seed)).collect();
-                    let mut t = ins[me].clone();
                     if !op.supports(dtype) {
-                        let e = g.all_reduce(&mut t, op).await.unwrap_err();
-                        assert!(
-                            matches!(&e, Error::InvalidArgument(m) if m.contains("not defined")),
-                            "{what}: {e}"
-                        );
-                        assert_same(&t, &ins[me], "input untouched");
+                        assert_undefined_op_refused(&g, &ins[me], op, &what).await;
                         continue;
                     }
+                    let mut t = ins[me].clone();
                     let want = reference(&ins, op);
                     g.all_reduce(&mut t, op).await.unwrap();
                     assert_same(&t, &want, &format!("all_reduce {what}"));
@@ -159,9 +169,7 @@ async fn shm_matrix(n: u32) {
     assert!(counts.iter().all(|&c| c == counts[0] && c > 0));
     assert_all(
         &statuses(&gs).await,
-        &SharedMemory::Active {
-            segment_bytes: DEFAULT_SEGMENT,
-        },
+        &active(DEFAULT_SEGMENT),
         &format!("n={n} after the matrix"),
     );
 }
@@ -309,11 +317,7 @@ fn tensors_larger_than_a_slot_go_through_in_pieces() {
         })
         .await;
         println!("handles in {:?}", t0.elapsed());
-        assert_all(
-            &statuses(&gs).await,
-            &SharedMemory::Active { segment_bytes: seg },
-            "small segment",
-        );
+        assert_all(&statuses(&gs).await, &active(seg), "small segment");
     });
 }
 
@@ -335,18 +339,8 @@ fn auto_uses_shared_memory_from_the_threshold_on_every_world_size() {
             };
             // Just below: the TCP algorithms, shared memory not tried.
             if nu > 1 {
-                let ins: Arc<Vec<Tensor>> =
-                    Arc::new((0..nu).map(|r| input(DType::F32, at - 1, r, 1)).collect());
-                let want = Arc::new(reference(&ins, ReduceOp::Sum));
-                on_all(&gs, |me, g| {
-                    let (ins, want) = (Arc::clone(&ins), Arc::clone(&want));
-                    async move {
-                        let mut t = ins[me].clone();
-                        g.all_reduce(&mut t, ReduceOp::Sum).await.unwrap();
-                        assert_same(&t, &want, &format!("n={n} below the threshold"));
-                    }
-                })
-                .await;
+                let ins = (0..nu).map(|r| input(DType::F32, at - 1, r, 1)).collect();
+                sum_checked(&gs, ins, &format!("n={n} below the threshold")).await;
                 assert_all(
                     &statuses(&gs).await,
                     &SharedMemory::Untried,
@@ -354,30 +348,13 @@ fn auto_uses_shared_memory_from_the_threshold_on_every_world_size() {
                 );
             }
             // At the threshold: shared memory, and the data do not go over TCP.
-            let ins: Arc<Vec<Tensor>> = Arc::new((0..nu).map(|r| input(DType::F32, at, r, 2)).collect());
-            let want = Arc::new(reference(&ins, ReduceOp::Sum));
-            let sent = on_all(&gs, |me, g| {
-                let (ins, want) = (Arc::clone(&ins), Arc::clone(&want));
-                async move {
-                    let before = bytes_sent(&g);
-                    let mut t = ins[me].clone();
-                    g.all_reduce(&mut t, ReduceOp::Sum).await.unwrap();
-                    assert_same(&t, &want, &format!("n={n} at the threshold"));
-                    bytes_sent(&g) - before
-                }
-            })
-            .await;
+            let ins = (0..nu).map(|r| input(DType::F32, at, r, 2)).collect();
+            let sent = sum_checked(&gs, ins, &format!("n={n} at the threshold")).await;
             let st = statuses(&gs).await;
             if nu == 1 {
                 assert_all(&st, &SharedMemory::Untried, "a group of one");
             } else {
-                assert_all(
-                    &st,
-                    &SharedMemory::Active {
-                        segment_bytes: DEFAULT_SEGMENT,
-                    },
-                    &format!("n={n} at the threshold"),
-                );
+                assert_all(&st, &active(DEFAULT_SEGMENT), &format!("n={n} at the threshold"));
                 for (r, s) in sent.iter().enumerate() {
                     // Less than a quarter of the tensor's bytes.
                     assert!(
@@ -400,32 +377,15 @@ fn a_16_mib_all_reduce_with_the_default_settings() {
     run(async {
         const LEN: usize = 4 << 20;
         let gs = groups("shm-16mib", 4).await;
-        let ins: Arc<Vec<Tensor>> = Arc::new((0..4).map(|r| general_input(DType::F32, LEN, r, 16)).collect());
-        let want = Arc::new(reference(&ins, ReduceOp::Sum));
+        let ins = (0..4).map(|r| general_input(DType::F32, LEN, r, 16)).collect();
         let t0 = Instant::now();
-        let sent = on_all(&gs, move |me, g| {
-            let (ins, want) = (Arc::clone(&ins), Arc::clone(&want));
-            async move {
-                let before = bytes_sent(&g);
-                let mut t = ins[me].clone();
-                g.all_reduce(&mut t, ReduceOp::Sum).await.unwrap();
-                assert_same(&t, &want, "16 MiB");
-                bytes_sent(&g) - before
-            }
-        })
-        .await;
+        let sent = sum_checked(&gs, ins, "16 MiB").await;
         println!(
             "16 MiB on 4 ranks in {:?}; TCP bytes sent per rank: {sent:?}",
             t0.elapsed()
         );
         assert!(sent.iter().all(|&s| s < 1 << 20), "{sent:?}");
-        assert_all(
-            &statuses(&gs).await,
-            &SharedMemory::Active {
-                segment_bytes: DEFAULT_SEGMENT,
-            },
-            "16 MiB",
-        );
+        assert_all(&statuses(&gs).await, &active(DEFAULT_SEGMENT), "16 MiB");
     });
 }
 
@@ -546,11 +506,7 @@ fn sub_groups_have_their_own_segments() {
             })
             .await;
         }
-        assert_all(
-            &statuses(&a[1..]).await,
-            &SharedMemory::Active { segment_bytes: SEG_A },
-            "sub-group A",
-        );
+        assert_all(&statuses(&a[1..]).await, &active(SEG_A), "sub-group A");
         assert_eq!(
             a[0].shared_memory().await,
             SharedMemory::Untried,
@@ -603,21 +559,11 @@ fn sub_groups_have_their_own_segments() {
             })
             .await;
         }
-        assert_all(
-            &statuses(&world).await,
-            &SharedMemory::Active {
-                segment_bytes: DEFAULT_SEGMENT,
-            },
-            "world",
-        );
-        assert_all(
-            &statuses(&a[1..]).await,
-            &SharedMemory::Active { segment_bytes: SEG_A },
-            "A at the end",
-        );
+        assert_all(&statuses(&world).await, &active(DEFAULT_SEGMENT), "world");
+        assert_all(&statuses(&a[1..]).await, &active(SEG_A), "A at the end");
         assert_all(
             &[b[0].shared_memory().await, b[3].shared_memory().await],
-            &SharedMemory::Active { segment_bytes: SEG_B },
+            &active(SEG_B),
             "B",
         );
         assert_eq!(
@@ -685,22 +631,11 @@ fn shared_memory_settings_that_differ_fail_on_every_member() {
         }
         // Agreeing members go on: the group is usable and sets up its segment.
         let gs = with_cfg(&base, &shm_cfg());
-        let ins: Arc<Vec<Tensor>> = Arc::new((0..3).map(|r| input(DType::I64, 10_000, r, 6)).collect());
-        let want = Arc::new(reference(&ins, ReduceOp::Sum));
-        on_all(&gs, move |me, g| {
-            let (ins, want) = (Arc::clone(&ins), Arc::clone(&want));
-            async move {
-                let mut t = ins[me].clone();
-                g.all_reduce(&mut t, ReduceOp::Sum).await.unwrap();
-                assert_same(&t, &want, "after the disagreements");
-            }
-        })
-        .await;
+        let ins = (0..3).map(|r| input(DType::I64, 10_000, r, 6)).collect();
+        sum_checked(&gs, ins, "after the disagreements").await;
         assert_all(
             &statuses(&gs).await,
-            &SharedMemory::Active {
-                segment_bytes: DEFAULT_SEGMENT,
-            },
+            &active(DEFAULT_SEGMENT),
             "after the disagreements",
         );
     });
@@ -812,25 +747,11 @@ fn a_member_that_never_calls_hits_the_deadline_after_setup() {
             &groups("shm-deadline", 2).await,
             &shm_cfg().with_timeout(Some(DEADLINE)),
         );
-        let ins: Arc<Vec<Tensor>> = Arc::new((0..2).map(|r| input(DType::F32, 100_000, r, 9)).collect());
-        let want = Arc::new(reference(&ins, ReduceOp::Sum));
-        {
-            let (ins, want) = (Arc::clone(&ins), Arc::clone(&want));
-            on_all(&gs, move |me, g| {
-                let (ins, want) = (Arc::clone(&ins), Arc::clone(&want));
-                async move {
-                    let mut t = ins[me].clone();
-                    g.all_reduce(&mut t, ReduceOp::Sum).await.unwrap();
-                    assert_same(&t, &want, "first call");
-                }
-            })
-            .await;
-        }
+        let ins: Vec<Tensor> = (0..2).map(|r| input(DType::F32, 100_000, r, 9)).collect();
+        sum_checked(&gs, ins.clone(), "first call").await;
         assert_all(
             &statuses(&gs).await,
-            &SharedMemory::Active {
-                segment_bytes: DEFAULT_SEGMENT,
-            },
+            &active(DEFAULT_SEGMENT),
             "after the first call",
         );
         // Rank 1 does not call.
@@ -883,24 +804,9 @@ fn segment_maps() -> usize {
 #[cfg(target_os = "linux")]
 async fn one_shm_world(name: &str) {
     let gs = with_cfg(&groups(name, 3).await, &shm_cfg());
-    let ins: Arc<Vec<Tensor>> = Arc::new((0..3).map(|r| input(DType::F32, 10_000, r, 10)).collect());
-    let want = Arc::new(reference(&ins, ReduceOp::Sum));
-    on_all(&gs, move |me, g| {
-        let (ins, want) = (Arc::clone(&ins), Arc::clone(&want));
-        async move {
-            let mut t = ins[me].clone();
-            g.all_reduce(&mut t, ReduceOp::Sum).await.unwrap();
-            assert_same(&t, &want, "fd test");
-        }
-    })
-    .await;
-    assert_all(
-        &statuses(&gs).await,
-        &SharedMemory::Active {
-            segment_bytes: DEFAULT_SEGMENT,
-        },
-        name,
-    );
+    let ins = (0..3).map(|r| input(DType::F32, 10_000, r, 10)).collect();
+    sum_checked(&gs, ins, "fd test").await;
+    assert_all(&statuses(&gs).await, &active(DEFAULT_SEGMENT), name);
     // Every member maps the segment; nobody keeps a descriptor of it.
     assert_eq!(segment_maps(), 3, "one mapping per member");
     assert_eq!(segment_fds(), 0, "the creator's memfd is closed after setup");

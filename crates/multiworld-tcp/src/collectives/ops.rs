@@ -239,20 +239,18 @@ impl Group {
                 };
                 let (_, sends) = cx.exchange(&d, &payloads).await?;
                 drop(payloads);
-                match root_i {
-                    None if shm.is_some() => {
-                        let state = shm
-                            .as_mut()
-                            .ok_or_else(|| Error::invalid("internal: no shared-memory state"))?;
-                        match shm::ensure(cx, state).await? {
-                            Some(seg) => with_type!(t.dtype(), T => {
-                                shm::all_reduce::<T>(cx, seg, &mut sc, t.as_mut_slice::<T>()?, op).await?
-                            }),
-                            None => algo::all_reduce(cx, &mut sc, t, op, &d).await?,
-                        }
-                    }
-                    None => algo::all_reduce(cx, &mut sc, t, op, &d).await?,
-                    Some(r) => algo::reduce(cx, &mut sc, t, r, op, &d).await?,
+                // The segment, when this call uses one (set up on first use);
+                // without it a shared-memory call runs the ring.
+                let seg = match shm.as_mut() {
+                    Some(state) => shm::ensure(cx, state).await?,
+                    None => None,
+                };
+                match (root_i, seg) {
+                    (None, Some(seg)) => with_type!(t.dtype(), T => {
+                        shm::all_reduce::<T>(cx, seg, &mut sc, t.as_mut_slice::<T>()?, op).await?
+                    }),
+                    (None, None) => algo::all_reduce(cx, &mut sc, t, op, &d).await?,
+                    (Some(r), _) => algo::reduce(cx, &mut sc, t, r, op, &d).await?,
                 }
                 finish_sends(sends).await
             })

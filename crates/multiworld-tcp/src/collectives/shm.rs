@@ -459,6 +459,9 @@ pub(crate) async fn ensure<'s>(cx: Ctx<'_>, state: &'s mut ShmState) -> Result<O
     })
 }
 
+/// Why a member with `CollectiveConfig::shared_memory` false declines.
+const TURNED_OFF: &str = "shared memory is turned off in this member's CollectiveConfig";
+
 async fn setup(cx: Ctx<'_>) -> Result<ShmState> {
     let n = cx.n();
     let len = cx.cfg.shm_segment_bytes;
@@ -467,7 +470,7 @@ async fn setup(cx: Ctx<'_>) -> Result<ShmState> {
         let created = if cx.cfg.shared_memory {
             Segment::create(len)
         } else {
-            Err("shared memory is turned off in this member's CollectiveConfig".to_owned())
+            Err(TURNED_OFF.to_owned())
         };
         let words = match &created {
             Ok((_, _, offer)) => offer.encode(),
@@ -502,7 +505,7 @@ async fn setup(cx: Ctx<'_>) -> Result<ShmState> {
     } else {
         let w = cx.recv_new(0, Tensor::zeros(DType::U64, [OFFER_WORDS])?).await?;
         let opened = if !cx.cfg.shared_memory {
-            Err("shared memory is turned off in this member's CollectiveConfig".to_owned())
+            Err(TURNED_OFF.to_owned())
         } else {
             match Offer::decode(w.as_slice::<u64>()?) {
                 Some(offer) => Segment::open(&offer, len),

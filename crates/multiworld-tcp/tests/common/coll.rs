@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use multiworld_tcp::collectives::{Algorithm, CollectiveConfig, Group, ReduceOp};
-use multiworld_tcp::{DType, Tensor, bf16, f16};
+use multiworld_tcp::{DType, Error, Tensor, bf16, f16};
 
 use super::common::mesh;
 
@@ -25,11 +25,33 @@ pub async fn groups(name: &str, n: u32) -> Vec<Group> {
         .collect()
 }
 
+/// The same groups with other settings.
+pub fn with_cfg(gs: &[Group], cfg: &CollectiveConfig) -> Vec<Group> {
+    gs.iter().map(|g| g.with_config(cfg.clone())).collect()
+}
+
 /// The same groups with an algorithm forced.
 pub fn with_algo(gs: &[Group], a: Algorithm) -> Vec<Group> {
-    gs.iter()
-        .map(|g| g.with_config(CollectiveConfig::default().with_algorithm(a)))
-        .collect()
+    with_cfg(gs, &CollectiveConfig::default().with_algorithm(a))
+}
+
+/// A seed from the parts that name a test case (FNV-1a over the words).
+pub fn seed_of(parts: &[u64]) -> u64 {
+    parts.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &p| {
+        (h ^ p).wrapping_mul(0x100_0000_01b3)
+    })
+}
+
+/// An all-reduce with `op`, which is not defined for `input`'s dtype, fails
+/// with InvalidArgument before touching the tensor.
+pub async fn assert_undefined_op_refused(g: &Group, input: &Tensor, op: ReduceOp, what: &str) {
+    let mut t = input.clone();
+    let e = g.all_reduce(&mut t, op).await.unwrap_err();
+    assert!(
+        matches!(&e, Error::InvalidArgument(m) if m.contains("not defined")),
+        "{what}: {e}"
+    );
+    assert_same(&t, input, "input untouched");
 }
 
 /// Runs `f(rank_index, group)` for every rank concurrently (one task each) and
