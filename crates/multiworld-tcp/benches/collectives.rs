@@ -3,7 +3,7 @@
 //! the table. Options (environment): `MW_BENCH_QUICK=1` for a short run,
 //! `MW_BENCH_RANKS=2,4` (world sizes), `MW_BENCH_OPS=all_reduce,broadcast,...`,
 //! `MW_BENCH_SIZES=1024,...` (bytes), `MW_BENCH_REPEATS=N`,
-//! `MW_BENCH_ALGO=auto|direct|ring|shm`, `MW_BENCH_SHM_SEGMENT=bytes`,
+//! `MW_BENCH_ALGO=auto|direct|ring|shm`, `MW_BENCH_SHM_PIECE=bytes`,
 //! `MW_BENCH_SHM=0` (this process declines shared memory), `MW_BENCH_CHUNK=bytes`, `MW_BENCH_DEPTH=N`,
 //! `MW_BENCH_RUNTIME=current|multi:N` (default: a current-thread runtime per rank).
 
@@ -48,8 +48,8 @@ fn main() -> anyhow::Result<()> {
             _ => anyhow::bail!("MW_BENCH_ALGO must be auto, direct, ring or shm"),
         };
     }
-    if let Ok(s) = std::env::var("MW_BENCH_SHM_SEGMENT") {
-        cfg.collective.shm_segment_bytes = s.parse()?;
+    if let Ok(s) = std::env::var("MW_BENCH_SHM_PIECE") {
+        cfg.collective.shm_piece_bytes = s.parse()?;
     }
     if let Ok(s) = std::env::var("MW_BENCH_SHM") {
         cfg.collective.shared_memory = s != "0";

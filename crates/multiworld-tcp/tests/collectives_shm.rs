@@ -27,8 +27,17 @@ use common::eventually;
 use multiworld_tcp::collectives::{Algorithm, CollectiveConfig, Group, ReduceOp, SharedMemory};
 use multiworld_tcp::{DType, Error, Rank, Tensor, bf16, f16};
 
-/// Default segment size (see `CollectiveConfig::shm_segment_bytes`).
-const DEFAULT_SEGMENT: usize = 32 << 20;
+/// Size of a group of `n`'s segment with the default pieces of 1 MiB: a 4 KiB
+/// header and three buffers of one piece per member (see
+/// `CollectiveConfig::shm_piece_bytes`).
+fn default_segment(n: usize) -> usize {
+    segment(n, 1 << 20)
+}
+
+/// Size of a group of `n`'s segment with pieces of `piece` bytes.
+fn segment(n: usize, piece: usize) -> usize {
+    4096 + 3 * n * piece
+}
 
 /// Runs one test on its own runtime (multi-thread, 2 workers), one test of this
 /// file at a time, so that timings, descriptor counts and mappings are this
@@ -50,10 +59,10 @@ fn shm_cfg() -> CollectiveConfig {
     CollectiveConfig::default().with_algorithm(Algorithm::SharedMemory)
 }
 
-/// A config whose segment has slots of `slot` bytes for `n` members.
-fn small_segment(n: usize, slot: usize) -> CollectiveConfig {
+/// A config with pieces of `piece` bytes.
+fn small_pieces(piece: usize) -> CollectiveConfig {
     let mut c = shm_cfg();
-    c.shm_segment_bytes = 4096 + 2 * n * slot;
+    c.shm_piece_bytes = piece;
     c
 }
 
@@ -169,7 +178,7 @@ async fn shm_matrix(n: u32) {
     assert!(counts.iter().all(|&c| c == counts[0] && c > 0));
     assert_all(
         &statuses(&gs).await,
-        &active(DEFAULT_SEGMENT),
+        &active(default_segment(n as usize)),
         &format!("n={n} after the matrix"),
     );
 }
@@ -195,12 +204,12 @@ fn every_dtype_and_reduce_op_bit_exact_in_rank_order() {
 // --------------------------------------------------------------- 2. many pieces
 
 #[test]
-fn tensors_larger_than_a_slot_go_through_in_pieces() {
+fn tensors_larger_than_a_piece_go_through_in_pieces() {
     run(async {
         const N: usize = 3;
-        const SLOT: usize = 4096;
-        let cfg = small_segment(N, SLOT);
-        let seg = cfg.shm_segment_bytes;
+        const PIECE: usize = 4096;
+        let cfg = small_pieces(PIECE);
+        let seg = segment(N, PIECE);
         let gs = with_cfg(&groups("shm-pieces", N as u32).await, &cfg);
         // Operations other than all_reduce run as with `Algorithm::Ring` and
         // do not set up the segment (small-integer inputs: exact in any order).
@@ -241,14 +250,14 @@ fn tensors_larger_than_a_slot_go_through_in_pieces() {
         // element, whole pieces, and dtypes of every width in successive calls.
         let calls: Vec<(DType, ReduceOp, usize)> = vec![
             (DType::F32, ReduceOp::Sum, 300_007),
-            (DType::F64, ReduceOp::Avg, SLOT / 8),
-            (DType::F64, ReduceOp::Product, SLOT / 8 + 1),
-            (DType::I8, ReduceOp::Sum, SLOT * 7 + 5),
-            (DType::BF16, ReduceOp::Max, SLOT / 2 * 3),
+            (DType::F64, ReduceOp::Avg, PIECE / 8),
+            (DType::F64, ReduceOp::Product, PIECE / 8 + 1),
+            (DType::I8, ReduceOp::Sum, PIECE * 7 + 5),
+            (DType::BF16, ReduceOp::Max, PIECE / 2 * 3),
             (DType::U64, ReduceOp::BXor, 20_001),
             (DType::F16, ReduceOp::Sum, 50_001),
             (DType::Bool, ReduceOp::Min, 9_999),
-            (DType::F32, ReduceOp::Avg, 2 * SLOT / 4 - 1),
+            (DType::F32, ReduceOp::Avg, 2 * PIECE / 4 - 1),
         ];
         let calls = Arc::new(calls);
         on_all(&gs, move |me, g| {
@@ -354,7 +363,11 @@ fn auto_uses_shared_memory_from_the_threshold_on_every_world_size() {
             if nu == 1 {
                 assert_all(&st, &SharedMemory::Untried, "a group of one");
             } else {
-                assert_all(&st, &active(DEFAULT_SEGMENT), &format!("n={n} at the threshold"));
+                assert_all(
+                    &st,
+                    &active(default_segment(nu)),
+                    &format!("n={n} at the threshold"),
+                );
                 for (r, s) in sent.iter().enumerate() {
                     // Less than a quarter of the tensor's bytes.
                     assert!(
@@ -370,7 +383,8 @@ fn auto_uses_shared_memory_from_the_threshold_on_every_world_size() {
 }
 
 /// The one large case: 16 MiB per rank on 4 ranks with the default settings
-/// (Auto picks shared memory; slots of 4 MiB, so four pieces), general floats,
+/// (Auto picks shared memory; pieces of 1 MiB, so sixteen of them, written
+/// back with non-temporal stores), general floats,
 /// bit for bit; the data do not go over TCP.
 #[test]
 fn a_16_mib_all_reduce_with_the_default_settings() {
@@ -385,7 +399,7 @@ fn a_16_mib_all_reduce_with_the_default_settings() {
             t0.elapsed()
         );
         assert!(sent.iter().all(|&s| s < 1 << 20), "{sent:?}");
-        assert_all(&statuses(&gs).await, &active(DEFAULT_SEGMENT), "16 MiB");
+        assert_all(&statuses(&gs).await, &active(default_segment(4)), "16 MiB");
     });
 }
 
@@ -464,8 +478,8 @@ fn a_member_that_declines_makes_the_group_use_the_ring_for_good() {
 #[test]
 fn sub_groups_have_their_own_segments() {
     run(async {
-        const SEG_A: usize = 2 << 20;
-        const SEG_B: usize = 1 << 20;
+        const PIECE_A: usize = 256 << 10;
+        const PIECE_B: usize = 64 << 10;
         let world = with_cfg(&groups("shm-sub", 4).await, &shm_cfg());
         // A = world ranks 1, 2, 3 (its member 0, which creates its segment, is
         // world rank 1); B = world ranks 0 and 3. Every world member makes both.
@@ -475,13 +489,14 @@ fn sub_groups_have_their_own_segments() {
             (a, b)
         })
         .await;
-        let seg_cfg = |bytes: usize| {
-            let mut c = shm_cfg();
-            c.shm_segment_bytes = bytes;
-            c
-        };
-        let a: Vec<Group> = made.iter().map(|(a, _)| a.with_config(seg_cfg(SEG_A))).collect();
-        let b: Vec<Group> = made.iter().map(|(_, b)| b.with_config(seg_cfg(SEG_B))).collect();
+        let a: Vec<Group> = made
+            .iter()
+            .map(|(a, _)| a.with_config(small_pieces(PIECE_A)))
+            .collect();
+        let b: Vec<Group> = made
+            .iter()
+            .map(|(_, b)| b.with_config(small_pieces(PIECE_B)))
+            .collect();
         let (a, b) = (Arc::new(a), Arc::new(b));
         let ins_a: Arc<Vec<Tensor>> =
             Arc::new((0..3).map(|r| general_input(DType::F32, 300_001, r, 3)).collect());
@@ -506,7 +521,11 @@ fn sub_groups_have_their_own_segments() {
             })
             .await;
         }
-        assert_all(&statuses(&a[1..]).await, &active(SEG_A), "sub-group A");
+        assert_all(
+            &statuses(&a[1..]).await,
+            &active(segment(3, PIECE_A)),
+            "sub-group A",
+        );
         assert_eq!(
             a[0].shared_memory().await,
             SharedMemory::Untried,
@@ -559,11 +578,15 @@ fn sub_groups_have_their_own_segments() {
             })
             .await;
         }
-        assert_all(&statuses(&world).await, &active(DEFAULT_SEGMENT), "world");
-        assert_all(&statuses(&a[1..]).await, &active(SEG_A), "A at the end");
+        assert_all(&statuses(&world).await, &active(default_segment(4)), "world");
+        assert_all(
+            &statuses(&a[1..]).await,
+            &active(segment(3, PIECE_A)),
+            "A at the end",
+        );
         assert_all(
             &[b[0].shared_memory().await, b[3].shared_memory().await],
-            &active(SEG_B),
+            &active(segment(2, PIECE_B)),
             "B",
         );
         assert_eq!(
@@ -580,9 +603,9 @@ fn sub_groups_have_their_own_segments() {
 fn shared_memory_settings_that_differ_fail_on_every_member() {
     run(async {
         let base = groups("shm-mismatch", 3).await;
-        let odd_segment = |c: CollectiveConfig| {
+        let odd_piece = |c: CollectiveConfig| {
             let mut c = c.with_algorithm(Algorithm::SharedMemory);
-            c.shm_segment_bytes = 8 << 20;
+            c.shm_piece_bytes = 512 << 10;
             c
         };
         let odd_min = |c: CollectiveConfig| {
@@ -593,7 +616,7 @@ fn shared_memory_settings_that_differ_fail_on_every_member() {
         // (setting, the member that differs, how it differs, everyone's algorithm)
         type Tweak = fn(CollectiveConfig) -> CollectiveConfig;
         let variants: [(&str, usize, Tweak, Algorithm); 3] = [
-            ("shm_segment_bytes", 2, odd_segment, Algorithm::SharedMemory),
+            ("shm_piece_bytes", 2, odd_piece, Algorithm::SharedMemory),
             ("shm_min_bytes", 0, odd_min, Algorithm::Auto),
             (
                 "algorithm",
@@ -635,7 +658,7 @@ fn shared_memory_settings_that_differ_fail_on_every_member() {
         sum_checked(&gs, ins, "after the disagreements").await;
         assert_all(
             &statuses(&gs).await,
-            &active(DEFAULT_SEGMENT),
+            &active(default_segment(3)),
             "after the disagreements",
         );
     });
@@ -654,7 +677,7 @@ fn a_member_lost_during_a_shared_memory_all_reduce_fails_the_others() {
         for (round, (how, victim, calls)) in rounds.into_iter().enumerate() {
             let gs = with_cfg(
                 &groups(&format!("shm-lost-{round}"), N as u32).await,
-                &small_segment(N, 64 << 10),
+                &small_pieces(64 << 10),
             );
             let ins: Arc<Vec<Tensor>> = Arc::new((0..N).map(|r| input(DType::F32, LEN, r, 8)).collect());
             let want = Arc::new(reference(&ins, ReduceOp::Sum));
@@ -690,7 +713,7 @@ fn a_member_lost_during_a_shared_memory_all_reduce_fails_the_others() {
             assert_all(
                 &statuses(&gs[..1]).await,
                 &SharedMemory::Active {
-                    segment_bytes: 4096 + 2 * N * (64 << 10),
+                    segment_bytes: segment(N, 64 << 10),
                 },
                 "before the loss",
             );
@@ -751,7 +774,7 @@ fn a_member_that_never_calls_hits_the_deadline_after_setup() {
         sum_checked(&gs, ins.clone(), "first call").await;
         assert_all(
             &statuses(&gs).await,
-            &active(DEFAULT_SEGMENT),
+            &active(default_segment(2)),
             "after the first call",
         );
         // Rank 1 does not call.
@@ -806,7 +829,7 @@ async fn one_shm_world(name: &str) {
     let gs = with_cfg(&groups(name, 3).await, &shm_cfg());
     let ins = (0..3).map(|r| input(DType::F32, 10_000, r, 10)).collect();
     sum_checked(&gs, ins, "fd test").await;
-    assert_all(&statuses(&gs).await, &active(DEFAULT_SEGMENT), name);
+    assert_all(&statuses(&gs).await, &active(default_segment(3)), name);
     // Every member maps the segment; nobody keeps a descriptor of it.
     assert_eq!(segment_maps(), 3, "one mapping per member");
     assert_eq!(segment_fds(), 0, "the creator's memfd is closed after setup");

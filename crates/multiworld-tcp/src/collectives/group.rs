@@ -102,16 +102,18 @@ pub struct CollectiveConfig {
     /// be the same on every member. Default 768 KiB (see `COLLECTIVES.md` for
     /// the measured crossover).
     pub shm_min_bytes: usize,
-    /// Size of the group's shared segment: a 4 KiB header and two buffers of one
-    /// slot per member; larger tensors go through it in slot-sized pieces. Memory
-    /// is only committed where it is written, and stays with the group until
-    /// every member has dropped it. Must be the same on every member; a size
-    /// without room for two slots of 64 bytes per member turns shared memory
-    /// off for the group. Default
-    /// 32 MiB (slots of 8 MiB with 2 members, 4 MiB with 4: small enough for
-    /// the pieces to stay in the last-level cache while the members pass them
-    /// around).
-    pub shm_segment_bytes: usize,
+    /// Bytes of a tensor that one step of a shared-memory all-reduce moves
+    /// (rounded down to a multiple of 64). The group's segment holds a 4 KiB
+    /// header and three buffers of one slot of this size per member (12 MiB
+    /// and 4 KiB for 4 members at the default); larger tensors go through it in
+    /// pieces of this size, three in flight at once. Memory is only committed
+    /// where it is written, and stays with the group until every member has
+    /// dropped it. Must be the same on every member; less than 64 bytes, or a
+    /// segment too large to address, turns shared memory off for the group.
+    /// Default 1 MiB: small enough for the pieces in flight to stay in the
+    /// caches while the members pass them around, large enough that the one
+    /// barrier per step costs little (see `docs/benchmarks.md`).
+    pub shm_piece_bytes: usize,
 }
 
 impl Default for CollectiveConfig {
@@ -127,7 +129,7 @@ impl Default for CollectiveConfig {
             timeout: None,
             shared_memory: true,
             shm_min_bytes: 768 << 10,
-            shm_segment_bytes: 32 << 20,
+            shm_piece_bytes: 1 << 20,
         }
     }
 }
@@ -166,7 +168,7 @@ impl CollectiveConfig {
             self.direct_max_bytes as u64,
             self.chunk_bytes.max(1) as u64,
             self.shm_min_bytes as u64,
-            self.shm_segment_bytes as u64,
+            self.shm_piece_bytes as u64,
         ] {
             h ^= v;
             h = h.wrapping_mul(0x0000_0100_0000_01b3);
@@ -588,8 +590,9 @@ impl Group {
         if !ring_capable || n <= 1 {
             return Algo::Direct;
         }
-        let shm =
-            shm && kind == Kind::AllReduce && super::shm::usable(self.cfg.shm_segment_bytes, self.size());
+        let shm = shm
+            && kind == Kind::AllReduce
+            && super::shm::segment_len(self.cfg.shm_piece_bytes, self.size()).is_some();
         match self.cfg.algorithm {
             Algorithm::Direct => Algo::Direct,
             Algorithm::Ring => Algo::Ring,

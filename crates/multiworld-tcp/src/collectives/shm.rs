@@ -17,23 +17,32 @@
 //! has no name, so nothing is left behind if a process dies: its memory goes when
 //! the last member unmaps it.
 //!
-//! **Layout.** A 4 KiB header, then two buffers, each with one slot per member.
-//! A call works through its tensor in *pieces* of at most one slot, alternating
-//! buffers.
+//! **Layout.** A 4 KiB header, then three buffers, each with one slot per
+//! member; a slot holds one *piece* of the tensor
+//! (`CollectiveConfig::shm_piece_bytes`). A call works through its tensor piece
+//! by piece, piece `k` in buffer `k mod 3`.
 //!
-//! **One piece** of an all-reduce, on member `p` (the piece is split into `n`
-//! segments as in the ring):
-//! 1. copy the piece's segments other than `p` into `p`'s slot; signal; wait for
-//!    every member's signal;
-//! 2. reduce segment `p` over every member's copy **in rank order** (`x0 op x1 op
-//!    ...`, exactly the sequential reference), write the result into the caller's
-//!    tensor and into segment `p` of `p`'s slot; signal; wait;
-//! 3. copy the other members' reduced segments from their slots.
+//! **One piece** `k` of an all-reduce, on member `p` (the piece is split into
+//! `n` segments as in the ring) goes through three phases:
+//! 1. *publish*: copy the piece's segments other than `p` into `p`'s slot;
+//! 2. *reduce*: reduce segment `p` over every member's copy **in rank order**
+//!    (`x0 op x1 op ...`, exactly the sequential reference), writing the result
+//!    into the caller's tensor and into segment `p` of `p`'s slot;
+//! 3. *take*: copy the other members' reduced segments from their slots.
 //!
-//! A piece writes the buffer that the piece before the previous one read; every
-//! member has finished reading it once it has passed step 1 of the previous
-//! piece, and the agreement round that starts every call orders calls the same
-//! way. So two signals per piece are enough.
+//! Step `t` of a call takes piece `t − 2`, reduces piece `t − 1` and publishes
+//! piece `t`, then every member signals and waits for the others' signals:
+//! one barrier per step, `pieces + 1` in all. Each phase of a step reads only
+//! what the others wrote before the previous barrier, the three phases of a
+//! step use three different buffers, and a buffer is written again (piece
+//! `k + 3`, step `k + 3`) only after the step that last read it (step `k + 2`)
+//! has ended on every member. The agreement round that starts every call
+//! orders calls the same way, so the last step needs no barrier.
+//!
+//! **Large tensors** (at least [`STREAM_MIN_BYTES`]) are written back into the
+//! caller's memory with non-temporal stores on x86-64: they would not stay in
+//! the caches anyway, and ordinary stores would first read every line and push
+//! the pieces in flight out of the caches.
 //!
 //! **Trust.** Only members that proved the world's secret get an offer, and the
 //! file can only be opened by the same user. A member that broke the protocol
@@ -58,8 +67,14 @@ use crate::tensor::{DType, Tensor};
 
 /// Size of the segment header (keeps the slots page-aligned).
 const HEADER: usize = 4096;
-/// "MWSHM\0v1" as a little-endian word.
-const MAGIC: u64 = u64::from_le_bytes(*b"MWSHM\0v1");
+/// Buffers in the segment, each with one slot per member: a step of a call
+/// works on three pieces at once (see the module docs).
+const BUFFERS: usize = 3;
+/// Tensors of at least this many bytes are written back with non-temporal
+/// stores (see the module docs).
+const STREAM_MIN_BYTES: usize = 8 << 20;
+/// "MWSHM\0v2" as a little-endian word (v2: three buffers, one barrier per step).
+const MAGIC: u64 = u64::from_le_bytes(*b"MWSHM\0v2");
 /// Elements reduced per block (the running result stays in the L1/L2 cache).
 const BLOCK_BYTES: usize = 32 << 10;
 /// Bytes copied or reduced between two yields to the runtime, so that a
@@ -110,11 +125,19 @@ impl fmt::Display for SharedMemory {
     }
 }
 
-/// Whether a segment of `segment_bytes` has slots of at least 64 bytes for a
-/// group of `n` (and a counter for every member): the same answer on every
-/// member, as both are agreed.
-pub(crate) fn usable(segment_bytes: usize, n: usize) -> bool {
-    (2..=MAX_MEMBERS).contains(&n) && segment_bytes.saturating_sub(HEADER) / (2 * n) >= 64
+/// Size of the segment for pieces of `piece_bytes` (rounded down to a
+/// multiple of 64) in a group of `n`, or `None` when such a group cannot use
+/// shared memory (too many members, pieces under 64 bytes, or a size that does
+/// not fit in memory). The same answer on every member, as both are agreed.
+pub(crate) fn segment_len(piece_bytes: usize, n: usize) -> Option<usize> {
+    let piece = piece_bytes & !63;
+    if !(2..=MAX_MEMBERS).contains(&n) || piece == 0 {
+        return None;
+    }
+    piece
+        .checked_mul(BUFFERS * n)?
+        .checked_add(HEADER)
+        .filter(|&len| isize::try_from(len).is_ok())
 }
 
 /// A group's shared-memory state (kept between calls).
@@ -341,7 +364,7 @@ impl Segment {
     /// Bytes per slot for a group of `n`: two buffers of `n` slots after the
     /// header, each a multiple of 64 bytes.
     fn slot_bytes(&self, n: usize) -> usize {
-        ((self.len - HEADER) / (2 * n.max(1))) & !63
+        ((self.len - HEADER) / (BUFFERS * n.max(1))) & !63
     }
 
     /// Elements `range` of slot `slot` of buffer `buf`, as a typed pointer.
@@ -349,7 +372,7 @@ impl Segment {
     fn ptr<T>(&self, n: usize, buf: usize, slot: usize, range: &Range<usize>) -> Result<*mut T> {
         let sb = self.slot_bytes(n);
         let size = std::mem::size_of::<T>();
-        if buf > 1 || slot >= n || range.start > range.end || range.end.saturating_mul(size) > sb {
+        if buf >= BUFFERS || slot >= n || range.start > range.end || range.end.saturating_mul(size) > sb {
             return Err(Error::invalid(format!(
                 "internal: elements {range:?} of slot {slot} of buffer {buf} outside the segment"
             )));
@@ -464,7 +487,11 @@ const TURNED_OFF: &str = "shared memory is turned off in this member's Collectiv
 
 async fn setup(cx: Ctx<'_>) -> Result<ShmState> {
     let n = cx.n();
-    let len = cx.cfg.shm_segment_bytes;
+    let Some(len) = segment_len(cx.cfg.shm_piece_bytes, n) else {
+        return Err(Error::invalid(
+            "internal: shared memory chosen for a group that cannot use it",
+        ));
+    };
     let rank = cx.comm.rank();
     if cx.me == 0 {
         let created = if cx.cfg.shared_memory {
@@ -573,12 +600,64 @@ async fn arrive_and_wait(cx: Ctx<'_>, seg: &Arc<Segment>) -> Result<()> {
     }
 }
 
-/// Copies `src` into `dst` in pieces, yielding to the runtime between them.
-async fn copy_yielding<T: Copy>(dst: &mut [T], src: &[T]) {
+/// Copies `src` into `dst` in pieces, yielding to the runtime between them;
+/// with `stream`, through non-temporal stores where the target has them.
+async fn copy_yielding<T: Copy>(dst: &mut [T], src: &[T], stream: bool) {
     let step = (YIELD_BYTES / std::mem::size_of::<T>().max(1)).max(1);
     for (d, s) in dst.chunks_mut(step).zip(src.chunks(step)) {
-        d.copy_from_slice(s);
+        copy(d, s, stream);
         tokio::task::yield_now().await;
+    }
+}
+
+/// Copies `src` into `dst` (the shorter length of the two); with `stream`,
+/// through non-temporal stores where the target has them.
+fn copy<T: Copy>(dst: &mut [T], src: &[T], stream: bool) {
+    let len = dst.len().min(src.len());
+    let (dst, src) = (&mut dst[..len], &src[..len]);
+    #[cfg(target_arch = "x86_64")]
+    if stream {
+        stream_copy(dst, src);
+        return;
+    }
+    let _ = stream;
+    dst.copy_from_slice(src);
+}
+
+/// Copies `src` into the same-length `dst` with non-temporal stores (SSE2,
+/// which every x86-64 has), then fences them so that they are ordered before
+/// whatever this thread stores next (a barrier's arrival included).
+#[cfg(target_arch = "x86_64")]
+fn stream_copy<T: Copy>(dst: &mut [T], src: &[T]) {
+    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
+    const LANE: usize = std::mem::size_of::<__m128i>();
+    let bytes = std::mem::size_of_val(dst).min(std::mem::size_of_val(src));
+    let d = dst.as_mut_ptr().cast::<u8>();
+    let s = src.as_ptr().cast::<u8>();
+    let head = d.align_offset(LANE).min(bytes);
+    let body = (bytes - head) / (4 * LANE) * (4 * LANE);
+    // SAFETY: `dst` and `src` are distinct slices (one is borrowed mutably) of
+    // at least `bytes` bytes, `T` is plain data (copied bytewise anyway); the
+    // head and tail are copied bytewise, the body 16 bytes at a time with
+    // unaligned loads and stores to `d + head + i`, which is 16-byte aligned;
+    // every access stays below `bytes`. SSE2 is part of the x86-64 baseline.
+    unsafe {
+        std::ptr::copy_nonoverlapping(s, d, head);
+        let mut i = head;
+        while i < head + body {
+            let v = [
+                _mm_loadu_si128(s.add(i).cast()),
+                _mm_loadu_si128(s.add(i + LANE).cast()),
+                _mm_loadu_si128(s.add(i + 2 * LANE).cast()),
+                _mm_loadu_si128(s.add(i + 3 * LANE).cast()),
+            ];
+            for (j, v) in v.into_iter().enumerate() {
+                _mm_stream_si128(d.add(i + j * LANE).cast(), v);
+            }
+            i += 4 * LANE;
+        }
+        std::ptr::copy_nonoverlapping(s.add(i), d.add(i), bytes - i);
+        _mm_sfence();
     }
 }
 
@@ -590,33 +669,83 @@ pub(crate) async fn all_reduce<T: Kernel>(
     data: &mut [T],
     op: ReduceOp,
 ) -> Result<()> {
-    let (n, me) = (cx.n(), cx.me);
-    let size = std::mem::size_of::<T>().max(1);
-    let piece = seg.slot_bytes(n) / size;
+    let n = cx.n();
+    let piece = seg.slot_bytes(n) / std::mem::size_of::<T>().max(1);
     if piece == 0 {
         return Err(Error::invalid("internal: shared-memory slots too small"));
     }
-    let block = (BLOCK_BYTES / size).max(1);
-    let mut tmp = sc.take(T::DTYPE, block)?;
-    let eop = op.elem();
-    let mut buf = 0;
-    let mut start = 0;
-    while start < data.len() {
-        let len = piece.min(data.len() - start);
-        let x = &mut data[start..start + len];
-        let segs = even_segments(len, n);
-        // 1. Publish what the others reduce.
-        for (_, s) in segs.iter().enumerate().filter(|&(q, _)| q != me) {
-            copy_yielding(seg.write::<T>(n, buf, me, s.clone())?, &x[s.clone()]).await;
+    let pieces = data.len().div_ceil(piece);
+    if pieces == 0 {
+        return Ok(());
+    }
+    let mut acc = sc.take(T::DTYPE, (BLOCK_BYTES / std::mem::size_of::<T>().max(1)).max(1))?;
+    let stream = std::mem::size_of_val(data) >= STREAM_MIN_BYTES;
+    let total = data.len();
+    let piece_range = |k: usize| k * piece..((k + 1) * piece).min(total);
+    let io = Io { seg, n, me: cx.me };
+    // Step `t` takes piece `t - 2`'s results, reduces piece `t - 1` and
+    // publishes piece `t`, each in its own buffer; one barrier per step.
+    for t in 0..pieces + 2 {
+        if let Some(k) = t.checked_sub(2) {
+            io.take(k % BUFFERS, &mut data[piece_range(k)], stream).await?;
         }
-        arrive_and_wait(cx, seg).await?;
-        // 2. Reduce this member's segment in rank order.
-        let mine = segs[me].clone();
-        let acc = &mut tmp.as_mut_slice::<T>()?[..];
+        if let Some(k) = t.checked_sub(1).filter(|&k| k < pieces) {
+            let a = acc.as_mut_slice::<T>()?;
+            io.reduce(k % BUFFERS, &mut data[piece_range(k)], a, op, stream)
+                .await?;
+        }
+        if t < pieces {
+            io.publish(t % BUFFERS, &data[piece_range(t)]).await?;
+        }
+        // After the last step nothing is left to order: the next call's
+        // agreement round starts only once every member has finished this one.
+        if t < pieces + 1 {
+            arrive_and_wait(cx, seg).await?;
+        }
+    }
+    sc.give(acc);
+    Ok(())
+}
+
+/// One member's view of the segment during a call: the three phases of a
+/// piece `x` in buffer `buf`.
+struct Io<'a> {
+    seg: &'a Segment,
+    n: usize,
+    me: usize,
+}
+
+impl Io<'_> {
+    /// Phase 1: copies the piece's segments other than this member's into its
+    /// slot.
+    async fn publish<T: Copy>(&self, buf: usize, x: &[T]) -> Result<()> {
+        let (n, me) = (self.n, self.me);
+        for (q, s) in even_segments(x.len(), n).into_iter().enumerate() {
+            if q != me {
+                copy_yielding(self.seg.write::<T>(n, buf, me, s.clone())?, &x[s], false).await;
+            }
+        }
+        Ok(())
+    }
+
+    /// Phase 2: reduces this member's segment of the piece over every
+    /// member's copy in rank order, in blocks of `acc`'s length, into `x` and
+    /// into this member's slot.
+    async fn reduce<T: Kernel>(
+        &self,
+        buf: usize,
+        x: &mut [T],
+        acc: &mut [T],
+        op: ReduceOp,
+        stream: bool,
+    ) -> Result<()> {
+        let (n, me, seg) = (self.n, self.me, self.seg);
+        let (eop, size) = (op.elem(), std::mem::size_of::<T>());
+        let mine = even_segments(x.len(), n)[me].clone();
         let mut done = 0;
         let mut at = mine.start;
         while at < mine.end {
-            let b = at..(at + block).min(mine.end);
+            let b = at..(at + acc.len()).min(mine.end);
             let a = &mut acc[..b.len()];
             for q in 0..n {
                 let src: &[T] = if q == me {
@@ -633,7 +762,7 @@ pub(crate) async fn all_reduce<T: Kernel>(
             if op == ReduceOp::Avg {
                 T::divide(a, n);
             }
-            x[b.clone()].copy_from_slice(a);
+            copy(&mut x[b.clone()], a, stream);
             seg.write::<T>(n, buf, me, b.clone())?.copy_from_slice(a);
             done += b.len() * size * n;
             if done >= YIELD_BYTES {
@@ -642,14 +771,66 @@ pub(crate) async fn all_reduce<T: Kernel>(
             }
             at = b.end;
         }
-        arrive_and_wait(cx, seg).await?;
-        // 3. Take the others' results.
-        for (q, s) in segs.iter().enumerate().filter(|&(q, _)| q != me) {
-            copy_yielding(&mut x[s.clone()], seg.read::<T>(n, buf, q, s.clone())?).await;
-        }
-        buf ^= 1;
-        start += len;
+        Ok(())
     }
-    sc.give(tmp);
-    Ok(())
+
+    /// Phase 3: copies the other members' reduced segments of the piece from
+    /// their slots into `x`.
+    async fn take<T: Copy>(&self, buf: usize, x: &mut [T], stream: bool) -> Result<()> {
+        let (n, me) = (self.n, self.me);
+        for (q, s) in even_segments(x.len(), n).into_iter().enumerate() {
+            if q != me {
+                copy_yielding(&mut x[s.clone()], self.seg.read::<T>(n, buf, q, s)?, stream).await;
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Non-temporal copies equal plain ones for every alignment of either
+    /// side, lengths around the 64-byte body included, and touch nothing
+    /// past the end.
+    #[test]
+    fn streamed_copies_equal_plain_copies() {
+        let src: Vec<u8> = (0..4096u32).map(|i| (i * 31 % 251) as u8).collect();
+        for stream in [false, true] {
+            for so in 0..17 {
+                for dof in 0..17 {
+                    for len in [0, 1, 15, 16, 17, 63, 64, 65, 127, 128, 129, 1000, 4000] {
+                        let mut dst = vec![0xEEu8; 4096 + 64];
+                        copy(&mut dst[dof..dof + len], &src[so..so + len], stream);
+                        assert_eq!(&dst[dof..dof + len], &src[so..so + len], "{so} {dof} {len}");
+                        assert!(dst[..dof].iter().all(|&b| b == 0xEE), "{so} {dof} {len}");
+                        assert!(dst[dof + len..].iter().all(|&b| b == 0xEE), "{so} {dof} {len}");
+                    }
+                }
+            }
+        }
+        // Typed: f32 results written back with streaming stores.
+        let a: Vec<f32> = (0..10_001).map(|i| i as f32 * 0.5).collect();
+        let mut b = vec![0f32; 10_001];
+        copy(&mut b[1..], &a[1..], true);
+        assert_eq!(b[0], 0.0);
+        assert_eq!(&b[1..], &a[1..]);
+    }
+
+    #[test]
+    fn segment_sizes_follow_the_pieces() {
+        assert_eq!(segment_len(1 << 20, 4), Some(HEADER + (12 << 20)));
+        assert_eq!(
+            segment_len(100, 2),
+            Some(HEADER + 3 * 2 * 64),
+            "rounded down to 64"
+        );
+        assert_eq!(segment_len(63, 2), None, "pieces under 64 bytes");
+        assert_eq!(segment_len(1 << 20, 1), None, "a group of one");
+        assert_eq!(segment_len(1 << 20, MAX_MEMBERS + 1), None, "too many members");
+        assert_eq!(segment_len(usize::MAX, 2), None, "overflow");
+        assert_eq!(segment_len(usize::MAX / 8, 4), None, "overflow");
+        assert_eq!(segment_len(isize::MAX as usize / 6, 2), None, "beyond isize");
+    }
 }
