@@ -928,7 +928,7 @@ async fn collectives(args: CollectivesArgs) -> anyhow::Result<()> {
     let report = collectives_bench(cfg).await?;
     println!("{report}");
     println!(
-        "targets: all_reduce of 64 MiB f32 ≤ 25 ms over 2 ranks, ≤ 60 ms over 4 ranks (gloo here, bench/gloo_all_reduce.py, 2026-11-22: 53-56 and 114-115 ms)"
+        "targets: all_reduce of 64 MiB f32 ≤ 25 ms over 2 ranks, ≤ 60 ms over 4 ranks (gloo here, bench/gloo_all_reduce.py, 2026-11-22, medians: 48-56 and 104-122 ms)"
     );
     let rows: Vec<CollectiveRowOut> = report
         .rows
