@@ -240,11 +240,7 @@ impl fmt::Display for CollectivesReport {
             "op", "ranks", "size", "algo", "iters", "time", "algbw GB/s", "busbw GB/s"
         )?;
         for r in &self.rows {
-            let time = if r.time_us >= 10_000.0 {
-                format!("{:.2} ms", r.time_us / 1000.0)
-            } else {
-                format!("{:.1} µs", r.time_us)
-            };
+            let time = duration_text(r.time_us);
             writeln!(
                 f,
                 "{:>15} {:>5} {:>9} {:>7} {:>6} {:>12} {:>11.3} {:>11.3}",
@@ -264,10 +260,10 @@ impl fmt::Display for CollectivesReport {
                 .map(|r| r.time_us);
             write!(
                 f,
-                "raw TCP floor, ring all-reduce traffic of {} over {} ranks (blocking sockets, no reduction): {:.2} ms",
+                "raw TCP floor, ring all-reduce traffic of {} over {} ranks (blocking sockets, no reduction): {}",
                 human(raw.bytes),
                 raw.ranks,
-                raw.time_us / 1000.0
+                duration_text(raw.time_us)
             )?;
             match ours {
                 Some(t) => writeln!(f, "; all_reduce / floor = {:.2}x", t / raw.time_us)?,
@@ -278,14 +274,24 @@ impl fmt::Display for CollectivesReport {
             let secs = m.time_us / 1e6;
             writeln!(
                 f,
-                "memory copy reference: {} threads each copying {} at once: {:.2} ms ({:.1} GB/s per thread)",
+                "memory copy reference: {} threads each copying {} at once: {} ({:.1} GB/s per thread)",
                 m.threads,
                 human(m.bytes),
-                m.time_us / 1000.0,
+                duration_text(m.time_us),
                 m.bytes as f64 / secs / 1e9
             )?;
         }
         Ok(())
+    }
+}
+
+/// A time in microseconds as text: milliseconds from 10 ms up, microseconds
+/// below (so that small sizes do not print as "0.00 ms").
+fn duration_text(us: f64) -> String {
+    if us >= 10_000.0 {
+        format!("{:.2} ms", us / 1000.0)
+    } else {
+        format!("{us:.1} µs")
     }
 }
 
