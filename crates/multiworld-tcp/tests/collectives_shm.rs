@@ -498,25 +498,28 @@ fn sub_groups_have_their_own_segments() {
             .map(|(_, b)| b.with_config(small_pieces(PIECE_B)))
             .collect();
         let (a, b) = (Arc::new(a), Arc::new(b));
-        let ins_a: Arc<Vec<Tensor>> =
-            Arc::new((0..3).map(|r| general_input(DType::F32, 300_001, r, 3)).collect());
-        let want_a = Arc::new(reference(&ins_a, ReduceOp::Sum));
-        let ins_b: Arc<Vec<Tensor>> =
-            Arc::new((0..2).map(|r| general_input(DType::F16, 100_003, r, 4)).collect());
-        let want_b = Arc::new(reference(&ins_b, ReduceOp::Product));
-        let ins_w: Arc<Vec<Tensor>> =
-            Arc::new((0..4).map(|r| general_input(DType::F64, 200_003, r, 5)).collect());
-        let want_w = Arc::new(reference(&ins_w, ReduceOp::Avg));
+        // (inputs, expected result) of A (sum), B (product) and the world (avg).
+        let case = |n: usize, dtype: DType, len: usize, seed: u64, op: ReduceOp| {
+            let ins: Vec<Tensor> = (0..n).map(|r| general_input(dtype, len, r, seed)).collect();
+            let want = reference(&ins, op);
+            (ins, want)
+        };
+        let cases = Arc::new([
+            case(3, DType::F32, 300_001, 3, ReduceOp::Sum),
+            case(2, DType::F16, 100_003, 4, ReduceOp::Product),
+            case(4, DType::F64, 200_003, 5, ReduceOp::Avg),
+        ]);
         // A sets up its segment alone; the world group and B are not involved.
         {
-            let (ins, want) = (Arc::clone(&ins_a), Arc::clone(&want_a));
+            let cases = Arc::clone(&cases);
             on_all(&a[1..], move |i, g| {
-                let (ins, want) = (Arc::clone(&ins), Arc::clone(&want));
+                let cases = Arc::clone(&cases);
                 async move {
+                    let (ins, want) = &cases[0];
                     assert_eq!(g.group_rank(), Some(i));
                     let mut t = ins[i].clone();
                     g.all_reduce(&mut t, ReduceOp::Sum).await.unwrap();
-                    assert_same(&t, &want, "sub-group A alone");
+                    assert_same(&t, want, "sub-group A alone");
                 }
             })
             .await;
@@ -540,26 +543,11 @@ fn sub_groups_have_their_own_segments() {
         // Then all three groups at once on every rank that is a member: the
         // world and B set up their segments concurrently in round 0.
         for round in 0..3 {
-            let (a, b) = (Arc::clone(&a), Arc::clone(&b));
-            let (ins_a, want_a, ins_b, want_b, ins_w, want_w) = (
-                Arc::clone(&ins_a),
-                Arc::clone(&want_a),
-                Arc::clone(&ins_b),
-                Arc::clone(&want_b),
-                Arc::clone(&ins_w),
-                Arc::clone(&want_w),
-            );
+            let (a, b, cases) = (Arc::clone(&a), Arc::clone(&b), Arc::clone(&cases));
             on_all(&world, move |me, g| {
-                let (a, b) = (Arc::clone(&a), Arc::clone(&b));
-                let (ins_a, want_a, ins_b, want_b, ins_w, want_w) = (
-                    Arc::clone(&ins_a),
-                    Arc::clone(&want_a),
-                    Arc::clone(&ins_b),
-                    Arc::clone(&want_b),
-                    Arc::clone(&ins_w),
-                    Arc::clone(&want_w),
-                );
+                let (a, b, cases) = (Arc::clone(&a), Arc::clone(&b), Arc::clone(&cases));
                 async move {
+                    let [(ins_a, want_a), (ins_b, want_b), (ins_w, want_w)] = &*cases;
                     let hw = g.all_reduce_handle(ins_w[me].clone(), ReduceOp::Avg);
                     let ha = a[me]
                         .group_rank()
@@ -567,12 +555,12 @@ fn sub_groups_have_their_own_segments() {
                     let hb = b[me]
                         .group_rank()
                         .map(|i| b[me].all_reduce_handle(ins_b[i].clone(), ReduceOp::Product));
-                    assert_same(&hw.await.unwrap(), &want_w, &format!("world, round {round}"));
+                    assert_same(&hw.await.unwrap(), want_w, &format!("world, round {round}"));
                     if let Some(h) = ha {
-                        assert_same(&h.await.unwrap(), &want_a, &format!("A, round {round}"));
+                        assert_same(&h.await.unwrap(), want_a, &format!("A, round {round}"));
                     }
                     if let Some(h) = hb {
-                        assert_same(&h.await.unwrap(), &want_b, &format!("B, round {round}"));
+                        assert_same(&h.await.unwrap(), want_b, &format!("B, round {round}"));
                     }
                 }
             })

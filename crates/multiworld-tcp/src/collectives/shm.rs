@@ -631,6 +631,7 @@ fn copy<T: Copy>(dst: &mut [T], src: &[T], stream: bool) {
 fn stream_copy<T: Copy>(dst: &mut [T], src: &[T]) {
     use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
     const LANE: usize = std::mem::size_of::<__m128i>();
+    debug_assert_eq!(dst.len(), src.len());
     let bytes = std::mem::size_of_val(dst).min(std::mem::size_of_val(src));
     let d = dst.as_mut_ptr().cast::<u8>();
     let s = src.as_ptr().cast::<u8>();
@@ -669,8 +670,8 @@ pub(crate) async fn all_reduce<T: Kernel>(
     data: &mut [T],
     op: ReduceOp,
 ) -> Result<()> {
-    let n = cx.n();
-    let piece = seg.slot_bytes(n) / std::mem::size_of::<T>().max(1);
+    let (n, size) = (cx.n(), std::mem::size_of::<T>().max(1));
+    let piece = seg.slot_bytes(n) / size;
     if piece == 0 {
         return Err(Error::invalid("internal: shared-memory slots too small"));
     }
@@ -678,7 +679,7 @@ pub(crate) async fn all_reduce<T: Kernel>(
     if pieces == 0 {
         return Ok(());
     }
-    let mut acc = sc.take(T::DTYPE, (BLOCK_BYTES / std::mem::size_of::<T>().max(1)).max(1))?;
+    let mut acc = sc.take(T::DTYPE, (BLOCK_BYTES / size).max(1))?;
     let stream = std::mem::size_of_val(data) >= STREAM_MIN_BYTES;
     let total = data.len();
     let piece_range = |k: usize| k * piece..((k + 1) * piece).min(total);
