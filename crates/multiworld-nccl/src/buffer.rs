@@ -19,10 +19,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::cuda::WorldDevice;
-use crate::dtype::DType;
 use crate::error::NcclError;
 use crate::ffi::CuDevicePtr;
 use crate::poll::poll_until;
+use multiworld_types::DType;
 
 /// Device memory of one world: `len` elements of `dtype` on that world's
 /// device. Created by [`NcclComm::alloc`](crate::NcclComm::alloc) or
@@ -50,7 +50,7 @@ impl std::fmt::Debug for DeviceBuffer {
 impl DeviceBuffer {
     pub(crate) fn alloc(dev: &Arc<WorldDevice>, dtype: DType, len: usize) -> Result<DeviceBuffer, NcclError> {
         let bytes = len
-            .checked_mul(dtype.size_bytes())
+            .checked_mul(dtype.size())
             .ok_or_else(|| NcclError::invalid(format!("{len} x {dtype} overflows usize")))?;
         let ptr = if bytes == 0 { 0 } else { dev.alloc(bytes)? };
         Ok(DeviceBuffer {
@@ -99,7 +99,7 @@ impl DeviceBuffer {
 
     /// Size in bytes.
     pub fn byte_len(&self) -> usize {
-        self.len * self.dtype.size_bytes()
+        self.len * self.dtype.size()
     }
 
     /// CUDA device ordinal.

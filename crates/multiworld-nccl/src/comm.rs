@@ -30,13 +30,13 @@ use std::time::{Duration, Instant};
 use crate::buffer::DeviceBuffer;
 use crate::config::CommConfig;
 use crate::cuda::WorldDevice;
-use crate::dtype::DType;
 use crate::error::NcclError;
 use crate::ffi::{self, NcclResultCode, RawComm, SendPtr};
 use crate::poll::{Backoff, poll_until};
 use crate::runtime::NcclRuntime;
 use crate::unique_id::UniqueId;
 use crate::version::NcclVersion;
+use multiworld_types::DType;
 
 /// Lifecycle of a communicator.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

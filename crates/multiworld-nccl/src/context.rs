@@ -10,9 +10,9 @@ use std::time::{Duration, Instant};
 
 use crate::buffer::DeviceBuffer;
 use crate::cuda::WorldDevice;
-use crate::dtype::DType;
 use crate::error::NcclError;
 use crate::runtime::CudaDriver;
+use multiworld_types::DType;
 
 /// Device memory and copies for one world on one GPU, with no NCCL
 /// communicator. `Send + Sync`; buffers it allocates keep it alive.
@@ -64,13 +64,13 @@ pub(crate) fn upload(
     bytes: &[u8],
     timeout: Duration,
 ) -> Result<DeviceBuffer, NcclError> {
-    if bytes.len() % dtype.size_bytes() != 0 {
+    if bytes.len() % dtype.size() != 0 {
         return Err(NcclError::invalid(format!(
             "{} bytes is not a whole number of {dtype} elements",
             bytes.len()
         )));
     }
-    let mut buf = DeviceBuffer::alloc(dev, dtype, bytes.len() / dtype.size_bytes())?;
+    let mut buf = DeviceBuffer::alloc(dev, dtype, bytes.len() / dtype.size())?;
     buf.copy_from_host(bytes, timeout)?;
     Ok(buf)
 }

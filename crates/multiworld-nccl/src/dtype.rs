@@ -1,5 +1,7 @@
-//! Element types and reduction operations, and how each maps onto NCCL's
-//! `ncclDataType_t` / `ncclRedOp_t`. Pure tables, tested without a GPU.
+//! How the vocabulary's element types and reduction operations
+//! ([`DType`], [`ReduceOp`] from `multiworld-types`, one set for every
+//! backend) map onto NCCL's `ncclDataType_t` / `ncclRedOp_t`. Pure tables,
+//! tested without a GPU.
 //!
 //! Two mappings exist because NCCL only knows ten numeric types:
 //! - data movement (send/recv, broadcast, all_gather, all_to_all, gather,
@@ -9,188 +11,35 @@
 //!   unsupported, `bool` maps to `u8` with sum/max → max (logical or) and
 //!   product/min → min (logical and), as PyTorch does; bitwise and/or/xor are
 //!   unsupported on every numeric type (NCCL has no bitwise reductions).
+//!
+//! NCCL's FP8 types are listed in [`NcclDataType`] for completeness; no
+//! [`DType`] maps to them until host tensors can hold FP8.
 
-use std::fmt;
+use multiworld_types::{DType, ReduceOp};
 
 use crate::error::NcclError;
 use crate::version::NcclVersion;
 
-/// Element type of a device buffer. Mirrors the TCP backend's `DType` plus
-/// the two FP8 formats NCCL knows.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum DType {
-    /// IEEE 754 half precision.
-    F16,
-    /// bfloat16.
-    BF16,
-    /// IEEE 754 single precision.
-    F32,
-    /// IEEE 754 double precision.
-    F64,
-    /// Signed 8-bit integer.
-    I8,
-    /// Signed 16-bit integer (data movement only).
-    I16,
-    /// Signed 32-bit integer.
-    I32,
-    /// Signed 64-bit integer.
-    I64,
-    /// Unsigned 8-bit integer.
-    U8,
-    /// Unsigned 16-bit integer (data movement only).
-    U16,
-    /// Unsigned 32-bit integer.
-    U32,
-    /// Unsigned 64-bit integer.
-    U64,
-    /// Boolean, one byte per element (0 or 1).
-    Bool,
-    /// FP8 E4M3.
-    F8E4M3,
-    /// FP8 E5M2.
-    F8E5M2,
+/// The NCCL type with the same representation as `dtype`, if NCCL has one
+/// (`None` for `i16`, `u16` and `bool`).
+pub fn nccl_native(dtype: DType) -> Option<NcclDataType> {
+    Some(match dtype {
+        DType::I8 => NcclDataType::Int8,
+        DType::U8 => NcclDataType::Uint8,
+        DType::I32 => NcclDataType::Int32,
+        DType::U32 => NcclDataType::Uint32,
+        DType::I64 => NcclDataType::Int64,
+        DType::U64 => NcclDataType::Uint64,
+        DType::F16 => NcclDataType::Float16,
+        DType::F32 => NcclDataType::Float32,
+        DType::F64 => NcclDataType::Float64,
+        DType::BF16 => NcclDataType::Bfloat16,
+        DType::I16 | DType::U16 | DType::Bool => return None,
+    })
 }
 
-impl DType {
-    /// Every dtype.
-    pub const ALL: [DType; 15] = [
-        DType::F16,
-        DType::BF16,
-        DType::F32,
-        DType::F64,
-        DType::I8,
-        DType::I16,
-        DType::I32,
-        DType::I64,
-        DType::U8,
-        DType::U16,
-        DType::U32,
-        DType::U64,
-        DType::Bool,
-        DType::F8E4M3,
-        DType::F8E5M2,
-    ];
-
-    /// Bytes per element.
-    pub fn size_bytes(self) -> usize {
-        match self {
-            DType::I8 | DType::U8 | DType::Bool | DType::F8E4M3 | DType::F8E5M2 => 1,
-            DType::F16 | DType::BF16 | DType::I16 | DType::U16 => 2,
-            DType::F32 | DType::I32 | DType::U32 => 4,
-            DType::F64 | DType::I64 | DType::U64 => 8,
-        }
-    }
-
-    /// Short lowercase name (`"f32"`).
-    pub fn name(self) -> &'static str {
-        match self {
-            DType::F16 => "f16",
-            DType::BF16 => "bf16",
-            DType::F32 => "f32",
-            DType::F64 => "f64",
-            DType::I8 => "i8",
-            DType::I16 => "i16",
-            DType::I32 => "i32",
-            DType::I64 => "i64",
-            DType::U8 => "u8",
-            DType::U16 => "u16",
-            DType::U32 => "u32",
-            DType::U64 => "u64",
-            DType::Bool => "bool",
-            DType::F8E4M3 => "f8e4m3",
-            DType::F8E5M2 => "f8e5m2",
-        }
-    }
-
-    /// The NCCL type with the same representation, if NCCL has one
-    /// (`None` for `i16`, `u16` and `bool`).
-    pub fn nccl_native(self) -> Option<NcclDataType> {
-        Some(match self {
-            DType::I8 => NcclDataType::Int8,
-            DType::U8 => NcclDataType::Uint8,
-            DType::I32 => NcclDataType::Int32,
-            DType::U32 => NcclDataType::Uint32,
-            DType::I64 => NcclDataType::Int64,
-            DType::U64 => NcclDataType::Uint64,
-            DType::F16 => NcclDataType::Float16,
-            DType::F32 => NcclDataType::Float32,
-            DType::F64 => NcclDataType::Float64,
-            DType::BF16 => NcclDataType::Bfloat16,
-            DType::F8E4M3 => NcclDataType::Float8e4m3,
-            DType::F8E5M2 => NcclDataType::Float8e5m2,
-            DType::I16 | DType::U16 | DType::Bool => return None,
-        })
-    }
-
-    fn is_float(self) -> bool {
-        matches!(
-            self,
-            DType::F16 | DType::BF16 | DType::F32 | DType::F64 | DType::F8E4M3 | DType::F8E5M2
-        )
-    }
-}
-
-impl fmt::Display for DType {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-/// A reduction operation.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum ReduceOp {
-    /// Sum.
-    Sum,
-    /// Product.
-    Product,
-    /// Minimum.
-    Min,
-    /// Maximum.
-    Max,
-    /// Average (sum divided by the number of ranks).
-    Avg,
-    /// Bitwise and (only on `bool`, as logical and).
-    BAnd,
-    /// Bitwise or (only on `bool`, as logical or).
-    BOr,
-    /// Bitwise xor (never supported by NCCL).
-    BXor,
-}
-
-impl ReduceOp {
-    /// Every reduce op.
-    pub const ALL: [ReduceOp; 8] = [
-        ReduceOp::Sum,
-        ReduceOp::Product,
-        ReduceOp::Min,
-        ReduceOp::Max,
-        ReduceOp::Avg,
-        ReduceOp::BAnd,
-        ReduceOp::BOr,
-        ReduceOp::BXor,
-    ];
-
-    /// Lowercase name.
-    pub fn name(self) -> &'static str {
-        match self {
-            ReduceOp::Sum => "sum",
-            ReduceOp::Product => "product",
-            ReduceOp::Min => "min",
-            ReduceOp::Max => "max",
-            ReduceOp::Avg => "avg",
-            ReduceOp::BAnd => "band",
-            ReduceOp::BOr => "bor",
-            ReduceOp::BXor => "bxor",
-        }
-    }
-}
-
-impl fmt::Display for ReduceOp {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
+fn is_float(dtype: DType) -> bool {
+    matches!(dtype, DType::F16 | DType::BF16 | DType::F32 | DType::F64)
 }
 
 /// `ncclDataType_t` (values from nccl.h; stable since 2.0, FP8 added later).
@@ -290,11 +139,11 @@ pub fn wire_type(
     count: usize,
     version: NcclVersion,
 ) -> Result<(NcclDataType, usize), NcclError> {
-    match dtype.nccl_native() {
+    match nccl_native(dtype) {
         Some(t) if version >= t.since() => Ok((t, count)),
         _ => {
             let bytes = count
-                .checked_mul(dtype.size_bytes())
+                .checked_mul(dtype.size())
                 .ok_or_else(|| NcclError::invalid(format!("{count} x {dtype} overflows usize")))?;
             Ok((NcclDataType::Uint8, bytes))
         }
@@ -321,7 +170,7 @@ pub fn nccl_reduction(
         };
         return Ok((NcclDataType::Uint8, red));
     }
-    let Some(t) = dtype.nccl_native() else {
+    let Some(t) = nccl_native(dtype) else {
         return Err(NcclError::unsupported(format!(
             "reductions on {dtype}: NCCL has no {dtype} type (data movement works)"
         )));
@@ -339,7 +188,7 @@ pub fn nccl_reduction(
                     NcclVersion::AVG_AND_BF16
                 )));
             }
-            if !dtype.is_float() {
+            if !is_float(dtype) {
                 return Err(NcclError::unsupported(format!(
                     "avg on integer type {dtype} (only floating-point types average)"
                 )));
@@ -384,15 +233,16 @@ mod tests {
             (DType::F32, 7),
             (DType::F64, 8),
             (DType::BF16, 9),
-            (DType::F8E4M3, 10),
-            (DType::F8E5M2, 11),
         ];
         for (dtype, code) in table {
-            assert_eq!(dtype.nccl_native().map(NcclDataType::code), Some(code), "{dtype}");
+            assert_eq!(nccl_native(dtype).map(NcclDataType::code), Some(code), "{dtype}");
         }
         for dtype in [DType::I16, DType::U16, DType::Bool] {
-            assert_eq!(dtype.nccl_native(), None, "{dtype}");
+            assert_eq!(nccl_native(dtype), None, "{dtype}");
         }
+        assert_eq!(NcclDataType::Float8e4m3.code(), 10);
+        assert_eq!(NcclDataType::Float8e5m2.code(), 11);
+        assert_eq!(NcclDataType::Float8e4m3.since(), NcclVersion::FP8);
     }
 
     #[test]
@@ -408,12 +258,12 @@ mod tests {
     fn every_dtype_can_move_and_sizes_are_right() {
         for dtype in DType::ALL {
             let (t, count) = wire_type(dtype, 10, NEW).unwrap();
-            if dtype.nccl_native().is_some() {
+            if nccl_native(dtype).is_some() {
                 assert_eq!(count, 10);
-                assert_eq!(Some(t), dtype.nccl_native());
+                assert_eq!(Some(t), nccl_native(dtype));
             } else {
                 assert_eq!(t, NcclDataType::Uint8);
-                assert_eq!(count, 10 * dtype.size_bytes());
+                assert_eq!(count, 10 * dtype.size());
             }
         }
         assert_eq!(wire_type(DType::I16, 3, NEW).unwrap(), (NcclDataType::Uint8, 6));
@@ -490,25 +340,11 @@ mod tests {
         let old = NcclVersion::new(2, 9, 9);
         assert!(nccl_reduction(DType::BF16, ReduceOp::Sum, old).is_err());
         assert!(nccl_reduction(DType::F32, ReduceOp::Avg, old).is_err());
-        assert!(nccl_reduction(DType::F8E4M3, ReduceOp::Max, NcclVersion::new(2, 21, 5)).is_err());
         // Data movement falls back to bytes where the runtime lacks the type.
         assert_eq!(wire_type(DType::BF16, 4, old).unwrap(), (NcclDataType::Uint8, 8));
         assert_eq!(
-            wire_type(DType::F8E4M3, 4, NcclVersion::new(2, 21, 5)).unwrap(),
-            (NcclDataType::Uint8, 4)
+            wire_type(DType::BF16, 4, NEW).unwrap(),
+            (NcclDataType::Bfloat16, 4)
         );
-        assert_eq!(
-            wire_type(DType::F8E4M3, 4, NEW).unwrap(),
-            (NcclDataType::Float8e4m3, 4)
-        );
-    }
-
-    #[test]
-    fn sizes() {
-        assert_eq!(DType::F8E5M2.size_bytes(), 1);
-        assert_eq!(DType::BF16.size_bytes(), 2);
-        assert_eq!(DType::U32.size_bytes(), 4);
-        assert_eq!(DType::I64.size_bytes(), 8);
-        assert_eq!(ReduceOp::ALL.len(), 8);
     }
 }

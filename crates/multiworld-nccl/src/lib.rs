@@ -26,7 +26,8 @@
 //!   staging buffers and events (crate-private).
 //! - `config` — [`CommConfig`]: rank, size, device and deadlines, validated.
 //! - `unique_id` — [`UniqueId`]: the 128-byte id, to and from bytes.
-//! - `dtype` — [`DType`], [`ReduceOp`] and their NCCL mappings.
+//! - `dtype` — how the vocabulary's `DType` and `ReduceOp` (crate
+//!   `multiworld-types`) map onto NCCL's types and operations.
 //! - `version` — [`NcclVersion`] and the release each feature needs.
 //! - `error` — [`NcclError`] and its `is_world_fatal` / `is_unavailable`.
 //! - `poll` — the deadline-bounded polling loop everything waits with.
@@ -38,7 +39,8 @@
 //!
 //! ```no_run
 //! use std::time::Duration;
-//! use multiworld_nccl::{CommConfig, DType, NcclComm, NcclRuntime, ReduceOp};
+//! use multiworld_nccl::{CommConfig, NcclComm, NcclRuntime};
+//! use multiworld_types::{DType, ReduceOp};
 //!
 //! # fn main() -> Result<(), multiworld_nccl::NcclError> {
 //! let rt = NcclRuntime::load()?;
@@ -73,7 +75,7 @@ pub use buffer::DeviceBuffer;
 pub use comm::{AbortOutcome, CloseOutcome, CommState, NcclComm, ShrinkMode};
 pub use config::CommConfig;
 pub use context::DeviceContext;
-pub use dtype::{DType, NcclDataType, NcclRedOp, ReduceOp, nccl_reduction, wire_type};
+pub use dtype::{NcclDataType, NcclRedOp, nccl_native, nccl_reduction, wire_type};
 pub use error::{LibraryKind, NcclError};
 pub use handle::OpHandle;
 pub use runtime::{CudaDriver, NcclRuntime};

@@ -13,7 +13,9 @@ use std::time::Instant;
 
 use crate::buffer::DeviceBuffer;
 use crate::comm::{NcclComm, lock, to_int};
-use crate::dtype::{DType, NcclDataType, NcclRedOp, ReduceOp, nccl_reduction, wire_type};
+use multiworld_types::{DType, ReduceOp};
+
+use crate::dtype::{NcclDataType, NcclRedOp, nccl_reduction, wire_type};
 use crate::error::NcclError;
 use crate::ffi::{CuDevicePtr, CuStream, RawComm};
 use crate::handle::OpHandle;
@@ -479,7 +481,7 @@ impl NcclComm {
                 buf.len()
             )));
         }
-        let elem = buf.dtype().size_bytes();
+        let elem = buf.dtype().size();
         let mut offset = 0usize;
         let mut out = Vec::with_capacity(counts.len());
         for &c in counts {

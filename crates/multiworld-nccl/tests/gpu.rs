@@ -23,9 +23,9 @@ use std::time::{Duration, Instant};
 use device_checks::{POISON, every_result_is_written, into_poisoned, ramp};
 
 use multiworld_nccl::{
-    AbortOutcome, CloseOutcome, CommConfig, CommState, DType, DeviceBuffer, NcclComm, NcclError, NcclRuntime,
-    ReduceOp,
+    AbortOutcome, CloseOutcome, CommConfig, CommState, DeviceBuffer, NcclComm, NcclError, NcclRuntime,
 };
+use multiworld_types::{DType, ReduceOp};
 
 const T: Duration = Duration::from_secs(30);
 

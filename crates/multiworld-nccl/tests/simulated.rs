@@ -25,9 +25,10 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use multiworld_nccl::{
-    AbortOutcome, CloseOutcome, CommConfig, CommState, CudaDriver, DType, DeviceContext, LibraryKind,
-    LibrarySearch, NcclComm, NcclError, NcclRuntime, NcclVersion, ReduceOp, ShrinkMode,
+    AbortOutcome, CloseOutcome, CommConfig, CommState, CudaDriver, DeviceContext, LibraryKind, LibrarySearch,
+    NcclComm, NcclError, NcclRuntime, NcclVersion, ShrinkMode,
 };
+use multiworld_types::{DType, ReduceOp};
 
 const T: Duration = Duration::from_secs(10);
 

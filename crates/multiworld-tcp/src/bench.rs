@@ -15,9 +15,9 @@ use std::time::{Duration, Instant};
 use crate::comm::Communicator;
 use crate::config::{CommConfig, DEFAULT_RECV_SPIN};
 use crate::error::{Error, Result};
-use crate::id::{Generation, Rank, Tag, WorldName};
 use crate::rendezvous::MemoryRendezvous;
-use crate::tensor::{DType, Tensor};
+use multiworld_types::{DType, Tensor};
+use multiworld_types::{Generation, Rank, Tag, WorldName};
 
 /// How each rank's Tokio runtime is built.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -40,10 +40,10 @@ use tracing::{debug, info, warn};
 use crate::config::CommConfig;
 use crate::error::{Error, MessageDesc, Result};
 use crate::frame::{self, FrameHeader, FrameKind, HEADER_LEN, RxSequencer};
-use crate::id::{Generation, Identity, Rank, Source, Tag, WorldName};
 use crate::mesh;
 use crate::rendezvous::Rendezvous;
-use crate::tensor::{DType, Tensor, TensorView, valid_bool_bytes};
+use multiworld_types::{DType, Tensor, TensorView, valid_bool_bytes};
+use multiworld_types::{Generation, Identity, Rank, Source, Tag, WorldName};
 
 /// Capacity of each connection's read buffer. Headers and small messages come in
 /// with one read; larger payloads bypass it and land in the receive buffer.
@@ -387,10 +387,14 @@ fn fill(buf: &mut Tensor, from: Rank, tag: Tag, dtype: DType, data: StashData) -
             buf.bytes_mut().copy_from_slice(&v);
             Filled::Done { spare: Some(v) }
         }
-        StashData::Tensor(t) => {
-            buf.take_storage_from(t);
-            Filled::Done { spare: None }
-        }
+        StashData::Tensor(t) => match buf.take_storage_from(t) {
+            Ok(()) => Filled::Done { spare: None },
+            // Not reached: dtype and byte size were compared above.
+            Err(t) => Filled::Mismatch {
+                err: mismatch(buf, from, tag, dtype, len as u64),
+                data: StashData::Tensor(t),
+            },
+        },
     }
 }
 

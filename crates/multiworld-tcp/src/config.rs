@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use crate::error::{Error, Result};
 use crate::frame::FrameLimits;
-use crate::id::{Generation, Identity, Rank, Secret, WorldName};
+use multiworld_types::{Generation, Identity, Rank, Secret, WorldName};
 
 /// Default of [`CommConfig::recv_spin`].
 /// Zero: spinning burns CPU that other worlds in the process need (on a

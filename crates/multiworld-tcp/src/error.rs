@@ -12,9 +12,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::handshake::RejectCode;
-use crate::id::{Rank, Tag};
 use crate::rendezvous::RendezvousError;
-use crate::tensor::DType;
+use multiworld_types::DType;
+use multiworld_types::{Rank, Tag};
 
 /// Shorthand for results of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -91,6 +91,12 @@ pub enum Error {
         #[source]
         source: Arc<io::Error>,
     },
+}
+
+impl From<multiworld_types::InvalidArgument> for Error {
+    fn from(e: multiworld_types::InvalidArgument) -> Self {
+        Error::InvalidArgument(e.message().clone())
+    }
 }
 
 impl Error {

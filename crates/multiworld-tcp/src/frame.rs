@@ -19,8 +19,8 @@
 //! | 16 | 8 | world generation |
 //! | 24 | 8 | payload length in bytes |
 
-use crate::id::{Generation, Tag};
-use crate::tensor::DType;
+use multiworld_types::DType;
+use multiworld_types::{Generation, Tag};
 
 /// Frame magic, the first four bytes of every header.
 pub const FRAME_MAGIC: [u8; 4] = *b"MWF1";

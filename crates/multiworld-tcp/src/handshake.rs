@@ -26,7 +26,7 @@ use hmac::{Hmac, Mac};
 use sha2::Sha256;
 use subtle::ConstantTimeEq;
 
-use crate::id::{Generation, Identity, MAX_WORLD_NAME_LEN, Rank, WorldName};
+use multiworld_types::{Generation, Identity, MAX_WORLD_NAME_LEN, Rank, WorldName};
 
 /// Handshake magic, right after the Hello type byte.
 pub const HANDSHAKE_MAGIC: [u8; 4] = *b"MWHS";

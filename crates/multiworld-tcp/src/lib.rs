@@ -8,10 +8,8 @@
 //!
 //! | module | what | I/O |
 //! |---|---|---|
-//! | [`tensor`] | [`DType`], [`Tensor`], [`TensorView`]: typed host memory, zero-copy from/to `Vec<T>` and slices | none |
 //! | [`frame`] | data-frame header codec and limits | none |
 //! | [`handshake`] | hello/challenge/proof messages, HMAC-SHA256 challenge-response | none |
-//! | [`id`] | [`Rank`], [`Tag`], [`Generation`], [`WorldName`], [`Identity`], [`Secret`] | none |
 //! | [`error`] | [`Error`], the crate's one error type | none |
 //! | [`config`] | [`CommConfig`] | none |
 //! | [`rendezvous`] | the [`Rendezvous`] trait and [`MemoryRendezvous`] | in-process |
@@ -36,17 +34,15 @@ pub mod config;
 pub mod error;
 pub mod frame;
 pub mod handshake;
-pub mod id;
 pub mod mesh;
 pub mod rendezvous;
-pub mod tensor;
 
 pub use comm::{
     Communicator, Health, HealthEvent, PeerLiveness, PeerStats, Received, RecvHandle, SendHandle,
 };
 pub use config::CommConfig;
 pub use error::{Error, MessageDesc, Result, Side};
-pub use half::{bf16, f16};
-pub use id::{Generation, Identity, Rank, Secret, Source, Tag, WorldName};
+pub use multiworld_types::{
+    DType, Element, Generation, Identity, Rank, Secret, Source, Tag, Tensor, TensorView, WorldName, bf16, f16,
+};
 pub use rendezvous::{MemoryRendezvous, Rendezvous, RendezvousError};
-pub use tensor::{DType, Element, Tensor, TensorView};

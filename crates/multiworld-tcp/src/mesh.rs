@@ -31,8 +31,8 @@ use crate::handshake::{
     self, CHALLENGE_BODY_LEN, Challenge, HELLO_FIXED_LEN, Hello, HelloPrefix, MSG_ACCEPT, MSG_CHALLENGE,
     MSG_PROOF, MSG_REJECT, NONCE_LEN, PROOF_BODY_LEN, Reject, RejectCode, Role,
 };
-use crate::id::{Generation, Identity, Rank, WorldName};
 use crate::rendezvous::Rendezvous;
+use multiworld_types::{Generation, Identity, Rank, WorldName};
 
 /// The rendezvous key under which `rank` of `world`/`generation` publishes its
 /// listener address (as UTF-8 `ip:port`).

@@ -25,11 +25,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use multiworld_nccl::{
-    AbortOutcome, CommConfig, DType, DeviceBuffer, NcclComm, NcclError, NcclRuntime, OpHandle, ReduceOp,
-    UniqueId,
+    AbortOutcome, CommConfig, DeviceBuffer, NcclComm, NcclError, NcclRuntime, OpHandle, UniqueId,
 };
 use multiworld_store::WorldStore;
-use multiworld_tcp::{DType as HostDType, Rank, Tag, Tensor, TensorView};
+use multiworld_types::{DType, Rank, ReduceOp, Tag, Tensor, TensorView};
 
 use crate::{
     config::WorldConfig,
@@ -245,47 +244,6 @@ fn blocking<R>(f: impl FnOnce() -> R) -> R {
     }
 }
 
-/// The host dtype a device buffer travels as over TCP. FP8 has no host
-/// dtype and travels as bytes (the byte size is still checked).
-fn host_dtype(d: DType) -> HostDType {
-    match d {
-        DType::F16 => HostDType::F16,
-        DType::BF16 => HostDType::BF16,
-        DType::F32 => HostDType::F32,
-        DType::F64 => HostDType::F64,
-        DType::I8 => HostDType::I8,
-        DType::I16 => HostDType::I16,
-        DType::I32 => HostDType::I32,
-        DType::I64 => HostDType::I64,
-        DType::U16 => HostDType::U16,
-        DType::U32 => HostDType::U32,
-        DType::U64 => HostDType::U64,
-        DType::Bool => HostDType::Bool,
-        // U8, FP8 and any later byte-sized type.
-        _ => HostDType::U8,
-    }
-}
-
-/// The device dtype of a host dtype (every host dtype of today has one).
-fn device_dtype(d: HostDType) -> Option<DType> {
-    Some(match d {
-        HostDType::F16 => DType::F16,
-        HostDType::BF16 => DType::BF16,
-        HostDType::F32 => DType::F32,
-        HostDType::F64 => DType::F64,
-        HostDType::I8 => DType::I8,
-        HostDType::I16 => DType::I16,
-        HostDType::I32 => DType::I32,
-        HostDType::I64 => DType::I64,
-        HostDType::U8 => DType::U8,
-        HostDType::U16 => DType::U16,
-        HostDType::U32 => DType::U32,
-        HostDType::U64 => DType::U64,
-        HostDType::Bool => DType::Bool,
-        _ => return None,
-    })
-}
-
 impl World {
     /// This world's NCCL communicator, for device operations. Fails with
     /// `InvalidArgument` if the world was not joined with `Backend::Nccl`.
@@ -316,11 +274,9 @@ impl World {
         w.check_tag(tag)?;
         let timeout = w.config.op_timeout.unwrap_or(DEFAULT_DEVICE_OP_TIMEOUT);
         let host = blocking(|| buf.to_host_vec(timeout)).map_err(|e| device_call_error(&w.name, e))?;
-        let view = TensorView::from_bytes(host_dtype(buf.dtype()), &host).map_err(|e| {
-            WorldError::InvalidArgument {
-                world: w.name.clone(),
-                detail: e.to_string(),
-            }
+        let view = TensorView::from_bytes(buf.dtype(), &host).map_err(|e| WorldError::InvalidArgument {
+            world: w.name.clone(),
+            detail: e.to_string(),
         })?;
         self.send(dst, tag, view).await
     }
@@ -331,11 +287,10 @@ impl World {
     /// `Mismatch` and the buffer is untouched.
     pub async fn recv_device(&self, src: Rank, tag: Tag, buf: &mut DeviceBuffer) -> Result<(), WorldError> {
         let w = &self.shared;
-        let mut host =
-            Tensor::zeros(host_dtype(buf.dtype()), [buf.len()]).map_err(|e| WorldError::InvalidArgument {
-                world: w.name.clone(),
-                detail: e.to_string(),
-            })?;
+        let mut host = Tensor::zeros(buf.dtype(), [buf.len()]).map_err(|e| WorldError::InvalidArgument {
+            world: w.name.clone(),
+            detail: e.to_string(),
+        })?;
         self.recv(src, tag, &mut host).await?;
         let timeout = w.config.op_timeout.unwrap_or(DEFAULT_DEVICE_OP_TIMEOUT);
         blocking(|| buf.copy_from_host(host.as_bytes(), timeout)).map_err(|e| device_call_error(&w.name, e))
@@ -402,25 +357,18 @@ impl NcclWorld {
     /// A device tensor holding a host tensor's data, with its dtype and
     /// shape.
     pub fn upload_tensor(&self, tensor: &Tensor) -> Result<DeviceBuffer, WorldError> {
-        let dtype = device_dtype(tensor.dtype()).ok_or_else(|| WorldError::InvalidArgument {
-            world: self.world.shared.name.clone(),
-            detail: format!("{} has no device dtype", tensor.dtype()),
-        })?;
-        let mut buf = self.upload(dtype, tensor.as_bytes())?;
+        let mut buf = self.upload(tensor.dtype(), tensor.as_bytes())?;
         buf.reshape(tensor.shape())
             .map_err(|e| device_call_error(&self.world.shared.name, e))?;
         Ok(buf)
     }
 
-    /// A host tensor with a device tensor's data, dtype and shape (FP8
-    /// device data comes back as `u8`).
+    /// A host tensor with a device tensor's data, dtype and shape.
     pub fn download_tensor(&self, buf: &DeviceBuffer) -> Result<Tensor, WorldError> {
         let bytes = self.download(buf)?;
-        Tensor::from_bytes(host_dtype(buf.dtype()), buf.shape(), &bytes).map_err(|e| {
-            WorldError::InvalidArgument {
-                world: self.world.shared.name.clone(),
-                detail: e.to_string(),
-            }
+        Tensor::from_bytes(buf.dtype(), buf.shape(), &bytes).map_err(|e| WorldError::InvalidArgument {
+            world: self.world.shared.name.clone(),
+            detail: e.to_string(),
         })
     }
 

@@ -52,7 +52,9 @@
 //! # }
 //! ```
 //!
-//! Tensors, ranks and tags are the TCP backend's types, re-exported here.
+//! Tensors, dtypes, reduce operations, ranks, tags, generations, world names
+//! and secrets are the vocabulary crate's (`multiworld-types`), re-exported
+//! here: one set of types for host and device, TCP and NCCL.
 //! With the `nccl` feature, the NCCL backend is re-exported as [`nccl`]
 //! (`multiworld-nccl`: one non-blocking communicator per world, NCCL and CUDA
 //! loaded at run time), and the manager joins NCCL worlds
@@ -82,7 +84,10 @@ pub use events::WorldEvent;
 pub use lifecycle::{BreakCause, Lifecycle, WorldState};
 pub use manager::{ManagerConfig, WorldInfo, WorldManager};
 pub use multiworld_tcp::Error as CommError;
-pub use multiworld_tcp::collectives::{CollectiveHandle, Group, ReduceOp};
-pub use multiworld_tcp::{DType, Element, Rank, Received, Tag, Tensor, TensorView, bf16, f16};
+pub use multiworld_tcp::Received;
+pub use multiworld_tcp::collectives::{CollectiveHandle, Group};
+pub use multiworld_types::{
+    DType, Element, Generation, Rank, ReduceOp, Secret, Tag, Tensor, TensorView, WorldName, bf16, f16,
+};
 pub use watchdog::{Decision, Verdict, WatchdogConfig};
 pub use world::{PendingRecv, PendingSend, World};

@@ -775,7 +775,7 @@ impl World {
         let me = w.rank;
         let token = [1u8];
         let exchange = (0..w.size).filter(|&r| r != me).map(|r| async move {
-            let mut got = Tensor::zeros(multiworld_tcp::DType::U8, [1]).map_err(|e| w.fail(e))?;
+            let mut got = Tensor::zeros(multiworld_types::DType::U8, [1]).map_err(|e| w.fail(e.into()))?;
             let (sent, received) = tokio::join!(
                 w.comm.send(Rank(r), FINISH_TAG, &token[..]),
                 w.comm.recv(Rank(r), FINISH_TAG, &mut got)

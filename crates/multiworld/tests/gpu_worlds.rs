@@ -21,11 +21,12 @@
 
 use std::time::{Duration, Instant};
 
-use multiworld::nccl::{CudaDriver, DType, DeviceBuffer, DeviceContext, NcclRuntime, ReduceOp};
+use multiworld::nccl::{CudaDriver, DeviceBuffer, DeviceContext, NcclRuntime};
 use multiworld::{
     Backend, BreakCause, DeviceOp, NcclWorld, Rank, Tag, WorldConfig, WorldError, WorldEvent, WorldManager,
     WorldState,
 };
+use multiworld::{DType, ReduceOp};
 
 const T: Duration = Duration::from_secs(60);
 

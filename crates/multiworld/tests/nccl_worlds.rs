@@ -25,10 +25,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use multiworld::nccl::{DType, DeviceBuffer, DeviceContext, ReduceOp};
+use multiworld::nccl::{DeviceBuffer, DeviceContext};
 use multiworld::{
     Backend, BreakCause, Rank, Tag, WorldConfig, WorldError, WorldEvent, WorldManager, WorldState,
 };
+use multiworld::{DType, ReduceOp};
 use multiworld::{DeviceOp, NcclWorld};
 use tokio::sync::broadcast;
 

@@ -13,8 +13,9 @@
 
 use std::time::Duration;
 
-use multiworld::nccl::{DType, DeviceContext, NcclRuntime, ReduceOp};
+use multiworld::nccl::{DeviceContext, NcclRuntime};
 use multiworld::{Backend, Rank, Tag, WorldConfig, WorldEvent, WorldManager};
+use multiworld::{DType, ReduceOp};
 use multiworld_examples::{arg, spawn_self};
 
 const T: Duration = Duration::from_secs(60);

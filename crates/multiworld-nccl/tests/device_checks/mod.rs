@@ -20,7 +20,8 @@
 
 use std::time::Duration;
 
-use multiworld_nccl::{DType, DeviceBuffer, NcclComm, NcclError, OpHandle, ReduceOp, nccl_reduction};
+use multiworld_nccl::{DeviceBuffer, NcclComm, NcclError, OpHandle, nccl_reduction};
+use multiworld_types::{DType, ReduceOp};
 
 /// The byte every result buffer holds before the operation writes it.
 pub const POISON: u8 = 0xA5;
@@ -40,9 +41,7 @@ pub fn f32_bytes(v: &[f32]) -> Vec<u8> {
 
 /// A `len`-element buffer of `dtype` full of [`POISON`] (checked).
 pub fn poisoned(comm: &NcclComm, dtype: DType, len: usize) -> DeviceBuffer {
-    let b = comm
-        .upload(dtype, &vec![POISON; len * dtype.size_bytes()])
-        .unwrap();
+    let b = comm.upload(dtype, &vec![POISON; len * dtype.size()]).unwrap();
     assert!(
         b.to_host_vec(T).unwrap().iter().all(|x| *x == POISON),
         "the poisoned buffer does not hold the poison"

@@ -28,12 +28,12 @@ use std::ops::Range;
 
 use crate::collectives::desc::{Algo, Desc};
 use crate::collectives::group::Ctx;
-use crate::collectives::reduce::{Kernel, ReduceOp, with_type};
 use crate::collectives::util::{
     Scratch, even_segments, segments_of, split2, try_join_all, try_join2, view_range,
 };
 use crate::error::{Error, Result};
-use crate::tensor::{DType, Element, Tensor, TensorView};
+use multiworld_types::{DType, Element, Tensor, TensorView};
+use multiworld_types::{Kernel, ReduceOp, with_type};
 
 /// `(member, view)` for every other member.
 pub(crate) fn to_peers<'a>(cx: Ctx<'_>, v: TensorView<'a>) -> Vec<(usize, TensorView<'a>)> {

@@ -28,9 +28,9 @@ use crate::collectives::{CollectiveConfig, Group, ReduceOp, SharedMemory};
 use crate::comm::Communicator;
 use crate::config::CommConfig;
 use crate::error::{Error, Result};
-use crate::id::{Generation, Rank, WorldName};
 use crate::rendezvous::MemoryRendezvous;
-use crate::tensor::Tensor;
+use multiworld_types::Tensor;
+use multiworld_types::{Generation, Rank, WorldName};
 
 /// An operation the benchmark can run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

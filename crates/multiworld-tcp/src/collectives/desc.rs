@@ -29,10 +29,10 @@
 
 use std::fmt::Write as _;
 
-use crate::collectives::reduce::ReduceOp;
 use crate::error::{Error, MessageDesc, Result};
-use crate::id::{Rank, Tag};
-use crate::tensor::DType;
+use multiworld_types::DType;
+use multiworld_types::ReduceOp;
+use multiworld_types::{Rank, Tag};
 
 const MAGIC: u64 = 0x4d57_434f_4c4c_0001;
 /// Words before the per-member arrays.

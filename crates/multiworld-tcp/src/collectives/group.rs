@@ -34,12 +34,12 @@ use tracing::debug;
 use crate::collectives::desc::{self, AgreeCtx, Algo, Desc, Kind};
 use crate::collectives::handle::CollectiveHandle;
 use crate::collectives::shm::{SharedMemory, ShmState};
-use crate::collectives::tags::{self, MAX_GROUP_ID, Phase, check_user_tag};
 use crate::collectives::util::{Scratch, try_join_all};
 use crate::comm::{Communicator, HealthEvent, Received, RecvHandle, SendHandle};
 use crate::error::{Error, Result};
-use crate::id::{Rank, Source, Tag};
-use crate::tensor::{DType, Tensor, TensorView};
+use multiworld_types::{DType, Tensor, TensorView};
+use multiworld_types::{MAX_GROUP_ID, Phase, check_user_tag, collective_tag};
+use multiworld_types::{Rank, Source, Tag};
 
 /// Which algorithm family to use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -663,8 +663,8 @@ impl<'g> Call<'g> {
             comm: &g.comm,
             members: &g.members,
             me: self.me,
-            desc_tag: tags::tag(g.id, self.seq, Phase::Descriptor),
-            tag: tags::tag(g.id, self.seq, Phase::Data),
+            desc_tag: collective_tag(g.id, self.seq, Phase::Descriptor),
+            tag: collective_tag(g.id, self.seq, Phase::Data),
             cfg: &self.group.cfg,
             group_id: g.id,
         }

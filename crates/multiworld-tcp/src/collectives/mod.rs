@@ -33,8 +33,6 @@
 //! | `algo.rs` | direct, ring and pipelined-chain algorithms |
 //! | `shm.rs` | same-host shared memory: the segment, its setup, the all-reduce through it |
 //! | `desc.rs` | call descriptors and the agreement check (pure) |
-//! | `reduce.rs` | [`ReduceOp`] and the element kernels (pure) |
-//! | `tags.rs` | the reserved tag range (pure) |
 //! | `handle.rs` | [`CollectiveHandle`] |
 //! | `util.rs` | scratch pool, segments, `try_join_all` |
 //! | [`bench`](mod@bench) | the collectives benchmark |
@@ -46,15 +44,13 @@ mod group;
 mod handle;
 mod object;
 mod ops;
-mod reduce;
 mod shm;
-mod tags;
 mod util;
 
 pub use group::{Algorithm, CallObserver, CollectiveConfig, Group};
 pub use handle::CollectiveHandle;
-pub use reduce::ReduceOp;
-pub use shm::SharedMemory;
-pub use tags::{
+pub use multiworld_types::ReduceOp;
+pub use multiworld_types::{
     GROUP_ID_BITS, INTERNAL_TAG_BIT, MAX_GROUP_ID, RUNTIME_GROUP_ID, SEQ_BITS, is_internal_tag, runtime_tag,
 };
+pub use shm::SharedMemory;

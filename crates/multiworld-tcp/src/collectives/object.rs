@@ -19,8 +19,8 @@ use crate::collectives::group::{Ctx, Group, Ticket, finish_sends};
 use crate::collectives::handle::CollectiveHandle;
 use crate::collectives::util::{try_join_all, try_join2};
 use crate::error::{Error, Result};
-use crate::id::Rank;
-use crate::tensor::{DType, Tensor, TensorView};
+use multiworld_types::Rank;
+use multiworld_types::{DType, Tensor, TensorView};
 
 fn encode<T: Serialize>(kind: Kind, v: &T, max: usize) -> Result<Vec<u8>> {
     let b = postcard::to_allocvec(v)

@@ -7,12 +7,12 @@ use crate::collectives::algo::{self, to_peers};
 use crate::collectives::desc::{Algo, Kind};
 use crate::collectives::group::{Group, Ticket, finish_sends};
 use crate::collectives::handle::CollectiveHandle;
-use crate::collectives::reduce::{ReduceOp, with_type};
 use crate::collectives::shm;
 use crate::collectives::util::{even_segments, segments_of, view_range};
 use crate::error::{Error, Result};
-use crate::id::Rank;
-use crate::tensor::{DType, Tensor, TensorView};
+use multiworld_types::Rank;
+use multiworld_types::{DType, Tensor, TensorView};
+use multiworld_types::{ReduceOp, with_type};
 
 /// A tensor's dtype and shape, to put back if a failed call left it emptied (a
 /// receive cancelled while its message was arriving takes the buffer).
@@ -656,7 +656,7 @@ impl Group {
                 drop(payloads);
                 with_type!(dtype, T => {
                     let ins: Vec<&[T]> = match inputs {
-                        Inputs::List(ins) => ins.iter().map(|t| t.as_slice::<T>()).collect::<Result<_>>()?,
+                        Inputs::List(ins) => ins.iter().map(|t| t.as_slice::<T>().map_err(Error::from)).collect::<Result<_>>()?,
                         Inputs::Tensor(t) => {
                             let all = t.as_slice::<T>()?;
                             segs.iter().map(|s| &all[s.clone()]).collect()

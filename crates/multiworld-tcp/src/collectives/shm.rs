@@ -60,10 +60,10 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::collectives::group::Ctx;
-use crate::collectives::reduce::{Kernel, ReduceOp};
 use crate::collectives::util::{Scratch, even_segments, try_join_all};
 use crate::error::{Error, Result};
-use crate::tensor::{DType, Tensor};
+use multiworld_types::{DType, Tensor};
+use multiworld_types::{Kernel, ReduceOp};
 
 /// Size of the segment header (keeps the slots page-aligned).
 const HEADER: usize = 4096;

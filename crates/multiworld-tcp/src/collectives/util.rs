@@ -9,7 +9,7 @@ use std::pin::Pin;
 use std::task::Poll;
 
 use crate::error::{Error, Result};
-use crate::tensor::{DType, Tensor, TensorView};
+use multiworld_types::{DType, Tensor, TensorView};
 
 /// Most tensors the pool keeps, whatever their size.
 const POOL_MAX_TENSORS: usize = 64;
@@ -45,7 +45,7 @@ impl Scratch {
             t.reshape([numel])?;
             return Ok(t);
         }
-        Tensor::zeros(dtype, [numel])
+        Ok(Tensor::zeros(dtype, [numel])?)
     }
 
     /// Returns a tensor to the pool (dropped if it does not fit the budget; the
@@ -136,7 +136,7 @@ pub(crate) fn split2<T>(data: &mut [T], a: Range<usize>, b: Range<usize>) -> Res
 
 /// A typed view of elements `range` of `t` (no copy).
 pub(crate) fn view_range(t: &Tensor, range: Range<usize>) -> Result<TensorView<'_>> {
-    crate::collectives::reduce::with_type!(t.dtype(), T => {
+    multiworld_types::with_type!(t.dtype(), T => {
         let s = t.as_slice::<T>()?;
         let part = s.get(range.clone()).ok_or_else(|| {
             Error::invalid(format!("range {range:?} outside a tensor of {} elements", s.len()))

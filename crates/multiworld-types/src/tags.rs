@@ -20,7 +20,7 @@
 //! Within one call, messages between a pair of ranks on one tag are matched in the
 //! order they were sent, which the algorithms rely on.
 
-use crate::error::{Error, Result};
+use crate::error::{InvalidArgument as Error, Result};
 use crate::id::Tag;
 
 /// The bit that marks a tag as internal (reserved for collectives).
@@ -35,7 +35,7 @@ pub const MAX_GROUP_ID: u16 = RUNTIME_GROUP_ID - 1;
 pub const SEQ_BITS: u32 = 20;
 
 /// Whether `tag` is reserved for internal use (collectives). User point-to-point
-/// tags must have the top bit clear; the [`crate::collectives::Group`] p2p methods
+/// tags must have the top bit clear; the collectives' point-to-point methods
 /// refuse internal tags.
 pub const fn is_internal_tag(tag: Tag) -> bool {
     tag.0 & INTERNAL_TAG_BIT != 0
@@ -49,7 +49,7 @@ pub const fn runtime_tag(n: u32) -> Tag {
 }
 
 /// Refuses internal tags for user point-to-point traffic.
-pub(crate) fn check_user_tag(tag: Tag) -> Result<()> {
+pub fn check_user_tag(tag: Tag) -> Result<()> {
     if is_internal_tag(tag) {
         return Err(Error::invalid(format!(
             "tag {:#x} has the top bit set; tags >= 2^31 are reserved for collectives",
@@ -61,13 +61,15 @@ pub(crate) fn check_user_tag(tag: Tag) -> Result<()> {
 
 /// Which message stream of a collective call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Phase {
+pub enum Phase {
+    /// The call descriptor, exchanged before any data (the agreement round).
     Descriptor = 0,
+    /// The call's data.
     Data = 1,
 }
 
 /// The tag of `phase` of call `seq` on group `group`.
-pub(crate) fn tag(group: u16, seq: u64, phase: Phase) -> Tag {
+pub fn collective_tag(group: u16, seq: u64, phase: Phase) -> Tag {
     let seq = (seq & ((1 << SEQ_BITS) - 1)) as u32;
     let group = u32::from(group.min(MAX_GROUP_ID));
     Tag(INTERNAL_TAG_BIT | (group << (SEQ_BITS + 1)) | (seq << 1) | phase as u32)
@@ -84,14 +86,17 @@ mod tests {
         for g in [0u16, 1, 2, MAX_GROUP_ID] {
             for s in [0u64, 1, 2, (1 << SEQ_BITS) - 1] {
                 for p in [Phase::Descriptor, Phase::Data] {
-                    let t = tag(g, s, p);
+                    let t = collective_tag(g, s, p);
                     assert!(is_internal_tag(t));
                     assert!(seen.insert(t), "{g} {s} {p:?}");
                 }
             }
         }
         // The sequence wraps after 2^20 calls.
-        assert_eq!(tag(3, 5, Phase::Data), tag(3, 5 + (1 << SEQ_BITS), Phase::Data));
+        assert_eq!(
+            collective_tag(3, 5, Phase::Data),
+            collective_tag(3, 5 + (1 << SEQ_BITS), Phase::Data)
+        );
         assert!(!is_internal_tag(Tag(0x7fff_ffff)));
         assert!(check_user_tag(Tag(7)).is_ok());
         assert!(check_user_tag(Tag(u32::MAX)).is_err());

@@ -10,12 +10,14 @@ use std::fmt;
 
 use half::{bf16, f16};
 
-use crate::error::{Error, Result};
+use crate::error::{InvalidArgument as Error, Result};
 
 /// Element type of a tensor. Wire codes (see [`DType::code`]) are part of the
 /// protocol and never change.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
+// Exhaustive on purpose: every backend's tables (wire codes, NCCL types,
+// kernels) match on it, so adding a variant is a compile error wherever one
+// must be taught about it.
 pub enum DType {
     /// IEEE 754 half precision.
     F16,
@@ -240,7 +242,8 @@ mod storage {
     }
 }
 
-pub(crate) use storage::Storage;
+#[doc(hidden)]
+pub use storage::Storage;
 
 mod sealed {
     pub trait Sealed {}
@@ -488,7 +491,7 @@ impl Tensor {
         self.storage.bytes()
     }
 
-    /// A borrowed read-only view, e.g. for [`crate::Communicator::send`].
+    /// A borrowed read-only view, e.g. for a transport's send.
     pub fn view(&self) -> TensorView<'_> {
         TensorView {
             dtype: self.dtype(),
@@ -496,15 +499,17 @@ impl Tensor {
         }
     }
 
-    /// Raw mutable bytes for the receive path. For `bool` the caller must call
-    /// [`Tensor::validate_after_write`] before the tensor escapes the crate.
-    pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
+    /// Raw mutable bytes, for a receive path writing a message in place. For
+    /// `bool` the writer must call [`Tensor::validate_after_write`] afterwards;
+    /// until then typed reads of a `bool` tensor holding a byte other than 0 or 1
+    /// fail (they are checked), never misbehave.
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
         self.storage.bytes_mut()
     }
 
     /// Restores the `bool` invariant after raw bytes were written: returns false (and
     /// zeroes the data, so the tensor is still valid) if any byte was not 0 or 1.
-    pub(crate) fn validate_after_write(&mut self) -> bool {
+    pub fn validate_after_write(&mut self) -> bool {
         if let Storage::Bool(v) = &mut self.storage {
             if !valid_bool_bytes(v) {
                 v.fill(0);
@@ -514,10 +519,14 @@ impl Tensor {
         true
     }
 
-    /// Moves `other`'s data into `self`, keeping `self`'s shape; both must have the
-    /// same dtype and byte size (checked by the caller).
-    pub(crate) fn take_storage_from(&mut self, other: Tensor) {
+    /// Moves `other`'s data into `self`, keeping `self`'s shape (no copy). Refused,
+    /// giving `other` back, unless both have the same dtype and number of elements.
+    pub fn take_storage_from(&mut self, other: Tensor) -> std::result::Result<(), Tensor> {
+        if other.dtype() != self.dtype() || other.storage.len() != self.storage.len() {
+            return Err(other);
+        }
         self.storage = other.storage;
+        Ok(())
     }
 
     fn wrong_type(&self, wanted: DType) -> Error {

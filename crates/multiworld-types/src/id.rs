@@ -7,7 +7,7 @@
 use std::fmt;
 use std::sync::Arc;
 
-use crate::error::Error;
+use crate::error::InvalidArgument as Error;
 
 /// Longest world name accepted, in bytes (UTF-8). Bounded so a handshake never
 /// allocates more than this for a name read from the network.

@@ -25,7 +25,9 @@ use crate::tensor::{DType, Element};
 
 /// A reduction, as in `torch.distributed.ReduceOp`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
+// Exhaustive on purpose: every backend's tables (wire codes, NCCL types,
+// kernels) match on it, so adding a variant is a compile error wherever one
+// must be taught about it.
 pub enum ReduceOp {
     /// Element-wise sum (integers wrap; bool: logical or).
     Sum,
@@ -73,7 +75,7 @@ impl ReduceOp {
     }
 
     /// Whether this op is defined for `dtype` (see the module docs). Calls with an
-    /// undefined pair fail with [`crate::Error::InvalidArgument`] before any tensor
+    /// undefined pair fail with an invalid-argument error before any tensor
     /// data is sent.
     pub const fn supports(self, dtype: DType) -> bool {
         let float = matches!(dtype, DType::F16 | DType::BF16 | DType::F32 | DType::F64);
@@ -85,7 +87,7 @@ impl ReduceOp {
     }
 
     /// Stable code used in collective descriptors (never 0).
-    pub(crate) const fn code(self) -> u8 {
+    pub const fn code(self) -> u8 {
         match self {
             ReduceOp::Sum => 1,
             ReduceOp::Product => 2,
@@ -98,7 +100,8 @@ impl ReduceOp {
         }
     }
 
-    pub(crate) const fn from_code(code: u8) -> Option<ReduceOp> {
+    /// The op with this descriptor code, if any.
+    pub const fn from_code(code: u8) -> Option<ReduceOp> {
         Some(match code {
             1 => ReduceOp::Sum,
             2 => ReduceOp::Product,
@@ -113,7 +116,7 @@ impl ReduceOp {
     }
 
     /// The binary element operation (avg reduces with `+` and divides at the end).
-    pub(crate) const fn elem(self) -> ElemOp {
+    pub const fn elem(self) -> ElemOp {
         match self {
             ReduceOp::Sum | ReduceOp::Avg => ElemOp::Add,
             ReduceOp::Product => ElemOp::Mul,
@@ -134,18 +137,25 @@ impl fmt::Display for ReduceOp {
 
 /// A binary element operation, what the kernels implement.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum ElemOp {
+pub enum ElemOp {
+    /// `a + b` (bool: or).
     Add,
+    /// `a * b` (bool: and).
     Mul,
+    /// The smaller (floats: NaN wins, `-0 < +0`; bool: and).
     Min,
+    /// The larger (floats: NaN wins, `-0 < +0`; bool: or).
     Max,
+    /// Bitwise and.
     And,
+    /// Bitwise or.
     Or,
+    /// Bitwise xor.
     Xor,
 }
 
 /// Element types the kernels work on: every [`Element`].
-pub(crate) trait Kernel: Element {
+pub trait Kernel: Element {
     /// `out[i] = a[i] op b[i]` (all three slices have the same length).
     fn combine(op: ElemOp, out: &mut [Self], a: &[Self], b: &[Self]);
     /// `acc[i] = acc[i] op b[i]`.
@@ -377,67 +387,67 @@ impl Kernel for bool {
     }
 }
 
-/// Runs `$body` with `$T` bound to the Rust element type of `$dtype`.
+/// Runs `$body` with `$T` bound to the Rust element type of `$dtype` (a
+/// [`DType`](crate::DType)), so one generic kernel call serves every dtype.
+#[macro_export]
 macro_rules! with_type {
     ($dtype:expr, $T:ident => $body:expr) => {
         match $dtype {
-            $crate::tensor::DType::F16 => {
-                type $T = ::half::f16;
+            $crate::DType::F16 => {
+                type $T = $crate::f16;
                 $body
             }
-            $crate::tensor::DType::BF16 => {
-                type $T = ::half::bf16;
+            $crate::DType::BF16 => {
+                type $T = $crate::bf16;
                 $body
             }
-            $crate::tensor::DType::F32 => {
+            $crate::DType::F32 => {
                 type $T = f32;
                 $body
             }
-            $crate::tensor::DType::F64 => {
+            $crate::DType::F64 => {
                 type $T = f64;
                 $body
             }
-            $crate::tensor::DType::I8 => {
+            $crate::DType::I8 => {
                 type $T = i8;
                 $body
             }
-            $crate::tensor::DType::I16 => {
+            $crate::DType::I16 => {
                 type $T = i16;
                 $body
             }
-            $crate::tensor::DType::I32 => {
+            $crate::DType::I32 => {
                 type $T = i32;
                 $body
             }
-            $crate::tensor::DType::I64 => {
+            $crate::DType::I64 => {
                 type $T = i64;
                 $body
             }
-            $crate::tensor::DType::U8 => {
+            $crate::DType::U8 => {
                 type $T = u8;
                 $body
             }
-            $crate::tensor::DType::U16 => {
+            $crate::DType::U16 => {
                 type $T = u16;
                 $body
             }
-            $crate::tensor::DType::U32 => {
+            $crate::DType::U32 => {
                 type $T = u32;
                 $body
             }
-            $crate::tensor::DType::U64 => {
+            $crate::DType::U64 => {
                 type $T = u64;
                 $body
             }
-            $crate::tensor::DType::Bool => {
+            $crate::DType::Bool => {
                 type $T = bool;
                 $body
             }
         }
     };
 }
-
-pub(crate) use with_type;
 
 #[cfg(test)]
 mod tests {

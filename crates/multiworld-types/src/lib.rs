@@ -1,0 +1,34 @@
+//! `multiworld-types`: the vocabulary every part of multiworld speaks, with no
+//! I/O and no async runtime. The transport (`multiworld-tcp`), the collectives,
+//! the NCCL backend and the facade all use these types; none defines its own.
+//!
+//! Map of the modules:
+//!
+//! | module | what |
+//! |---|---|
+//! | `id` | [`Rank`], [`Tag`], [`Generation`], [`WorldName`], [`Source`], [`Identity`], [`Secret`] |
+//! | `tags` | the tag partition: user tags, the collectives' reserved range, the runtime's own tags |
+//! | `tensor` | [`DType`], [`Element`], [`Tensor`], [`TensorView`]: typed host memory, zero-copy from/to `Vec<T>` and slices |
+//! | `reduce` | [`ReduceOp`], which dtype each is defined for, and the element kernels ([`Kernel`], [`with_type!`]) |
+//! | `error` | [`InvalidArgument`], the one error of this crate |
+
+// Tensor payloads go on the wire as their in-memory bytes, and the wire format is
+// little-endian.
+#[cfg(target_endian = "big")]
+compile_error!("multiworld supports little-endian targets only");
+
+mod error;
+mod id;
+mod reduce;
+mod tags;
+mod tensor;
+
+pub use error::{InvalidArgument, Result};
+pub use half::{bf16, f16};
+pub use id::{Generation, Identity, MAX_WORLD_NAME_LEN, Rank, Secret, Source, Tag, WorldName};
+pub use reduce::{ElemOp, Kernel, ReduceOp};
+pub use tags::{
+    GROUP_ID_BITS, INTERNAL_TAG_BIT, MAX_GROUP_ID, Phase, RUNTIME_GROUP_ID, SEQ_BITS, check_user_tag,
+    collective_tag, is_internal_tag, runtime_tag,
+};
+pub use tensor::{DType, Element, Tensor, TensorView, valid_bool_bytes};
