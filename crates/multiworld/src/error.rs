@@ -1,7 +1,10 @@
 //! [`WorldError`]: the one error type of the facade. Its variants let a caller
 //! tell "this world is dead" ([`WorldError::Broken`], with the cause the
 //! watchdog recorded) from "this call was wrong" (`InvalidArgument`,
-//! `Mismatch`) and from "this call ran out of time" (`Timeout`).
+//! `Mismatch`), from "this call ran out of time" (`Timeout`) and from "this
+//! call failed but the world is fine" (`Transport`). Where a lower layer's
+//! error is the cause it is kept, typed, as the error's `source()`
+//! ([`JoinFailure`] for a failed join), never flattened into a string.
 
 use std::time::Duration;
 
@@ -75,13 +78,26 @@ pub enum WorldError {
         /// Its state.
         state: &'static str,
     },
-    /// Joining failed.
+    /// A call failed in the transport without breaking the world: a local
+    /// I/O error, a connection refused during a handshake, a rendezvous
+    /// lookup that failed. The world stays usable (`is_world_broken()` is
+    /// false); the communicator's error is the `source()`.
+    #[error("world '{world}': {source}")]
+    Transport {
+        /// The world.
+        world: String,
+        /// What the communicator reported.
+        #[source]
+        source: TcpError,
+    },
+    /// Joining failed; `reason` (also the `source()`) says where.
     #[error("joining world '{world}' failed: {reason}")]
     JoinFailed {
         /// The world.
         world: String,
-        /// Why.
-        reason: String,
+        /// Why, typed.
+        #[source]
+        reason: JoinFailure,
     },
     /// The configuration cannot be used.
     #[error(transparent)]
@@ -116,24 +132,124 @@ impl WorldError {
                 world,
                 detail: detail.to_string(),
             },
-            other => WorldError::Broken {
-                world,
-                cause: BreakCause::PeerLost {
-                    rank: other.rank().map_or(u32::MAX, |r| r.0),
-                    reason: other.to_string(),
-                },
-            },
+            // Not world-fatal (the world turns those into `Broken` itself):
+            // I/O, a refused handshake, a rendezvous lookup.
+            source => WorldError::Transport { world, source },
         }
     }
 
-    pub(crate) fn join_failed(world: &str, reason: impl std::fmt::Display) -> WorldError {
+    /// A failed join for `reason` (a store or transport error, or a message).
+    pub(crate) fn join_failed(world: &str, reason: impl Into<JoinFailure>) -> WorldError {
         WorldError::JoinFailed {
             world: world.to_string(),
-            reason: reason.to_string(),
+            reason: reason.into(),
         }
     }
 
     pub(crate) fn from_store(world: &str, err: StoreError) -> WorldError {
-        WorldError::join_failed(world, format!("store: {err}"))
+        WorldError::join_failed(world, err)
+    }
+}
+
+/// Why a join failed, with the lower layer's error kept as it was.
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum JoinFailure {
+    /// The world's store could not be hosted, reached or opened.
+    #[error("store: {0}")]
+    Store(#[from] StoreError),
+    /// The transport could not rendezvous, connect or authenticate.
+    #[error(transparent)]
+    Transport(#[from] TcpError),
+    /// Anything else (a name the transport refuses, no NCCL in this build,
+    /// the NCCL communicator could not be set up), as text.
+    #[error("{0}")]
+    Other(String),
+}
+
+impl From<String> for JoinFailure {
+    fn from(reason: String) -> Self {
+        JoinFailure::Other(reason)
+    }
+}
+
+impl From<&str> for JoinFailure {
+    fn from(reason: &str) -> Self {
+        JoinFailure::Other(reason.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use std::error::Error as _;
+    use std::sync::Arc;
+
+    use multiworld_tcp::{RendezvousError, Side};
+
+    use super::*;
+
+    /// Errors of a call that leave the world usable are never reported as
+    /// broken, and keep the communicator's error as their source.
+    #[test]
+    fn non_fatal_call_errors_are_not_broken() {
+        let io = TcpError::Io {
+            context: "connect",
+            source: Arc::new(std::io::Error::from(std::io::ErrorKind::ConnectionRefused)),
+        };
+        let refused = TcpError::Refused {
+            addr: "127.0.0.1:1".parse().unwrap(),
+            side: Side::Remote,
+            code: multiworld_tcp::handshake::RejectCode::Generation,
+            detail: Arc::from("refused"),
+        };
+        let rendezvous = TcpError::Rendezvous(RendezvousError::Unavailable(Arc::from("store gone")));
+        let invalid = TcpError::InvalidArgument(Arc::from("bad rank"));
+        let timeout = TcpError::Timeout {
+            op: "recv",
+            after: Duration::from_millis(5),
+        };
+        for err in [io, refused, rendezvous, invalid, timeout] {
+            let text = err.to_string();
+            let mapped = WorldError::from_call("w", err);
+            assert!(!mapped.is_world_broken(), "{mapped}");
+            assert!(
+                mapped.to_string().contains(&text) || matches!(mapped, WorldError::Timeout { .. }),
+                "{mapped}"
+            );
+        }
+        let io = TcpError::Io {
+            context: "bind",
+            source: Arc::new(std::io::Error::from(std::io::ErrorKind::AddrInUse)),
+        };
+        let mapped = WorldError::from_call("w", io);
+        let source = mapped.source().expect("the transport error is the source");
+        assert!(source.downcast_ref::<TcpError>().is_some(), "{source}");
+    }
+
+    /// A failed rendezvous or store keeps its typed error as the source.
+    #[test]
+    fn join_failures_keep_their_cause() {
+        let err = WorldError::join_failed(
+            "w",
+            TcpError::Rendezvous(RendezvousError::Unavailable(Arc::from("x"))),
+        );
+        assert!(!err.is_world_broken());
+        let source = err.source().expect("a source");
+        assert!(
+            matches!(
+                source.downcast_ref::<JoinFailure>(),
+                Some(JoinFailure::Transport(TcpError::Rendezvous(_)))
+            ),
+            "{source:?}"
+        );
+        let err = WorldError::from_store("w", StoreError::InvalidArgument("no".into()));
+        assert!(matches!(
+            err,
+            WorldError::JoinFailed {
+                reason: JoinFailure::Store(StoreError::InvalidArgument(_)),
+                ..
+            }
+        ));
     }
 }

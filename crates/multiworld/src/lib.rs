@@ -79,7 +79,7 @@ pub use multiworld_nccl as nccl;
 pub use config::{Backend, ConfigError, WorldConfig};
 #[cfg(feature = "nccl")]
 pub use device::{DEFAULT_DEVICE_OP_TIMEOUT, DeviceOp, NcclWorld};
-pub use error::WorldError;
+pub use error::{JoinFailure, WorldError};
 pub use events::WorldEvent;
 pub use lifecycle::{BreakCause, Lifecycle, WorldState};
 pub use manager::{ManagerConfig, WorldInfo, WorldManager};

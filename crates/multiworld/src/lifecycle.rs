@@ -52,11 +52,6 @@ pub enum BreakCause {
         /// What NCCL or CUDA said.
         reason: String,
     },
-    /// The world failed while joining.
-    JoinFailed {
-        /// Why.
-        reason: String,
-    },
     /// This process aborted the world.
     Aborted,
 }
@@ -74,7 +69,6 @@ impl fmt::Display for BreakCause {
                 write!(f, "rank {rank} reported the world broken: {reason}")
             }
             BreakCause::Device { reason } => write!(f, "the device communicator failed: {reason}"),
-            BreakCause::JoinFailed { reason } => write!(f, "join failed: {reason}"),
             BreakCause::Aborted => f.write_str("aborted by this process"),
         }
     }
@@ -254,9 +248,7 @@ mod tests {
     #[test]
     fn a_join_can_fail_or_be_abandoned() {
         let mut l = Lifecycle::new();
-        let cause = BreakCause::JoinFailed {
-            reason: "rank 1 never arrived".into(),
-        };
+        let cause = BreakCause::Aborted;
         assert_eq!(l.break_with(cause.clone()), Ok(Transition::Changed));
         assert_eq!(l.state(), &WorldState::Broken(cause));
         let mut l = Lifecycle::new();

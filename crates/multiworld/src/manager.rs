@@ -200,16 +200,12 @@ impl WorldManager {
         {
             return Ok(Arc::clone(&h.server));
         }
-        let bind = addr.parse().map_err(|e| WorldError::JoinFailed {
-            world: String::new(),
-            reason: format!("cannot host a store at '{addr}': {e}"),
-        })?;
+        let bind = addr
+            .parse()
+            .map_err(|e| WorldError::join_failed("", format!("cannot host a store at '{addr}': {e}")))?;
         let server = StoreServer::bind(bind, ServerConfig::default())
             .await
-            .map_err(|e| WorldError::JoinFailed {
-                world: String::new(),
-                reason: format!("cannot host a store at '{addr}': {e}"),
-            })?;
+            .map_err(|e| WorldError::join_failed("", e))?;
         let server = Arc::new(server);
         hosts.push(HostedStore {
             requested: addr.to_string(),
@@ -318,7 +314,7 @@ impl WorldManager {
         deadline: Instant,
     ) -> Result<Arc<WorldShared>, WorldError> {
         let name = config.name.as_str();
-        let world_name = WorldName::new(name).map_err(|e| WorldError::join_failed(name, e))?;
+        let world_name = WorldName::new(name).map_err(|e| WorldError::join_failed(name, e.to_string()))?;
         let secret = config.secret.as_ref().map(Secret::new);
         let host = if config.host_store {
             Some(self.host(&config.store_addr).await.map_err(|e| match e {
