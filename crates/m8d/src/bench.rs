@@ -611,14 +611,14 @@ struct P2pOut {
 }
 
 async fn p2p(args: P2pArgs) -> anyhow::Result<()> {
-    let mut cfg = multiworld_tcp::bench::P2pBenchConfig::default();
+    let mut cfg = multiworld_bench::p2p::P2pBenchConfig::default();
     if args.quick {
         cfg.bytes_per_size = 64 << 20;
         cfg.max_messages = 2000;
         cfg.pingpong_rounds = 2000;
         cfg.repeats = 1;
     }
-    let report = multiworld_tcp::bench::p2p(cfg).await?;
+    let report = multiworld_bench::p2p::p2p(cfg).await?;
     println!("{report}");
     let out = P2pOut {
         stream: report
@@ -737,7 +737,7 @@ fn plot_bandwidth(
 /// the raw TCP floor of the largest all-reduce as a marker per world size.
 fn plot_collectives(
     path: &std::path::Path,
-    report: &multiworld_tcp::collectives::bench::CollectivesReport,
+    report: &multiworld_bench::collectives::CollectivesReport,
 ) -> anyhow::Result<()> {
     let mut series: Vec<Series> = Vec::new();
     for r in &report.rows {
@@ -909,7 +909,7 @@ struct CollectiveRowOut {
 }
 
 async fn collectives(args: CollectivesArgs) -> anyhow::Result<()> {
-    use multiworld_tcp::collectives::bench::{BenchOp, CollectivesBenchConfig, collectives_bench};
+    use multiworld_bench::collectives::{BenchOp, CollectivesBenchConfig, collectives_bench};
     let mut cfg = if args.quick {
         CollectivesBenchConfig::quick()
     } else {

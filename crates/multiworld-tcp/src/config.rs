@@ -1,6 +1,7 @@
 //! [`CommConfig`]: everything one communicator needs to join its world, with
 //! defaults for all but the identity (world, generation, rank, size). The defaults
-//! and how the timeouts relate are explained in `PROTOCOL.md`.
+//! and how the timeouts relate are explained in `docs/protocol.md` (the TCP
+//! transport) and `docs/failure-model.md` at the repository root.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::Duration;

@@ -116,11 +116,13 @@ impl Error {
         }
     }
 
-    pub(crate) fn invalid(msg: impl Into<String>) -> Self {
+    /// An [`Error::InvalidArgument`] with this message.
+    pub fn invalid(msg: impl Into<String>) -> Self {
         Error::InvalidArgument(Arc::from(msg.into()))
     }
 
-    pub(crate) fn io(context: &'static str, source: io::Error) -> Self {
+    /// An [`Error::Io`] while doing `context`.
+    pub fn io(context: &'static str, source: io::Error) -> Self {
         Error::Io {
             context,
             source: Arc::new(source),

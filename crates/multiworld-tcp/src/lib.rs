@@ -4,6 +4,12 @@
 //! operations over them. Nothing is shared between communicators, so a world is a
 //! fault domain of its own.
 //!
+//! This crate is the transport only. The vocabulary it carries (ranks, tags,
+//! generations, world names, secrets, dtypes, tensors) is `multiworld-types`'
+//! (re-exported here for the transport's users); the collectives built on its
+//! public API are `multiworld-collectives`; its benchmarks are in
+//! `multiworld-bench`.
+//!
 //! Map of the modules:
 //!
 //! | module | what | I/O |
@@ -15,20 +21,15 @@
 //! | [`rendezvous`] | the [`Rendezvous`] trait and [`MemoryRendezvous`] | in-process |
 //! | [`mesh`] | listen, publish, connect, authenticate; refuse strangers | TCP |
 //! | [`comm`] | [`Communicator`]: send/recv/isend/irecv, failure handling, abort, health, heartbeats | TCP |
-//! | [`collectives`] | [`collectives::Group`]: every torch.distributed collective, sub-groups, reduce ops, agreement, member-loss guard | TCP |
-//! | [`bench`](mod@bench) | the p2p benchmark with raw-TCP references | TCP |
 //!
 //! The wire protocol is described in `docs/protocol.md` at the repository's
-//! root; the collectives' protocol, algorithms and numerics in `COLLECTIVES.md`
-//! next to this crate's manifest.
+//! root.
 
 // Tensor payloads go on the wire as their in-memory bytes, and the wire format is
 // little-endian.
 #[cfg(target_endian = "big")]
 compile_error!("multiworld-tcp supports little-endian targets only");
 
-pub mod bench;
-pub mod collectives;
 pub mod comm;
 pub mod config;
 pub mod error;

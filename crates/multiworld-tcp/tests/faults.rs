@@ -3,13 +3,10 @@
 //! operations pending, and joins that must fail.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::*;
 use multiworld_tcp::frame::{FrameHeader, FrameKind};
 use multiworld_tcp::handshake::{self, Hello, MSG_REJECT, NONCE_LEN, RejectCode};
 use multiworld_tcp::mesh::{addr_key, client_handshake};
@@ -17,6 +14,7 @@ use multiworld_tcp::{
     CommConfig, Communicator, DType, Error, Generation, HealthEvent, Identity, MemoryRendezvous, Rank,
     Rendezvous, Side, Tag, Tensor,
 };
+use multiworld_testkit::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -45,7 +43,7 @@ async fn read_until_closed(s: &mut TcpStream, limit: Duration) -> Vec<u8> {
 
 fn ident(world: &str, generation: u64, rank: u32) -> Identity {
     Identity {
-        world: common::world(world),
+        world: multiworld_testkit::world(world),
         generation: Generation(generation),
         rank: Rank(rank),
         size: 2,

@@ -4,12 +4,10 @@
 //! timeout acts on.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
-mod common;
-
 use std::time::{Duration, Instant};
 
-use common::*;
 use multiworld_tcp::{Rank, Tag, Tensor};
+use multiworld_testkit::*;
 
 fn age(comm: &multiworld_tcp::Communicator, rank: u32) -> Duration {
     let live = comm.liveness();

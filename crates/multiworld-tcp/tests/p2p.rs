@@ -3,13 +3,11 @@
 //! mismatches, timeouts, handle drop semantics and backpressure.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::*;
 use multiworld_tcp::{DType, Error, MessageDesc, Rank, Source, Tag, Tensor, bf16, f16};
+use multiworld_testkit::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_dtype_roundtrips() {

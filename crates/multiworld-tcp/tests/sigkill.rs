@@ -4,13 +4,11 @@
 //! processes rendezvous through files in a temporary directory.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::*;
 use multiworld_tcp::{Communicator, DType, Error, HealthEvent, Rank, Tag, Tensor};
+use multiworld_testkit::*;
 
 const CHILD_ENV: &str = "MW_TCP_SIGKILL_CHILD_DIR";
 const CHILD_TEST: &str = "sigkill_child_peer";

@@ -83,9 +83,9 @@ pub use error::{JoinFailure, WorldError};
 pub use events::WorldEvent;
 pub use lifecycle::{BreakCause, Lifecycle, WorldState};
 pub use manager::{ManagerConfig, WorldInfo, WorldManager};
+pub use multiworld_collectives::{CollectiveHandle, Group};
 pub use multiworld_tcp::Error as CommError;
 pub use multiworld_tcp::Received;
-pub use multiworld_tcp::collectives::{CollectiveHandle, Group};
 pub use multiworld_types::{
     DType, Element, Generation, Rank, ReduceOp, Secret, Tag, Tensor, TensorView, WorldName, bf16, f16,
 };

@@ -21,10 +21,10 @@ use std::{
 };
 
 use dashmap::DashMap;
+use multiworld_collectives::Group;
 use multiworld_store::{StoreError, StoreServer, WorldStore};
-use multiworld_tcp::{
-    Communicator, Error as TcpError, Rank, Received, Tag, Tensor, TensorView, collectives::Group,
-};
+use multiworld_tcp::{Communicator, Error as TcpError, Received};
+use multiworld_types::{Rank, Tag, Tensor, TensorView};
 use tokio::sync::{broadcast, watch};
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
@@ -38,7 +38,7 @@ use crate::{
 
 /// The tag of the tokens [`World::finish`] exchanges: one of the runtime's
 /// own, outside both the users' tags and every collective's.
-const FINISH_TAG: Tag = multiworld_tcp::collectives::runtime_tag(0);
+const FINISH_TAG: Tag = multiworld_types::runtime_tag(0);
 
 /// The store key through which a member announces that it broke the world.
 /// Its value is `"<rank>\n<cause>"`.
@@ -243,7 +243,7 @@ impl WorldShared {
 
     /// Refuses the tags reserved for the runtime and the collectives.
     pub(crate) fn check_tag(&self, tag: Tag) -> Result<(), WorldError> {
-        if multiworld_tcp::collectives::is_internal_tag(tag) {
+        if multiworld_types::is_internal_tag(tag) {
             return Err(WorldError::InvalidArgument {
                 world: self.name.clone(),
                 detail: format!("tag {:#x} is reserved: user tags must be below 2^31", tag.0),
@@ -425,7 +425,7 @@ impl Drop for OpDeadline {
 /// running at `op_timeout` breaks the world with `BreakCause::OpDeadline`.
 struct CollectiveDeadlines(Weak<WorldShared>);
 
-impl multiworld_tcp::collectives::CallObserver for CollectiveDeadlines {
+impl multiworld_collectives::CallObserver for CollectiveDeadlines {
     fn call_started(&self, op: &'static str) -> Box<dyn Send> {
         Box::new(self.0.upgrade().and_then(|w| w.track(op)))
     }

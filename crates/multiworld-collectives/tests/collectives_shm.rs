@@ -13,19 +13,16 @@
 //! descriptors and mappings of this process, and share two cores.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-#[path = "common/coll.rs"]
-mod coll;
-mod common;
-
 use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use coll::*;
-use common::eventually;
-use multiworld_tcp::collectives::{Algorithm, CollectiveConfig, Group, ReduceOp, SharedMemory};
+use multiworld_collectives::{Algorithm, CollectiveConfig, Group, SharedMemory};
 use multiworld_tcp::{DType, Error, Rank, Tensor, bf16, f16};
+use multiworld_testkit::coll::*;
+use multiworld_testkit::eventually;
+use multiworld_types::ReduceOp;
 
 /// Size of a group of `n`'s segment with the default pieces of 1 MiB: a 4 KiB
 /// header and three buffers of one piece per member (see
@@ -88,9 +85,9 @@ fn assert_all(got: &[SharedMemory], want: &SharedMemory, what: &str) {
 fn general_input(dtype: DType, numel: usize, rank: usize, seed: u64) -> Tensor {
     let mut r = Rng::new(seed ^ ((rank as u64 + 1) * 0x9e37_79b9) ^ (numel as u64).rotate_left(17));
     let mut val = |bits: u32, e_max: u64| -> f64 {
-        let m = (r.next() >> 11) & ((1u64 << bits) - 1);
-        let e = (r.next() % (2 * e_max + 1)) as i32 - e_max as i32;
-        let s = if r.next() & 1 == 1 { -1.0 } else { 1.0 };
+        let m = (r.next_u64() >> 11) & ((1u64 << bits) - 1);
+        let e = (r.next_u64() % (2 * e_max + 1)) as i32 - e_max as i32;
+        let s = if r.next_u64() & 1 == 1 { -1.0 } else { 1.0 };
         s * (1.0 + m as f64 / (1u64 << bits) as f64) * 2f64.powi(e)
     };
     match dtype {

@@ -8,17 +8,17 @@
 //! size for some types (serde grows collections as elements decode); peers are
 //! authenticated members of the world, so this bounds mistakes, not attacks.
 //!
-//! [`CollectiveConfig::max_object_bytes`]: crate::collectives::CollectiveConfig::max_object_bytes
+//! [`CollectiveConfig::max_object_bytes`]: crate::CollectiveConfig::max_object_bytes
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::collectives::algo::to_peers;
-use crate::collectives::desc::Kind;
-use crate::collectives::group::{Ctx, Group, Ticket, finish_sends};
-use crate::collectives::handle::CollectiveHandle;
-use crate::collectives::util::{try_join_all, try_join2};
-use crate::error::{Error, Result};
+use crate::algo::to_peers;
+use crate::desc::Kind;
+use crate::group::{Ctx, Group, Ticket, finish_sends};
+use crate::handle::CollectiveHandle;
+use crate::util::{try_join_all, try_join2};
+use multiworld_tcp::{Error, Result};
 use multiworld_types::Rank;
 use multiworld_types::{DType, Tensor, TensorView};
 

@@ -7,16 +7,13 @@
 //! rounding with general floats is checked against the documented bound.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-#[path = "common/coll.rs"]
-mod coll;
-mod common;
-
 use std::sync::Arc;
 use std::time::Instant;
 
-use coll::*;
-use multiworld_tcp::collectives::{Algorithm, CollectiveConfig, Group, ReduceOp};
+use multiworld_collectives::{Algorithm, CollectiveConfig, Group};
 use multiworld_tcp::{DType, Error, Rank, Tag, Tensor, bf16, f16};
+use multiworld_testkit::coll::*;
+use multiworld_types::ReduceOp;
 use serde::{Deserialize, Serialize};
 
 const ALGOS: [Algorithm; 2] = [Algorithm::Direct, Algorithm::Ring];
@@ -433,8 +430,8 @@ async fn float_rounding_within_documented_bound() {
         let mut rng = Rng::new(r as u64 + 77);
         (0..LEN)
             .map(|_| {
-                let x = (rng.next() % 2_000_001) as f64 / 1000.0 - 1000.0;
-                x * 1.000_000_1f64.powi((rng.next() % 50) as i32)
+                let x = (rng.next_u64() % 2_000_001) as f64 / 1000.0 - 1000.0;
+                x * 1.000_000_1f64.powi((rng.next_u64() % 50) as i32)
             })
             .collect()
     };

@@ -17,18 +17,15 @@
 //! scattered input of reduce-scatter; each rank's input of all-to-all. Data are
 //! `float32`.
 
-use crate::bench::human;
+use crate::p2p::human;
 use std::fmt;
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::bench::RankRuntime;
-use crate::collectives::desc::{Algo, Kind};
-use crate::collectives::{CollectiveConfig, Group, ReduceOp, SharedMemory};
-use crate::comm::Communicator;
-use crate::config::CommConfig;
-use crate::error::{Error, Result};
-use crate::rendezvous::MemoryRendezvous;
+use crate::p2p::RankRuntime;
+use multiworld_collectives::{CollectiveConfig, CollectiveKind as Kind, Group};
+use multiworld_tcp::{CommConfig, Communicator, Error, MemoryRendezvous, Result};
+use multiworld_types::ReduceOp;
 use multiworld_types::Tensor;
 use multiworld_types::{Generation, Rank, WorldName};
 
@@ -297,7 +294,7 @@ fn duration_text(us: f64) -> String {
 
 /// Runs the benchmark from async code (it runs on its own threads).
 pub async fn collectives_bench(cfg: CollectivesBenchConfig) -> Result<CollectivesReport> {
-    crate::bench::run_blocking(move || collectives_bench_blocking(&cfg)).await
+    crate::p2p::run_blocking(move || collectives_bench_blocking(&cfg)).await
 }
 
 /// Runs the benchmark on the calling thread (plus one thread per rank).
@@ -544,11 +541,7 @@ impl Buffers {
             BenchOp::ReduceScatter => (Kind::ReduceScatterTensor, self.b.nbytes()),
             BenchOp::AllToAll => (Kind::AllToAllSingle, 0),
         };
-        let algo = g.algorithm_for(kind, size as u64);
-        match (algo, g.shared_memory().await) {
-            (Algo::Shm, SharedMemory::Unavailable { .. }) => Algo::Ring.name(),
-            (a, _) => a.name(),
-        }
+        g.algorithm_name(kind, size as u64).await
     }
 }
 

@@ -26,12 +26,10 @@
 use std::collections::VecDeque;
 use std::ops::Range;
 
-use crate::collectives::desc::{Algo, Desc};
-use crate::collectives::group::Ctx;
-use crate::collectives::util::{
-    Scratch, even_segments, segments_of, split2, try_join_all, try_join2, view_range,
-};
-use crate::error::{Error, Result};
+use crate::desc::{Algo, Desc};
+use crate::group::Ctx;
+use crate::util::{Scratch, even_segments, segments_of, split2, try_join_all, try_join2, view_range};
+use multiworld_tcp::{Error, Result};
 use multiworld_types::{DType, Element, Tensor, TensorView};
 use multiworld_types::{Kernel, ReduceOp, with_type};
 

@@ -10,16 +10,15 @@
 //! the test checks that each run really took its route.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use common::*;
-use multiworld_tcp::collectives::{Algorithm, CollectiveConfig, Group, ReduceOp, SharedMemory};
+use multiworld_collectives::{Algorithm, CollectiveConfig, Group, SharedMemory};
 use multiworld_tcp::{Communicator, Error, Rank, Tensor};
+use multiworld_testkit::*;
+use multiworld_types::ReduceOp;
 
 const DIR_ENV: &str = "MW_COLL_KILL_DIR";
 const RANK_ENV: &str = "MW_COLL_KILL_RANK";

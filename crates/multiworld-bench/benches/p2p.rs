@@ -1,11 +1,11 @@
-//! `cargo bench -p multiworld-tcp --bench p2p`: runs [`multiworld_tcp::bench::p2p`]
+//! `cargo bench -p multiworld-bench --bench p2p`: runs [`multiworld_bench::p2p::p2p`]
 //! and prints the table. Options (environment): `MW_BENCH_QUICK=1` for a short run,
 //! `MW_BENCH_RUNTIME=multi:N` for an N-worker multi-thread runtime per rank
 //! (default: a current-thread runtime per rank), `MW_BENCH_REPEATS=N`,
 //! `MW_BENCH_SPIN_US=N` to set the ranks' `recv_spin` (0 disables spinning),
 //! `MW_BENCH_SIZES=4,1024,...` for other message sizes (bytes).
 
-use multiworld_tcp::bench::{P2pBenchConfig, RankRuntime, p2p_blocking};
+use multiworld_bench::p2p::{P2pBenchConfig, RankRuntime, p2p_blocking};
 
 fn main() -> anyhow::Result<()> {
     let mut cfg = if std::env::var_os("MW_BENCH_QUICK").is_some() {

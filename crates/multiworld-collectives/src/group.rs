@@ -31,12 +31,12 @@ use tokio::sync::broadcast::error::RecvError;
 use tokio::sync::{OwnedMutexGuard, broadcast};
 use tracing::debug;
 
-use crate::collectives::desc::{self, AgreeCtx, Algo, Desc, Kind};
-use crate::collectives::handle::CollectiveHandle;
-use crate::collectives::shm::{SharedMemory, ShmState};
-use crate::collectives::util::{Scratch, try_join_all};
-use crate::comm::{Communicator, HealthEvent, Received, RecvHandle, SendHandle};
-use crate::error::{Error, Result};
+use crate::desc::{self, AgreeCtx, Algo, Desc, Kind};
+use crate::handle::CollectiveHandle;
+use crate::shm::{SharedMemory, ShmState};
+use crate::util::{Scratch, try_join_all};
+use multiworld_tcp::{Communicator, HealthEvent, Received, RecvHandle, SendHandle};
+use multiworld_tcp::{Error, Result};
 use multiworld_types::{DType, Tensor, TensorView};
 use multiworld_types::{MAX_GROUP_ID, Phase, check_user_tag, collective_tag};
 use multiworld_types::{Rank, Source, Tag};
@@ -565,6 +565,18 @@ impl Group {
             seq,
             me,
         })
+    }
+
+    /// The name of the algorithm (`"direct"`, `"ring"` or `"shm"`) a call of
+    /// `kind` on `size_bytes` per member uses, given what this member knows now
+    /// about shared memory (until the group's first call that could use it, a
+    /// large all-reduce is reported as `"shm"`; once shared memory turned out
+    /// unavailable, as `"ring"`).
+    pub async fn algorithm_name(&self, kind: Kind, size_bytes: u64) -> &'static str {
+        match (self.algorithm_for(kind, size_bytes), self.shared_memory().await) {
+            (Algo::Shm, SharedMemory::Unavailable { .. }) => Algo::Ring.name(),
+            (algo, _) => algo.name(),
+        }
     }
 
     /// The algorithm a call of `kind` on a buffer of `size_bytes` (per rank) uses,

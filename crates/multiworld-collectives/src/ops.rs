@@ -3,13 +3,13 @@
 //! turn, local validation (an invalid call fails before any tensor data is sent),
 //! agreement, then the algorithm from `algo.rs` under the member-loss guard.
 
-use crate::collectives::algo::{self, to_peers};
-use crate::collectives::desc::{Algo, Kind};
-use crate::collectives::group::{Group, Ticket, finish_sends};
-use crate::collectives::handle::CollectiveHandle;
-use crate::collectives::shm;
-use crate::collectives::util::{even_segments, segments_of, view_range};
-use crate::error::{Error, Result};
+use crate::algo::{self, to_peers};
+use crate::desc::{Algo, Kind};
+use crate::group::{Group, Ticket, finish_sends};
+use crate::handle::CollectiveHandle;
+use crate::shm;
+use crate::util::{even_segments, segments_of, view_range};
+use multiworld_tcp::{Error, Result};
 use multiworld_types::Rank;
 use multiworld_types::{DType, Tensor, TensorView};
 use multiworld_types::{ReduceOp, with_type};

@@ -59,9 +59,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::collectives::group::Ctx;
-use crate::collectives::util::{Scratch, even_segments, try_join_all};
-use crate::error::{Error, Result};
+use crate::group::Ctx;
+use crate::util::{Scratch, even_segments, try_join_all};
+use multiworld_tcp::{Error, Result};
 use multiworld_types::{DType, Tensor};
 use multiworld_types::{Kernel, ReduceOp};
 
@@ -96,7 +96,7 @@ const WAIT_SLICE: Duration = Duration::from_millis(10);
 const BLOCKING_WAIT: Duration = Duration::from_millis(100);
 
 /// Whether a group moves the data of large all-reduces through shared memory.
-/// See [`crate::collectives::Group::shared_memory`].
+/// See [`crate::Group::shared_memory`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum SharedMemory {

@@ -12,10 +12,8 @@ use std::net::{TcpListener, TcpStream};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::comm::Communicator;
-use crate::config::{CommConfig, DEFAULT_RECV_SPIN};
-use crate::error::{Error, Result};
-use crate::rendezvous::MemoryRendezvous;
+use multiworld_tcp::config::DEFAULT_RECV_SPIN;
+use multiworld_tcp::{CommConfig, Communicator, Error, MemoryRendezvous, Result};
 use multiworld_types::{DType, Tensor};
 use multiworld_types::{Generation, Rank, Tag, WorldName};
 

@@ -7,15 +7,12 @@
 //! success); deadlines apply.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-#[path = "common/coll.rs"]
-mod coll;
-mod common;
-
 use std::time::{Duration, Instant};
 
-use coll::*;
-use multiworld_tcp::collectives::{Algorithm, CollectiveConfig, Group, ReduceOp};
+use multiworld_collectives::{Algorithm, CollectiveConfig, Group};
 use multiworld_tcp::{DType, Error, Rank, Tensor};
+use multiworld_testkit::coll::*;
+use multiworld_types::ReduceOp;
 
 /// Every rank's call must fail; returns the errors.
 async fn all_fail<F, Fut>(gs: &[Group], f: F) -> Vec<Error>

@@ -1,5 +1,5 @@
-//! `cargo bench -p multiworld-tcp --bench collectives`: runs
-//! [`multiworld_tcp::collectives::bench::collectives_bench_blocking`] and prints
+//! `cargo bench -p multiworld-bench --bench collectives`: runs
+//! [`multiworld_bench::collectives::collectives_bench_blocking`] and prints
 //! the table. Options (environment): `MW_BENCH_QUICK=1` for a short run,
 //! `MW_BENCH_RANKS=2,4` (world sizes), `MW_BENCH_OPS=all_reduce,broadcast,...`,
 //! `MW_BENCH_SIZES=1024,...` (bytes), `MW_BENCH_REPEATS=N`,
@@ -7,9 +7,9 @@
 //! `MW_BENCH_SHM=0` (this process declines shared memory), `MW_BENCH_CHUNK=bytes`, `MW_BENCH_DEPTH=N`,
 //! `MW_BENCH_RUNTIME=current|multi:N` (default: a current-thread runtime per rank).
 
-use multiworld_tcp::bench::RankRuntime;
-use multiworld_tcp::collectives::Algorithm;
-use multiworld_tcp::collectives::bench::{BenchOp, CollectivesBenchConfig, collectives_bench_blocking};
+use multiworld_bench::collectives::{BenchOp, CollectivesBenchConfig, collectives_bench_blocking};
+use multiworld_bench::p2p::RankRuntime;
+use multiworld_collectives::Algorithm;
 
 fn list<T: std::str::FromStr>(s: &str) -> anyhow::Result<Vec<T>>
 where

@@ -2,16 +2,16 @@
 //! closure per rank with a hang guard, deterministic per-rank inputs that make
 //! every reduction exact (so results can be compared bit for bit with a
 //! sequential reference in rank order), and that reference.
-#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use multiworld_tcp::collectives::{Algorithm, CollectiveConfig, Group, ReduceOp};
-use multiworld_tcp::{DType, Error, Tensor, bf16, f16};
+use multiworld_collectives::{Algorithm, CollectiveConfig, Group};
+use multiworld_tcp::Error;
+use multiworld_types::{DType, ReduceOp, Tensor, bf16, f16};
 
-use super::common::mesh;
+use crate::mesh;
 
 /// Every call of a test must finish within this, or the test fails (a hang).
 pub const HANG: Duration = Duration::from_secs(60);
@@ -82,10 +82,12 @@ where
 pub struct Rng(u64);
 
 impl Rng {
+    /// A generator started from `seed`.
     pub fn new(seed: u64) -> Rng {
         Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1)
     }
-    pub fn next(&mut self) -> u64 {
+    /// The next number (xorshift).
+    pub fn next_u64(&mut self) -> u64 {
         let mut x = self.0;
         x ^= x << 13;
         x ^= x >> 7;
@@ -101,7 +103,7 @@ impl Rng {
 /// arithmetic is exact in any order); bools random.
 pub fn input(dtype: DType, numel: usize, rank: usize, seed: u64) -> Tensor {
     let mut r = Rng::new(seed ^ ((rank as u64 + 1) * 0x1234_5678) ^ numel as u64);
-    let small = |r: &mut Rng| (r.next() % 5) as i64 - 2;
+    let small = |r: &mut Rng| (r.next_u64() % 5) as i64 - 2;
     match dtype {
         DType::F16 => Tensor::from(
             (0..numel)
@@ -115,9 +117,9 @@ pub fn input(dtype: DType, numel: usize, rank: usize, seed: u64) -> Tensor {
         ),
         DType::F32 => Tensor::from((0..numel).map(|_| small(&mut r) as f32).collect::<Vec<_>>()),
         DType::F64 => Tensor::from((0..numel).map(|_| small(&mut r) as f64).collect::<Vec<_>>()),
-        DType::Bool => Tensor::from((0..numel).map(|_| r.next() & 1 == 1).collect::<Vec<_>>()),
+        DType::Bool => Tensor::from((0..numel).map(|_| r.next_u64() & 1 == 1).collect::<Vec<_>>()),
         d => {
-            let bytes: Vec<u8> = (0..numel * d.size()).map(|_| r.next() as u8).collect();
+            let bytes: Vec<u8> = (0..numel * d.size()).map(|_| r.next_u64() as u8).collect();
             Tensor::from_bytes(d, [numel], &bytes).unwrap()
         }
     }
@@ -242,7 +244,7 @@ pub fn reference(inputs: &[Tensor], op: ReduceOp) -> Tensor {
     }
 }
 
-fn map_avg<T: multiworld_tcp::Element>(sum: Tensor, n: usize, f: impl Fn(T, usize) -> T) -> Tensor {
+fn map_avg<T: multiworld_types::Element>(sum: Tensor, n: usize, f: impl Fn(T, usize) -> T) -> Tensor {
     Tensor::from(
         sum.as_slice::<T>()
             .unwrap()

@@ -8,7 +8,7 @@ use std::ops::Range;
 use std::pin::Pin;
 use std::task::Poll;
 
-use crate::error::{Error, Result};
+use multiworld_tcp::{Error, Result};
 use multiworld_types::{DType, Tensor, TensorView};
 
 /// Most tensors the pool keeps, whatever their size.
@@ -244,7 +244,7 @@ mod tests {
     #[tokio::test]
     async fn a_real_failure_is_reported_even_with_others_pending() {
         let lost = || Error::PeerLost {
-            rank: crate::Rank(2),
+            rank: multiworld_types::Rank(2),
             cause: std::sync::Arc::from("connection closed by peer"),
         };
         let futs: Vec<std::pin::Pin<Box<dyn Future<Output = Result<u32>> + Send>>> = vec![
@@ -253,7 +253,7 @@ mod tests {
             Box::pin(async { Ok(1) }),
         ];
         match try_join_all(futs).await {
-            Err(Error::PeerLost { rank, .. }) => assert_eq!(rank, crate::Rank(2)),
+            Err(Error::PeerLost { rank, .. }) => assert_eq!(rank, multiworld_types::Rank(2)),
             other => panic!("{other:?}"),
         }
     }

@@ -1,15 +1,15 @@
-//! Collective operations over a world (or a sub-group of it), with the semantics
+//! `multiworld-collectives`: collective operations over a world (or a sub-group of it), with the semantics
 //! of `torch.distributed`: broadcast, reduce, all-reduce, all-gather (list and
 //! into one tensor), gather, scatter, reduce-scatter (list and tensor),
 //! all-to-all (lists, and one tensor with uneven splits), barrier, and object
 //! variants (broadcast, all-gather, gather, scatter of `serde` values), each as a
-//! blocking-style `async fn` and a handle form, with every [`ReduceOp`] for every
+//! blocking-style `async fn` and a handle form, with every [`ReduceOp`](multiworld_types::ReduceOp) for every
 //! dtype where it is defined.
 //!
 //! ```no_run
 //! # async fn demo(comm: std::sync::Arc<multiworld_tcp::Communicator>) -> multiworld_tcp::Result<()> {
-//! use multiworld_tcp::collectives::{Group, ReduceOp};
-//! use multiworld_tcp::{Rank, Tensor};
+//! use multiworld_collectives::Group;
+//! use multiworld_types::{Rank, ReduceOp, Tensor};
 //! let world = Group::world(&comm);
 //! let mut t = Tensor::from(vec![1.0f32, 2.0, 3.0]);
 //! world.all_reduce(&mut t, ReduceOp::Sum).await?;
@@ -22,8 +22,14 @@
 //! # Ok(()) }
 //! ```
 //!
-//! Map of the module (`COLLECTIVES.md` next to the crate's manifest describes the
-//! protocol, algorithms, numerics and measurements):
+//! The collectives run over the TCP transport's public API only (a
+//! [`multiworld_tcp::Communicator`]'s point-to-point operations, its health
+//! events and its connections' liveness); the vocabulary (tensors, dtypes,
+//! [`ReduceOp`](multiworld_types::ReduceOp) and its kernels, the reserved tag
+//! range) is `multiworld-types`'. A new collective is a file here.
+//!
+//! Map of the crate (`COLLECTIVES.md` next to the crate's manifest describes the
+//! protocol, algorithms and numerics):
 //!
 //! | file | what |
 //! |---|---|
@@ -35,10 +41,8 @@
 //! | `desc.rs` | call descriptors and the agreement check (pure) |
 //! | `handle.rs` | [`CollectiveHandle`] |
 //! | `util.rs` | scratch pool, segments, `try_join_all` |
-//! | [`bench`](mod@bench) | the collectives benchmark |
 
 mod algo;
-pub mod bench;
 mod desc;
 mod group;
 mod handle;
@@ -47,10 +51,7 @@ mod ops;
 mod shm;
 mod util;
 
+pub use desc::Kind as CollectiveKind;
 pub use group::{Algorithm, CallObserver, CollectiveConfig, Group};
 pub use handle::CollectiveHandle;
-pub use multiworld_types::ReduceOp;
-pub use multiworld_types::{
-    GROUP_ID_BITS, INTERNAL_TAG_BIT, MAX_GROUP_ID, RUNTIME_GROUP_ID, SEQ_BITS, is_internal_tag, runtime_tag,
-};
 pub use shm::SharedMemory;

@@ -9,7 +9,7 @@ use std::task::{Context, Poll};
 
 use tokio::task::JoinHandle;
 
-use crate::error::{Error, Result};
+use multiworld_tcp::{Error, Result};
 
 /// A collective call in progress. Await it (it is a `Future`) or call
 /// [`CollectiveHandle::wait`] to get the outcome (the output buffers, which the

@@ -29,7 +29,7 @@
 
 use std::fmt::Write as _;
 
-use crate::error::{Error, MessageDesc, Result};
+use multiworld_tcp::{Error, MessageDesc, Result};
 use multiworld_types::DType;
 use multiworld_types::ReduceOp;
 use multiworld_types::{Rank, Tag};
@@ -41,25 +41,42 @@ const FLAG_ABSTAIN: u64 = 1;
 const FLAG_EAGER: u64 = 2;
 const NO_ROOT: u64 = u64::MAX;
 
-/// Which collective a call is.
+/// Which collective a call is (exported as `CollectiveKind`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Kind {
+pub enum Kind {
+    /// `barrier`.
     Barrier,
+    /// `broadcast`.
     Broadcast,
+    /// `reduce`.
     Reduce,
+    /// `all_reduce`.
     AllReduce,
+    /// `all_gather` into a list.
     AllGather,
+    /// `all_gather_into_tensor`.
     AllGatherInto,
+    /// `gather`.
     Gather,
+    /// `scatter`.
     Scatter,
+    /// `reduce_scatter` from a list.
     ReduceScatter,
+    /// `reduce_scatter_tensor`.
     ReduceScatterTensor,
+    /// `all_to_all` of lists.
     AllToAll,
+    /// `all_to_all_single` (one tensor, optional uneven splits).
     AllToAllSingle,
+    /// `broadcast_object`.
     BroadcastObject,
+    /// `all_gather_object`.
     AllGatherObject,
+    /// `gather_object`.
     GatherObject,
+    /// `scatter_object`.
     ScatterObject,
+    /// `new_group` (the agreement on a sub-group).
     NewGroup,
 }
 

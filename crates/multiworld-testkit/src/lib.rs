@@ -1,6 +1,19 @@
-//! Helpers shared by the integration tests: joining an in-process world, a
-//! file-based rendezvous for multi-process tests, and test data patterns.
-#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+//! `multiworld-testkit` (tests only, never published): the helpers the
+//! integration tests of the transport and the collectives share, in one place
+//! instead of copied between test files.
+//!
+//! Map of the modules:
+//!
+//! | module | what |
+//! |---|---|
+//! | crate root | joining in-process worlds ([`mesh`], [`pair`]), a file-based rendezvous for ranks in several processes ([`FileRendezvous`]), test data patterns, [`eventually`] |
+//! | [`coll`] | in-process worlds of collective groups, one closure per rank with a hang guard, exact per-rank inputs and the sequential reference they are checked against |
+//!
+//! Helpers panic on failure (they are test code): a failed setup is a failed
+//! test.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+pub mod coll;
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -11,6 +24,7 @@ use multiworld_tcp::{
     WorldName,
 };
 
+/// The secret every test world uses.
 pub const SECRET: &[u8] = b"correct horse battery staple";
 
 /// Logs to the test output when RUST_LOG is set.
@@ -21,10 +35,12 @@ pub fn init_tracing() {
         .try_init();
 }
 
+/// A world name (panics on an invalid one).
 pub fn world(name: &str) -> WorldName {
     WorldName::new(name).unwrap()
 }
 
+/// The config of `rank` of a world of `size` named `name`, generation 1, with [`SECRET`].
 pub fn config(name: &str, rank: u32, size: u32) -> CommConfig {
     CommConfig::new(world(name), Generation(1), Rank(rank), size).with_secret(SECRET)
 }
@@ -46,10 +62,12 @@ pub async fn mesh_with(name: &str, size: u32, tweak: impl Fn(CommConfig) -> Comm
     out
 }
 
+/// Joins `size` ranks of one world in this process.
 pub async fn mesh(name: &str, size: u32) -> Vec<Communicator> {
     mesh_with(name, size, |c| c).await
 }
 
+/// Joins a world of two in this process.
 pub async fn pair(name: &str) -> (Communicator, Communicator) {
     let mut v = mesh(name, 2).await;
     let b = v.pop().unwrap();
@@ -87,6 +105,7 @@ pub async fn eventually(limit: Duration, mut cond: impl FnMut() -> bool) -> bool
 
 /// A rendezvous through files in a directory, for ranks in different processes.
 pub struct FileRendezvous {
+    /// The directory holding one file per published key.
     pub dir: PathBuf,
 }
 

@@ -1,0 +1,22 @@
+//! `multiworld-bench`: the benchmarks of the transport and the collectives, as
+//! library functions so that both `cargo bench -p multiworld-bench` and the
+//! command-line tool (`m8d bench p2p`, `m8d bench collectives`) run them. No
+//! library of the runtime contains benchmark code; it all lives here.
+//!
+//! Each benchmark measures a physical reference in the same run (a raw TCP
+//! stream and ping-pong between two threads, memory copies) and reports ratios
+//! against it.
+//!
+//! Map of the modules:
+//!
+//! | module | what |
+//! |---|---|
+//! | [`p2p`] | streaming and ping-pong between two ranks, with raw-TCP references |
+//! | [`collectives`] | every collective for several world sizes and buffer sizes, with the raw-TCP floor and memory-copy references |
+//!
+//! The ranks of these benchmarks run as threads of one process, each with its
+//! own runtime, which hides some costs that appear between processes; the
+//! `m8d bench worlds` / `failover` / `join` benchmarks run real processes.
+
+pub mod collectives;
+pub mod p2p;
