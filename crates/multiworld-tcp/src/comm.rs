@@ -48,8 +48,9 @@ use multiworld_types::{Generation, Identity, Rank, Source, Tag, WorldName};
 /// Capacity of each connection's read buffer. Headers and small messages come in
 /// with one read; larger payloads bypass it and land in the receive buffer.
 const READ_BUF: usize = 16 << 10;
-/// Large payloads are read in chunks of this size so progress counters move.
-const PROGRESS_CHUNK: usize = 1 << 20;
+/// Most bytes a payload read of unknown length grows its buffer by at once (the
+/// declared length of a frame is not trusted for allocation).
+const GROW_STEP: usize = 64 << 10;
 /// Most spare buffers kept for small unexpected messages.
 const POOL_MAX: usize = 64;
 /// While a reader holds back (no receive posted, no room to buffer), how often it
@@ -92,7 +93,8 @@ impl Health {
 }
 
 /// Traffic counters of one peer connection (monotonic; also a progress signal: a
-/// large transfer moves `bytes_received` every MiB).
+/// large transfer moves `bytes_received`, and the peer's "last heard" time, with
+/// every read that returns payload bytes, however slowly they arrive).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PeerStats {
     /// The peer.
@@ -1303,10 +1305,9 @@ impl Inner {
                     return Err("internal: receive slot empty".into());
                 };
                 if p.buf.dtype() != dtype || p.buf.nbytes() != len {
-                    discard(rd, len as u64)
+                    discard(rd, len as u64, c)
                         .await
                         .map_err(|e| format!("discarding a mismatched message: {}", describe_io(&e)))?;
-                    c.bytes_received.fetch_add(len as u64, Ordering::Relaxed);
                     c.messages_received.fetch_add(1, Ordering::Relaxed);
                     if let Some(p) = slot.take() {
                         let err = mismatch(&p.buf, from, tag, dtype, len as u64);
@@ -1499,9 +1500,17 @@ async fn read_payload(
     buf: &mut [u8],
     progress: &Counters,
 ) -> io::Result<()> {
-    for chunk in buf.chunks_mut(PROGRESS_CHUNK) {
-        rd.read_exact(chunk).await?;
-        progress.received(chunk.len());
+    // Every read counts as a sign of life, so a slow but live sender is never
+    // mistaken for a frozen one however large its message. A read as large as
+    // the rest of the buffer bypasses the BufReader (no extra copy).
+    let mut filled = 0;
+    while filled < buf.len() {
+        let n = rd.read(&mut buf[filled..]).await?;
+        if n == 0 {
+            return Err(io::ErrorKind::UnexpectedEof.into());
+        }
+        filled += n;
+        progress.received(n);
     }
     Ok(())
 }
@@ -1515,10 +1524,16 @@ async fn read_growing(
     progress: &Counters,
 ) -> io::Result<()> {
     v.clear();
-    let n = (&mut *rd).take(len as u64).read_to_end(v).await?;
-    progress.received(n);
-    if n < len {
-        return Err(io::ErrorKind::UnexpectedEof.into());
+    while v.len() < len {
+        let want = (len - v.len()).min(GROW_STEP);
+        let start = v.len();
+        v.resize(start + want, 0);
+        let n = rd.read(&mut v[start..]).await?;
+        v.truncate(start + n);
+        if n == 0 {
+            return Err(io::ErrorKind::UnexpectedEof.into());
+        }
+        progress.received(n);
     }
     Ok(())
 }
@@ -1535,10 +1550,18 @@ fn peer_closed(rd: &BufReader<OwnedReadHalf>) -> bool {
     }
 }
 
-async fn discard(rd: &mut BufReader<OwnedReadHalf>, len: u64) -> io::Result<()> {
-    let n = tokio::io::copy(&mut (&mut *rd).take(len), &mut tokio::io::sink()).await?;
-    if n < len {
-        return Err(io::ErrorKind::UnexpectedEof.into());
+/// Reads and drops `len` payload bytes, each read counting as progress.
+async fn discard(rd: &mut BufReader<OwnedReadHalf>, len: u64, progress: &Counters) -> io::Result<()> {
+    let mut scratch = [0u8; 8 << 10];
+    let mut left = len;
+    while left > 0 {
+        let want = usize::try_from(left).unwrap_or(usize::MAX).min(scratch.len());
+        let n = rd.read(&mut scratch[..want]).await?;
+        if n == 0 {
+            return Err(io::ErrorKind::UnexpectedEof.into());
+        }
+        left -= n as u64;
+        progress.received(n);
     }
     Ok(())
 }
@@ -1764,5 +1787,114 @@ impl Drop for RecvHandle {
         // Drops the buffer if the receive had not started; if it had, the reader
         // finds the channel closed and keeps the message for the next receive.
         let _ = self.cancel();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+
+    /// A connected loopback pair: the reading half (buffered like a reader
+    /// task's) and the writing stream.
+    async fn pair() -> (BufReader<OwnedReadHalf>, TcpStream) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let writer = TcpStream::connect(listener.local_addr().unwrap()).await.unwrap();
+        let (reader, _) = listener.accept().await.unwrap();
+        let (rd, _wr) = reader.into_split();
+        (BufReader::with_capacity(READ_BUF, rd), writer)
+    }
+
+    /// Sends `total` bytes in slices of `step` every `every`, the way a slow but
+    /// live link delivers them.
+    async fn trickle(mut w: TcpStream, total: usize, step: usize, every: Duration) {
+        let data = vec![7u8; step];
+        let mut sent = 0;
+        while sent < total {
+            let n = step.min(total - sent);
+            w.write_all(&data[..n]).await.unwrap();
+            sent += n;
+            tokio::time::sleep(every).await;
+        }
+    }
+
+    /// Largest gap between "last heard" updates seen while `read` runs.
+    async fn longest_silence(counters: &Counters, read: impl Future<Output = io::Result<()>>) -> Duration {
+        let mut read = std::pin::pin!(read);
+        let mut longest = Duration::ZERO;
+        loop {
+            tokio::select! {
+                r = &mut read => {
+                    r.unwrap();
+                    return longest;
+                }
+                _ = tokio::time::sleep(Duration::from_millis(20)) => {
+                    longest = longest.max(counters.last_heard().elapsed());
+                }
+            }
+        }
+    }
+
+    /// A large message arriving at ~640 KiB/s keeps its sender heard: every
+    /// read counts, not every MiB (which took 1.6 s here and looked frozen to a
+    /// 1 s heartbeat timeout).
+    #[tokio::test]
+    async fn a_slow_large_payload_keeps_the_sender_heard() {
+        let (mut rd, w) = pair().await;
+        let counters = Counters::new(Instant::now());
+        let total = 2 << 20;
+        let sender = tokio::spawn(trickle(w, total, 32 << 10, Duration::from_millis(50)));
+        let mut buf = vec![0u8; total];
+        let silence = longest_silence(&counters, read_payload(&mut rd, &mut buf, &counters)).await;
+        sender.await.unwrap();
+        assert!(buf.iter().all(|&b| b == 7));
+        assert_eq!(counters.bytes_received.load(Ordering::Relaxed), total as u64);
+        // Slices arrive every 50 ms; a busy machine may delay some, never by 0.5 s.
+        assert!(
+            silence < Duration::from_millis(500),
+            "silent for {silence:?} while bytes arrived"
+        );
+    }
+
+    /// The same holds for a message being discarded (a mismatch) and one read
+    /// while the peer is draining.
+    #[tokio::test]
+    async fn discarded_and_drained_payloads_count_as_progress() {
+        let total = 1 << 20;
+        let (mut rd, w) = pair().await;
+        let counters = Counters::new(Instant::now());
+        let sender = tokio::spawn(trickle(w, total, 32 << 10, Duration::from_millis(40)));
+        let silence = longest_silence(&counters, discard(&mut rd, total as u64, &counters)).await;
+        sender.await.unwrap();
+        assert_eq!(counters.bytes_received.load(Ordering::Relaxed), total as u64);
+        assert!(
+            silence < Duration::from_millis(500),
+            "discard: silent for {silence:?}"
+        );
+
+        let (mut rd, w) = pair().await;
+        let counters = Counters::new(Instant::now());
+        let sender = tokio::spawn(trickle(w, total, 32 << 10, Duration::from_millis(40)));
+        let mut v = Vec::new();
+        let silence = longest_silence(&counters, read_growing(&mut rd, &mut v, total, &counters)).await;
+        sender.await.unwrap();
+        assert_eq!(v.len(), total);
+        assert!(
+            silence < Duration::from_millis(500),
+            "drain: silent for {silence:?}"
+        );
+    }
+
+    /// A payload cut short is an error, not a hang or a short read.
+    #[tokio::test]
+    async fn a_payload_cut_short_is_unexpected_eof() {
+        let (mut rd, mut w) = pair().await;
+        let counters = Counters::new(Instant::now());
+        w.write_all(&[1u8; 100]).await.unwrap();
+        drop(w);
+        let mut buf = vec![0u8; 1000];
+        let err = read_payload(&mut rd, &mut buf, &counters).await.unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::UnexpectedEof);
+        assert_eq!(counters.bytes_received.load(Ordering::Relaxed), 100);
     }
 }
