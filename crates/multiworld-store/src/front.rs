@@ -4,7 +4,8 @@
 //! Everything a client can make the server hold is bounded here, before the
 //! service sees the request:
 //! - connections: at most `max_connections`; at the cap a new connection
-//!   evicts the one idle longest, or is closed at once if none is idle;
+//!   evicts one that never sent a request, else the one idle longest, or is
+//!   closed at once if every connection has a request in flight;
 //!   accept errors (fd exhaustion) back off instead of spinning;
 //! - a connection's first request must arrive within
 //!   `first_request_timeout`, and a connection with no request in flight is
@@ -197,10 +198,12 @@ impl Connections {
     fn admit(&self, max: usize) -> Option<(u64, Arc<Conn>)> {
         let mut live = self.live.lock().unwrap_or_else(|e| e.into_inner());
         if live.len() >= max {
+            // Connections that never sent a request go first (oldest
+            // first), then the one idle longest; a busy one is never evicted.
             let victim = live
                 .iter()
                 .filter(|(_, c)| c.open.load(Ordering::Acquire) == 0)
-                .min_by_key(|(_, c)| c.idle_since())
+                .min_by_key(|(_, c)| (c.requests.load(Ordering::Acquire) > 0, c.idle_since()))
                 .map(|(id, _)| *id);
             let victim = victim.and_then(|id| live.remove(&id));
             match victim {

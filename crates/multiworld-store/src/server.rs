@@ -75,8 +75,9 @@ pub struct ServerConfig {
     /// How long an unanswered keepalive ping may stay unanswered (default 5 s).
     pub keepalive_timeout: Duration,
     /// Most client connections open at once (default 1,024). At the cap, a
-    /// new connection evicts the connection idle longest (no request in
-    /// flight); if every connection is busy, the new one is closed at once.
+    /// new connection evicts one that never sent a request (oldest first),
+    /// else the one idle longest (no request in flight); if every connection
+    /// has a request in flight, the new one is closed at once.
     pub max_connections: usize,
     /// Most concurrent requests (HTTP/2 streams) on one connection (default
     /// `limits.max_waiters_per_client + 64` = 1,088).
