@@ -41,7 +41,7 @@ use hyper::{body::Incoming, server::conn::http2, service::service_fn};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::{
     net::{TcpListener, TcpStream},
-    sync::{Notify, OwnedSemaphorePermit, Semaphore},
+    sync::Notify,
     time::Instant,
 };
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
@@ -64,46 +64,79 @@ const CLOSE_GRACE: Duration = Duration::from_secs(1);
 
 /// A reservation of request memory; dropping it returns the bytes.
 #[derive(Debug)]
-pub(crate) struct Reservation(#[allow(dead_code)] OwnedSemaphorePermit);
+pub(crate) struct Reservation {
+    budget: Arc<Budget>,
+    bytes: usize,
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        self.budget.used.fetch_sub(self.bytes, Ordering::AcqRel);
+        self.budget.freed.notify_waiters();
+    }
+}
 
 /// The process-wide budget for request bodies being received and decoded.
+///
+/// Deliberately not a FIFO semaphore: there a small request queues behind a
+/// large one that cannot fit yet, so a client declaring large bodies would
+/// starve everyone else. Here any request that fits now takes its bytes at
+/// once; one that does not waits for bytes to be freed, up to
+/// `request_memory_wait`.
+#[derive(Debug)]
 pub(crate) struct Budget {
     total: usize,
-    permits: Arc<Semaphore>,
+    used: AtomicUsize,
+    freed: Notify,
 }
 
 impl Budget {
     pub(crate) fn new(total: usize) -> Budget {
-        let total = total.min(Semaphore::MAX_PERMITS);
         Budget {
             total,
-            permits: Arc::new(Semaphore::new(total)),
+            used: AtomicUsize::new(0),
+            freed: Notify::new(),
         }
     }
 
     /// Bytes reserved right now.
     pub(crate) fn in_use(&self) -> usize {
-        self.total.saturating_sub(self.permits.available_permits())
+        self.used.load(Ordering::Acquire)
+    }
+
+    fn try_take(&self, bytes: usize) -> bool {
+        self.used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+                used.checked_add(bytes).filter(|after| *after <= self.total)
+            })
+            .is_ok()
     }
 
     /// Reserves `bytes`, waiting at most `wait`; refuses at once what could
     /// never fit.
-    async fn reserve(&self, bytes: usize, wait: Duration) -> Result<OwnedSemaphorePermit, StoreError> {
+    async fn reserve(self: &Arc<Self>, bytes: usize, wait: Duration) -> Result<Reservation, StoreError> {
         let refused = || StoreError::LimitExceeded {
             limit: Limit::RequestMemory,
             max: self.total as u64,
             requested: bytes as u64,
         };
-        let Ok(n) = u32::try_from(bytes) else {
-            return Err(refused());
-        };
         if bytes > self.total {
             return Err(refused());
         }
-        match tokio::time::timeout(wait, Arc::clone(&self.permits).acquire_many_owned(n)).await {
-            Ok(Ok(permit)) => Ok(permit),
-            // The semaphore is never closed; treat it as exhausted anyway.
-            Ok(Err(_)) | Err(_) => Err(refused()),
+        let deadline = Instant::now() + wait;
+        loop {
+            // Registered before the attempt, so a release in between wakes it.
+            let mut freed = pin!(self.freed.notified());
+            freed.as_mut().enable();
+            if self.try_take(bytes) {
+                return Ok(Reservation {
+                    budget: Arc::clone(self),
+                    bytes,
+                });
+            }
+            if tokio::time::timeout_at(deadline, freed).await.is_err() {
+                return Err(refused());
+            }
         }
     }
 }
@@ -139,7 +172,8 @@ impl Conn {
     /// Why the connection should go, if it should.
     fn expired(&self, now: Instant, config: &ServerConfig) -> Option<&'static str> {
         if self.requests.load(Ordering::Acquire) == 0 {
-            (now >= self.accepted + config.first_request_timeout).then_some("no request within first_request_timeout")
+            (now >= self.accepted + config.first_request_timeout)
+                .then_some("no request within first_request_timeout")
         } else if self.open.load(Ordering::Acquire) == 0 {
             (now >= self.idle_since() + config.idle_timeout).then_some("idle for idle_timeout")
         } else {
@@ -301,7 +335,8 @@ pub(crate) async fn accept_loop<S: Grpc>(
                 };
                 let _ = stream.set_nodelay(true);
                 let local = stream.local_addr().ok();
-                let (shared, grpc, stop, kill) = (Arc::clone(&shared), grpc.clone(), stop.clone(), kill.clone());
+                let (shared, grpc, stop, kill) =
+                    (Arc::clone(&shared), grpc.clone(), stop.clone(), kill.clone());
                 tracker.spawn(async move {
                     let _registered = Registered(&shared.connections, id);
                     serve_connection(stream, remote, local, conn, &shared, grpc, stop, kill).await;
@@ -343,7 +378,8 @@ async fn serve_connection<S: Grpc>(
     let service = {
         let (shared, conn) = (Arc::clone(shared), Arc::clone(&conn));
         service_fn(move |req: http::Request<Incoming>| {
-            let (shared, conn, grpc, info) = (Arc::clone(&shared), Arc::clone(&conn), grpc.clone(), info.clone());
+            let (shared, conn, grpc, info) =
+                (Arc::clone(&shared), Arc::clone(&conn), grpc.clone(), info.clone());
             async move { Ok::<_, Infallible>(handle(req, &shared, &conn, grpc, info).await) }
         })
     };
@@ -420,7 +456,9 @@ async fn handle<S: Grpc>(
         },
     };
     let proof = req.headers().get(AUTH_METADATA).and_then(|v| v.to_str().ok());
-    let slot = world.as_deref().and_then(|w| shared.worlds.get(w).map(|e| Arc::clone(e.value())));
+    let slot = world
+        .as_deref()
+        .and_then(|w| shared.worlds.get(w).map(|e| Arc::clone(e.value())));
     let state = match &slot {
         Some(slot) => WorldState::Open(slot.secret.as_ref()),
         None => WorldState::Missing,
@@ -473,7 +511,7 @@ async fn handle<S: Grpc>(
     let mut req = http::Request::from_parts(parts, Body::new(Full::new(bytes)));
     req.extensions_mut().insert(info);
     if let Some(r) = reservation {
-        req.extensions_mut().insert(Arc::new(Reservation(r)));
+        req.extensions_mut().insert(Arc::new(r));
     }
     match grpc.call(req).await {
         Ok(response) => response,
@@ -488,7 +526,7 @@ async fn read_body(
     mut body: Incoming,
     bound: usize,
     shared: &Shared,
-) -> Result<(Bytes, Option<OwnedSemaphorePermit>), StoreError> {
+) -> Result<(Bytes, Option<Reservation>), StoreError> {
     let config = &shared.config;
     let deadline = Instant::now() + config.request_body_timeout;
     let mut buf = BytesMut::new();
@@ -524,7 +562,9 @@ async fn read_body(
         buf.extend_from_slice(&data);
         if expected.is_none() && buf.len() >= PREFIX {
             if buf[0] != 0 {
-                return Err(StoreError::InvalidArgument("compressed requests are not accepted".into()));
+                return Err(StoreError::InvalidArgument(
+                    "compressed requests are not accepted".into(),
+                ));
             }
             let len = u32::from_be_bytes([buf[1], buf[2], buf[3], buf[4]]) as usize;
             over(Limit::MessageBytes, bound, len)?;

@@ -174,8 +174,20 @@ mod tests {
         let wrong = Secret::new("wrong").proof("w");
         for method in ["Open", "Set", "Get", "Ping", "Close"] {
             for proof in [None, Some("garbage"), Some(wrong.as_str())] {
-                let open = judge(method, Some("w"), proof, WorldState::Open(Some(&world_secret)), None);
-                let missing = judge(method, Some("w"), proof, WorldState::Missing, Some(&server_secret));
+                let open = judge(
+                    method,
+                    Some("w"),
+                    proof,
+                    WorldState::Open(Some(&world_secret)),
+                    None,
+                );
+                let missing = judge(
+                    method,
+                    Some("w"),
+                    proof,
+                    WorldState::Missing,
+                    Some(&server_secret),
+                );
                 assert!(kind(&open).starts_with("unauthenticated"), "{}", kind(&open));
                 assert_eq!(kind(&open), kind(&missing), "{method} {proof:?}");
             }
@@ -187,8 +199,14 @@ mod tests {
         let s = Secret::new("s");
         let proof = s.proof("w");
         let p = Some(proof.as_str());
-        assert!(matches!(judge("Set", Some("w"), p, WorldState::Open(Some(&s)), None), Verdict::Admit));
-        assert!(matches!(judge("Open", Some("w"), p, WorldState::Missing, Some(&s)), Verdict::Admit));
+        assert!(matches!(
+            judge("Set", Some("w"), p, WorldState::Open(Some(&s)), None),
+            Verdict::Admit
+        ));
+        assert!(matches!(
+            judge("Open", Some("w"), p, WorldState::Missing, Some(&s)),
+            Verdict::Admit
+        ));
         assert_eq!(
             kind(&judge("Get", Some("w"), p, WorldState::Missing, Some(&s))),
             "world-not-found: no store is open for world 'w'"
@@ -203,10 +221,22 @@ mod tests {
 
     #[test]
     fn public_worlds_world_less_pings_and_unjudgeable_opens() {
-        assert!(matches!(judge("Set", Some("w"), None, WorldState::Open(None), None), Verdict::Admit));
-        assert!(matches!(judge("Ping", None, None, WorldState::Missing, None), Verdict::PreAuth));
-        assert!(matches!(judge("Bogus", None, None, WorldState::Missing, None), Verdict::PreAuth));
-        assert!(matches!(judge("Open", Some("w"), None, WorldState::Missing, None), Verdict::PreAuth));
+        assert!(matches!(
+            judge("Set", Some("w"), None, WorldState::Open(None), None),
+            Verdict::Admit
+        ));
+        assert!(matches!(
+            judge("Ping", None, None, WorldState::Missing, None),
+            Verdict::PreAuth
+        ));
+        assert!(matches!(
+            judge("Bogus", None, None, WorldState::Missing, None),
+            Verdict::PreAuth
+        ));
+        assert!(matches!(
+            judge("Open", Some("w"), None, WorldState::Missing, None),
+            Verdict::PreAuth
+        ));
         assert!(matches!(
             judge("Set", Some("w"), None, WorldState::Missing, None),
             Verdict::Refuse(StoreError::WorldNotFound { .. })

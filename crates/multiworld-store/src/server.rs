@@ -231,7 +231,7 @@ pub(crate) struct Shared {
     pub(crate) worlds: DashMap<String, Arc<Slot>>,
     next_generation: AtomicU64,
     pub(crate) connections: Connections,
-    pub(crate) budget: Budget,
+    pub(crate) budget: Arc<Budget>,
     /// Pending waits, all worlds together.
     waiters: AtomicUsize,
     pub(crate) refused_requests: AtomicU64,
@@ -252,7 +252,7 @@ impl Shared {
             .duration_since(UNIX_EPOCH)
             .map_or(1, |d| d.as_micros() as u64);
         Shared {
-            budget: Budget::new(config.max_buffered_request_bytes),
+            budget: Arc::new(Budget::new(config.max_buffered_request_bytes)),
             config,
             worlds: DashMap::new(),
             next_generation: AtomicU64::new(seed.max(1)),
@@ -358,14 +358,24 @@ impl Shared {
     /// Checks a request's proof (again: the front checked it from the
     /// headers, but the world may have been replaced since). Refusals are
     /// logged at most once per interval.
-    fn authenticate(&self, world: &str, secret: Option<&Secret>, meta: &MetadataMap) -> Result<(), StoreError> {
+    fn authenticate(
+        &self,
+        world: &str,
+        secret: Option<&Secret>,
+        meta: &MetadataMap,
+    ) -> Result<(), StoreError> {
         let Some(secret) = secret else {
             return Ok(());
         };
         let proof = meta.get(AUTH_METADATA).and_then(|v| v.to_str().ok());
         secret.verify(world, proof).map_err(|reason| {
             if let Some(held_back) = self.auth_log.admit(Instant::now()) {
-                tracing::warn!(world, reason, held_back, "refused an unauthenticated store request");
+                tracing::warn!(
+                    world,
+                    reason,
+                    held_back,
+                    "refused an unauthenticated store request"
+                );
             }
             StoreError::Unauthenticated {
                 world: world.to_string(),
@@ -421,17 +431,22 @@ async fn wait_on(
     want_values: bool,
     timeout_ms: u64,
 ) -> WaitResult {
-    let _place = shared.take_waiter()?;
     let (tx, mut rx) = oneshot::channel();
     let now = Instant::now();
-    let (poll, timeout) = {
+    let (id, _place, timeout) = {
         let mut table = slot.lock();
         let timeout = table.limits().timeout(timeout_ms);
-        (table.wait(client, keys, want_values, now, timeout, tx)?, timeout)
-    };
-    let id = match poll {
-        WaitPoll::Ready(values, _) => return Ok(values),
-        WaitPoll::Pending(id) => id,
+        match table.wait(client, keys, want_values, now, timeout, tx)? {
+            WaitPoll::Ready(values, _) => return Ok(values),
+            // Only a wait that stays pending takes one of the server's places.
+            WaitPoll::Pending(id) => match shared.take_waiter() {
+                Ok(place) => (id, place, timeout),
+                Err(e) => {
+                    table.cancel(id);
+                    return Err(e);
+                }
+            },
+        }
     };
     let mut pending = PendingWait {
         slot,

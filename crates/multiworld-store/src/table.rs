@@ -408,7 +408,11 @@ impl<W> WorldTable<W> {
         self.ensure_open()?;
         self.limits.check_keys(&keys)?;
         if keys.iter().all(|k| self.data.contains_key(k)) {
-            let values = if want_values { self.reply(&keys)? } else { Vec::new() };
+            let values = if want_values {
+                self.reply(&keys)?
+            } else {
+                Vec::new()
+            };
             return Ok(WaitPoll::Ready(values, token));
         }
         let pending = self.per_client.get(&client).copied().unwrap_or(0);

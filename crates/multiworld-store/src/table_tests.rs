@@ -420,12 +420,18 @@ fn a_multi_get_naming_one_big_key_many_times_is_refused_before_the_reply_is_buil
     // Pending, then completed by a set: the completion carries the error.
     let mut keys = vec![b("big"); 8];
     keys.push(b("late"));
-    assert!(matches!(t.wait(C1, keys, true, now, secs(1), 4).unwrap(), WaitPoll::Pending(_)));
+    assert!(matches!(
+        t.wait(C1, keys, true, now, secs(1), 4).unwrap(),
+        WaitPoll::Pending(_)
+    ));
     let done = t.set(b("late"), b("x")).unwrap();
     assert_eq!(tokens(&done), vec![4]);
     assert!(matches!(
         done[0].result,
-        Err(StoreError::LimitExceeded { limit: Limit::ReplyBytes, .. })
+        Err(StoreError::LimitExceeded {
+            limit: Limit::ReplyBytes,
+            ..
+        })
     ));
     assert_eq!(t.stats().waiters, 0);
 }
@@ -447,7 +453,11 @@ fn waiters_are_bounded_per_world_across_clients() {
             } else {
                 assert!(matches!(
                     r.unwrap_err(),
-                    StoreError::LimitExceeded { limit: Limit::WaitersPerWorld, max: 5, requested: 6 }
+                    StoreError::LimitExceeded {
+                        limit: Limit::WaitersPerWorld,
+                        max: 5,
+                        requested: 6
+                    }
                 ));
             }
         }
@@ -455,7 +465,8 @@ fn waiters_are_bounded_per_world_across_clients() {
     assert_eq!(t.set(b("k"), b("v")).unwrap().len(), 5);
     // Released places can be taken again.
     assert!(matches!(
-        t.wait(ClientId(9), vec![b("other")], false, now, secs(1), 99).unwrap(),
+        t.wait(ClientId(9), vec![b("other")], false, now, secs(1), 99)
+            .unwrap(),
         WaitPoll::Pending(_)
     ));
 }
@@ -483,5 +494,8 @@ fn releasing_many_waiters_on_one_key_is_linear() {
     assert!(t.watch.is_empty() && t.per_client.is_empty() && t.deadlines.is_empty());
     // Generous for a debug build on a loaded 2-core machine; the quadratic
     // version took minutes here.
-    assert!(took < Duration::from_secs(3), "releasing 40,000 waiters took {took:?}");
+    assert!(
+        took < Duration::from_secs(3),
+        "releasing 40,000 waiters took {took:?}"
+    );
 }
