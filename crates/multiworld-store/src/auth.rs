@@ -6,6 +6,10 @@
 //! secret itself never crosses the wire. The proof is bound to the world name,
 //! so a proof for one world is useless for another world with another secret.
 //!
+//! Every request that names a world also carries the name in the `mw-world`
+//! metadata entry (hex of its UTF-8 bytes), so the server can check the proof
+//! from the request's headers alone, before it reads a byte of its body.
+//!
 //! What this does not give: confidentiality or replay protection against an
 //! attacker who can read the traffic (use a private network or TLS for that).
 //! It does keep a stranger who can merely connect to the port from reading or
@@ -19,6 +23,9 @@ use sha2::Sha256;
 
 /// The metadata entry that carries a request's proof.
 pub const AUTH_METADATA: &str = "mw-auth";
+/// The metadata entry that names a request's world (hex of the name's
+/// bytes), so the proof can be checked before the body is read.
+pub const WORLD_METADATA: &str = "mw-world";
 const DOMAIN: &[u8] = b"multiworld-store-v1";
 const NONCE_LEN: usize = 16;
 const MAC_LEN: usize = 32;
@@ -77,6 +84,22 @@ impl Secret {
     }
 }
 
+/// The `mw-world` value for a world name.
+pub fn encode_world(name: &str) -> String {
+    hex::encode(name.as_bytes())
+}
+
+/// Decodes an `mw-world` value, refusing one longer than `max_name_len`
+/// bytes once decoded (checked before decoding, so nothing large is
+/// allocated) or not hex of UTF-8.
+pub fn decode_world(value: &[u8], max_name_len: usize) -> Result<String, &'static str> {
+    if value.is_empty() || value.len() > max_name_len.saturating_mul(2) {
+        return Err("mw-world is empty or longer than a world name may be");
+    }
+    let bytes = hex::decode(value).map_err(|_| "mw-world is not hex")?;
+    String::from_utf8(bytes).map_err(|_| "mw-world is not UTF-8")
+}
+
 impl fmt::Debug for Secret {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("Secret(<redacted>)")
@@ -116,6 +139,17 @@ mod tests {
     #[test]
     fn debug_does_not_print_the_secret() {
         assert!(!format!("{:?}", Secret::new("hunter2")).contains("hunter2"));
+    }
+
+    #[test]
+    fn world_names_round_trip_through_metadata_and_bad_ones_are_refused() {
+        for name in ["w", "a world/with spaces", "wörld"] {
+            assert_eq!(decode_world(encode_world(name).as_bytes(), 256).unwrap(), name);
+        }
+        assert!(decode_world(b"", 256).is_err());
+        assert!(decode_world(b"zz", 256).is_err());
+        assert!(decode_world(b"ff", 256).is_err());
+        assert!(decode_world(encode_world(&"x".repeat(257)).as_bytes(), 256).is_err());
     }
 
     #[test]

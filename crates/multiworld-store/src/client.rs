@@ -24,7 +24,7 @@ use tonic::{
 };
 
 use crate::{
-    auth::{AUTH_METADATA, Secret},
+    auth::{AUTH_METADATA, Secret, WORLD_METADATA, encode_world},
     error::{Limit, StoreError},
     table::CasOutcome,
 };
@@ -190,6 +190,7 @@ impl StoreClient {
             ),
             None => None,
         };
+        let world_meta = world_metadata(name)?;
         let started = Instant::now();
         let mut pause = self.config.backoff_initial;
         loop {
@@ -197,6 +198,7 @@ impl StoreClient {
                 name: name.to_string(),
                 create: options.create,
             });
+            req.metadata_mut().insert(WORLD_METADATA, world_meta.clone());
             if let Some(a) = &auth {
                 req.metadata_mut().insert(AUTH_METADATA, a.clone());
             }
@@ -211,6 +213,7 @@ impl StoreClient {
                             generation: resp.into_inner().generation,
                         },
                         auth,
+                        world_meta,
                     });
                 }
                 Ok(Err(status)) => StoreError::from_status(&status, name, &self.addr),
@@ -275,6 +278,14 @@ pub struct WorldStore {
     client: StoreClient,
     world: pb::WorldRef,
     auth: Option<MetadataValue<Ascii>>,
+    world_meta: MetadataValue<Ascii>,
+}
+
+/// The `mw-world` entry naming `name`, which lets the server check a
+/// request's proof before reading its body.
+fn world_metadata(name: &str) -> Result<MetadataValue<Ascii>, StoreError> {
+    MetadataValue::try_from(encode_world(name))
+        .map_err(|e| StoreError::Protocol(format!("world name does not fit in metadata: {e}")))
 }
 
 impl std::fmt::Debug for WorldStore {
@@ -341,6 +352,7 @@ impl WorldStore {
             });
         }
         let mut req = Request::new(message);
+        req.metadata_mut().insert(WORLD_METADATA, self.world_meta.clone());
         if let Some(a) = &self.auth {
             req.metadata_mut().insert(AUTH_METADATA, a.clone());
         }

@@ -41,6 +41,18 @@ pub enum Limit {
     Worlds,
     /// Bytes in one world name.
     NameLen,
+    /// Pending waits in one world, all clients together.
+    WaitersPerWorld,
+    /// Pending waits on one server, all worlds together.
+    Waiters,
+    /// Bytes of one (multi-)get reply, checked before it is built.
+    ReplyBytes,
+    /// Bytes of request bodies being received and decoded at once on one
+    /// server (its memory budget for requests).
+    RequestMemory,
+    /// Concurrent requests on one connection that are not (yet) tied to an
+    /// authenticated world (`Open`, world-less `Ping`).
+    UnauthenticatedStreams,
     /// Bytes of one encoded request or reply (the gRPC layer's message
     /// bound: `ServerConfig::max_message_bytes` on the server,
     /// `ClientConfig::max_message_bytes` on the client), enforced before the
@@ -49,7 +61,7 @@ pub enum Limit {
 }
 
 impl Limit {
-    const ALL: [Limit; 9] = [
+    const ALL: [Limit; 14] = [
         Limit::KeyLen,
         Limit::ValueLen,
         Limit::Keys,
@@ -59,6 +71,11 @@ impl Limit {
         Limit::Worlds,
         Limit::NameLen,
         Limit::MessageBytes,
+        Limit::WaitersPerWorld,
+        Limit::Waiters,
+        Limit::ReplyBytes,
+        Limit::RequestMemory,
+        Limit::UnauthenticatedStreams,
     ];
 
     /// The stable wire code of the limit.
@@ -73,6 +90,11 @@ impl Limit {
             Limit::Worlds => "worlds",
             Limit::NameLen => "name-len",
             Limit::MessageBytes => "message-bytes",
+            Limit::WaitersPerWorld => "waiters-per-world",
+            Limit::Waiters => "waiters",
+            Limit::ReplyBytes => "reply-bytes",
+            Limit::RequestMemory => "request-memory",
+            Limit::UnauthenticatedStreams => "unauthenticated-streams",
         }
     }
 
@@ -92,6 +114,11 @@ impl Limit {
             Limit::Worlds => "worlds per server",
             Limit::NameLen => "world name length",
             Limit::MessageBytes => "message size",
+            Limit::WaitersPerWorld => "waiters per world",
+            Limit::Waiters => "waiters per server",
+            Limit::ReplyBytes => "reply size",
+            Limit::RequestMemory => "request memory per server",
+            Limit::UnauthenticatedStreams => "unauthenticated streams per connection",
         }
     }
 }

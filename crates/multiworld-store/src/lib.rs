@@ -14,6 +14,12 @@
 //!   the wire).
 //! - [`server`]: the gRPC service hosting many worlds' tables
 //!   ([`StoreServer`]), embedded in a process or run standalone.
+//! - `front` (private): the accept loop and each connection's HTTP/2 driver;
+//!   bounds connections, their deadlines, request bodies and request memory
+//!   before a request reaches the service.
+//! - `gate` (private): the pure decision about a request from its headers
+//!   alone (admit, pre-authentication bounds, or refuse without reading the
+//!   body), and the rate limit on refusal log lines.
 //! - [`client`]: [`StoreClient`] (one connection, retrying with backoff) and
 //!   [`WorldStore`] (one world's store over it).
 //! - [`error`]: [`StoreError`] and its mapping to gRPC statuses.
@@ -43,6 +49,8 @@
 pub mod auth;
 pub mod client;
 pub mod error;
+mod front;
+mod gate;
 pub mod limits;
 pub mod server;
 pub mod table;
@@ -51,5 +59,5 @@ pub use auth::Secret;
 pub use client::{ClientConfig, OpenOptions, StoreClient, WorldStore};
 pub use error::{Limit, StoreError};
 pub use limits::Limits;
-pub use server::{ServerConfig, StoreServer, WorldOptions, WorldStats};
+pub use server::{ServerConfig, ServerStats, StoreServer, WorldOptions, WorldStats};
 pub use table::CasOutcome;

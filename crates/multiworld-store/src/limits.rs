@@ -23,6 +23,13 @@ pub struct Limits {
     pub max_keys_per_request: usize,
     /// Most pending waits per client connection per world (default 1,024).
     pub max_waiters_per_client: usize,
+    /// Most pending waits in one world, all clients together (default
+    /// 4,096), so many connections cannot park unbounded waiters.
+    pub max_waiters_per_world: usize,
+    /// Largest reply a (multi-)get may produce: the values' bytes plus their
+    /// framing (default 8 MiB, under the server's encoding bound of twice
+    /// `max_message_bytes`). Checked in the table before the reply is built.
+    pub max_reply_bytes: usize,
     /// Wait used when a request gives none (default 300 s, as torch's store).
     pub default_timeout: Duration,
     /// Longest wait a request may ask for (default 1 h).
@@ -38,6 +45,8 @@ impl Default for Limits {
             max_total_bytes: 256 << 20,
             max_keys_per_request: 4096,
             max_waiters_per_client: 1024,
+            max_waiters_per_world: 4096,
+            max_reply_bytes: 8 << 20,
             default_timeout: Duration::from_secs(300),
             max_timeout: Duration::from_secs(3600),
         }

@@ -12,6 +12,11 @@
 //! (client deadline, client disconnect, process killed), hyper drops the
 //! handler future and [`PendingWait`]'s `Drop` removes the waiter, so a client
 //! that disconnects releases everything it held.
+//!
+//! Connections, request bodies and their memory are bounded before a request
+//! reaches this service, by [`front`](crate::front); what a request may make
+//! the server hold afterwards (waiters, reply sizes) is bounded here and in
+//! the table.
 
 use std::{
     collections::hash_map::DefaultHasher,
@@ -19,7 +24,7 @@ use std::{
     net::SocketAddr,
     sync::{
         Arc, Mutex, MutexGuard,
-        atomic::{AtomicU64, Ordering},
+        atomic::{AtomicU64, AtomicUsize, Ordering},
     },
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
@@ -29,11 +34,13 @@ use dashmap::{DashMap, mapref::entry::Entry};
 use multiworld_proto::store::v1::{self as pb, store_server};
 use tokio::{net::TcpListener, sync::oneshot, task::JoinHandle};
 use tokio_util::sync::CancellationToken;
-use tonic::{Request, Response, Status, metadata::MetadataMap, transport::server::TcpIncoming};
+use tonic::{Request, Response, Status, metadata::MetadataMap};
 
 use crate::{
-    auth::{AUTH_METADATA, Secret},
+    auth::{AUTH_METADATA, Secret, WORLD_METADATA, decode_world},
     error::{Limit, StoreError},
+    front::{self, Budget, Connections},
+    gate::LogLimiter,
     limits::{Limits, over},
     table::{ClientId, Completion, TableStats, WaitPoll, WaitResult, WaiterId, WorldTable},
 };
@@ -57,13 +64,70 @@ pub struct ServerConfig {
     /// server turns this on.
     pub allow_remote_create: bool,
     /// The secret of worlds created remotely, which the creating request must
-    /// prove (default none).
+    /// prove (default none). It is also the server's own secret: a request
+    /// naming a world that is not open is judged against it, so without a
+    /// valid proof it gets the same `unauthenticated` answer as a request for
+    /// an open world with a secret, and world names cannot be enumerated.
     pub remote_create_secret: Option<Secret>,
     /// HTTP/2 keepalive ping interval, which also notices dead clients and
     /// releases their waits (default 1 s).
     pub keepalive_interval: Duration,
     /// How long an unanswered keepalive ping may stay unanswered (default 5 s).
     pub keepalive_timeout: Duration,
+    /// Most client connections open at once (default 1,024). At the cap, a
+    /// new connection evicts one that never sent a request (oldest first),
+    /// else the one idle longest (no request in flight); if every connection
+    /// has a request in flight, the new one is closed at once.
+    pub max_connections: usize,
+    /// Most concurrent requests (HTTP/2 streams) on one connection (default
+    /// `limits.max_waiters_per_client + 64` = 1,088).
+    pub max_streams_per_connection: u32,
+    /// Most concurrent requests on one connection that are not tied to an
+    /// authenticated world: `Open` of a world the server cannot judge, a
+    /// world-less `Ping` (default 16). More are refused with
+    /// `LimitExceeded { UnauthenticatedStreams }`.
+    pub max_unauthenticated_streams: usize,
+    /// Largest message of an `Open`, a world-less `Ping` or an unknown
+    /// method, all of which are read before any proof is checked (default
+    /// 4 KiB).
+    pub max_unauthenticated_body_bytes: usize,
+    /// Bytes of request bodies received and decoded at once, all connections
+    /// together (default 64 MiB). Each request reserves twice its declared
+    /// message size (the body and its decoded copy) once its 5-byte gRPC
+    /// prefix has arrived, before the rest is buffered; the reservation ends
+    /// when the handler has the decoded request, so waits hold none.
+    pub max_buffered_request_bytes: usize,
+    /// How long a request may wait for its reservation before it is refused
+    /// with `LimitExceeded { RequestMemory }` (RESOURCE_EXHAUSTED) (default
+    /// 1 s).
+    pub request_memory_wait: Duration,
+    /// How long a request's body may take to arrive once its headers have
+    /// (default 10 s); then it is refused with `timeout` and its memory
+    /// released. This bounds incomplete requests only, never the time the
+    /// server takes to answer, so long-poll waits are unaffected.
+    pub request_body_timeout: Duration,
+    /// How long a new connection has to deliver its first complete request
+    /// header (HTTP/2 preface and all) before it is closed (default 5 s).
+    pub first_request_timeout: Duration,
+    /// How long a connection may have no request in flight before it is
+    /// closed with GOAWAY (default 120 s). Bytes and pings do not count, so a
+    /// slowloris or an idle peer answering keepalives is closed too.
+    pub idle_timeout: Duration,
+    /// HTTP/2 initial stream window (default 64 KiB): the most of one
+    /// request body a client can push before the server reads it.
+    pub initial_stream_window_bytes: u32,
+    /// HTTP/2 initial connection window (default 256 KiB): the same for all
+    /// streams of one connection together.
+    pub initial_connection_window_bytes: u32,
+    /// Largest request header block (default 16 KiB).
+    pub max_header_list_bytes: u32,
+    /// Most pending waits on the server, all worlds together (default
+    /// 16,384); more are refused with `LimitExceeded { Waiters }`.
+    pub max_waiters: usize,
+    /// Whether binding raises the process's open-file soft limit to its hard
+    /// limit, so the connection cap rather than the fd limit is what binds
+    /// (default true; a failure is logged and ignored).
+    pub raise_fd_limit: bool,
 }
 
 impl Default for ServerConfig {
@@ -71,13 +135,27 @@ impl Default for ServerConfig {
         let limits = Limits::default();
         ServerConfig {
             max_message_bytes: limits.max_message_bytes(),
-            limits,
+            limits: limits.clone(),
             max_worlds: 4096,
             max_name_len: 256,
             allow_remote_create: false,
             remote_create_secret: None,
             keepalive_interval: Duration::from_secs(1),
             keepalive_timeout: Duration::from_secs(5),
+            max_connections: 1024,
+            max_streams_per_connection: (limits.max_waiters_per_client as u32).saturating_add(64),
+            max_unauthenticated_streams: 16,
+            max_unauthenticated_body_bytes: 4096,
+            max_buffered_request_bytes: 64 << 20,
+            request_memory_wait: Duration::from_secs(1),
+            request_body_timeout: Duration::from_secs(10),
+            first_request_timeout: Duration::from_secs(5),
+            idle_timeout: Duration::from_secs(120),
+            initial_stream_window_bytes: 64 << 10,
+            initial_connection_window_bytes: 256 << 10,
+            max_header_list_bytes: 16 << 10,
+            max_waiters: 16_384,
+            raise_fd_limit: true,
         }
     }
 }
@@ -100,11 +178,31 @@ pub struct WorldStats {
     pub table: TableStats,
 }
 
+/// Counters of a whole server, for tests and monitoring.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ServerStats {
+    /// Client connections open now.
+    pub connections: usize,
+    /// Connections closed at once because every place was busy.
+    pub refused_connections: u64,
+    /// Idle connections closed to make room for new ones.
+    pub evicted_connections: u64,
+    /// Requests answered with an error before they reached a world (refused
+    /// from their headers, over a pre-authentication bound, out of request
+    /// memory, body too slow).
+    pub refused_requests: u64,
+    /// Bytes of request memory reserved now (see
+    /// [`ServerConfig::max_buffered_request_bytes`]).
+    pub buffered_request_bytes: usize,
+    /// Pending waits, all worlds together.
+    pub waiters: usize,
+}
+
 /// One open generation of one world.
-struct Slot {
+pub(crate) struct Slot {
     name: String,
     generation: u64,
-    secret: Option<Secret>,
+    pub(crate) secret: Option<Secret>,
     table: Mutex<Table>,
 }
 
@@ -128,11 +226,23 @@ fn deliver(done: Vec<Completion<Waker>>) {
     }
 }
 
-struct Shared {
-    config: ServerConfig,
-    worlds: DashMap<String, Arc<Slot>>,
+pub(crate) struct Shared {
+    pub(crate) config: ServerConfig,
+    pub(crate) worlds: DashMap<String, Arc<Slot>>,
     next_generation: AtomicU64,
+    pub(crate) connections: Connections,
+    pub(crate) budget: Arc<Budget>,
+    /// Pending waits, all worlds together.
+    waiters: AtomicUsize,
+    pub(crate) refused_requests: AtomicU64,
+    /// Rate limit of the WARN lines for refused requests.
+    pub(crate) auth_log: LogLimiter,
+    /// Rate limit of the WARN lines for refused connections and accept errors.
+    pub(crate) connection_log: LogLimiter,
 }
+
+/// How often a flood of refusals may log a line.
+const LOG_INTERVAL: Duration = Duration::from_secs(5);
 
 impl Shared {
     fn new(config: ServerConfig) -> Shared {
@@ -142,9 +252,15 @@ impl Shared {
             .duration_since(UNIX_EPOCH)
             .map_or(1, |d| d.as_micros() as u64);
         Shared {
+            budget: Arc::new(Budget::new(config.max_buffered_request_bytes)),
             config,
             worlds: DashMap::new(),
             next_generation: AtomicU64::new(seed.max(1)),
+            connections: Connections::default(),
+            waiters: AtomicUsize::new(0),
+            refused_requests: AtomicU64::new(0),
+            auth_log: LogLimiter::new(LOG_INTERVAL),
+            connection_log: LogLimiter::new(LOG_INTERVAL),
         }
     }
 
@@ -205,6 +321,7 @@ impl Shared {
     /// stranger learns nothing about generations), then its generation.
     fn resolve(&self, world: Option<pb::WorldRef>, meta: &MetadataMap) -> Result<Arc<Slot>, Status> {
         let world = world.ok_or_else(|| StoreError::InvalidArgument("no world given".into()))?;
+        self.check_world_header(&world.name, meta)?;
         let slot = self
             .worlds
             .get(&world.name)
@@ -212,7 +329,7 @@ impl Shared {
             .ok_or_else(|| StoreError::WorldNotFound {
                 world: world.name.clone(),
             })?;
-        authenticate(&slot.name, slot.secret.as_ref(), meta)?;
+        self.authenticate(&slot.name, slot.secret.as_ref(), meta)?;
         if slot.generation != world.generation {
             return Err(StoreError::StaleGeneration {
                 world: world.name,
@@ -223,20 +340,66 @@ impl Shared {
         }
         Ok(slot)
     }
+
+    /// The front admitted the request for the world named in `mw-world`;
+    /// the body must name the same one.
+    fn check_world_header(&self, name: &str, meta: &MetadataMap) -> Result<(), StoreError> {
+        let header = meta
+            .get(WORLD_METADATA)
+            .map(|v| decode_world(v.as_bytes(), self.config.max_name_len));
+        match header {
+            Some(Ok(h)) if h == name => Ok(()),
+            _ => Err(StoreError::InvalidArgument(
+                "the mw-world metadata entry does not name the request's world".into(),
+            )),
+        }
+    }
+
+    /// Checks a request's proof (again: the front checked it from the
+    /// headers, but the world may have been replaced since). Refusals are
+    /// logged at most once per interval.
+    fn authenticate(
+        &self,
+        world: &str,
+        secret: Option<&Secret>,
+        meta: &MetadataMap,
+    ) -> Result<(), StoreError> {
+        let Some(secret) = secret else {
+            return Ok(());
+        };
+        let proof = meta.get(AUTH_METADATA).and_then(|v| v.to_str().ok());
+        secret.verify(world, proof).map_err(|reason| {
+            if let Some(held_back) = self.auth_log.admit(Instant::now()) {
+                tracing::warn!(
+                    world,
+                    reason,
+                    held_back,
+                    "refused an unauthenticated store request"
+                );
+            }
+            StoreError::Unauthenticated {
+                world: world.to_string(),
+                reason: reason.to_string(),
+            }
+        })
+    }
+
+    /// Takes one of the server's waiter places, or refuses.
+    fn take_waiter(&self) -> Result<WaiterPlace<'_>, StoreError> {
+        let n = self.waiters.fetch_add(1, Ordering::AcqRel) + 1;
+        let place = WaiterPlace(&self.waiters);
+        over(Limit::Waiters, self.config.max_waiters, n)?;
+        Ok(place)
+    }
 }
 
-fn authenticate(world: &str, secret: Option<&Secret>, meta: &MetadataMap) -> Result<(), StoreError> {
-    let Some(secret) = secret else {
-        return Ok(());
-    };
-    let proof = meta.get(AUTH_METADATA).and_then(|v| v.to_str().ok());
-    secret.verify(world, proof).map_err(|reason| {
-        tracing::warn!(world, reason, "refused an unauthenticated store request");
-        StoreError::Unauthenticated {
-            world: world.to_string(),
-            reason: reason.to_string(),
-        }
-    })
+/// One of the server's waiter places; dropping it gives it back.
+struct WaiterPlace<'a>(&'a AtomicUsize);
+
+impl Drop for WaiterPlace<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 fn client_id<T>(request: &Request<T>) -> ClientId {
@@ -261,6 +424,7 @@ impl Drop for PendingWait<'_> {
 }
 
 async fn wait_on(
+    shared: &Shared,
     slot: &Slot,
     client: ClientId,
     keys: Vec<Bytes>,
@@ -269,14 +433,20 @@ async fn wait_on(
 ) -> WaitResult {
     let (tx, mut rx) = oneshot::channel();
     let now = Instant::now();
-    let (poll, timeout) = {
+    let (id, _place, timeout) = {
         let mut table = slot.lock();
         let timeout = table.limits().timeout(timeout_ms);
-        (table.wait(client, keys, want_values, now, timeout, tx)?, timeout)
-    };
-    let id = match poll {
-        WaitPoll::Ready(values, _) => return Ok(values),
-        WaitPoll::Pending(id) => id,
+        match table.wait(client, keys, want_values, now, timeout, tx)? {
+            WaitPoll::Ready(values, _) => return Ok(values),
+            // Only a wait that stays pending takes one of the server's places.
+            WaitPoll::Pending(id) => match shared.take_waiter() {
+                Ok(place) => (id, place, timeout),
+                Err(e) => {
+                    table.cancel(id);
+                    return Err(e);
+                }
+            },
+        }
     };
     let mut pending = PendingWait {
         slot,
@@ -334,7 +504,7 @@ impl Service {
             .shared
             .resolve(world(request.get_ref()), request.metadata())?;
         let (keys, timeout_ms) = keys(request.into_inner());
-        Ok(wait_on(&slot, client, keys, want_values, timeout_ms).await?)
+        Ok(wait_on(&self.shared, &slot, client, keys, want_values, timeout_ms).await?)
     }
 }
 
@@ -348,15 +518,16 @@ impl store_server::Store for Service {
         let shared = &self.shared;
         let req = request.get_ref();
         shared.check_name(&req.name)?;
+        shared.check_world_header(&req.name, request.metadata())?;
         let existing = shared.worlds.get(&req.name).map(|e| Arc::clone(e.value()));
         let generation = match existing {
             Some(slot) => {
-                authenticate(&slot.name, slot.secret.as_ref(), request.metadata())?;
+                shared.authenticate(&slot.name, slot.secret.as_ref(), request.metadata())?;
                 slot.generation
             }
             None if req.create && shared.config.allow_remote_create => {
                 let secret = shared.config.remote_create_secret.clone();
-                authenticate(&req.name, secret.as_ref(), request.metadata())?;
+                shared.authenticate(&req.name, secret.as_ref(), request.metadata())?;
                 match shared.open(&req.name, WorldOptions { secret, limits: None }) {
                     Ok(g) => g,
                     // Another client created it in between: attach to it.
@@ -520,6 +691,7 @@ pub struct StoreServer {
     shared: Arc<Shared>,
     local_addr: SocketAddr,
     stop: CancellationToken,
+    kill: CancellationToken,
     task: Option<JoinHandle<()>>,
 }
 
@@ -541,32 +713,30 @@ impl StoreServer {
             addr: "listener".into(),
             reason: e.to_string(),
         })?;
+        if config.raise_fd_limit {
+            raise_fd_limit();
+        }
         let shared = Arc::new(Shared::new(config));
         let service = store_server::StoreServer::new(Service {
             shared: Arc::clone(&shared),
         })
         .max_decoding_message_size(shared.config.max_message_bytes)
         .max_encoding_message_size(shared.config.max_message_bytes.saturating_mul(2));
-        let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
         let stop = CancellationToken::new();
-        let router = tonic::transport::Server::builder()
-            .http2_keepalive_interval(Some(shared.config.keepalive_interval))
-            .http2_keepalive_timeout(Some(shared.config.keepalive_timeout))
-            .max_concurrent_streams(Some(
-                (shared.config.limits.max_waiters_per_client as u32).saturating_add(64),
-            ))
-            .add_service(service);
-        let signal = stop.clone().cancelled_owned();
-        let task = tokio::spawn(async move {
-            if let Err(e) = router.serve_with_incoming_shutdown(incoming, signal).await {
-                tracing::error!(error = %e, "store server stopped with an error");
-            }
-        });
+        let kill = CancellationToken::new();
+        let task = tokio::spawn(front::accept_loop(
+            listener,
+            Arc::clone(&shared),
+            service,
+            stop.clone(),
+            kill.clone(),
+        ));
         tracing::info!(%local_addr, "store server listening");
         Ok(StoreServer {
             shared,
             local_addr,
             stop,
+            kill,
             task: Some(task),
         })
     }
@@ -608,6 +778,19 @@ impl StoreServer {
         })
     }
 
+    /// Counters of the whole server.
+    pub fn stats(&self) -> ServerStats {
+        let s = &self.shared;
+        ServerStats {
+            connections: s.connections.count(),
+            refused_connections: s.connections.refused.load(Ordering::Relaxed),
+            evicted_connections: s.connections.evicted.load(Ordering::Relaxed),
+            refused_requests: s.refused_requests.load(Ordering::Relaxed),
+            buffered_request_bytes: s.budget.in_use(),
+            waiters: s.waiters.load(Ordering::Acquire),
+        }
+    }
+
     /// Names of the open worlds.
     pub fn worlds(&self) -> Vec<String> {
         self.shared.worlds.iter().map(|e| e.key().clone()).collect()
@@ -621,6 +804,7 @@ impl StoreServer {
         if let Some(mut task) = self.task.take() {
             if tokio::time::timeout(grace, &mut task).await.is_err() {
                 tracing::warn!(addr = %self.local_addr, "store connections did not drain in time; aborting");
+                self.kill.cancel();
                 task.abort();
             }
         }
@@ -631,5 +815,21 @@ impl Drop for StoreServer {
     fn drop(&mut self) {
         self.shared.close_all();
         self.stop.cancel();
+    }
+}
+
+/// Raises the open-file soft limit to the hard limit, so that the connection
+/// cap, not the fd limit, is what bounds connections (at the fd limit every
+/// new client would fail, the store's own files included). Where the hard
+/// limit cannot be read or set, nothing changes and the reason is logged.
+fn raise_fd_limit() {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    match getrlimit(Resource::RLIMIT_NOFILE) {
+        Ok((soft, hard)) if soft < hard => match setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+            Ok(()) => tracing::debug!(from = soft, to = hard, "raised the open-file limit"),
+            Err(e) => tracing::info!(soft, hard, error = %e, "could not raise the open-file limit"),
+        },
+        Ok(_) => {}
+        Err(e) => tracing::info!(error = %e, "could not read the open-file limit"),
     }
 }

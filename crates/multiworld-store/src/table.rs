@@ -8,9 +8,13 @@
 //! caller to deliver. The table never blocks and never calls back.
 //!
 //! Invariants: every pending waiter is in `waiters`, in `deadlines` once, and
-//! in `watch[k]` for each of its keys; `bytes_used` is the sum of key and
+//! in the set `watch[k]` for each of its (distinct) keys, so releasing or
+//! removing a waiter costs O(its keys · log n), never a scan of every waiter
+//! on a key; `bytes_used` is the sum of key and
 //! value lengths; `per_client[c]` counts `c`'s pending waiters (entries at 0
-//! are removed). A closed table holds no data and no waiters.
+//! are removed). A closed table holds no data and no waiters. Replies are
+//! bounded here, before they are built: a wait whose values would exceed
+//! [`Limits::max_reply_bytes`] fails with `LimitExceeded` instead.
 
 use std::{
     collections::{BTreeSet, HashMap, hash_map::Entry},
@@ -91,7 +95,7 @@ pub struct WorldTable<W> {
     data: HashMap<Bytes, Bytes>,
     bytes_used: usize,
     waiters: HashMap<WaiterId, Waiter<W>>,
-    watch: HashMap<Bytes, Vec<WaiterId>>,
+    watch: HashMap<Bytes, BTreeSet<WaiterId>>,
     deadlines: BTreeSet<(Instant, WaiterId)>,
     per_client: HashMap<ClientId, usize>,
     next_waiter: u64,
@@ -173,6 +177,8 @@ impl<W> WorldTable<W> {
         let Some(ids) = self.watch.get(key) else {
             return;
         };
+        // One pass over the key's watchers; each removal below touches only
+        // the removed waiter's own keys, so releasing n waiters is O(n).
         let ready: Vec<WaiterId> = ids
             .iter()
             .copied()
@@ -184,17 +190,32 @@ impl<W> WorldTable<W> {
             .collect();
         for id in ready {
             if let Some(w) = self.remove_waiter(id) {
-                let values = if w.want_values {
-                    w.keys.iter().filter_map(|k| self.data.get(k).cloned()).collect()
+                let result = if w.want_values {
+                    self.reply(&w.keys)
                 } else {
-                    Vec::new()
+                    Ok(Vec::new())
                 };
                 woken.push(Completion {
                     token: w.token,
-                    result: Ok(values),
+                    result,
                 });
             }
         }
+    }
+
+    /// The values of `keys` (all present) in order, or `LimitExceeded` when
+    /// the reply would exceed [`Limits::max_reply_bytes`]. The size is
+    /// summed from the stored lengths before any reply is built, so a small
+    /// request naming one large key many times costs nothing.
+    fn reply(&self, keys: &[Bytes]) -> WaitResult {
+        let mut total = 0usize;
+        for k in keys {
+            let len = self.data.get(k).map_or(0, |v| v.len());
+            // A repeated `bytes` field costs a tag, a length prefix and the bytes.
+            total = total.saturating_add(len + 1 + varint_len(len));
+        }
+        over(Limit::ReplyBytes, self.limits.max_reply_bytes, total)?;
+        Ok(keys.iter().filter_map(|k| self.data.get(k).cloned()).collect())
     }
 
     fn remove_waiter(&mut self, id: WaiterId) -> Option<Waiter<W>> {
@@ -202,7 +223,7 @@ impl<W> WorldTable<W> {
         self.deadlines.remove(&(w.deadline, id));
         for k in &w.keys {
             if let Entry::Occupied(mut e) = self.watch.entry(k.clone()) {
-                e.get_mut().retain(|x| *x != id);
+                e.get_mut().remove(&id);
                 if e.get().is_empty() {
                     e.remove();
                 }
@@ -388,7 +409,7 @@ impl<W> WorldTable<W> {
         self.limits.check_keys(&keys)?;
         if keys.iter().all(|k| self.data.contains_key(k)) {
             let values = if want_values {
-                keys.iter().filter_map(|k| self.data.get(k).cloned()).collect()
+                self.reply(&keys)?
             } else {
                 Vec::new()
             };
@@ -400,6 +421,11 @@ impl<W> WorldTable<W> {
             self.limits.max_waiters_per_client,
             pending + 1,
         )?;
+        over(
+            Limit::WaitersPerWorld,
+            self.limits.max_waiters_per_world,
+            self.waiters.len() + 1,
+        )?;
         let id = WaiterId(self.next_waiter);
         self.next_waiter += 1;
         // A deadline beyond what Instant can represent is as good as never.
@@ -407,10 +433,7 @@ impl<W> WorldTable<W> {
             .checked_add(timeout)
             .unwrap_or_else(|| now + Duration::from_secs(86_400 * 365));
         for k in &keys {
-            let ids = self.watch.entry(k.clone()).or_default();
-            if !ids.contains(&id) {
-                ids.push(id);
-            }
+            self.watch.entry(k.clone()).or_default().insert(id);
         }
         self.deadlines.insert((deadline, id));
         *self.per_client.entry(client).or_insert(0) += 1;
@@ -485,6 +508,12 @@ impl<W> WorldTable<W> {
             })
             .collect()
     }
+}
+
+/// Bytes of a protobuf varint encoding `n`.
+fn varint_len(n: usize) -> usize {
+    let bits = usize::BITS - (n | 1).leading_zeros();
+    bits.div_ceil(7) as usize
 }
 
 #[cfg(test)]

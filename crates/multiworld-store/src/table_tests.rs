@@ -394,3 +394,108 @@ fn huge_timeouts_do_not_overflow() {
     t.wait(C1, vec![b("k")], true, now, Duration::MAX, 1).unwrap();
     assert!(t.expire(now + secs(86_400)).is_empty());
 }
+
+#[test]
+fn a_multi_get_naming_one_big_key_many_times_is_refused_before_the_reply_is_built() {
+    let mut t = small(|l| l.max_reply_bytes = 4 << 20);
+    t.set(b("big"), Bytes::from(vec![0u8; 1 << 20])).unwrap();
+    let now = Instant::now();
+    // Ready at once: 16 × 1 MiB is over the bound.
+    let err = t.wait(C1, vec![b("big"); 16], true, now, secs(1), 1).unwrap_err();
+    assert!(
+        matches!(err, StoreError::LimitExceeded { limit: Limit::ReplyBytes, max, requested }
+            if max == 4 << 20 && requested > 16 << 20),
+        "{err}"
+    );
+    // Three copies fit.
+    assert!(matches!(
+        t.wait(C1, vec![b("big"); 3], true, now, secs(1), 2).unwrap(),
+        WaitPoll::Ready(v, _) if v.len() == 3
+    ));
+    // A presence-only wait builds no reply and is not bounded by it.
+    assert!(matches!(
+        t.wait(C1, vec![b("big"); 16], false, now, secs(1), 3).unwrap(),
+        WaitPoll::Ready(..)
+    ));
+    // Pending, then completed by a set: the completion carries the error.
+    let mut keys = vec![b("big"); 8];
+    keys.push(b("late"));
+    assert!(matches!(
+        t.wait(C1, keys, true, now, secs(1), 4).unwrap(),
+        WaitPoll::Pending(_)
+    ));
+    let done = t.set(b("late"), b("x")).unwrap();
+    assert_eq!(tokens(&done), vec![4]);
+    assert!(matches!(
+        done[0].result,
+        Err(StoreError::LimitExceeded {
+            limit: Limit::ReplyBytes,
+            ..
+        })
+    ));
+    assert_eq!(t.stats().waiters, 0);
+}
+
+#[test]
+fn waiters_are_bounded_per_world_across_clients() {
+    let mut t = small(|l| {
+        l.max_waiters_per_client = 2;
+        l.max_waiters_per_world = 5;
+    });
+    let now = Instant::now();
+    let mut token = 0;
+    for c in 0..3 {
+        for _ in 0..2 {
+            token += 1;
+            let r = t.wait(ClientId(c), vec![b("k")], false, now, secs(1), token);
+            if token <= 5 {
+                assert!(matches!(r.unwrap(), WaitPoll::Pending(_)));
+            } else {
+                assert!(matches!(
+                    r.unwrap_err(),
+                    StoreError::LimitExceeded {
+                        limit: Limit::WaitersPerWorld,
+                        max: 5,
+                        requested: 6
+                    }
+                ));
+            }
+        }
+    }
+    assert_eq!(t.set(b("k"), b("v")).unwrap().len(), 5);
+    // Released places can be taken again.
+    assert!(matches!(
+        t.wait(ClientId(9), vec![b("other")], false, now, secs(1), 99)
+            .unwrap(),
+        WaitPoll::Pending(_)
+    ));
+}
+
+#[test]
+fn releasing_many_waiters_on_one_key_is_linear() {
+    // 40,000 waiters on one key (40 clients × 1,000), as the measured attack
+    // parked. With a scan of the key's watch list per removal this was
+    // quadratic (1.6e9 steps); with per-key sets it is a few milliseconds.
+    let mut t = small(|l| l.max_waiters_per_world = 40_000);
+    let now = Instant::now();
+    for i in 0..40_000u32 {
+        let keys = vec![b("go"), b(&format!("own{}", i % 7))];
+        t.wait(ClientId(u64::from(i / 1000)), keys, false, now, secs(60), i)
+            .unwrap();
+    }
+    for k in 0..7 {
+        t.set(b(&format!("own{k}")), b("1")).unwrap();
+    }
+    let started = std::time::Instant::now();
+    let done = t.set(b("go"), b("1")).unwrap();
+    let took = started.elapsed();
+    assert_eq!(done.len(), 40_000);
+    assert_eq!(t.stats().waiters, 0);
+    assert!(t.watch.is_empty() && t.per_client.is_empty() && t.deadlines.is_empty());
+    // Generous for a debug build on a loaded 2-core machine; the quadratic
+    // version took minutes here.
+    assert!(
+        took < Duration::from_secs(3),
+        "releasing 40,000 waiters took {took:?}"
+    );
+}
