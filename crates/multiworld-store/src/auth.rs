@@ -15,7 +15,7 @@
 //! It does keep a stranger who can merely connect to the port from reading or
 //! writing a world's keys.
 
-use std::{fmt, sync::Arc};
+use multiworld_types::Secret;
 
 use hmac::{Hmac, Mac};
 use rand::RngCore;
@@ -32,39 +32,39 @@ const MAC_LEN: usize = 32;
 
 type HmacSha256 = Hmac<Sha256>;
 
-/// A world's shared secret. Cheap to clone; never printed.
-#[derive(Clone, PartialEq, Eq)]
-pub struct Secret(Arc<[u8]>);
-
-impl Secret {
-    /// Wraps the given bytes as a secret.
-    pub fn new(bytes: impl AsRef<[u8]>) -> Secret {
-        Secret(Arc::from(bytes.as_ref()))
-    }
-
-    fn mac(&self, world: &str, nonce: &[u8]) -> HmacSha256 {
-        // HMAC accepts keys of any length, so this cannot fail.
-        #[allow(clippy::expect_used)]
-        let mut mac = HmacSha256::new_from_slice(&self.0).expect("HMAC takes keys of any length");
-        mac.update(DOMAIN);
-        mac.update(&[0]);
-        mac.update(world.as_bytes());
-        mac.update(&[0]);
-        mac.update(nonce);
-        mac
-    }
-
+/// A world's shared secret is the vocabulary's [`Secret`] (the same value
+/// authenticates the store and the transport); this trait gives it the
+/// store's proofs. Import it (`use multiworld_store::StoreProof`) to call
+/// `proof` and `verify`.
+pub trait StoreProof {
     /// Builds the `mw-auth` value proving knowledge of this secret for `world`.
-    pub fn proof(&self, world: &str) -> String {
+    fn proof(&self, world: &str) -> String;
+    /// Checks an `mw-auth` value (or its absence) against this secret, in
+    /// constant time. The error says why, for the refusal message.
+    fn verify(&self, world: &str, proof: Option<&str>) -> Result<(), &'static str>;
+}
+
+fn mac(secret: &Secret, world: &str, nonce: &[u8]) -> HmacSha256 {
+    // HMAC accepts keys of any length, so this cannot fail.
+    #[allow(clippy::expect_used)]
+    let mut mac = HmacSha256::new_from_slice(secret.expose()).expect("HMAC takes keys of any length");
+    mac.update(DOMAIN);
+    mac.update(&[0]);
+    mac.update(world.as_bytes());
+    mac.update(&[0]);
+    mac.update(nonce);
+    mac
+}
+
+impl StoreProof for Secret {
+    fn proof(&self, world: &str) -> String {
         let mut nonce = [0u8; NONCE_LEN];
         rand::rng().fill_bytes(&mut nonce);
-        let tag = self.mac(world, &nonce).finalize().into_bytes();
+        let tag = mac(self, world, &nonce).finalize().into_bytes();
         format!("v1.{}.{}", hex::encode(nonce), hex::encode(tag))
     }
 
-    /// Checks an `mw-auth` value (or its absence) against this secret, in
-    /// constant time. The error says why, for the refusal message.
-    pub fn verify(&self, world: &str, proof: Option<&str>) -> Result<(), &'static str> {
+    fn verify(&self, world: &str, proof: Option<&str>) -> Result<(), &'static str> {
         let proof = proof.ok_or("this world requires a secret and the request carried no proof")?;
         let mut parts = proof.split('.');
         let (Some("v1"), Some(nonce), Some(tag), None) =
@@ -78,7 +78,7 @@ impl Secret {
         }
         let nonce = hex::decode(nonce).map_err(|_| "malformed proof")?;
         let tag = hex::decode(tag).map_err(|_| "malformed proof")?;
-        self.mac(world, &nonce)
+        mac(self, world, &nonce)
             .verify_slice(&tag)
             .map_err(|_| "the proof does not match this world's secret")
     }
@@ -98,12 +98,6 @@ pub fn decode_world(value: &[u8], max_name_len: usize) -> Result<String, &'stati
     }
     let bytes = hex::decode(value).map_err(|_| "mw-world is not hex")?;
     String::from_utf8(bytes).map_err(|_| "mw-world is not UTF-8")
-}
-
-impl fmt::Debug for Secret {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("Secret(<redacted>)")
-    }
 }
 
 #[cfg(test)]

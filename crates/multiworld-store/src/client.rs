@@ -23,8 +23,10 @@ use tonic::{
     transport::{Channel, Endpoint},
 };
 
+use multiworld_types::Secret;
+
 use crate::{
-    auth::{AUTH_METADATA, Secret, WORLD_METADATA, encode_world},
+    auth::{AUTH_METADATA, StoreProof, WORLD_METADATA, encode_world},
     error::{Limit, StoreError},
     table::CasOutcome,
 };

@@ -22,7 +22,9 @@ use std::{
     time::{Duration, Instant},
 };
 
-use crate::{auth::Secret, error::StoreError};
+use multiworld_types::Secret;
+
+use crate::{auth::StoreProof, error::StoreError};
 
 /// What the gate knows about the world a request names.
 #[derive(Debug, Clone, Copy)]

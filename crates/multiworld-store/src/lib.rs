@@ -55,9 +55,10 @@ pub mod limits;
 pub mod server;
 pub mod table;
 
-pub use auth::Secret;
+pub use auth::StoreProof;
 pub use client::{ClientConfig, OpenOptions, StoreClient, WorldStore};
 pub use error::{Limit, StoreError};
 pub use limits::Limits;
+pub use multiworld_types::Secret;
 pub use server::{ServerConfig, ServerStats, StoreServer, WorldOptions, WorldStats};
 pub use table::CasOutcome;

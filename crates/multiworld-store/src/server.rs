@@ -36,8 +36,10 @@ use tokio::{net::TcpListener, sync::oneshot, task::JoinHandle};
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, metadata::MetadataMap};
 
+use multiworld_types::Secret;
+
 use crate::{
-    auth::{AUTH_METADATA, Secret, WORLD_METADATA, decode_world},
+    auth::{AUTH_METADATA, StoreProof, WORLD_METADATA, decode_world},
     error::{Limit, StoreError},
     front::{self, Budget, Connections},
     gate::LogLimiter,

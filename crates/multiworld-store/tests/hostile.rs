@@ -18,8 +18,8 @@ use std::{
 use bytes::Bytes;
 use h2::client::{ResponseFuture, SendRequest};
 use multiworld_store::{
-    ClientConfig, Limit, Limits, OpenOptions, Secret, ServerConfig, StoreClient, StoreError, StoreServer,
-    WorldOptions, WorldStore,
+    ClientConfig, Limit, Limits, OpenOptions, Secret, ServerConfig, StoreClient, StoreError, StoreProof,
+    StoreServer, WorldOptions, WorldStore,
 };
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},

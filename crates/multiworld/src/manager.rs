@@ -15,10 +15,9 @@ use std::{
 };
 
 use dashmap::mapref::entry::Entry;
-use multiworld_store::{
-    ClientConfig, OpenOptions, Secret, ServerConfig, StoreClient, StoreServer, WorldOptions,
-};
-use multiworld_tcp::{CommConfig, Communicator, Generation, Rank, WorldName};
+use multiworld_store::{ClientConfig, OpenOptions, ServerConfig, StoreClient, StoreServer, WorldOptions};
+use multiworld_tcp::{CommConfig, Communicator};
+use multiworld_types::{Generation, Rank, Secret, WorldName};
 use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
 
@@ -370,7 +369,7 @@ impl WorldManager {
                 Rank(config.rank),
                 config.size,
             );
-            comm_config.secret = config.secret.as_ref().map(multiworld_tcp::Secret::new);
+            comm_config.secret = secret.clone();
             comm_config.join_timeout = remaining();
             // Deadlines are the watchdog's (see `WorldConfig::op_timeout`),
             // so the communicator itself never times an operation out.
