@@ -12,7 +12,7 @@ use std::net::{TcpListener, TcpStream};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use multiworld_tcp::config::DEFAULT_RECV_SPIN;
+use multiworld_tcp::DEFAULT_RECV_SPIN;
 use multiworld_tcp::{CommConfig, Communicator, Error, MemoryRendezvous, Result};
 use multiworld_types::{DType, Tensor};
 use multiworld_types::{Generation, Rank, Tag, WorldName};

@@ -80,7 +80,8 @@ pub struct FrameHeader {
 }
 
 impl FrameHeader {
-    /// Payload length that follows the header.
+    /// Payload length that follows the header (for tests and the `wire` feature).
+    #[cfg(any(test, feature = "wire"))]
     pub fn payload_len(&self) -> u64 {
         match self.kind {
             FrameKind::Data { len, .. } => len,

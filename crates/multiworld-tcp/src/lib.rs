@@ -14,13 +14,13 @@
 //!
 //! | module | what | I/O |
 //! |---|---|---|
-//! | [`frame`] | data-frame header codec and limits | none |
-//! | [`handshake`] | hello/challenge/proof messages, HMAC-SHA256 challenge-response | none |
-//! | [`error`] | [`Error`], the crate's one error type | none |
-//! | [`config`] | [`CommConfig`] | none |
-//! | [`rendezvous`] | the [`Rendezvous`] trait and [`MemoryRendezvous`] | in-process |
-//! | [`mesh`] | listen, publish, connect, authenticate; refuse strangers | TCP |
-//! | [`comm`] | [`Communicator`]: send/recv/isend/irecv, failure handling, abort, health, heartbeats | TCP |
+//! | `frame` | data-frame header codec and limits | none |
+//! | `handshake` | hello/challenge/proof messages, HMAC-SHA256 challenge-response | none |
+//! | `error` | [`Error`], the crate's one error type | none |
+//! | `config` | [`CommConfig`] | none |
+//! | `rendezvous` | the [`Rendezvous`] trait and [`MemoryRendezvous`] | in-process |
+//! | `mesh` | listen, publish, connect, authenticate; refuse strangers | TCP |
+//! | `comm` | [`Communicator`]: send/recv/isend/irecv, failure handling, abort, health, heartbeats | TCP |
 //!
 //! The wire protocol is described in `docs/protocol.md` at the repository's
 //! root.
@@ -30,20 +30,34 @@
 #[cfg(target_endian = "big")]
 compile_error!("multiworld-tcp supports little-endian targets only");
 
-pub mod comm;
-pub mod config;
-pub mod error;
+mod comm;
+mod config;
+mod error;
+mod rendezvous;
+
+// The wire internals: public only with the `wire` feature, which the crate's
+// own tests enable to forge frames and handshakes; users never need them.
+#[cfg(feature = "wire")]
 pub mod frame;
+#[cfg(not(feature = "wire"))]
+mod frame;
+#[cfg(feature = "wire")]
 pub mod handshake;
+#[cfg(not(feature = "wire"))]
+mod handshake;
+#[cfg(feature = "wire")]
 pub mod mesh;
-pub mod rendezvous;
+#[cfg(not(feature = "wire"))]
+mod mesh;
 
 pub use comm::{
     Communicator, Health, HealthEvent, PeerLiveness, PeerStats, Received, RecvHandle, SendHandle,
 };
-pub use config::CommConfig;
+pub use config::{CommConfig, DEFAULT_RECV_SPIN};
 pub use error::{Error, MessageDesc, Result, Side};
+pub use frame::FrameLimits;
+pub use handshake::RejectCode;
 pub use multiworld_types::{
     DType, Element, Generation, Identity, Rank, Secret, Source, Tag, Tensor, TensorView, WorldName, bf16, f16,
 };
-pub use rendezvous::{MemoryRendezvous, Rendezvous, RendezvousError};
+pub use rendezvous::{BoxFuture, MemoryRendezvous, Rendezvous, RendezvousError};

@@ -18,7 +18,7 @@ pub mod coll;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use multiworld_tcp::rendezvous::BoxFuture;
+use multiworld_tcp::BoxFuture;
 use multiworld_tcp::{
     CommConfig, Communicator, DType, Generation, MemoryRendezvous, Rank, Rendezvous, RendezvousError, Tensor,
     WorldName,

@@ -200,7 +200,7 @@ mod tests {
         let refused = TcpError::Refused {
             addr: "127.0.0.1:1".parse().unwrap(),
             side: Side::Remote,
-            code: multiworld_tcp::handshake::RejectCode::Generation,
+            code: multiworld_tcp::RejectCode::Generation,
             detail: Arc::from("refused"),
         };
         let rendezvous = TcpError::Rendezvous(RendezvousError::Unavailable(Arc::from("store gone")));

@@ -13,7 +13,7 @@ use std::{
 };
 
 use multiworld_store::{StoreError, WorldStore};
-use multiworld_tcp::{Rendezvous, RendezvousError, rendezvous::BoxFuture};
+use multiworld_tcp::{BoxFuture, Rendezvous, RendezvousError};
 
 /// A [`Rendezvous`] backed by one world's store.
 #[derive(Debug, Clone)]
