@@ -18,7 +18,6 @@
 //! held while taking the matching lock (sync, never held across `.await`); never the
 //! other way round.
 
-use std::collections::{HashMap, VecDeque};
 use std::future::{Future, poll_fn};
 use std::io::{self, IoSlice};
 use std::net::SocketAddr;
@@ -43,6 +42,8 @@ use crate::frame::{self, FrameHeader, FrameKind, HEADER_LEN, RxSequencer};
 use crate::mesh;
 use crate::rendezvous::Rendezvous;
 use multiworld_types::{DType, Tensor, TensorView, valid_bool_bytes};
+
+use crate::matching::{Matching, Posted, RecvDone, Route, StashData};
 use multiworld_types::{Generation, Identity, Rank, Source, Tag, WorldName};
 
 /// Capacity of each connection's read buffer. Headers and small messages come in
@@ -51,8 +52,6 @@ const READ_BUF: usize = 16 << 10;
 /// Most bytes a payload read of unknown length grows its buffer by at once (the
 /// declared length of a frame is not trusted for allocation).
 const GROW_STEP: usize = 64 << 10;
-/// Most spare buffers kept for small unexpected messages.
-const POOL_MAX: usize = 64;
 /// While a reader holds back (no receive posted, no room to buffer), how often it
 /// checks whether the peer closed or reset the connection. Bounds failure
 /// detection in that state.
@@ -193,178 +192,6 @@ struct Peer {
     /// Wakes the reader when a receive is posted (it may be waiting for one).
     wake: Notify,
     counters: Counters,
-}
-
-/// The outcome handed to a receive: its buffer back, and who sent or what failed.
-struct RecvDone {
-    buf: Tensor,
-    result: Result<Rank>,
-}
-
-struct Posted {
-    id: u64,
-    src: Source,
-    buf: Tensor,
-    tx: oneshot::Sender<RecvDone>,
-}
-
-enum StashData {
-    /// A small message read ahead into a pooled buffer.
-    Bytes(Vec<u8>),
-    /// A message whose receive was cancelled while it was arriving.
-    Tensor(Tensor),
-}
-
-impl StashData {
-    fn bytes(&self) -> &[u8] {
-        match self {
-            StashData::Bytes(v) => v,
-            StashData::Tensor(t) => t.as_bytes(),
-        }
-    }
-}
-
-struct Stashed {
-    arrival: u64,
-    dtype: DType,
-    data: StashData,
-}
-
-/// Posted receives and early messages. Guarded by a `std` mutex that is never held
-/// across `.await` (critical sections are short and never block).
-struct Matching {
-    posted: HashMap<Tag, VecDeque<Posted>>,
-    /// Receives posted for a specific source, per source rank.
-    posted_for: Vec<usize>,
-    /// Any-source receives posted.
-    posted_any: usize,
-    unexpected: HashMap<(Rank, Tag), VecDeque<Stashed>>,
-    /// Bytes held (or being read) for early messages, per source rank.
-    held: Vec<usize>,
-    pool: Vec<Vec<u8>>,
-    next_id: u64,
-    next_arrival: u64,
-}
-
-impl Matching {
-    fn new(size: usize) -> Self {
-        Matching {
-            posted: HashMap::new(),
-            posted_for: vec![0; size],
-            posted_any: 0,
-            unexpected: HashMap::new(),
-            held: vec![0; size],
-            pool: Vec::new(),
-            next_id: 0,
-            next_arrival: 0,
-        }
-    }
-
-    fn count(&mut self, src: Source, up: bool) {
-        let c = match src {
-            Source::Any => &mut self.posted_any,
-            Source::Rank(r) => match self.posted_for.get_mut(r.index()) {
-                Some(c) => c,
-                None => return,
-            },
-        };
-        if up {
-            *c += 1;
-        } else {
-            *c = c.saturating_sub(1);
-        }
-    }
-
-    fn remove_posted(&mut self, tag: Tag, idx: usize) -> Option<Posted> {
-        let q = self.posted.get_mut(&tag)?;
-        let p = q.remove(idx)?;
-        // Keep empty queues of a few tags to avoid reallocating on every receive,
-        // but do not let an ever-changing tag grow the map without bound.
-        if q.is_empty() && self.posted.len() > 64 {
-            self.posted.remove(&tag);
-        }
-        self.count(p.src, false);
-        Some(p)
-    }
-
-    /// The earliest posted receive that a message from `from` on `tag` satisfies.
-    fn take_posted(&mut self, from: Rank, tag: Tag) -> Option<Posted> {
-        loop {
-            let idx = self.posted.get(&tag)?.iter().position(|p| p.src.matches(from))?;
-            let p = self.remove_posted(tag, idx)?;
-            if !p.tx.is_closed() {
-                return Some(p);
-            }
-        }
-    }
-
-    fn take_posted_id(&mut self, tag: Tag, id: u64) -> Option<Posted> {
-        let idx = self.posted.get(&tag)?.iter().position(|p| p.id == id)?;
-        self.remove_posted(tag, idx)
-    }
-
-    fn drain_posted(&mut self, pred: impl Fn(&Posted) -> bool) -> Vec<Posted> {
-        let mut out = Vec::new();
-        for q in self.posted.values_mut() {
-            let mut i = 0;
-            while i < q.len() {
-                if pred(&q[i]) {
-                    if let Some(p) = q.remove(i) {
-                        out.push(p);
-                    }
-                } else {
-                    i += 1;
-                }
-            }
-        }
-        for p in &out {
-            let src = p.src;
-            self.count(src, false);
-        }
-        out
-    }
-
-    /// The earliest buffered message for `src` on `tag` (any-source: earliest
-    /// arrival over all ranks, so each sender's order is kept).
-    fn take_stash(&mut self, src: Source, tag: Tag) -> Option<(Rank, Stashed)> {
-        let from = match src {
-            Source::Rank(r) => r,
-            Source::Any => {
-                let mut best: Option<(u64, Rank)> = None;
-                for r in 0..self.held.len() {
-                    let r = Rank(r as u32);
-                    if let Some(s) = self.unexpected.get(&(r, tag)).and_then(|q| q.front()) {
-                        if best.is_none_or(|(a, _)| s.arrival < a) {
-                            best = Some((s.arrival, r));
-                        }
-                    }
-                }
-                best?.1
-            }
-        };
-        let q = self.unexpected.get_mut(&(from, tag))?;
-        let s = q.pop_front()?;
-        // As for posted receives: keep a few empty queues to avoid an allocation
-        // per message, without letting changing tags grow the map unboundedly.
-        if q.is_empty() && self.unexpected.len() > 64 {
-            self.unexpected.remove(&(from, tag));
-        }
-        if let Some(h) = self.held.get_mut(from.index()) {
-            *h = h.saturating_sub(s.data.bytes().len());
-        }
-        Some((from, s))
-    }
-
-    fn pool_vec(&mut self) -> Vec<u8> {
-        self.pool.pop().unwrap_or_default()
-    }
-
-    fn recycle(&mut self, mut v: Vec<u8>, eager_limit: usize) {
-        if self.pool.len() < POOL_MAX && v.capacity() <= eager_limit.max(4096) {
-            v.clear();
-            self.pool.push(v);
-        }
-    }
 }
 
 /// Result of moving a buffered message into a receive buffer.
@@ -1013,13 +840,7 @@ impl Inner {
             return fail(buf, e);
         }
         let (tx, rx) = oneshot::channel();
-        let id = m.next_id;
-        m.next_id += 1;
-        m.posted
-            .entry(tag)
-            .or_default()
-            .push_back(Posted { id, src, buf, tx });
-        m.count(src, true);
+        let id = m.post(src, tag, buf, tx);
         drop(m);
         match src {
             Source::Rank(r) => {
@@ -1069,9 +890,7 @@ impl Inner {
     }
 
     fn release_held(&self, from: Rank, len: usize) {
-        if let Some(h) = self.lock().held.get_mut(from.index()) {
-            *h = h.saturating_sub(len);
-        }
+        self.lock().release(from, len);
     }
 
     fn cancel_posted(&self, tag: Tag, id: u64) -> Option<Tensor> {
@@ -1087,17 +906,7 @@ impl Inner {
         loop {
             let mut m = self.lock();
             let Some(mut p) = m.take_posted(from, tag) else {
-                if !reserved {
-                    if let Some(h) = m.held.get_mut(from.index()) {
-                        *h += len;
-                    }
-                }
-                let arrival = m.next_arrival;
-                m.next_arrival += 1;
-                m.unexpected
-                    .entry((from, tag))
-                    .or_default()
-                    .push_back(Stashed { arrival, dtype, data });
+                m.stash(from, tag, dtype, data, reserved);
                 return;
             };
             drop(m);
@@ -1110,9 +919,7 @@ impl Inner {
                         Ok(()) => {
                             let mut m = self.lock();
                             if reserved {
-                                if let Some(h) = m.held.get_mut(from.index()) {
-                                    *h = h.saturating_sub(len);
-                                }
+                                m.release(from, len);
                             }
                             if let Some(v) = spare {
                                 m.recycle(v, self.cfg.eager_limit);
@@ -1135,10 +942,7 @@ impl Inner {
                     }) {
                         Ok(()) => {
                             if reserved {
-                                let mut m = self.lock();
-                                if let Some(h) = m.held.get_mut(from.index()) {
-                                    *h = h.saturating_sub(len);
-                                }
+                                self.lock().release(from, len);
                             }
                             return;
                         }
@@ -1192,9 +996,8 @@ impl Inner {
         let (posted, stash, pool) = {
             let mut m = self.lock();
             let posted = m.drain_posted(|_| true);
-            let stash = std::mem::take(&mut m.unexpected);
-            m.held.iter_mut().for_each(|h| *h = 0);
-            (posted, stash, std::mem::take(&mut m.pool))
+            let (stash, pool) = m.take_all_stashed();
+            (posted, stash, pool)
         };
         let err = Error::Aborted {
             reason: Arc::clone(&reason),
@@ -1270,23 +1073,13 @@ impl Inner {
         let mut draining = false;
         let stash = loop {
             let woken = peer.wake.notified();
-            {
-                let mut m = self.lock();
-                if let Some(p) = m.take_posted(from, tag) {
+            match self.lock().route(from, tag, len, eager, budget, draining) {
+                Route::Receive(p) => {
                     *slot = Some(p);
                     break None;
                 }
-                // Someone is waiting for a message behind this one on this
-                // connection: read this one ahead so that one is not blocked.
-                let behind = m.posted_for.get(from.index()).copied().unwrap_or(0) > 0 || m.posted_any > 0;
-                let held = m.held.get(from.index()).copied().unwrap_or(0);
-                let fits = held.saturating_add(len) <= budget && (len <= eager || behind);
-                if fits || draining {
-                    if let Some(h) = m.held.get_mut(from.index()) {
-                        *h = h.saturating_add(len);
-                    }
-                    break Some(m.pool_vec());
-                }
+                Route::ReadAhead(v) => break Some(v),
+                Route::Hold => {}
             }
             // No receive yet and no room: leave the payload in the socket (TCP
             // backpressure). While waiting, look for the peer closing or resetting

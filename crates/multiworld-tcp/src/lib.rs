@@ -20,6 +20,7 @@
 //! | `config` | [`CommConfig`] | none |
 //! | `rendezvous` | the [`Rendezvous`] trait and [`MemoryRendezvous`] | in-process |
 //! | `mesh` | listen, publish, connect, authenticate; refuse strangers | TCP |
+//! | `matching` | receive matching: posted receives, early messages, where an arriving payload goes (budget, eager reads, any-source order, cancel while arriving) | none |
 //! | `comm` | [`Communicator`]: send/recv/isend/irecv, failure handling, abort, health, heartbeats | TCP |
 //!
 //! The wire protocol is described in `docs/protocol.md` at the repository's
@@ -33,6 +34,7 @@ compile_error!("multiworld-tcp supports little-endian targets only");
 mod comm;
 mod config;
 mod error;
+mod matching;
 mod rendezvous;
 
 // The wire internals: public only with the `wire` feature, which the crate's
