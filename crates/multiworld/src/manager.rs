@@ -124,7 +124,7 @@ impl Drop for Reservation<'_> {
     fn drop(&mut self) {
         if self.armed {
             self.registry
-                .remove_if(self.name, |_, slot| matches!(slot, Slot::Joining));
+                .remove_if(self.name, |_, slot| matches!(slot, Slot::Joining { .. }));
         }
     }
 }
@@ -236,11 +236,14 @@ impl WorldManager {
         loop {
             let previous = match self.inner.registry.entry(name.clone()) {
                 Entry::Vacant(v) => {
-                    v.insert(Slot::Joining);
+                    v.insert(Slot::Joining {
+                        rank: config.rank,
+                        size: config.size,
+                    });
                     break;
                 }
                 Entry::Occupied(o) => match o.get() {
-                    Slot::Joining => {
+                    Slot::Joining { .. } => {
                         return Err(WorldError::AlreadyJoined {
                             world: name,
                             state: "joining",
@@ -439,11 +442,11 @@ impl WorldManager {
             .registry
             .iter()
             .map(|e| match e.value() {
-                Slot::Joining => WorldInfo {
+                Slot::Joining { rank, size } => WorldInfo {
                     name: e.key().clone(),
                     generation: 0,
-                    rank: 0,
-                    size: 0,
+                    rank: *rank,
+                    size: *size,
                     state: WorldState::Joining,
                 },
                 Slot::Member(w) => WorldInfo {

@@ -12,6 +12,13 @@
 //!    frozen or cut off;
 //! 5. the world's store unreachable for longer than `store_grace`.
 //!
+//! Between 2 and 3 come the device communicator's error (NCCL's asynchronous
+//! error or a failed device operation: definitive) and the store saying this
+//! generation is closed or replaced (as good as a report). Deadlines are the
+//! earlier of the host's and the device's. While the member is closing the
+//! world (`finish`), orderly departures and the store's end are expected and
+//! weigh nothing; a crash still breaks it.
+//!
 //! [`stalled`] is the process-level monitor's decision: which watchdogs have
 //! not ticked for too long (a stuck watchdog is itself a failure to report).
 
@@ -80,6 +87,9 @@ pub struct PeerObservation {
     pub last_heard: Instant,
     /// The transport error its connection failed with, if it did.
     pub transport_error: Option<String>,
+    /// It left in an orderly way (said goodbye). Expected while the world is
+    /// closing, so then neither its silence nor its closed connection count.
+    pub departed: bool,
 }
 
 /// An operation in flight with a deadline.
@@ -98,8 +108,15 @@ pub struct PendingOp {
 pub struct Observations {
     /// The other members.
     pub peers: Vec<PeerObservation>,
-    /// The operation whose deadline comes first, if any is pending.
+    /// The host operation whose deadline comes first, if any is pending.
     pub earliest_op: Option<PendingOp>,
+    /// The device operation whose deadline comes first, if any is pending
+    /// (the earlier of the two is the one that counts).
+    pub device_op: Option<PendingOp>,
+    /// This member is finishing the world: orderly departures, and the store
+    /// closing, announcing or failing as its host goes away, are expected and
+    /// are not evidence of a break (a crash still is).
+    pub closing: bool,
     /// When the world's store last answered.
     pub store_last_ok: Instant,
     /// The store's last error, if its last call failed.
@@ -136,8 +153,41 @@ pub struct Decision {
     pub next_check: Instant,
 }
 
+/// The observations that count as evidence: while closing, departed members
+/// and the store's end are dropped; the earlier of the host and device
+/// deadlines is the one to watch.
+fn evidence(obs: &Observations) -> Observations {
+    let closing = obs.closing;
+    let keep = |v: &Option<String>| if closing { None } else { v.clone() };
+    let earliest_op = match (&obs.earliest_op, &obs.device_op) {
+        (Some(host), Some(dev)) => Some(if dev.deadline < host.deadline { dev } else { host }.clone()),
+        (host, dev) => host.clone().or_else(|| dev.clone()),
+    };
+    Observations {
+        peers: obs
+            .peers
+            .iter()
+            .filter(|p| !(closing && p.departed))
+            .cloned()
+            .collect(),
+        earliest_op,
+        device_op: None,
+        store_last_ok: obs.store_last_ok,
+        store_error: keep(&obs.store_error),
+        store_gone: keep(&obs.store_gone),
+        reported_broken: if closing {
+            None
+        } else {
+            obs.reported_broken.clone()
+        },
+        device_error: obs.device_error.clone(),
+        closing,
+    }
+}
+
 /// Decides whether a world is healthy.
 pub fn decide(now: Instant, obs: &Observations, cfg: &WatchdogConfig) -> Decision {
+    let obs = &evidence(obs);
     let broken = |cause: BreakCause| Decision {
         reason: format!("broken: {cause}"),
         verdict: Verdict::Broken(cause),
@@ -291,9 +341,12 @@ mod tests {
                     rank,
                     last_heard: t0,
                     transport_error: None,
+                    departed: false,
                 })
                 .collect(),
             earliest_op: None,
+            device_op: None,
+            closing: false,
             store_last_ok: t0,
             store_error: None,
             store_gone: None,
@@ -475,6 +528,85 @@ mod tests {
         assert!(matches!(
             decide(later, &obs, &cfg).verdict,
             Verdict::Broken(BreakCause::HeartbeatTimeout { .. })
+        ));
+    }
+
+    #[test]
+    fn while_closing_orderly_departures_and_the_stores_end_weigh_nothing() {
+        let cfg = WatchdogConfig::default();
+        let t0 = Instant::now();
+        let mut obs = healthy_obs(t0, &[1, 2]);
+        obs.closing = true;
+        obs.peers[0].departed = true;
+        obs.peers[0].transport_error = Some("connection closed by peer".into());
+        obs.store_error = Some("connection refused".into());
+        obs.store_gone = Some("the world's store was closed".into());
+        obs.reported_broken = Some((1, "rank 1 left".into()));
+        // The departed member's silence does not count either.
+        obs.peers[0].last_heard = t0 - ms(5000);
+        let d = decide(t0 + ms(10) + cfg.store_grace, &obs, &cfg);
+        assert!(
+            matches!(
+                d.verdict,
+                Verdict::Broken(BreakCause::HeartbeatTimeout { rank: 2, .. })
+            ),
+            "{d:?}"
+        );
+        // Rank 2 is still heard: healthy.
+        obs.peers[1].last_heard = t0 + cfg.store_grace;
+        let d = decide(t0 + ms(10) + cfg.store_grace, &obs, &cfg);
+        assert_eq!(d.verdict, Verdict::Healthy, "{}", d.reason);
+        // A member that did not depart and crashed still breaks the world.
+        obs.peers[1].transport_error = Some("connection reset by peer".into());
+        let d = decide(t0 + ms(10) + cfg.store_grace, &obs, &cfg);
+        assert!(
+            matches!(d.verdict, Verdict::Broken(BreakCause::PeerLost { rank: 2, .. })),
+            "{d:?}"
+        );
+        // Not closing, the same departure is a lost peer.
+        obs.peers[1].transport_error = None;
+        obs.closing = false;
+        let d = decide(t0 + ms(10) + cfg.store_grace, &obs, &cfg);
+        assert!(
+            matches!(d.verdict, Verdict::Broken(BreakCause::PeerLost { rank: 1, .. })),
+            "{d:?}"
+        );
+    }
+
+    #[test]
+    fn the_earlier_of_the_host_and_device_deadlines_counts() {
+        let cfg = WatchdogConfig::default();
+        let t0 = Instant::now();
+        let mut obs = healthy_obs(t0, &[1]);
+        let op = |name: &str, at: u64| PendingOp {
+            op: name.into(),
+            deadline: t0 + ms(at),
+            timeout: ms(at),
+        };
+        obs.earliest_op = Some(op("recv from rank 1", 80));
+        obs.device_op = Some(op("all_reduce on the device", 30));
+        let d = decide(t0 + ms(10), &obs, &cfg);
+        assert_eq!(d.next_check, t0 + ms(30));
+        let d = decide(t0 + ms(30), &obs, &cfg);
+        assert_eq!(
+            d.verdict,
+            Verdict::Broken(BreakCause::OpDeadline {
+                op: "all_reduce on the device".into(),
+                after: ms(30)
+            })
+        );
+        // Only a device op, or only a host op: that one.
+        obs.earliest_op = None;
+        assert!(matches!(
+            decide(t0 + ms(30), &obs, &cfg).verdict,
+            Verdict::Broken(_)
+        ));
+        obs.device_op = None;
+        obs.earliest_op = Some(op("send to rank 1", 40));
+        assert_eq!(decide(t0 + ms(30), &obs, &cfg).verdict, Verdict::Healthy);
+        assert!(matches!(
+            decide(t0 + ms(40), &obs, &cfg).verdict,
+            Verdict::Broken(_)
         ));
     }
 

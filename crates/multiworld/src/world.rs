@@ -55,7 +55,12 @@ pub(crate) type Registry = DashMap<String, Slot>;
 
 /// A name in the registry: being joined, or a member.
 pub(crate) enum Slot {
-    Joining,
+    /// Reserved by a join in progress, with the rank and size it joins as
+    /// (the generation is known only once the store is opened).
+    Joining {
+        rank: u32,
+        size: u32,
+    },
     Member(Arc<WorldShared>),
 }
 
@@ -443,34 +448,31 @@ async fn watchdog(w: Arc<WorldShared>, mut store: watch::Receiver<StoreStatus>) 
         }
         let now = Instant::now();
         let status = store.borrow_and_update().clone();
-        // While the world is closing, members that leave in an orderly way
-        // (and the store their host closes) are expected; a crash is not.
-        let closing = w.closing.load(std::sync::atomic::Ordering::Relaxed);
         #[cfg(feature = "nccl")]
         let (device_error, device_op) = w.device.get().map(|d| d.observe()).unwrap_or((None, None));
         #[cfg(not(feature = "nccl"))]
         let (device_error, device_op): (Option<String>, Option<crate::watchdog::PendingOp>) = (None, None);
-        let earliest_op = match (w.earliest_deadline(), device_op) {
-            (Some(a), Some(b)) => Some(if b.deadline < a.deadline { b } else { a }),
-            (a, b) => a.or(b),
-        };
+        // Only gathered here; every judgement (closing, departures, which
+        // deadline counts) is `decide`'s.
         let obs = Observations {
             peers: w
                 .comm
                 .liveness()
                 .into_iter()
-                .filter(|p| !(closing && p.departed))
                 .map(|p| PeerObservation {
                     rank: p.rank.0,
                     last_heard: p.last_heard,
                     transport_error: p.lost.map(|c| c.to_string()),
+                    departed: p.departed,
                 })
                 .collect(),
-            earliest_op,
+            earliest_op: w.earliest_deadline(),
+            device_op,
+            closing: w.closing.load(std::sync::atomic::Ordering::Relaxed),
             store_last_ok: status.last_ok,
-            store_error: if closing { None } else { status.error },
-            store_gone: if closing { None } else { status.gone },
-            reported_broken: if closing { None } else { status.reported },
+            store_error: status.error,
+            store_gone: status.gone,
+            reported_broken: status.reported,
             device_error,
         };
         let decision = decide(now, &obs, &cfg);

@@ -252,7 +252,17 @@ async fn joining_alone_or_with_a_missing_member_fails_cleanly() {
     let mut c = cfg("lonely", 0, 2, &store);
     c.join_timeout = Duration::from_millis(500);
     let started = Instant::now();
-    let err = m.join(c.clone()).await.unwrap_err();
+    // While it waits it is listed as joining, with the rank and size it joins as.
+    let (err, listed) = tokio::join!(m.join(c.clone()), async {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        m.worlds().into_iter().find(|w| w.name == "lonely")
+    });
+    let err = err.unwrap_err();
+    let listed = listed.expect("a joining world is listed");
+    assert_eq!(
+        (listed.state, listed.rank, listed.size),
+        (WorldState::Joining, 0, 2)
+    );
     assert!(matches!(err, WorldError::JoinFailed { .. }), "{err}");
     assert!(started.elapsed() < Duration::from_secs(5));
     assert!(m.world("lonely").is_none());
