@@ -21,7 +21,9 @@ pub fn seconds(s: &str) -> Result<Duration, String> {
         return Err(format!("'{s}' is not a finite number of seconds"));
     }
     if v < 0.0 {
-        return Err(format!("'{s}' is negative: a duration must be at least 0 seconds"));
+        return Err(format!(
+            "'{s}' is negative: a duration must be at least 0 seconds"
+        ));
     }
     // MAX_SECONDS is far below 2^53, so the conversion to f64 is exact.
     if v > MAX_SECONDS as f64 {
@@ -38,10 +40,14 @@ pub fn seconds(s: &str) -> Result<Duration, String> {
 /// (`[::1]:29400`). Returns it unchanged (names are resolved when connecting).
 pub fn host_port(s: &str) -> Result<String, String> {
     let Some((host, port)) = s.rsplit_once(':') else {
-        return Err(format!("'{s}' has no port: expected host:port, e.g. 127.0.0.1:29400"));
+        return Err(format!(
+            "'{s}' has no port: expected host:port, e.g. 127.0.0.1:29400"
+        ));
     };
     if host.is_empty() {
-        return Err(format!("'{s}' has no host: expected host:port, e.g. 127.0.0.1:29400"));
+        return Err(format!(
+            "'{s}' has no host: expected host:port, e.g. 127.0.0.1:29400"
+        ));
     }
     match port.parse::<u16>() {
         Ok(p) if p > 0 => {}
@@ -78,7 +84,10 @@ mod tests {
         assert_eq!(seconds("2").unwrap(), Duration::from_secs(2));
         assert_eq!(seconds("0.25").unwrap(), Duration::from_millis(250));
         assert_eq!(seconds("0").unwrap(), Duration::ZERO);
-        assert_eq!(seconds(&MAX_SECONDS.to_string()).unwrap(), Duration::from_secs(MAX_SECONDS));
+        assert_eq!(
+            seconds(&MAX_SECONDS.to_string()).unwrap(),
+            Duration::from_secs(MAX_SECONDS)
+        );
         for bad in ["1e30", "-1", "-0.5", "nan", "NaN", "inf", "-inf", "", "abc", "1s"] {
             let e = seconds(bad).unwrap_err();
             assert!(e.contains(bad), "{bad}: {e}");
@@ -90,7 +99,12 @@ mod tests {
 
     #[test]
     fn host_port_needs_a_host_and_a_valid_port() {
-        for good in ["127.0.0.1:29400", "localhost:1", "[::1]:65535", "store.example:80"] {
+        for good in [
+            "127.0.0.1:29400",
+            "localhost:1",
+            "[::1]:65535",
+            "store.example:80",
+        ] {
             assert_eq!(host_port(good).unwrap(), good);
         }
         assert!(host_port("127.0.0.1").unwrap_err().contains("no port"));

@@ -43,24 +43,57 @@ fn run(args: &[&str]) -> (Option<i32>, String, Duration) {
 /// Asserts that `args` is refused as a usage error mentioning `flag` and `why`.
 fn refused(args: &[&str], flag: &str, why: &str) {
     let (code, err, took) = run(args);
-    println!("m8d {args:?}: exit {code:?} in {took:?}: {}", err.lines().next().unwrap_or(""));
+    println!(
+        "m8d {args:?}: exit {code:?} in {took:?}: {}",
+        err.lines().next().unwrap_or("")
+    );
     assert!(!err.contains("panicked"), "m8d {args:?} panicked: {err}");
-    assert_eq!(code, Some(2), "m8d {args:?}: expected a usage error, got {code:?}: {err}");
-    assert!(err.contains(flag), "m8d {args:?}: stderr does not name {flag}: {err}");
-    assert!(err.contains(why), "m8d {args:?}: stderr does not say {why:?}: {err}");
+    assert_eq!(
+        code,
+        Some(2),
+        "m8d {args:?}: expected a usage error, got {code:?}: {err}"
+    );
+    assert!(
+        err.contains(flag),
+        "m8d {args:?}: stderr does not name {flag}: {err}"
+    );
+    assert!(
+        err.contains(why),
+        "m8d {args:?}: stderr does not say {why:?}: {err}"
+    );
 }
 
 #[test]
 fn durations_out_of_range_are_usage_errors() {
-    refused(&["kv", "--world", "w", "get", "k", "--timeout", "1e30"], "--timeout", "too long");
-    refused(&["kv", "--world", "w", "wait", "k", "--timeout", "inf"], "--timeout", "finite");
-    refused(&["kv", "--connect-timeout", "1e30", "--world", "w", "ping"], "--connect-timeout", "too long");
+    refused(
+        &["kv", "--world", "w", "get", "k", "--timeout", "1e30"],
+        "--timeout",
+        "too long",
+    );
+    refused(
+        &["kv", "--world", "w", "wait", "k", "--timeout", "inf"],
+        "--timeout",
+        "finite",
+    );
+    refused(
+        &["kv", "--connect-timeout", "1e30", "--world", "w", "ping"],
+        "--connect-timeout",
+        "too long",
+    );
     refused(&["demo", "--after=-1"], "--after", "negative");
     refused(&["demo", "--after", "nan"], "--after", "finite");
     refused(&["demo", "--after", "-1"], "--after", "negative");
     refused(&["demo", "--then", "soon"], "--then", "not a number");
-    refused(&["launch", "--nproc", "1", "--grace=-1", "--", "true"], "--grace", "negative");
-    refused(&["bench", "worlds", "--seconds", "1e300"], "--seconds", "too long");
+    refused(
+        &["launch", "--nproc", "1", "--grace=-1", "--", "true"],
+        "--grace",
+        "negative",
+    );
+    refused(
+        &["bench", "worlds", "--seconds", "1e300"],
+        "--seconds",
+        "too long",
+    );
     refused(&["bench", "failover", "--window", "-2"], "--window", "negative");
 }
 

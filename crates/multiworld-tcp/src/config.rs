@@ -169,7 +169,9 @@ impl CommConfig {
             return Err(Error::invalid("max_pending_per_ip must be at least 1"));
         }
         if self.hello_timeout.is_zero() || self.handshake_timeout.is_zero() {
-            return Err(Error::invalid("hello_timeout and handshake_timeout must be positive"));
+            return Err(Error::invalid(
+                "hello_timeout and handshake_timeout must be positive",
+            ));
         }
         Ok(())
     }

@@ -618,7 +618,8 @@ async fn connect_peer(
         attempts += 1;
         let left = deadline.saturating_duration_since(Instant::now());
         let bound = attempt_timeout.min(left);
-        let err = match tokio::time::timeout(bound, connect_once(addr, &identity, to, &secret, buffer)).await {
+        let err = match tokio::time::timeout(bound, connect_once(addr, &identity, to, &secret, buffer)).await
+        {
             Ok(Ok(stream)) => {
                 if attempts > 1 {
                     debug!(%addr, to = %to, attempts, "connected after retrying");
@@ -687,7 +688,10 @@ pub(crate) async fn build(
         hello_timeout: cfg.hello_timeout,
         claimed: Mutex::new(claimed),
         established: est_tx,
-        pending: Mutex::new(PendingTable::new(cfg.max_pending_handshakes, cfg.max_pending_per_ip)),
+        pending: Mutex::new(PendingTable::new(
+            cfg.max_pending_handshakes,
+            cfg.max_pending_per_ip,
+        )),
         rejected,
         last_refusal: Mutex::new(None),
         token: token.clone(),
@@ -829,7 +833,11 @@ mod tests {
         let (_, _) = t.admit(ip(1), "c");
         t.promote(a);
         let (_, ev) = t.admit(ip(1), "d");
-        assert_eq!(ev, vec![("b", Eviction::PerAddress)], "the oldest silent one, not the hello'd one");
+        assert_eq!(
+            ev,
+            vec![("b", Eviction::PerAddress)],
+            "the oldest silent one, not the hello'd one"
+        );
         // When every one sent a hello, the oldest goes.
         let mut t = PendingTable::new(64, 2);
         let (a, _) = t.admit(ip(1), "a");
@@ -847,7 +855,11 @@ mod tests {
             assert!(t.admit(ip(1), s).1.is_empty());
         }
         let (_, ev) = t.admit(ip(2), "newcomer");
-        assert_eq!(ev, vec![("x1", Eviction::Full)], "the member on a quiet address stays");
+        assert_eq!(
+            ev,
+            vec![("x1", Eviction::Full)],
+            "the member on a quiet address stays"
+        );
         assert_eq!(t.len(), 4);
     }
 

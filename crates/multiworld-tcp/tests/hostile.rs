@@ -65,7 +65,8 @@ impl Crowd {
                 let mut tasks = Vec::new();
                 let (open_tx, mut open_rx) = tokio::sync::mpsc::channel::<()>(n);
                 for _ in 0..n {
-                    let (stop, connects, open) = (Arc::clone(&stop2), Arc::clone(&connects2), open_tx.clone());
+                    let (stop, connects, open) =
+                        (Arc::clone(&stop2), Arc::clone(&connects2), open_tx.clone());
                     tasks.push(tokio::spawn(stranger(addr, mode, stop, connects, open)));
                 }
                 for _ in 0..n {
@@ -134,9 +135,8 @@ async fn stranger(
                     sent += 1;
                 }
             }
-            match tokio::time::timeout(tick, s.read(&mut buf)).await {
-                Ok(Ok(0) | Err(_)) => break,
-                Ok(Ok(_)) | Err(_) => {}
+            if let Ok(Ok(0) | Err(_)) = tokio::time::timeout(tick, s.read(&mut buf)).await {
+                break;
             }
         }
         tokio::time::sleep(tick).await;
@@ -157,7 +157,10 @@ async fn timed_join<A>(name: &str, before: impl FnOnce(SocketAddr) -> A) -> (Dur
     };
     let mut joins = vec![spawn(0)];
     let raw = rdv
-        .get(&addr_key(&world(name), Generation(1), Rank(0)), Duration::from_secs(5))
+        .get(
+            &addr_key(&world(name), Generation(1), Rank(0)),
+            Duration::from_secs(5),
+        )
         .await
         .unwrap();
     let addr: SocketAddr = std::str::from_utf8(&raw).unwrap().parse().unwrap();
@@ -185,8 +188,10 @@ async fn quiet_join(tag: &str) -> Duration {
 
 async fn join_under(mode: Mode, tag: &str) {
     let quiet = quiet_join(tag).await;
-    let (attacked, crowd, comms) =
-        timed_join(&format!("{tag}-attacked"), |addr| Crowd::start(addr, STRANGERS, mode)).await;
+    let (attacked, crowd, comms) = timed_join(&format!("{tag}-attacked"), |addr| {
+        Crowd::start(addr, STRANGERS, mode)
+    })
+    .await;
     // The world works, not just joined.
     let data = Tensor::zeros(DType::U8, [8]).unwrap();
     let (s, r) = tokio::join!(comms[2].send(Rank(0), Tag(5), &data), async {
@@ -246,9 +251,10 @@ async fn a_stalling_stranger_is_dropped_after_the_hello_deadline() {
             if dribble.write_all(&[*b]).await.is_err() {
                 break;
             }
-            match tokio::time::timeout(Duration::from_millis(200), dribble.read(&mut buf)).await {
-                Ok(Ok(0) | Err(_)) => break,
-                _ => {}
+            if let Ok(Ok(0) | Err(_)) =
+                tokio::time::timeout(Duration::from_millis(200), dribble.read(&mut buf)).await
+            {
+                break;
             }
         }
         start.elapsed()
