@@ -34,6 +34,10 @@ const FACTOR: u32 = 10;
 /// weaken what the test shows.
 const FLOOR: Duration = Duration::from_millis(300);
 
+/// How long the strangers crowd the listener before the members start: longer
+/// than their 200 ms reconnect pace.
+const WARM_UP: Duration = Duration::from_millis(300);
+
 #[derive(Clone, Copy, Debug)]
 enum Mode {
     /// Connect and send nothing.
@@ -81,6 +85,9 @@ impl Crowd {
         ready_rx
             .recv_timeout(Duration::from_secs(5))
             .expect("strangers connected");
+        // Let the listener drop the first wave and the strangers come back, so
+        // the members join into a steady churn, not just a crowd left behind.
+        std::thread::sleep(WARM_UP);
         Crowd {
             stop,
             connects,
@@ -207,6 +214,12 @@ async fn join_under(mode: Mode, tag: &str) {
     println!(
         "{mode:?}: quiet join {quiet:?}, join with {STRANGERS} strangers {attacked:?} \
          (limit {limit:?}); {strangers} stranger connections, {rejected} refused by rank 0"
+    );
+    // The strangers did reach the listener (all but the per-address cap were
+    // dropped at once), so the join above really went through the crowd.
+    assert!(
+        rejected >= (STRANGERS - 16) as u64,
+        "only {rejected} strangers were dropped"
     );
     assert!(
         attacked <= limit,
