@@ -78,9 +78,9 @@ pub struct CommConfig {
     /// of the busiest source address) is dropped to make room, so strangers who
     /// hold connections open cannot keep members out. Default 64.
     pub max_pending_handshakes: usize,
-    /// Most of those handshakes from one source IP address; a newcomer from an
-    /// address at its limit evicts that address's oldest handshake (never another
-    /// address's). Must be at least 1. Default 16.
+    /// Most of those handshakes from one source (an IPv4 address, or an IPv6
+    /// /64 prefix); a newcomer from a source at its limit evicts that source's
+    /// oldest handshake (never another source's). Must be at least 1. Default 16.
     pub max_pending_per_ip: usize,
     /// How often an idle connection carries a heartbeat frame, so the peer can
     /// tell a frozen or cut-off member from a quiet one

@@ -359,6 +359,19 @@ impl Eviction {
     }
 }
 
+/// The "source address" the per-address limit counts by: an IPv4 address (also
+/// when it arrives IPv4-mapped on a dual-stack listener), or the /64 prefix of an
+/// IPv6 address, since one host commonly holds a whole /64.
+pub(crate) fn source_key(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V4(_) => ip,
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => IpAddr::V6(std::net::Ipv6Addr::from(u128::from(v6) & !u128::from(u64::MAX))),
+        },
+    }
+}
+
 /// One pending inbound handshake.
 #[derive(Debug)]
 struct PendingEntry<T> {
@@ -424,6 +437,7 @@ impl<T> PendingTable<T> {
     /// Admits a handshake from `ip`; returns its id and the payloads of the
     /// handshakes evicted to make room, with the reason.
     pub(crate) fn admit(&mut self, ip: IpAddr, payload: T) -> (u64, Vec<(T, Eviction)>) {
+        let ip = source_key(ip);
         let mut evicted = Vec::new();
         while self.count(ip) >= self.max_per_ip {
             match self.victim(|e| e.ip == ip) {
@@ -877,6 +891,21 @@ mod tests {
         let mut z = PendingTable::new(0, 0);
         assert!(z.admit(ip(1), ()).1.is_empty());
         assert_eq!(z.admit(ip(1), ()).1.len(), 1);
+    }
+
+    #[test]
+    fn an_ipv6_host_counts_as_its_64_prefix() {
+        let a: IpAddr = "2001:db8:1:2::1".parse().unwrap();
+        let b: IpAddr = "2001:db8:1:2:ffff::7".parse().unwrap();
+        let other: IpAddr = "2001:db8:1:3::1".parse().unwrap();
+        assert_eq!(source_key(a), source_key(b));
+        assert_ne!(source_key(a), source_key(other));
+        let mapped: IpAddr = "::ffff:10.0.0.1".parse().unwrap();
+        assert_eq!(source_key(mapped), ip(1));
+        let mut t = PendingTable::new(64, 1);
+        assert!(t.admit(a, 1).1.is_empty());
+        assert_eq!(t.admit(b, 2).1, vec![(1, Eviction::PerAddress)]);
+        assert!(t.admit(other, 3).1.is_empty());
     }
 
     #[test]
