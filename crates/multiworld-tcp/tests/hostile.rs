@@ -5,7 +5,9 @@
 //! ten times the time the same join takes on a quiet listener, measured in the
 //! same test. The attackers run on their own thread and runtime, like another
 //! process, reconnect (paced) whenever the listener drops them so the pressure
-//! lasts the whole join, and stop by themselves when the test is done.
+//! lasts the whole join, and stop by themselves when the test is done. Also: a
+//! joining member that is turned away as busy retries (through a proxy that
+//! refuses its first attempts), while a refusal that names it wrong is final.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::net::SocketAddr;
@@ -14,9 +16,11 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use multiworld_tcp::config::DEFAULT_HELLO_TIMEOUT;
-use multiworld_tcp::handshake::HANDSHAKE_MAGIC;
+use multiworld_tcp::handshake::{HANDSHAKE_MAGIC, Reject, RejectCode};
 use multiworld_tcp::mesh::addr_key;
-use multiworld_tcp::{Communicator, DType, Generation, MemoryRendezvous, Rank, Rendezvous, Tag, Tensor};
+use multiworld_tcp::{
+    Communicator, DType, Error, Generation, MemoryRendezvous, Rank, Rendezvous, Tag, Tensor,
+};
 use multiworld_testkit::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -278,4 +282,89 @@ async fn a_stalling_stranger_is_dropped_after_the_hello_deadline() {
     println!("silent stranger dropped after {s:?}, dribbling one after {d:?}");
     assert!(s >= DEFAULT_HELLO_TIMEOUT.mul_f64(0.9) && s <= limit, "{s:?}");
     assert!(d >= DEFAULT_HELLO_TIMEOUT.mul_f64(0.9) && d <= limit, "{d:?}");
+}
+
+/// A stand-in for rank 0's listener that answers its first `busy` connections
+/// with `Reject(code)` and closes them, then relays to the real listener.
+/// Returns its address and the count of connections it saw.
+async fn flaky_proxy(real: SocketAddr, busy: u64, code: RejectCode) -> (SocketAddr, Arc<AtomicU64>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let seen = Arc::new(AtomicU64::new(0));
+    let seen2 = Arc::clone(&seen);
+    tokio::spawn(async move {
+        // Ends with the test's runtime.
+        while let Ok((mut s, _)) = listener.accept().await {
+            let n = seen2.fetch_add(1, Ordering::Relaxed);
+            tokio::spawn(async move {
+                if n < busy {
+                    let _ = s.write_all(&Reject::new(code, "proxy says no").encode()).await;
+                    return;
+                }
+                if let Ok(mut up) = TcpStream::connect(real).await {
+                    let _ = tokio::io::copy_bidirectional(&mut s, &mut up).await;
+                }
+            });
+        }
+    });
+    (addr, seen)
+}
+
+/// Joins a world of two whose rank 0 is reached through [`flaky_proxy`].
+async fn join_through_proxy(
+    name: &str,
+    busy: u64,
+    code: RejectCode,
+) -> (multiworld_tcp::Result<()>, u64, Duration) {
+    init_tracing();
+    let rdv = MemoryRendezvous::new();
+    let join = |r: u32| {
+        let rdv = rdv.clone();
+        let mut cfg = config(name, r, 2);
+        cfg.join_timeout = Duration::from_secs(5);
+        tokio::spawn(async move { Communicator::join(cfg, &rdv).await })
+    };
+    let first = join(0);
+    let key = addr_key(&world(name), Generation(1), Rank(0));
+    let raw = rdv.get(&key, Duration::from_secs(5)).await.unwrap();
+    let real: SocketAddr = std::str::from_utf8(&raw).unwrap().parse().unwrap();
+    let (proxy, seen) = flaky_proxy(real, busy, code).await;
+    rdv.set(&key, proxy.to_string().into_bytes()).await.unwrap();
+    let start = Instant::now();
+    let second = join(1).await.unwrap().map(drop);
+    let took = start.elapsed();
+    if second.is_ok() {
+        first.await.unwrap().unwrap();
+    } else {
+        first.abort();
+    }
+    (second, seen.load(Ordering::Relaxed), took)
+}
+
+/// A member turned away as busy (or as too slow) tries again, with backoff,
+/// and joins; one refused for a reason that names it as wrong does not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_turned_away_as_busy_retries_and_joins() {
+    let (r, seen, took) = join_through_proxy("proxied-busy", 3, RejectCode::Busy).await;
+    println!("joined after {seen} connection attempts in {took:?}");
+    r.expect("join after three Busy replies");
+    assert_eq!(seen, 4);
+    let (r, seen, took) = join_through_proxy("proxied-timeout", 1, RejectCode::Timeout).await;
+    r.expect("join after a Timeout reply");
+    assert_eq!(seen, 2, "{took:?}");
+
+    let (r, seen, took) = join_through_proxy("proxied-auth", 1, RejectCode::Auth).await;
+    println!("refused for Auth after {seen} attempt(s) in {took:?}: {r:?}");
+    assert!(
+        matches!(
+            r,
+            Err(Error::Refused {
+                code: RejectCode::Auth,
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    assert_eq!(seen, 1, "an Auth refusal is final, not retried");
+    assert!(took < Duration::from_secs(2), "{took:?}");
 }
