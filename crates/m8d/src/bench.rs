@@ -111,8 +111,8 @@ pub struct WorldsArgs {
     #[arg(long, value_delimiter = ',', default_value = "65536,1048576")]
     pub bytes: Vec<usize>,
     /// Seconds measured per point.
-    #[arg(long, default_value_t = 3.0)]
-    pub seconds: f64,
+    #[arg(long, value_parser = crate::args::seconds, allow_negative_numbers = true, default_value = "3")]
+    pub seconds: Duration,
     /// Measurements per point, alternating the two setups; medians are
     /// reported (message rates on this VM are bimodal from run to run).
     #[arg(long, default_value_t = 3)]
@@ -135,8 +135,8 @@ pub struct FailoverArgs {
     #[arg(long, default_value_t = 3)]
     pub rounds: usize,
     /// Seconds of throughput measured before and after each fault.
-    #[arg(long, default_value_t = 2.0)]
-    pub window: f64,
+    #[arg(long, value_parser = crate::args::seconds, allow_negative_numbers = true, default_value = "2")]
+    pub window: Duration,
     /// Write the results as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -557,7 +557,7 @@ async fn failover(args: FailoverArgs) -> anyhow::Result<()> {
     let mut fleet = m8d::fleet::Fleet::start(config).await?;
     let victim = 1;
     let healthy: Vec<usize> = (0..args.workers).filter(|&i| i != victim).collect();
-    let window = Duration::from_secs_f64(args.window);
+    let window = args.window;
     println!(
         "failover benchmark: a leader in {} worlds, one `m8d worker` process each, {} B messages; victim w{}",
         args.workers,
@@ -851,7 +851,7 @@ async fn single_world_rate(
 
 async fn worlds(args: WorldsArgs) -> anyhow::Result<()> {
     let exe = std::env::current_exe().context("finding m8d's own path")?;
-    let window = Duration::from_secs_f64(args.seconds);
+    let window = args.seconds;
     println!(
         "worlds benchmark: a leader receiving from K worker processes, in K worlds of 2 vs one world of K + 1"
     );

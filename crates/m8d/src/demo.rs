@@ -39,14 +39,14 @@ pub struct DemoArgs {
     #[arg(long, value_enum, default_value_t = Fault::Kill)]
     pub fault: Fault,
     /// Seconds of streaming before the fault.
-    #[arg(long, default_value_t = 3.0)]
-    pub after: f64,
+    #[arg(long, value_parser = crate::args::seconds, allow_negative_numbers = true, default_value = "3")]
+    pub after: Duration,
     /// Start a replacement worker in a new generation of the broken world.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub respawn: bool,
     /// Seconds to keep streaming after the fault was handled.
-    #[arg(long, default_value_t = 3.0)]
-    pub then: f64,
+    #[arg(long, value_parser = crate::args::seconds, allow_negative_numbers = true, default_value = "3")]
+    pub then: Duration,
     /// Bytes per message.
     #[arg(long, default_value_t = 65536)]
     pub bytes: usize,
@@ -159,7 +159,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         at: Instant::now(),
     };
     let mut problems: Vec<String> = Vec::new();
-    stream_for(&fleet, &mut table, started, Duration::from_secs_f64(args.after)).await?;
+    stream_for(&fleet, &mut table, started, args.after).await?;
 
     let victim = if args.workers > 1 { 1 } else { 0 };
     let healthy: Vec<usize> = (0..args.workers).filter(|&i| i != victim).collect();
@@ -215,7 +215,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
             ));
         }
     }
-    stream_for(&fleet, &mut table, started, Duration::from_secs_f64(args.then)).await?;
+    stream_for(&fleet, &mut table, started, args.then).await?;
 
     for m in &fleet.members {
         if args.respawn && !matches!(m.world.state(), WorldState::Ready) {

@@ -12,7 +12,7 @@ use crate::secret::SecretArgs;
 #[derive(Args, Debug)]
 pub struct KvArgs {
     /// The store server, host:port.
-    #[arg(long, default_value = "127.0.0.1:29400")]
+    #[arg(long, value_parser = crate::args::host_port, default_value = "127.0.0.1:29400")]
     pub addr: String,
     /// The world whose store to use.
     #[arg(long)]
@@ -21,7 +21,7 @@ pub struct KvArgs {
     #[arg(long)]
     pub create: bool,
     /// How long to keep trying to reach the server and the world.
-    #[arg(long, value_parser = humantime_secs, default_value = "10")]
+    #[arg(long, value_parser = crate::args::seconds, allow_negative_numbers = true, default_value = "10")]
     pub connect_timeout: Duration,
     #[command(flatten)]
     pub secret: SecretArgs,
@@ -44,7 +44,7 @@ pub enum KvOp {
         /// The key.
         key: String,
         /// Seconds to wait.
-        #[arg(long, value_parser = humantime_secs, default_value = "30")]
+        #[arg(long, value_parser = crate::args::seconds, allow_negative_numbers = true, default_value = "30")]
         timeout: Duration,
     },
     /// Add DELTA to the counter at KEY and print the new value.
@@ -61,7 +61,7 @@ pub enum KvOp {
         #[arg(required = true)]
         keys: Vec<String>,
         /// Seconds to wait.
-        #[arg(long, value_parser = humantime_secs, default_value = "30")]
+        #[arg(long, value_parser = crate::args::seconds, allow_negative_numbers = true, default_value = "30")]
         timeout: Duration,
     },
     /// Delete KEY.
@@ -73,14 +73,6 @@ pub enum KvOp {
     Keys,
     /// Print the round trip to the world's store.
     Ping,
-}
-
-fn humantime_secs(s: &str) -> Result<Duration, String> {
-    s.parse::<f64>()
-        .ok()
-        .filter(|v| v.is_finite() && *v >= 0.0)
-        .map(Duration::from_secs_f64)
-        .ok_or_else(|| format!("'{s}' is not a number of seconds"))
 }
 
 /// Runs the operation.

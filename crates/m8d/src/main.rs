@@ -11,6 +11,7 @@
 //!   worker, the healthy worlds meanwhile), `p2p` and `collectives` (against
 //!   raw TCP in the same run; `--plot FILE.svg`), `worlds` (K worlds against
 //!   one), `join` (joining a world of 2).
+//! - [`args`]: the value parsers every duration and address flag uses.
 //! - [`secret`]: reading a world secret from a file or the environment.
 //! - [`worker`]: `m8d worker`, one streaming member of one world as a real
 //!   process (used by the demo and the fault-injection tests).
@@ -18,6 +19,7 @@
 //! `m8d launch` lives in the library ([`m8d::launch`]), with the fleet and
 //! the checksummed streams the demo, the benchmarks and the tests share.
 
+mod args;
 mod bench;
 mod demo;
 mod kv;
@@ -71,8 +73,8 @@ struct LaunchArgs {
     master_port: Option<u16>,
     /// Seconds ranks get to stop, once asked (SIGTERM after a rank failed,
     /// or the forwarded Ctrl-C / SIGTERM), before SIGKILL.
-    #[arg(long, default_value_t = 5.0)]
-    grace: f64,
+    #[arg(long, value_parser = args::seconds, allow_negative_numbers = true, default_value = "5")]
+    grace: std::time::Duration,
     /// The program and its arguments (after `--`).
     #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
     command: Vec<std::ffi::OsString>,
@@ -98,7 +100,7 @@ fn main() -> anyhow::Result<()> {
                     master_port: args.master_port,
                     program,
                     args: command.collect(),
-                    grace: std::time::Duration::from_secs_f64(args.grace),
+                    grace: args.grace,
                 })
                 .await?;
                 return Ok(outcome.code);

@@ -36,14 +36,14 @@ pub struct WorkerArgs {
     #[arg(long, default_value_t = 2)]
     pub size: u32,
     /// The world's store, host:port.
-    #[arg(long)]
+    #[arg(long, value_parser = crate::args::host_port)]
     pub store: String,
     /// Bytes per message.
     #[arg(long, default_value_t = 65536)]
     pub bytes: usize,
     /// Stop after this many seconds (default: when the world ends).
-    #[arg(long)]
-    pub seconds: Option<f64>,
+    #[arg(long, value_parser = crate::args::seconds, allow_negative_numbers = true)]
+    pub seconds: Option<Duration>,
     /// What to do: stream to rank 0, or all-reduce with every member forever.
     #[arg(long, value_enum, default_value_t = Mode::Stream)]
     pub mode: Mode,
@@ -51,8 +51,8 @@ pub struct WorkerArgs {
     #[arg(long, default_value_t = 1 << 20)]
     pub elements: usize,
     /// How long joining may take, in seconds.
-    #[arg(long, default_value_t = 30.0)]
-    pub join_timeout: f64,
+    #[arg(long, value_parser = crate::args::seconds, allow_negative_numbers = true, default_value = "30")]
+    pub join_timeout: Duration,
     #[command(flatten)]
     pub secret: SecretArgs,
 }
@@ -74,7 +74,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     );
     let manager = WorldManager::default();
     let mut config = WorldConfig::new(&args.world, args.rank, args.size, &args.store);
-    config.join_timeout = Duration::from_secs_f64(args.join_timeout);
+    config.join_timeout = args.join_timeout;
     config.secret = args.secret.load_bytes()?;
     let world = manager.join(config).await.context("joining")?;
     eprintln!(
@@ -95,7 +95,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
             }
         })
     };
-    let until = args.seconds.map(|s| Instant::now() + Duration::from_secs_f64(s));
+    let until = args.seconds.map(|s| Instant::now() + s);
     let (sent, err) = send_stream(&world, Rank(0), args.bytes, || {
         asked.load(Ordering::Relaxed) || until.is_some_and(|u| Instant::now() >= u)
     })

@@ -17,6 +17,12 @@ use multiworld_types::{Generation, Identity, Rank, Secret, WorldName};
 /// latency-critical world matters more.
 pub const DEFAULT_RECV_SPIN: Duration = Duration::ZERO;
 
+/// Default of [`CommConfig::hello_timeout`]: long enough for any member (which
+/// sends its Hello right after connecting) on links with round trips well under
+/// a second, short enough that strangers holding silent connections free their
+/// handshake slots quickly.
+pub const DEFAULT_HELLO_TIMEOUT: Duration = Duration::from_secs(1);
+
 /// Configuration of one communicator (one world, one rank).
 #[derive(Debug, Clone)]
 #[non_exhaustive]
@@ -40,9 +46,18 @@ pub struct CommConfig {
     /// Deadline for the whole join: publishing, looking up peers, connecting and
     /// authenticating. Default 30 s.
     pub join_timeout: Duration,
-    /// Deadline for one inbound handshake; a stranger that sends half a handshake is
-    /// dropped after this. Default 5 s.
+    /// Deadline for one handshake: on the accepting side, for the whole inbound
+    /// handshake (a stranger that sends half a handshake is dropped after this);
+    /// on the connecting side, for one attempt (a join retries failed attempts
+    /// until `join_timeout`). Default 5 s.
     pub handshake_timeout: Duration,
+    /// Deadline, from accept, for an inbound connection's first message (the
+    /// complete Hello). A member sends it in one write right after connecting, so
+    /// only a silent or dribbling stranger ("slowloris") misses it; it then loses
+    /// its handshake slot after this instead of after `handshake_timeout`. The
+    /// effective deadline is the smaller of the two. Default 1 s (ample for any
+    /// round-trip time under ~500 ms; raise it for slower links).
+    pub hello_timeout: Duration,
     /// Default deadline of each blocking operation and handle wait (`None`: wait
     /// until the operation completes or the world fails). Default `None`.
     pub op_timeout: Option<Duration>,
@@ -57,9 +72,16 @@ pub struct CommConfig {
     pub unexpected_budget: usize,
     /// SO_SNDBUF/SO_RCVBUF for data sockets; `None` keeps the kernel's autotuning.
     pub socket_buffer_size: Option<u32>,
-    /// Most inbound handshakes in progress at once; more connections are dropped.
-    /// Default 64.
+    /// Most inbound (not yet authenticated) handshakes in progress at once. A
+    /// newcomer is never refused for lack of a slot: when the slots are full, the
+    /// oldest connection that has not yet sent a complete Hello (else the oldest
+    /// of the busiest source address) is dropped to make room, so strangers who
+    /// hold connections open cannot keep members out. Default 64.
     pub max_pending_handshakes: usize,
+    /// Most of those handshakes from one source (an IPv4 address, or an IPv6
+    /// /64 prefix); a newcomer from a source at its limit evicts that source's
+    /// oldest handshake (never another source's). Must be at least 1. Default 16.
+    pub max_pending_per_ip: usize,
     /// How often an idle connection carries a heartbeat frame, so the peer can
     /// tell a frozen or cut-off member from a quiet one
     /// ([`Communicator::liveness`](crate::Communicator::liveness)). `None`
@@ -85,12 +107,14 @@ impl CommConfig {
             advertise_host: None,
             join_timeout: Duration::from_secs(30),
             handshake_timeout: Duration::from_secs(5),
+            hello_timeout: DEFAULT_HELLO_TIMEOUT,
             op_timeout: None,
             limits: FrameLimits::default(),
             eager_limit: 16 << 10,
             unexpected_budget: 64 << 20,
             socket_buffer_size: None,
             max_pending_handshakes: 64,
+            max_pending_per_ip: 16,
             recv_spin: DEFAULT_RECV_SPIN,
             heartbeat_interval: Some(Duration::from_millis(200)),
         }
@@ -140,6 +164,14 @@ impl CommConfig {
         }
         if self.max_pending_handshakes == 0 {
             return Err(Error::invalid("max_pending_handshakes must be at least 1"));
+        }
+        if self.max_pending_per_ip == 0 {
+            return Err(Error::invalid("max_pending_per_ip must be at least 1"));
+        }
+        if self.hello_timeout.is_zero() || self.handshake_timeout.is_zero() {
+            return Err(Error::invalid(
+                "hello_timeout and handshake_timeout must be positive",
+            ));
         }
         Ok(())
     }

@@ -9,10 +9,18 @@
 //! answered and dropped, each on its own task with a deadline, without touching the
 //! established connections. Everything spawned here is tracked by the world's
 //! `TaskTracker` and stops with its `CancellationToken`.
+//!
+//! Hostile strangers who know only the port must not keep members out: an inbound
+//! connection has [`CommConfig::hello_timeout`] (default 1 s) to send its complete
+//! Hello, and when the handshake slots are full a newcomer is never refused: the
+//! [`PendingTable`] picks an older unauthenticated connection to drop instead
+//! (silent ones first, from the busiest source address first, with a per-address
+//! cap). The connecting side retries a refused, reset or busy attempt with
+//! backoff until the join deadline.
 
 use std::io;
-use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -164,11 +172,13 @@ struct AcceptCtx {
     identity: Identity,
     secret: Arc<[u8]>,
     handshake_timeout: Duration,
+    hello_timeout: Duration,
     /// Ranks that completed a handshake; claimed once, so duplicates are refused.
     claimed: Mutex<Vec<bool>>,
     established: mpsc::UnboundedSender<(Rank, TcpStream)>,
-    pending: AtomicUsize,
-    max_pending: usize,
+    /// The inbound handshakes in progress, each with the token that evicts it.
+    /// Locked only briefly, never across an `.await`.
+    pending: Mutex<PendingTable<CancellationToken>>,
     rejected: Arc<AtomicU64>,
     /// The last refused handshake (not counting refusals for being busy):
     /// what a join that times out reports, since a peer with the wrong
@@ -193,19 +203,39 @@ impl AcceptCtx {
         }
     }
 
-    async fn serve<S: AsyncRead + AsyncWrite + Unpin>(&self, s: &mut S) -> Result<Rank, Refusal> {
-        let mut fixed = [0u8; HELLO_FIXED_LEN];
-        s.read_exact(&mut fixed)
-            .await
-            .map_err(|e| io_refusal("reading hello", &e))?;
-        let prefix = HelloPrefix::decode(&fixed)?;
-        // Bounded by MAX_WORLD_NAME_LEN in HelloPrefix::decode.
-        let mut name = vec![0u8; prefix.name_len()];
-        s.read_exact(&mut name)
-            .await
-            .map_err(|e| io_refusal("reading world name", &e))?;
-        let hello = prefix.finish(&name)?;
+    /// Runs the accepting side of the handshake for the pending entry `id`,
+    /// accepted at `since`.
+    async fn serve<S: AsyncRead + AsyncWrite + Unpin>(
+        &self,
+        s: &mut S,
+        id: u64,
+        since: Instant,
+    ) -> Result<Rank, Refusal> {
+        let read_hello = async {
+            let mut fixed = [0u8; HELLO_FIXED_LEN];
+            s.read_exact(&mut fixed)
+                .await
+                .map_err(|e| io_refusal("reading hello", &e))?;
+            let prefix = HelloPrefix::decode(&fixed)?;
+            // Bounded by MAX_WORLD_NAME_LEN in HelloPrefix::decode.
+            let mut name = vec![0u8; prefix.name_len()];
+            s.read_exact(&mut name)
+                .await
+                .map_err(|e| io_refusal("reading world name", &e))?;
+            Ok::<_, Refusal>(prefix.finish(&name)?)
+        };
+        let hello = match tokio::time::timeout_at(since + self.hello_timeout, read_hello).await {
+            Ok(h) => h?,
+            Err(_) => {
+                return Err(Reject::new(
+                    RejectCode::Timeout,
+                    format!("no complete hello within {:?} of connecting", self.hello_timeout),
+                )
+                .into());
+            }
+        };
         handshake::check_hello(&hello, &self.identity)?;
+        self.pending_table().promote(id);
         let nonce = rand::random::<[u8; NONCE_LEN]>();
         let t = handshake::transcript(&hello, &nonce);
         let ch = Challenge {
@@ -250,6 +280,9 @@ impl AcceptCtx {
             )
             .into());
         }
+        // Authenticated: no longer a stranger's slot, so no longer evictable
+        // (an eviction between the claim and the Accept would lose the rank).
+        let _ = self.pending_table().remove(id);
         if !self.claim(hello.from) {
             return Err(Reject::new(
                 RejectCode::Duplicate,
@@ -272,6 +305,22 @@ impl AcceptCtx {
         }
     }
 
+    fn pending_table(&self) -> std::sync::MutexGuard<'_, PendingTable<CancellationToken>> {
+        self.pending.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Takes a handshake slot for a connection from `ip`, evicting older ones if
+    /// the table is full; returns the slot's id and the token that evicts it.
+    fn admit(&self, addr: SocketAddr) -> (u64, CancellationToken) {
+        let token = self.token.child_token();
+        let (id, evicted) = self.pending_table().admit(addr.ip(), token.clone());
+        for (victim, why) in evicted {
+            debug!(newcomer = %addr, local = %self.identity, reason = why.describe(), "evicting a pending handshake");
+            victim.cancel();
+        }
+        (id, token)
+    }
+
     fn last_refusal(&self) -> Option<(SocketAddr, Side, Reject)> {
         self.last_refusal
             .lock()
@@ -280,11 +329,151 @@ impl AcceptCtx {
     }
 }
 
-struct PendingGuard<'a>(&'a AtomicUsize);
+/// Frees a handshake slot when its task ends, however it ends.
+struct SlotGuard<'a> {
+    ctx: &'a AcceptCtx,
+    id: u64,
+}
 
-impl Drop for PendingGuard<'_> {
+impl Drop for SlotGuard<'_> {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
+        let _ = self.ctx.pending_table().remove(self.id);
+    }
+}
+
+/// Why a pending handshake was dropped to make room for a newcomer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Eviction {
+    /// The newcomer's source address was at its limit.
+    PerAddress,
+    /// Every slot was taken.
+    Full,
+}
+
+impl Eviction {
+    fn describe(self) -> &'static str {
+        match self {
+            Eviction::PerAddress => "too many handshakes in progress from this address",
+            Eviction::Full => "too many handshakes in progress",
+        }
+    }
+}
+
+/// The "source address" the per-address limit counts by: an IPv4 address (also
+/// when it arrives IPv4-mapped on a dual-stack listener), or the /64 prefix of an
+/// IPv6 address, since one host commonly holds a whole /64.
+pub(crate) fn source_key(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V4(_) => ip,
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => IpAddr::V6(std::net::Ipv6Addr::from(u128::from(v6) & !u128::from(u64::MAX))),
+        },
+    }
+}
+
+/// One pending inbound handshake.
+#[derive(Debug)]
+struct PendingEntry<T> {
+    id: u64,
+    ip: IpAddr,
+    /// Sent a complete, well-formed Hello for this world (still unauthenticated).
+    hello: bool,
+    payload: T,
+}
+
+/// The listener's inbound handshakes in progress (not yet authenticated), oldest
+/// first, and the admission policy: a newcomer always gets a slot. If its source
+/// address already holds `max_per_ip` slots, that address's oldest silent
+/// handshake goes (else its oldest); if all `max_total` slots are taken, the
+/// oldest silent handshake of the busiest address goes (else the oldest of the
+/// busiest address). "Silent" means no complete Hello yet: a member sends its
+/// Hello at once and is authenticated within a round trip, so it is the newest
+/// and the least likely victim, while strangers holding connections open are
+/// dropped first; and strangers on one address cannot displace other addresses'
+/// handshakes while any of their own remain. Pure (no I/O, no clock): `T` is what
+/// the caller needs to stop an evicted handshake.
+#[derive(Debug)]
+pub(crate) struct PendingTable<T> {
+    max_total: usize,
+    max_per_ip: usize,
+    next_id: u64,
+    entries: Vec<PendingEntry<T>>,
+}
+
+impl<T> PendingTable<T> {
+    /// An empty table; both limits are raised to at least 1.
+    pub(crate) fn new(max_total: usize, max_per_ip: usize) -> Self {
+        PendingTable {
+            max_total: max_total.max(1),
+            max_per_ip: max_per_ip.max(1),
+            next_id: 0,
+            entries: Vec::new(),
+        }
+    }
+
+    /// Number of handshakes holding a slot.
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    fn count(&self, ip: IpAddr) -> usize {
+        self.entries.iter().filter(|e| e.ip == ip).count()
+    }
+
+    /// Index of the entry to evict among those `eligible`: silent before
+    /// hello'd, then from the address with the most slots, then the oldest.
+    fn victim(&self, eligible: impl Fn(&PendingEntry<T>) -> bool) -> Option<usize> {
+        self.entries
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| eligible(e))
+            // min_by_key keeps the first (oldest) of equal keys.
+            .min_by_key(|(_, e)| (e.hello, std::cmp::Reverse(self.count(e.ip))))
+            .map(|(i, _)| i)
+    }
+
+    /// Admits a handshake from `ip`; returns its id and the payloads of the
+    /// handshakes evicted to make room, with the reason.
+    pub(crate) fn admit(&mut self, ip: IpAddr, payload: T) -> (u64, Vec<(T, Eviction)>) {
+        let ip = source_key(ip);
+        let mut evicted = Vec::new();
+        while self.count(ip) >= self.max_per_ip {
+            match self.victim(|e| e.ip == ip) {
+                Some(i) => evicted.push((self.entries.remove(i).payload, Eviction::PerAddress)),
+                None => break,
+            }
+        }
+        while self.entries.len() >= self.max_total {
+            match self.victim(|_| true) {
+                Some(i) => evicted.push((self.entries.remove(i).payload, Eviction::Full)),
+                None => break,
+            }
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        self.entries.push(PendingEntry {
+            id,
+            ip,
+            hello: false,
+            payload,
+        });
+        (id, evicted)
+    }
+
+    /// Notes that handshake `id` sent a complete, well-formed Hello.
+    pub(crate) fn promote(&mut self, id: u64) {
+        if let Some(e) = self.entries.iter_mut().find(|e| e.id == id) {
+            e.hello = true;
+        }
+    }
+
+    /// Frees the slot of handshake `id` (finished, failed or authenticated);
+    /// returns its payload, or `None` if it is gone (evicted or removed).
+    pub(crate) fn remove(&mut self, id: u64) -> Option<T> {
+        let i = self.entries.iter().position(|e| e.id == id)?;
+        Some(self.entries.remove(i).payload)
     }
 }
 
@@ -306,24 +495,27 @@ async fn accept_loop(listener: TcpListener, ctx: Arc<AcceptCtx>) {
                 }
             }
         };
-        if ctx.pending.fetch_add(1, Ordering::Relaxed) >= ctx.max_pending {
-            ctx.pending.fetch_sub(1, Ordering::Relaxed);
-            ctx.note_refusal(
-                addr,
-                Side::Local,
-                &Reject::new(RejectCode::Busy, "too many handshakes in progress"),
-            );
-            continue;
-        }
+        let since = Instant::now();
+        let (id, evict) = ctx.admit(addr);
         let ctx2 = Arc::clone(&ctx);
         ctx.tracker.spawn(async move {
             let ctx = ctx2;
-            let _pending = PendingGuard(&ctx.pending);
+            let _slot = SlotGuard { ctx: &ctx, id };
             let _ = stream.set_nodelay(true);
             let outcome = tokio::select! {
                 biased;
-                _ = ctx.token.cancelled() => return,
-                r = tokio::time::timeout(ctx.handshake_timeout, ctx.serve(&mut stream)) => r,
+                _ = evict.cancelled() => {
+                    if !ctx.token.is_cancelled() {
+                        let r = Reject::new(
+                            RejectCode::Busy,
+                            "dropped to make room for a newer connection: too many handshakes in progress",
+                        );
+                        ctx.note_refusal(addr, Side::Local, &r);
+                        let _ = stream.try_write(&r.for_the_wire().encode());
+                    }
+                    return;
+                }
+                r = tokio::time::timeout(ctx.handshake_timeout, ctx.serve(&mut stream, id, since)) => r,
             };
             match outcome {
                 Ok(Ok(rank)) => {
@@ -375,31 +567,99 @@ fn new_socket(addr: &SocketAddr, buffer: Option<u32>) -> io::Result<TcpSocket> {
     Ok(s)
 }
 
+/// Whether a failed connection attempt is worth retrying before the join
+/// deadline: the peer is (re)starting, or its listener dropped or refused us for
+/// being busy or slow (e.g. while strangers crowd it). Anything that says the
+/// peer is the wrong one (wrong secret, world, generation, rank, a duplicate) is
+/// final.
+pub(crate) fn is_transient(e: &Error) -> bool {
+    match e {
+        Error::Io { source, .. } => matches!(
+            source.kind(),
+            io::ErrorKind::ConnectionRefused
+                | io::ErrorKind::ConnectionReset
+                | io::ErrorKind::ConnectionAborted
+                | io::ErrorKind::UnexpectedEof
+                | io::ErrorKind::BrokenPipe
+                | io::ErrorKind::TimedOut
+        ),
+        Error::Refused {
+            side: Side::Remote,
+            code: RejectCode::Busy | RejectCode::Timeout,
+            ..
+        } => true,
+        Error::Timeout { .. } => true,
+        _ => false,
+    }
+}
+
+/// Longest pause between two connection attempts.
+const MAX_BACKOFF: Duration = Duration::from_millis(200);
+
+/// One connection attempt: connect, then the handshake.
+async fn connect_once(
+    addr: SocketAddr,
+    identity: &Identity,
+    to: Rank,
+    secret: &[u8],
+    buffer: Option<u32>,
+) -> Result<TcpStream> {
+    let sock = new_socket(&addr, buffer).map_err(|e| Error::io("creating socket", e))?;
+    let mut stream = sock
+        .connect(addr)
+        .await
+        .map_err(|e| Error::io("connecting to peer", e))?;
+    configure(&stream).map_err(|e| Error::io("configuring socket", e))?;
+    client_handshake(&mut stream, identity, to, secret, addr).await?;
+    Ok(stream)
+}
+
+/// Connects to rank `to` at `addr`, retrying transient failures ([`is_transient`])
+/// with jittered exponential backoff until `deadline`; each attempt is bounded by
+/// `attempt_timeout`. On the deadline, returns the last failure.
 async fn connect_peer(
     addr: SocketAddr,
     identity: Identity,
     to: Rank,
     secret: Arc<[u8]>,
     buffer: Option<u32>,
+    deadline: Instant,
+    attempt_timeout: Duration,
 ) -> Result<(Rank, TcpStream)> {
     let mut backoff = Duration::from_millis(5);
-    let mut stream = loop {
-        let sock = new_socket(&addr, buffer).map_err(|e| Error::io("creating socket", e))?;
-        match sock.connect(addr).await {
-            Ok(s) => break s,
-            // The address is published after the listener is bound, so refusals are
-            // rare (a restarted peer); retry until the join deadline cuts us off.
-            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
-                debug!(%addr, to = %to, "connection refused, retrying");
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_millis(200));
+    let mut attempts = 0u32;
+    loop {
+        attempts += 1;
+        let left = deadline.saturating_duration_since(Instant::now());
+        let bound = attempt_timeout.min(left);
+        let err = match tokio::time::timeout(bound, connect_once(addr, &identity, to, &secret, buffer)).await
+        {
+            Ok(Ok(stream)) => {
+                if attempts > 1 {
+                    debug!(%addr, to = %to, attempts, "connected after retrying");
+                }
+                return Ok((to, stream));
             }
-            Err(e) => return Err(Error::io("connecting to peer", e)),
+            Ok(Err(e)) => e,
+            Err(_) => Error::Timeout {
+                op: "handshake",
+                after: bound,
+            },
+        };
+        if !is_transient(&err) {
+            return Err(err);
         }
-    };
-    configure(&stream).map_err(|e| Error::io("configuring socket", e))?;
-    client_handshake(&mut stream, &identity, to, &secret, addr).await?;
-    Ok((to, stream))
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(err);
+        }
+        debug!(%addr, to = %to, attempts, error = %err, "connection attempt failed, retrying");
+        // Jitter (50-100% of the backoff) keeps members that were turned away
+        // together from coming back together.
+        let pause = backoff.mul_f64(0.5 + rand::random::<f64>() / 2.0).min(left);
+        tokio::time::sleep(pause).await;
+        backoff = (backoff * 2).min(MAX_BACKOFF);
+    }
 }
 
 /// Binds, publishes, connects and accepts until every peer is connected or the
@@ -439,10 +699,13 @@ pub(crate) async fn build(
         identity: identity.clone(),
         secret: Arc::clone(&secret),
         handshake_timeout: cfg.handshake_timeout,
+        hello_timeout: cfg.hello_timeout,
         claimed: Mutex::new(claimed),
         established: est_tx,
-        pending: AtomicUsize::new(0),
-        max_pending: cfg.max_pending_handshakes,
+        pending: Mutex::new(PendingTable::new(
+            cfg.max_pending_handshakes,
+            cfg.max_pending_per_ip,
+        )),
         rejected,
         last_refusal: Mutex::new(None),
         token: token.clone(),
@@ -483,6 +746,8 @@ pub(crate) async fn build(
             p,
             Arc::clone(&secret),
             cfg.socket_buffer_size,
+            deadline,
+            cfg.handshake_timeout,
         ));
     }
 
@@ -551,5 +816,116 @@ mod tests {
             "{k}"
         );
         assert_ne!(k, addr_key(&w, Generation(8), Rank(1)));
+    }
+
+    fn ip(last: u8) -> IpAddr {
+        IpAddr::from([10, 0, 0, last])
+    }
+
+    #[test]
+    fn a_newcomer_is_never_refused_and_evicts_its_own_address_oldest_first() {
+        let mut t = PendingTable::new(64, 3);
+        for i in 0..3 {
+            let (_, ev) = t.admit(ip(1), i);
+            assert!(ev.is_empty());
+        }
+        // The fourth from the same address displaces that address's oldest.
+        let (_, ev) = t.admit(ip(1), 3);
+        assert_eq!(ev, vec![(0, Eviction::PerAddress)]);
+        assert_eq!(t.len(), 3);
+        // Another address is not affected by the first one's limit.
+        let (_, ev) = t.admit(ip(2), 10);
+        assert!(ev.is_empty());
+        assert_eq!(t.len(), 4);
+    }
+
+    #[test]
+    fn silent_handshakes_go_before_those_that_sent_a_hello() {
+        let mut t = PendingTable::new(64, 3);
+        let (a, _) = t.admit(ip(1), "a");
+        let (_, _) = t.admit(ip(1), "b");
+        let (_, _) = t.admit(ip(1), "c");
+        t.promote(a);
+        let (_, ev) = t.admit(ip(1), "d");
+        assert_eq!(
+            ev,
+            vec![("b", Eviction::PerAddress)],
+            "the oldest silent one, not the hello'd one"
+        );
+        // When every one sent a hello, the oldest goes.
+        let mut t = PendingTable::new(64, 2);
+        let (a, _) = t.admit(ip(1), "a");
+        let (b, _) = t.admit(ip(1), "b");
+        t.promote(a);
+        t.promote(b);
+        assert_eq!(t.admit(ip(1), "c").1, vec![("a", Eviction::PerAddress)]);
+    }
+
+    #[test]
+    fn when_full_the_busiest_address_pays() {
+        let mut t = PendingTable::new(4, 3);
+        let (_, _) = t.admit(ip(9), "member"); // oldest, alone on its address
+        for s in ["x1", "x2", "x3"] {
+            assert!(t.admit(ip(1), s).1.is_empty());
+        }
+        let (_, ev) = t.admit(ip(2), "newcomer");
+        assert_eq!(
+            ev,
+            vec![("x1", Eviction::Full)],
+            "the member on a quiet address stays"
+        );
+        assert_eq!(t.len(), 4);
+    }
+
+    #[test]
+    fn removal_frees_slots_and_tolerates_evicted_ids() {
+        let mut t = PendingTable::new(1, 1);
+        let (a, _) = t.admit(ip(1), 1);
+        let (b, ev) = t.admit(ip(2), 2);
+        assert_eq!(ev, vec![(1, Eviction::Full)]);
+        assert_eq!(t.remove(a), None, "already evicted");
+        assert_eq!(t.remove(b), Some(2));
+        assert_eq!(t.len(), 0);
+        assert!(t.admit(ip(1), 3).1.is_empty());
+        // Zero limits are raised to one rather than refusing everyone.
+        let mut z = PendingTable::new(0, 0);
+        assert!(z.admit(ip(1), ()).1.is_empty());
+        assert_eq!(z.admit(ip(1), ()).1.len(), 1);
+    }
+
+    #[test]
+    fn an_ipv6_host_counts_as_its_64_prefix() {
+        let a: IpAddr = "2001:db8:1:2::1".parse().unwrap();
+        let b: IpAddr = "2001:db8:1:2:ffff::7".parse().unwrap();
+        let other: IpAddr = "2001:db8:1:3::1".parse().unwrap();
+        assert_eq!(source_key(a), source_key(b));
+        assert_ne!(source_key(a), source_key(other));
+        let mapped: IpAddr = "::ffff:10.0.0.1".parse().unwrap();
+        assert_eq!(source_key(mapped), ip(1));
+        let mut t = PendingTable::new(64, 1);
+        assert!(t.admit(a, 1).1.is_empty());
+        assert_eq!(t.admit(b, 2).1, vec![(1, Eviction::PerAddress)]);
+        assert!(t.admit(other, 3).1.is_empty());
+    }
+
+    #[test]
+    fn only_busy_refused_reset_and_slow_attempts_are_retried() {
+        let io = |k| Error::io("connecting to peer", io::Error::from(k));
+        assert!(is_transient(&io(io::ErrorKind::ConnectionRefused)));
+        assert!(is_transient(&io(io::ErrorKind::ConnectionReset)));
+        assert!(is_transient(&io(io::ErrorKind::UnexpectedEof)));
+        assert!(!is_transient(&io(io::ErrorKind::PermissionDenied)));
+        let refused = |side, code| Error::Refused {
+            addr: "127.0.0.1:1".parse().unwrap(),
+            side,
+            code,
+            detail: Arc::from("x"),
+        };
+        assert!(is_transient(&refused(Side::Remote, RejectCode::Busy)));
+        assert!(is_transient(&refused(Side::Remote, RejectCode::Timeout)));
+        assert!(!is_transient(&refused(Side::Remote, RejectCode::Auth)));
+        assert!(!is_transient(&refused(Side::Remote, RejectCode::Duplicate)));
+        assert!(!is_transient(&refused(Side::Local, RejectCode::Auth)));
+        assert!(!is_transient(&Error::invalid("x")));
     }
 }

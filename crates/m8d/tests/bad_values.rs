@@ -1,0 +1,116 @@
+//! Bad command-line values are usage errors: the built `m8d` exits 2 at once
+//! with a message that names the flag and what is wrong, never a panic (exit
+//! 101, "cannot convert float seconds to Duration") and never a connect that
+//! retries a malformed address for the whole timeout.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// How long one rejected command line may take (it should take milliseconds).
+const LIMIT: Duration = Duration::from_secs(2);
+
+/// Runs m8d with `args`, killing it after [`LIMIT`]; returns exit code, stderr
+/// and how long it ran.
+fn run(args: &[&str]) -> (Option<i32>, String, Duration) {
+    let start = Instant::now();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_m8d"))
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawning m8d");
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if start.elapsed() > LIMIT {
+            // Our own child, by its handle.
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("m8d {args:?} still running after {LIMIT:?}");
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    let took = start.elapsed();
+    let mut err = String::new();
+    use std::io::Read;
+    child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    (status.code(), err, took)
+}
+
+/// Asserts that `args` is refused as a usage error mentioning `flag` and `why`.
+fn refused(args: &[&str], flag: &str, why: &str) {
+    let (code, err, took) = run(args);
+    println!(
+        "m8d {args:?}: exit {code:?} in {took:?}: {}",
+        err.lines().next().unwrap_or("")
+    );
+    assert!(!err.contains("panicked"), "m8d {args:?} panicked: {err}");
+    assert_eq!(
+        code,
+        Some(2),
+        "m8d {args:?}: expected a usage error, got {code:?}: {err}"
+    );
+    assert!(
+        err.contains(flag),
+        "m8d {args:?}: stderr does not name {flag}: {err}"
+    );
+    assert!(
+        err.contains(why),
+        "m8d {args:?}: stderr does not say {why:?}: {err}"
+    );
+}
+
+#[test]
+fn durations_out_of_range_are_usage_errors() {
+    refused(
+        &["kv", "--world", "w", "get", "k", "--timeout", "1e30"],
+        "--timeout",
+        "too long",
+    );
+    refused(
+        &["kv", "--world", "w", "wait", "k", "--timeout", "inf"],
+        "--timeout",
+        "finite",
+    );
+    refused(
+        &["kv", "--connect-timeout", "1e30", "--world", "w", "ping"],
+        "--connect-timeout",
+        "too long",
+    );
+    refused(&["demo", "--after=-1"], "--after", "negative");
+    refused(&["demo", "--after", "nan"], "--after", "finite");
+    refused(&["demo", "--after", "-1"], "--after", "negative");
+    refused(&["demo", "--then", "soon"], "--then", "not a number");
+    refused(
+        &["launch", "--nproc", "1", "--grace=-1", "--", "true"],
+        "--grace",
+        "negative",
+    );
+    refused(
+        &["bench", "worlds", "--seconds", "1e300"],
+        "--seconds",
+        "too long",
+    );
+    refused(&["bench", "failover", "--window", "-2"], "--window", "negative");
+}
+
+#[test]
+fn malformed_addresses_are_usage_errors() {
+    for (addr, why) in [
+        ("127.0.0.1", "no port"),
+        ("127.0.0.1:abc", "bad port"),
+        ("127.0.0.1:99999", "bad port"),
+        ("127.0.0.1:0", "bad port"),
+        ("::1:29400", "brackets"),
+    ] {
+        refused(&["kv", "--addr", addr, "--world", "w", "ping"], "--addr", why);
+    }
+    refused(
+        &["worker", "--world", "w", "--store", "127.0.0.1:abc"],
+        "--store",
+        "bad port",
+    );
+}
