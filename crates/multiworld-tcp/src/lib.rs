@@ -55,7 +55,7 @@ mod mesh;
 pub use comm::{
     Communicator, Health, HealthEvent, PeerLiveness, PeerStats, Received, RecvHandle, SendHandle,
 };
-pub use config::{CommConfig, DEFAULT_RECV_SPIN};
+pub use config::{CommConfig, DEFAULT_HELLO_TIMEOUT, DEFAULT_RECV_SPIN};
 pub use error::{Error, MessageDesc, Result, Side};
 pub use frame::FrameLimits;
 pub use handshake::RejectCode;

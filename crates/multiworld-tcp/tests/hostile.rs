@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use multiworld_tcp::config::DEFAULT_HELLO_TIMEOUT;
+use multiworld_tcp::DEFAULT_HELLO_TIMEOUT;
 use multiworld_tcp::handshake::{HANDSHAKE_MAGIC, Reject, RejectCode};
 use multiworld_tcp::mesh::addr_key;
 use multiworld_tcp::{
