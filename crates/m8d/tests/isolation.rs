@@ -289,13 +289,17 @@ async fn a_rank_killed_mid_collective_fails_every_survivor_without_partial_resul
             [elements],
         )
         .unwrap();
-        let handle = group.all_reduce_handle(t, multiworld::ReduceOp::Sum);
+        // Rank 2 dies inside its round-5 call (its loop starts every call at
+        // once, so it is waiting in it for this rank). Killed before this
+        // rank's call starts, not after: a call started first can finish on a
+        // fast machine before the signal lands, with rank 2's full (correct)
+        // contribution, which would test nothing.
         let killed_at = (round == 5).then(|| {
-            // Rank 2 dies with this collective in flight.
             let at = Instant::now();
             two.kill().unwrap();
             at
         });
+        let handle = group.all_reduce_handle(t, multiworld::ReduceOp::Sum);
         match handle.wait().await {
             Ok(t) => {
                 let want = m8d::stream::all_reduce_sum(3, round);
