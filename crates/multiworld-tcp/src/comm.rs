@@ -1467,6 +1467,17 @@ impl Future for SendHandle {
     }
 }
 
+/// A receive that failed, with the caller's buffer given back (see
+/// [`RecvHandle::wait_timeout`]).
+#[derive(Debug)]
+pub struct RecvFailed {
+    /// Why: [`Error::Timeout`] when the call's deadline passed first.
+    pub error: Error,
+    /// The buffer the receive was posted with (its contents are unspecified
+    /// after a failure).
+    pub buffer: Tensor,
+}
+
 /// Handle of an [`Communicator::irecv`]. Await it (it is a `Future`) or call
 /// [`RecvHandle::wait`]. Dropping it cancels the receive cleanly.
 #[must_use = "dropping a RecvHandle cancels the receive"]
@@ -1507,8 +1518,40 @@ impl RecvHandle {
         Some(buf)
     }
 
+    /// Waits for the message at most `after`, a deadline of this call alone
+    /// (beside the communicator's `op_timeout`). Every failure gives the
+    /// caller's buffer back ([`RecvFailed`]): when the deadline passes before
+    /// the message started arriving, the receive is cancelled and the error is
+    /// [`Error::Timeout`]; a message already arriving then is waited for (its
+    /// transfer ends when the last byte lands or the peer is lost).
+    pub async fn wait_timeout(mut self, after: Duration) -> std::result::Result<Received, RecvFailed> {
+        let done = match tokio::time::timeout(after, poll_fn(|cx| self.poll_done(cx))).await {
+            Ok(done) => done,
+            Err(_) => match self.cancel() {
+                Some(buffer) => {
+                    return Err(RecvFailed {
+                        error: Error::Timeout { op: "irecv", after },
+                        buffer,
+                    });
+                }
+                None => poll_fn(|cx| self.poll_done(cx)).await,
+            },
+        };
+        match done.result {
+            Ok(src) => Ok(Received {
+                src,
+                tensor: done.buf,
+            }),
+            Err(error) => Err(RecvFailed {
+                error,
+                buffer: done.buf,
+            }),
+        }
+    }
+
     /// Waits for the message, at most the configured `op_timeout` (after which the
-    /// receive is cancelled and [`Error::Timeout`] returned).
+    /// receive is cancelled and [`Error::Timeout`] returned; the buffer is
+    /// dropped; [`RecvHandle::wait_timeout`] gives it back).
     pub async fn wait(self) -> Result<Received> {
         match self.inner.cfg.op_timeout {
             None => self.await,

@@ -380,3 +380,47 @@ async fn many_early_small_messages_apply_backpressure() {
     };
     tokio::join!(sender, receiver);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_per_call_receive_deadline_gives_the_buffer_back() {
+    init_tracing();
+    // No op_timeout on these communicators: only the call's own deadline.
+    let (a, b) = pair("p2p-wait-timeout").await;
+    let buf = Tensor::from(vec![5u32; 16]);
+    let ptr = buf.as_bytes().as_ptr();
+    let started = std::time::Instant::now();
+    let failed = b
+        .irecv(Rank(0), Tag(1), buf)
+        .wait_timeout(Duration::from_millis(50))
+        .await
+        .unwrap_err();
+    assert!(started.elapsed() >= Duration::from_millis(50));
+    assert!(
+        matches!(failed.error, Error::Timeout { op: "irecv", .. }),
+        "{}",
+        failed.error
+    );
+    assert_eq!(
+        failed.buffer.as_bytes().as_ptr(),
+        ptr,
+        "the same allocation comes back"
+    );
+    assert_eq!(failed.buffer.as_slice::<u32>().unwrap(), &[5; 16]);
+    // The receive was cancelled: a message sent now goes to the next receive,
+    // which the deadline does not disturb when the message is in time.
+    a.send(Rank(1), Tag(1), &[7u32; 16][..]).await.unwrap();
+    let got = b
+        .irecv(Rank(0), Tag(1), failed.buffer)
+        .wait_timeout(Duration::from_secs(30))
+        .await
+        .unwrap();
+    assert_eq!(got.src, Rank(0));
+    assert_eq!(got.tensor.as_bytes().as_ptr(), ptr);
+    assert_eq!(got.tensor.as_slice::<u32>().unwrap(), &[7; 16]);
+    // Any other failure gives the buffer back too: the peer goes away.
+    let pending = b.irecv(Rank(0), Tag(2), got.tensor);
+    a.abort();
+    let failed = pending.wait_timeout(Duration::from_secs(30)).await.unwrap_err();
+    assert!(!matches!(failed.error, Error::Timeout { .. }), "{}", failed.error);
+    assert_eq!(failed.buffer.as_bytes().as_ptr(), ptr);
+}
