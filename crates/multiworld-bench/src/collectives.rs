@@ -440,20 +440,6 @@ fn raw_ring(n: usize, bytes: usize) -> Result<f64> {
     Ok(t0.elapsed().as_secs_f64())
 }
 
-fn runtime(kind: RankRuntime) -> Result<tokio::runtime::Runtime> {
-    let mut b = match kind {
-        RankRuntime::CurrentThread => tokio::runtime::Builder::new_current_thread(),
-        RankRuntime::MultiThread(n) => {
-            let mut b = tokio::runtime::Builder::new_multi_thread();
-            b.worker_threads(n.max(1));
-            b
-        }
-    };
-    b.enable_all()
-        .build()
-        .map_err(|e| Error::io("building a runtime", e))
-}
-
 fn run_world(cfg: &CollectivesBenchConfig, n: u32) -> Result<Vec<BenchRow>> {
     let rdv = MemoryRendezvous::new();
     let world = WorldName::new(format!("bench-collectives-{n}"))?;
@@ -465,7 +451,7 @@ fn run_world(cfg: &CollectivesBenchConfig, n: u32) -> Result<Vec<BenchRow>> {
         let (cfg, rdv, done) = (cfg.clone(), rdv.clone(), Arc::clone(&done));
         let ccfg = CommConfig::new(world.clone(), Generation(1), Rank(r), n);
         threads.push(std::thread::spawn(move || -> Result<Vec<BenchRow>> {
-            runtime(cfg.runtime)?.block_on(async move {
+            cfg.runtime.build()?.block_on(async move {
                 let comm = Arc::new(Communicator::join(ccfg, &rdv).await?);
                 let g = Group::world(&comm).with_config(cfg.collective.clone());
                 let out = rank_main(&g, &cfg).await;

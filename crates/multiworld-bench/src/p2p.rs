@@ -277,18 +277,21 @@ fn half_rtt_us(rounds: usize, t: Duration) -> f64 {
     t.as_secs_f64() * 1e6 / (2.0 * rounds as f64)
 }
 
-fn runtime(kind: RankRuntime) -> Result<tokio::runtime::Runtime> {
-    let mut b = match kind {
-        RankRuntime::CurrentThread => tokio::runtime::Builder::new_current_thread(),
-        RankRuntime::MultiThread(n) => {
-            let mut b = tokio::runtime::Builder::new_multi_thread();
-            b.worker_threads(n.max(1));
-            b
-        }
-    };
-    b.enable_all()
-        .build()
-        .map_err(|e| Error::io("building a runtime", e))
+impl RankRuntime {
+    /// Builds the runtime one rank runs on (shared by every benchmark here).
+    pub(crate) fn build(self) -> Result<tokio::runtime::Runtime> {
+        let mut b = match self {
+            RankRuntime::CurrentThread => tokio::runtime::Builder::new_current_thread(),
+            RankRuntime::MultiThread(n) => {
+                let mut b = tokio::runtime::Builder::new_multi_thread();
+                b.worker_threads(n.max(1));
+                b
+            }
+        };
+        b.enable_all()
+            .build()
+            .map_err(|e| Error::io("building a runtime", e))
+    }
 }
 
 fn join_thread<T>(h: std::thread::JoinHandle<Result<T>>) -> Result<T> {
@@ -319,7 +322,7 @@ fn comm_run(cfg: &P2pBenchConfig) -> Result<CommRun> {
             ccfg.recv_spin = spin;
         }
         handles.push(std::thread::spawn(move || -> Result<CommRun> {
-            runtime(cfg.runtime)?.block_on(async move {
+            cfg.runtime.build()?.block_on(async move {
                 let comm = Communicator::join(ccfg, &rdv).await?;
                 let out = if r == 0 {
                     rank0(&comm, &cfg).await
@@ -487,7 +490,7 @@ fn raw_tokio_pingpong(cfg: &P2pBenchConfig) -> Result<f64> {
     let (bytes, rounds, kind) = (cfg.pingpong_bytes, cfg.pingpong_rounds, cfg.runtime);
     let warm = rounds.min(200);
     let echo = std::thread::spawn(move || -> Result<f64> {
-        runtime(kind)?.block_on(async move {
+        kind.build()?.block_on(async move {
             let mut b = tokio::net::TcpStream::from_std(b).map_err(io("raw tokio"))?;
             let mut buf = vec![0u8; bytes];
             for _ in 0..warm + rounds {
@@ -497,7 +500,7 @@ fn raw_tokio_pingpong(cfg: &P2pBenchConfig) -> Result<f64> {
             Ok(0.0)
         })
     });
-    let us = runtime(kind)?.block_on(async move {
+    let us = kind.build()?.block_on(async move {
         let mut a = tokio::net::TcpStream::from_std(a).map_err(io("raw tokio"))?;
         let mut buf = vec![0u8; bytes];
         let mut start = Instant::now();

@@ -73,14 +73,6 @@ fn is_complete_result(t: &Tensor) -> bool {
     t.as_slice::<f32>().unwrap().iter().all(|&x| x == want)
 }
 
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap()
-}
-
 fn now_nanos() -> u128 {
     SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_nanos()
 }

@@ -14,14 +14,6 @@ const CHILD_ENV: &str = "MW_TCP_SIGKILL_CHILD_DIR";
 const CHILD_TEST: &str = "sigkill_child_peer";
 const SIZE: usize = 128 << 20;
 
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap()
-}
-
 /// Kills the child if the test fails before it does.
 struct ChildGuard(Child);
 

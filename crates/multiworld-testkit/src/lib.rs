@@ -35,6 +35,16 @@ pub fn init_tracing() {
         .try_init();
 }
 
+/// The runtime a test process (or a child rank it re-executes) runs on:
+/// two worker threads, as on the project's machine.
+pub fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
 /// A world name (panics on an invalid one).
 pub fn world(name: &str) -> WorldName {
     WorldName::new(name).unwrap()

@@ -16,10 +16,6 @@ impl InvalidArgument {
         InvalidArgument(Arc::from(msg.into()))
     }
 
-    pub(crate) fn invalid(msg: impl Into<String>) -> Self {
-        Self::new(msg)
-    }
-
     /// The message, without the "invalid argument" prefix.
     pub fn message(&self) -> &Arc<str> {
         &self.0

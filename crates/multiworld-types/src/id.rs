@@ -80,16 +80,16 @@ impl WorldName {
     pub fn new(name: impl AsRef<str>) -> Result<Self, Error> {
         let name = name.as_ref();
         if name.is_empty() {
-            return Err(Error::invalid("world name is empty"));
+            return Err(Error::new("world name is empty"));
         }
         if name.len() > MAX_WORLD_NAME_LEN {
-            return Err(Error::invalid(format!(
+            return Err(Error::new(format!(
                 "world name is {} bytes, the limit is {MAX_WORLD_NAME_LEN}",
                 name.len()
             )));
         }
         if name.chars().any(char::is_control) {
-            return Err(Error::invalid("world name contains a control character"));
+            return Err(Error::new("world name contains a control character"));
         }
         Ok(WorldName(Arc::from(name)))
     }

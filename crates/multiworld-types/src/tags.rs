@@ -51,7 +51,7 @@ pub const fn runtime_tag(n: u32) -> Tag {
 /// Refuses internal tags for user point-to-point traffic.
 pub fn check_user_tag(tag: Tag) -> Result<()> {
     if is_internal_tag(tag) {
-        return Err(Error::invalid(format!(
+        return Err(Error::new(format!(
             "tag {:#x} has the top bit set; tags >= 2^31 are reserved for collectives",
             tag.0
         )));

@@ -376,7 +376,7 @@ fn numel_of(shape: &[usize]) -> Result<usize> {
     shape
         .iter()
         .try_fold(1usize, |acc, &d| acc.checked_mul(d))
-        .ok_or_else(|| Error::invalid(format!("shape {shape:?} overflows usize")))
+        .ok_or_else(|| Error::new(format!("shape {shape:?} overflows usize")))
 }
 
 impl Tensor {
@@ -386,7 +386,7 @@ impl Tensor {
         let shape = shape.into();
         let n = numel_of(&shape)?;
         if n != data.len() {
-            return Err(Error::invalid(format!(
+            return Err(Error::new(format!(
                 "shape {shape:?} has {n} elements but the data has {}",
                 data.len()
             )));
@@ -402,7 +402,7 @@ impl Tensor {
         let shape = shape.into();
         let n = numel_of(&shape)?;
         n.checked_mul(dtype.size())
-            .ok_or_else(|| Error::invalid(format!("shape {shape:?} overflows usize bytes")))?;
+            .ok_or_else(|| Error::new(format!("shape {shape:?} overflows usize bytes")))?;
         Ok(Tensor {
             shape,
             storage: Storage::zeros(dtype, n),
@@ -414,7 +414,7 @@ impl Tensor {
     pub fn from_bytes(dtype: DType, shape: impl Into<Vec<usize>>, bytes: &[u8]) -> Result<Self> {
         let mut t = Tensor::zeros(dtype, shape)?;
         if t.nbytes() != bytes.len() {
-            return Err(Error::invalid(format!(
+            return Err(Error::new(format!(
                 "{} bytes do not fit {:?} of {dtype} ({} bytes)",
                 bytes.len(),
                 t.shape,
@@ -422,7 +422,7 @@ impl Tensor {
             )));
         }
         if dtype == DType::Bool && !valid_bool_bytes(bytes) {
-            return Err(Error::invalid("bool bytes must be 0 or 1"));
+            return Err(Error::new("bool bytes must be 0 or 1"));
         }
         t.storage.bytes_mut().copy_from_slice(bytes);
         Ok(t)
@@ -458,7 +458,7 @@ impl Tensor {
         let shape = shape.into();
         let n = numel_of(&shape)?;
         if n != self.numel() {
-            return Err(Error::invalid(format!(
+            return Err(Error::new(format!(
                 "cannot reshape {:?} ({} elements) to {shape:?} ({n} elements)",
                 self.shape,
                 self.numel()
@@ -535,7 +535,7 @@ impl Tensor {
 }
 
 fn wrong_type(have: DType, wanted: DType) -> Error {
-    Error::invalid(format!("tensor holds {have}, not {wanted}"))
+    Error::new(format!("tensor holds {have}, not {wanted}"))
 }
 
 impl<T: Element> From<Vec<T>> for Tensor {
@@ -562,13 +562,13 @@ impl<'a> TensorView<'a> {
     /// a `bool` byte is not 0 or 1.
     pub fn from_bytes(dtype: DType, bytes: &'a [u8]) -> Result<Self> {
         if bytes.len() % dtype.size() != 0 {
-            return Err(Error::invalid(format!(
+            return Err(Error::new(format!(
                 "{} bytes is not a whole number of {dtype} elements",
                 bytes.len()
             )));
         }
         if dtype == DType::Bool && !valid_bool_bytes(bytes) {
-            return Err(Error::invalid("bool bytes must be 0 or 1"));
+            return Err(Error::new("bool bytes must be 0 or 1"));
         }
         Ok(TensorView { dtype, bytes })
     }
