@@ -812,7 +812,7 @@ async fn single_world_rate(
         children.push(m8d::fleet::ChildProcess::new(child));
     }
     let world = leader
-        .join(multiworld::WorldConfig::new("single", 0, size, &store))
+        .join(multiworld::WorldConfig::new("single", 0, size, &store)?)
         .await?;
     let stop = Arc::new(AtomicBool::new(false));
     let stats: Vec<Arc<StreamStats>> = (0..k).map(|_| Arc::new(StreamStats::default())).collect();
@@ -973,8 +973,8 @@ async fn join(args: JoinArgs) -> anyhow::Result<()> {
         let name = format!("join-{i}");
         let started = Instant::now();
         let (a, b) = tokio::join!(
-            leader.join(WorldConfig::new(&name, 0, 2, &store)),
-            worker.join(WorldConfig::new(&name, 1, 2, &store)),
+            leader.join(WorldConfig::new(&name, 0, 2, &store)?),
+            worker.join(WorldConfig::new(&name, 1, 2, &store)?),
         );
         let took = started.elapsed();
         let (a, b) = (a?, b?);

@@ -16,7 +16,7 @@ use std::{
 use anyhow::Context;
 use clap::{Args, ValueEnum};
 use m8d::fleet::{Fleet, FleetConfig};
-use multiworld::WorldState;
+use multiworld::{Generation, WorldState};
 
 /// Which fault the demo injects.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -56,7 +56,7 @@ struct Table {
     tty: bool,
     drawn: usize,
     /// Per member: generation, messages and bytes at the previous draw.
-    last: Vec<(u64, u64, u64)>,
+    last: Vec<(Generation, u64, u64)>,
     at: Instant,
 }
 

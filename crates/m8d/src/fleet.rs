@@ -134,7 +134,7 @@ impl Fleet {
         for i in 0..fleet.config.workers {
             let name = format!("w{}", i + 1);
             let process = fleet.spawn_worker(&name)?;
-            let (leader, cfg) = (fleet.leader.clone(), fleet.world_config(&name));
+            let (leader, cfg) = (fleet.leader.clone(), fleet.world_config(&name)?);
             pending.push((name, process, tokio::spawn(async move { leader.join(cfg).await })));
         }
         for (name, process, join) in pending {
@@ -148,10 +148,10 @@ impl Fleet {
         Ok(fleet)
     }
 
-    fn world_config(&self, name: &str) -> WorldConfig {
-        let mut c = WorldConfig::new(name, 0, 2, &self.store);
+    fn world_config(&self, name: &str) -> anyhow::Result<WorldConfig> {
+        let mut c = WorldConfig::new(name, 0, 2, &self.store)?;
         c.join_timeout = self.config.join_timeout;
-        c
+        Ok(c)
     }
 
     fn spawn_worker(&self, name: &str) -> anyhow::Result<ChildProcess> {
@@ -248,7 +248,7 @@ impl Fleet {
         let process = self.spawn_worker(&name)?;
         let world = self
             .leader
-            .join(self.world_config(&name))
+            .join(self.world_config(&name)?)
             .await
             .with_context(|| format!("re-joining {name}"))?;
         self.members[i] = self.member(name, process, world);

@@ -151,7 +151,7 @@ pub async fn request_end(world: &World, sender: Rank) -> Result<(), WorldError> 
 /// `Err` if the world ends first.
 pub async fn end_requested(world: &World, leader: Rank) -> Result<(), WorldError> {
     let mut buf = Tensor::zeros(DType::U8, [1]).map_err(|e| WorldError::InvalidArgument {
-        world: world.name().to_string(),
+        world: world.name().clone(),
         detail: e.to_string(),
     })?;
     world.recv(leader, CONTROL_TAG, &mut buf).await
@@ -228,7 +228,7 @@ pub async fn receive_stream(
         Ok(t) => t,
         Err(e) => {
             let err = WorldError::InvalidArgument {
-                world: world.name().to_string(),
+                world: world.name().clone(),
                 detail: e.to_string(),
             };
             return Some((err, Instant::now()));

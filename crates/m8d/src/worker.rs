@@ -73,9 +73,9 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         "rank 0 is the leader; a worker needs another rank"
     );
     let manager = WorldManager::default();
-    let mut config = WorldConfig::new(&args.world, args.rank, args.size, &args.store);
+    let mut config = WorldConfig::new(&args.world, args.rank, args.size, &args.store)?;
     config.join_timeout = args.join_timeout;
-    config.secret = args.secret.load_bytes()?;
+    config.secret = args.secret.load()?;
     let world = manager.join(config).await.context("joining")?;
     eprintln!(
         "worker {} of {}: joined generation {}",

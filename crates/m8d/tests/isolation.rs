@@ -111,7 +111,10 @@ async fn a_killed_worker_breaks_only_its_world_and_a_replacement_rejoins() {
 
     let killed_at = f.kill(1).unwrap();
     let (cause, _) = broken_event(&mut events, "w2", Duration::from_secs(5)).await;
-    assert!(matches!(cause, BreakCause::PeerLost { rank: 1, .. }), "{cause:?}");
+    assert!(
+        matches!(cause, BreakCause::PeerLost { rank: Rank(1), .. }),
+        "{cause:?}"
+    );
     // The leader's receive on w2 failed, naming the world and the cause.
     let (err, failed_at) = f.wait_failed(1, Duration::from_secs(5)).await.unwrap();
     let detected = failed_at.saturating_duration_since(killed_at);
@@ -152,7 +155,7 @@ async fn a_frozen_worker_is_detected_by_heartbeats_while_the_others_never_pause(
     let (cause, at) = broken_event(&mut events, "w2", Duration::from_secs(10)).await;
     let detected = at.saturating_duration_since(stopped_at);
     assert!(
-        matches!(cause, BreakCause::HeartbeatTimeout { rank: 1, .. }),
+        matches!(cause, BreakCause::HeartbeatTimeout { rank: Rank(1), .. }),
         "{cause:?}"
     );
     // Default heartbeat timeout 1 s; the target is within 1 s + 250 ms.
@@ -206,7 +209,7 @@ async fn killing_a_worlds_store_host_breaks_only_that_world() {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let mut cfg = WorldConfig::new("ws", 0, 2, &store_addr);
+    let mut cfg = WorldConfig::new("ws", 0, 2, &store_addr).unwrap();
     cfg.host_store = false;
     let ws = f.leader.join(cfg).await.unwrap();
     let stats = Arc::new(StreamStats::default());
@@ -237,7 +240,7 @@ async fn killing_a_worlds_store_host_breaks_only_that_world() {
     assert!(
         matches!(
             cause,
-            BreakCause::StoreLost { .. } | BreakCause::PeerLost { rank: 1, .. }
+            BreakCause::StoreLost { .. } | BreakCause::PeerLost { rank: Rank(1), .. }
         ),
         "{cause:?}"
     );
@@ -279,7 +282,10 @@ async fn a_rank_killed_mid_collective_fails_every_survivor_without_partial_resul
         m8d::fleet::ChildProcess::new(child)
     };
     let (mut one, mut two) = (spawn("1"), spawn("2"));
-    let world = leader.join(WorldConfig::new("coll", 0, 3, &store)).await.unwrap();
+    let world = leader
+        .join(WorldConfig::new("coll", 0, 3, &store).unwrap())
+        .await
+        .unwrap();
     let group = world.collectives();
     let mut verified = 0u64;
     let mut outcome = None;

@@ -334,12 +334,11 @@ pub(crate) async fn accept_loop<S: Grpc>(
                     continue;
                 };
                 let _ = stream.set_nodelay(true);
-                let local = stream.local_addr().ok();
                 let (shared, grpc, stop, kill) =
                     (Arc::clone(&shared), grpc.clone(), stop.clone(), kill.clone());
                 tracker.spawn(async move {
                     let _registered = Registered(&shared.connections, id);
-                    serve_connection(stream, remote, local, conn, &shared, grpc, stop, kill).await;
+                    serve_connection(stream, remote, conn, &shared, grpc, stop, kill).await;
                 });
             }
             Err(e) => {
@@ -359,11 +358,9 @@ pub(crate) async fn accept_loop<S: Grpc>(
     tracker.wait().await;
 }
 
-#[allow(clippy::too_many_arguments)]
 async fn serve_connection<S: Grpc>(
     stream: TcpStream,
     remote: SocketAddr,
-    local: Option<SocketAddr>,
     conn: Arc<Conn>,
     shared: &Arc<Shared>,
     grpc: S,
@@ -372,7 +369,7 @@ async fn serve_connection<S: Grpc>(
 ) {
     let config = &shared.config;
     let info = TcpConnectInfo {
-        local_addr: local,
+        local_addr: stream.local_addr().ok(),
         remote_addr: Some(remote),
     };
     let service = {

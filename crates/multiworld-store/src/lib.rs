@@ -6,13 +6,13 @@
 //! stores of many worlds, each with its own table, waiters, bounds, secret
 //! and lifetime.
 //!
-//! Module map:
-//! - [`table`]: the I/O-free table of one world (every operation, waits with
+//! Module map (all private; every public item is re-exported once at the root):
+//! - `table`: the I/O-free table of one world (every operation, waits with
 //!   deadlines, close), tested with a fake clock.
-//! - [`limits`]: the bounds a world's store enforces, with their defaults.
-//! - [`auth`]: shared-secret proofs (HMAC-SHA256; the secret never crosses
+//! - `limits`: the bounds a world's store enforces, with their defaults.
+//! - `auth`: shared-secret proofs (HMAC-SHA256; the secret never crosses
 //!   the wire).
-//! - [`server`]: the gRPC service hosting many worlds' tables
+//! - `server`: the gRPC service hosting many worlds' tables
 //!   ([`StoreServer`]), embedded in a process or run standalone.
 //! - `front` (private): the accept loop and each connection's HTTP/2 driver;
 //!   bounds connections, their deadlines, request bodies and request memory
@@ -20,9 +20,9 @@
 //! - `gate` (private): the pure decision about a request from its headers
 //!   alone (admit, pre-authentication bounds, or refuse without reading the
 //!   body), and the rate limit on refusal log lines.
-//! - [`client`]: [`StoreClient`] (one connection, retrying with backoff) and
+//! - `client`: [`StoreClient`] (one connection, retrying with backoff) and
 //!   [`WorldStore`] (one world's store over it).
-//! - [`error`]: [`StoreError`] and its mapping to gRPC statuses.
+//! - `error`: [`StoreError`] and its mapping to gRPC statuses.
 //!
 //! ```
 //! use std::time::Duration;
@@ -46,14 +46,14 @@
 //! # }
 //! ```
 
-pub mod auth;
-pub mod client;
-pub mod error;
+mod auth;
+mod client;
+mod error;
 mod front;
 mod gate;
-pub mod limits;
-pub mod server;
-pub mod table;
+mod limits;
+mod server;
+mod table;
 
 pub use auth::StoreProof;
 pub use client::{ClientConfig, OpenOptions, StoreClient, WorldStore};

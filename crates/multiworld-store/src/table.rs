@@ -124,7 +124,8 @@ impl<W> WorldTable<W> {
         &self.limits
     }
 
-    /// Whether [`close`](Self::close) was called.
+    /// Whether [`close`](Self::close) was called (the unit tests' view).
+    #[cfg(test)]
     pub fn is_closed(&self) -> bool {
         self.closed
     }
@@ -457,7 +458,9 @@ impl<W> WorldTable<W> {
         self.remove_waiter(id).map(|w| w.token)
     }
 
-    /// The earliest deadline of any pending wait.
+    /// The earliest deadline of any pending wait (the unit tests' view; the
+    /// server expires waits through `expire`).
+    #[cfg(test)]
     pub fn next_deadline(&self) -> Option<Instant> {
         self.deadlines.first().map(|(d, _)| *d)
     }

@@ -78,8 +78,12 @@ async fn latency(w: &WorldStore, n: usize) -> Duration {
     times[n / 2]
 }
 
+/// A legitimate round trip during an attack stays within 10x its quiet time,
+/// with a floor of 500 ms: far below what starving it would cost (the attacks
+/// hold budget for a second or more), far above the scheduling noise of a busy
+/// 2-core machine (25 ms flaked there while builds ran).
 fn assert_within_10x(quiet: Duration, during: Duration, what: &str) {
-    let bound = (quiet * 10).max(Duration::from_millis(25));
+    let bound = (quiet * 10).max(Duration::from_millis(500));
     assert!(
         during <= bound,
         "{what}: {during:?} during the attack, {quiet:?} quiet"

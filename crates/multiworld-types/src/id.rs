@@ -100,6 +100,55 @@ impl WorldName {
     }
 }
 
+/// Lookups by `&str` in maps keyed by names (the hash of a name is the hash
+/// of its string).
+impl std::borrow::Borrow<str> for WorldName {
+    fn borrow(&self) -> &str {
+        &self.0
+    }
+}
+
+impl AsRef<str> for WorldName {
+    fn as_ref(&self) -> &str {
+        &self.0
+    }
+}
+
+/// A name compares equal to the string it wraps (so tests and lookups can
+/// write `name == "w"`).
+impl PartialEq<str> for WorldName {
+    fn eq(&self, other: &str) -> bool {
+        &*self.0 == other
+    }
+}
+
+impl PartialEq<&str> for WorldName {
+    fn eq(&self, other: &&str) -> bool {
+        &*self.0 == *other
+    }
+}
+
+impl std::str::FromStr for WorldName {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self, Error> {
+        WorldName::new(s)
+    }
+}
+
+impl TryFrom<&str> for WorldName {
+    type Error = Error;
+    fn try_from(s: &str) -> Result<Self, Error> {
+        WorldName::new(s)
+    }
+}
+
+impl TryFrom<String> for WorldName {
+    type Error = Error;
+    fn try_from(s: String) -> Result<Self, Error> {
+        WorldName::new(s)
+    }
+}
+
 impl fmt::Debug for WorldName {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         fmt::Debug::fmt(&*self.0, f)

@@ -5,6 +5,8 @@
 
 use std::{collections::HashMap, time::Duration};
 
+use multiworld_types::{Rank, Secret, WorldName};
+
 use crate::watchdog::WatchdogConfig;
 
 /// Which communicator carries a world's tensors.
@@ -56,9 +58,9 @@ pub enum ConfigError {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WorldConfig {
     /// The world's name (unique among the worlds this process is in).
-    pub name: String,
+    pub name: WorldName,
     /// This process's rank in the world, `0..size`.
-    pub rank: u32,
+    pub rank: Rank,
     /// Number of members.
     pub size: u32,
     /// This process's rank on its machine (informational; picks a GPU for NCCL).
@@ -72,7 +74,7 @@ pub struct WorldConfig {
     pub backend: Backend,
     /// The world's shared secret, if it has one (store and transport
     /// connections must prove it).
-    pub secret: Option<Vec<u8>>,
+    pub secret: Option<Secret>,
     /// How long joining may take before it fails (default 30 s).
     pub join_timeout: Duration,
     /// Deadline of every operation of the world (send, receive, their
@@ -96,21 +98,43 @@ pub struct WorldConfig {
 /// from [`WorldConfig::new`] or [`WorldConfig::from_env`].
 impl Default for WorldConfig {
     fn default() -> Self {
-        WorldConfig::new("world", 0, 1, "127.0.0.1:29500")
+        // "world" is a valid name (short, printable), so this cannot fail.
+        #[allow(clippy::expect_used)]
+        let name = WorldName::new("world").expect("a valid literal name");
+        WorldConfig::with_defaults(name, Rank(0), 1, "127.0.0.1:29500".into())
     }
 }
 
 impl WorldConfig {
     /// A configuration with the defaults: TCP backend, rank 0 hosts the store
-    /// at `store_addr`, no secret, 30 s to join, default watchdog.
-    pub fn new(name: impl Into<String>, rank: u32, size: u32, store_addr: impl Into<String>) -> WorldConfig {
+    /// at `store_addr`, no secret, 30 s to join, default watchdog. Refuses a
+    /// name that is not a valid [`WorldName`], a size of 0, a rank not below
+    /// the size and an empty store address.
+    pub fn new(
+        name: impl AsRef<str>,
+        rank: impl Into<Rank>,
+        size: u32,
+        store_addr: impl Into<String>,
+    ) -> Result<WorldConfig, ConfigError> {
+        let name = name.as_ref();
+        let name = WorldName::new(name).map_err(|e| ConfigError::Invalid {
+            what: "world name",
+            value: name.to_string(),
+            why: e.to_string(),
+        })?;
+        let config = WorldConfig::with_defaults(name, rank.into(), size, store_addr.into());
+        config.validate()?;
+        Ok(config)
+    }
+
+    fn with_defaults(name: WorldName, rank: Rank, size: u32, store_addr: String) -> WorldConfig {
         WorldConfig {
-            name: name.into(),
+            name,
             rank,
             size,
             local_rank: 0,
-            store_addr: store_addr.into(),
-            host_store: rank == 0,
+            store_addr,
+            host_store: rank == Rank(0),
             backend: Backend::Tcp,
             secret: None,
             join_timeout: Duration::from_secs(30),
@@ -123,7 +147,7 @@ impl WorldConfig {
     /// Reads `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` (required),
     /// `LOCAL_RANK` (default 0), and the optional `MULTIWORLD_BACKEND` (tcp or
     /// nccl) and `MULTIWORLD_SECRET` from the process environment.
-    pub fn from_env(name: impl Into<String>) -> Result<WorldConfig, ConfigError> {
+    pub fn from_env(name: impl AsRef<str>) -> Result<WorldConfig, ConfigError> {
         let vars: HashMap<String, String> = std::env::vars().collect();
         WorldConfig::from_vars(name, &vars)
     }
@@ -131,7 +155,7 @@ impl WorldConfig {
     /// [`from_env`](Self::from_env) over an explicit map (testable without
     /// touching the process environment).
     pub fn from_vars(
-        name: impl Into<String>,
+        name: impl AsRef<str>,
         vars: &HashMap<String, String>,
     ) -> Result<WorldConfig, ConfigError> {
         let get = |key: &'static str| vars.get(key).map(|v| v.trim()).filter(|v| !v.is_empty());
@@ -162,13 +186,13 @@ impl WorldConfig {
         } else {
             addr.to_string()
         };
-        let mut config = WorldConfig::new(name, rank, size, format!("{host}:{port}"));
+        let mut config = WorldConfig::new(name, rank, size, format!("{host}:{port}"))?;
         config.local_rank = local_rank;
         if let Some(b) = get("MULTIWORLD_BACKEND") {
             config.backend = b.parse()?;
         }
         if let Some(s) = vars.get("MULTIWORLD_SECRET").filter(|s| !s.is_empty()) {
-            config.secret = Some(s.as_bytes().to_vec());
+            config.secret = Some(Secret::new(s));
         }
         config.validate()?;
         Ok(config)
@@ -181,13 +205,10 @@ impl WorldConfig {
             value,
             why: why.to_string(),
         };
-        if self.name.is_empty() {
-            return Err(invalid("world name", String::new(), "must not be empty"));
-        }
         if self.size == 0 {
             return Err(invalid("world size", "0".into(), "must be at least 1"));
         }
-        if self.rank >= self.size {
+        if self.rank.0 >= self.size {
             return Err(invalid(
                 "rank",
                 self.rank.to_string(),
@@ -207,6 +228,7 @@ impl WorldConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use multiworld_types::{Rank, Secret};
 
     fn vars(pairs: &[(&str, &str)]) -> HashMap<String, String> {
         pairs
@@ -227,7 +249,7 @@ mod tests {
         let mut v = vars(&BASE);
         v.insert("LOCAL_RANK".into(), "1".into());
         let c = WorldConfig::from_vars("w", &v).unwrap();
-        assert_eq!((c.rank, c.size, c.local_rank), (1, 3, 1));
+        assert_eq!((c.rank, c.size, c.local_rank), (Rank(1), 3, 1));
         assert_eq!(c.store_addr, "127.0.0.1:29500");
         assert!(!c.host_store, "only rank 0 hosts by default");
         assert_eq!(c.backend, Backend::Tcp);
@@ -243,7 +265,7 @@ mod tests {
         let c = WorldConfig::from_vars("w", &v).unwrap();
         assert!(c.host_store);
         assert_eq!(c.backend, Backend::Nccl);
-        assert_eq!(c.secret.as_deref(), Some(&b"s"[..]));
+        assert_eq!(c.secret, Some(Secret::new("s")));
     }
 
     #[test]
@@ -285,10 +307,23 @@ mod tests {
 
     #[test]
     fn validation() {
-        assert!(WorldConfig::new("w", 0, 1, "x:1").validate().is_ok());
-        assert!(WorldConfig::new("", 0, 1, "x:1").validate().is_err());
-        assert!(WorldConfig::new("w", 0, 0, "x:1").validate().is_err());
-        let mut c = WorldConfig::new("w", 0, 2, "x:1");
+        assert!(WorldConfig::new("w", 0, 1, "x:1").unwrap().validate().is_ok());
+        // `new` refuses what `validate` would, and names the setting.
+        let refused = |c: Result<WorldConfig, ConfigError>, what: &str| {
+            let e = c.unwrap_err().to_string();
+            assert!(e.contains(what), "{e}");
+        };
+        refused(WorldConfig::new("", 0, 1, "x:1"), "world name");
+        refused(WorldConfig::new("a\nb", 0, 1, "x:1"), "world name");
+        refused(WorldConfig::new("w", 0, 0, "x:1"), "world size");
+        refused(WorldConfig::new("w", 2, 2, "x:1"), "rank");
+        refused(WorldConfig::new("w", 0, 1, ""), "store address");
+        // A configuration edited after `new` is checked again by `validate`
+        // (and by `join`).
+        let mut c = WorldConfig::new("w", 0, 2, "x:1").unwrap();
+        c.rank = Rank(5);
+        assert!(c.validate().is_err());
+        c.rank = Rank(1);
         c.watchdog.heartbeat_timeout = Duration::from_millis(1);
         assert!(c.validate().unwrap_err().to_string().contains("watchdog"));
     }
@@ -297,7 +332,7 @@ mod tests {
     fn the_default_is_a_valid_world_of_one_hosting_its_store() {
         let c = WorldConfig::default();
         assert!(c.validate().is_ok());
-        assert_eq!((c.name.as_str(), c.rank, c.size), ("world", 0, 1));
+        assert_eq!((c.name.as_str(), c.rank, c.size), ("world", Rank(0), 1));
         assert!(c.host_store);
         assert_eq!(c.store_addr, "127.0.0.1:29500");
         assert_eq!(c.backend, Backend::Tcp);

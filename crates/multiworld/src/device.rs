@@ -28,7 +28,7 @@ use multiworld_nccl::{
     AbortOutcome, CommConfig, DeviceBuffer, NcclComm, NcclError, NcclRuntime, OpHandle, UniqueId,
 };
 use multiworld_store::WorldStore;
-use multiworld_types::{DType, Rank, ReduceOp, Tag, Tensor, TensorView};
+use multiworld_types::{DType, Rank, ReduceOp, Tag, Tensor, TensorView, WorldName};
 
 use crate::{
     config::WorldConfig,
@@ -136,7 +136,7 @@ pub(crate) async fn join(
 ) -> Result<DeviceSide, String> {
     let remaining = || deadline.saturating_duration_since(Instant::now());
     let rt = runtime(slot);
-    let id = if config.rank == 0 {
+    let id = if config.rank == Rank(0) {
         let made = match &rt {
             Ok(rt) => rt.unique_id().map_err(|e| e.to_string()),
             Err(e) => Err(e.to_string()),
@@ -162,7 +162,7 @@ pub(crate) async fn join(
             .await
             .map_err(|e| format!("waiting for rank 0's NCCL id: {e}"))?;
         // Best effort: rank 0 waits for this only when it failed.
-        let _ = store.set(seen_key(config.rank), Vec::new()).await;
+        let _ = store.set(seen_key(config.rank.0), Vec::new()).await;
         match value.split_first() {
             Some((&ID_OK, id)) => UniqueId::from_bytes(id).map_err(|e| format!("rank 0's NCCL id: {e}"))?,
             Some((&ID_ERR, why)) => {
@@ -175,7 +175,7 @@ pub(crate) async fn join(
         }
     };
     let rt = rt.map_err(|e| e.to_string())?;
-    let comm_config = CommConfig::new(config.rank as usize, config.size as usize)
+    let comm_config = CommConfig::new(config.rank.index(), config.size as usize)
         .with_device(config.local_rank as usize)
         .with_init_timeout(remaining())
         .with_op_timeout(config.op_timeout.unwrap_or(DEFAULT_DEVICE_OP_TIMEOUT))
@@ -206,19 +206,19 @@ impl WorldShared {
 
 /// An error of one device call that says nothing about the world's health
 /// (bad argument, unsupported, out of memory, a host copy timing out).
-fn device_call_error(world: &str, err: NcclError) -> WorldError {
+fn device_call_error(world: &WorldName, err: NcclError) -> WorldError {
     match err {
         NcclError::Timeout { op, after } => WorldError::Timeout {
-            world: world.to_string(),
+            world: world.clone(),
             op: op.to_string(),
             after,
         },
         NcclError::InvalidArgument { what } => WorldError::InvalidArgument {
-            world: world.to_string(),
+            world: world.clone(),
             detail: what,
         },
         other => WorldError::Device {
-            world: world.to_string(),
+            world: world.clone(),
             detail: other.to_string(),
         },
     }

@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use multiworld_store::StoreError;
 use multiworld_tcp::Error as TcpError;
+use multiworld_types::WorldName;
 
 use crate::{config::ConfigError, lifecycle::BreakCause};
 
@@ -23,7 +24,7 @@ pub enum WorldError {
     #[error("world '{world}' is broken: {cause}")]
     Broken {
         /// The world.
-        world: String,
+        world: WorldName,
         /// Why it broke.
         cause: BreakCause,
     },
@@ -32,7 +33,7 @@ pub enum WorldError {
     #[error("world '{world}': {op} timed out after {after:?}")]
     Timeout {
         /// The world.
-        world: String,
+        world: WorldName,
         /// The operation.
         op: String,
         /// Its deadline.
@@ -42,7 +43,7 @@ pub enum WorldError {
     #[error("world '{world}': invalid argument: {detail}")]
     InvalidArgument {
         /// The world.
-        world: String,
+        world: WorldName,
         /// What was wrong.
         detail: String,
     },
@@ -50,7 +51,7 @@ pub enum WorldError {
     #[error("world '{world}': {detail}")]
     Mismatch {
         /// The world.
-        world: String,
+        world: WorldName,
         /// Which message and how it differed.
         detail: String,
     },
@@ -59,14 +60,14 @@ pub enum WorldError {
     #[error("world '{world}': device: {detail}")]
     Device {
         /// The world.
-        world: String,
+        world: WorldName,
         /// What NCCL or CUDA said.
         detail: String,
     },
     /// This process is not a member of a world of that name.
     #[error("not a member of world '{world}'")]
     NotJoined {
-        /// The world.
+        /// The name asked for, as given (it may not even be a valid name).
         world: String,
     },
     /// This process is already a member of a world of that name (leave it,
@@ -74,7 +75,7 @@ pub enum WorldError {
     #[error("already a member of world '{world}' ({state})")]
     AlreadyJoined {
         /// The world.
-        world: String,
+        world: WorldName,
         /// Its state.
         state: &'static str,
     },
@@ -85,7 +86,7 @@ pub enum WorldError {
     #[error("world '{world}': {source}")]
     Transport {
         /// The world.
-        world: String,
+        world: WorldName,
         /// What the communicator reported.
         #[source]
         source: TcpError,
@@ -94,7 +95,17 @@ pub enum WorldError {
     #[error("joining world '{world}' failed: {reason}")]
     JoinFailed {
         /// The world.
-        world: String,
+        world: WorldName,
+        /// Why, typed.
+        #[source]
+        reason: JoinFailure,
+    },
+    /// This process could not host a store at `addr` (a bad address, or the
+    /// port is taken).
+    #[error("cannot host a store at '{addr}': {reason}")]
+    HostStore {
+        /// The address asked for.
+        addr: String,
         /// Why, typed.
         #[source]
         reason: JoinFailure,
@@ -116,8 +127,8 @@ impl WorldError {
     /// Maps a communicator error of an operation that is not world-fatal.
     /// (World-fatal ones are turned into `Broken` by the world, which knows
     /// the recorded cause.)
-    pub(crate) fn from_call(world: &str, err: TcpError) -> WorldError {
-        let world = world.to_string();
+    pub(crate) fn from_call(world: &WorldName, err: TcpError) -> WorldError {
+        let world = world.clone();
         match err {
             TcpError::Timeout { op, after } => WorldError::Timeout {
                 world,
@@ -139,14 +150,14 @@ impl WorldError {
     }
 
     /// A failed join for `reason` (a store or transport error, or a message).
-    pub(crate) fn join_failed(world: &str, reason: impl Into<JoinFailure>) -> WorldError {
+    pub(crate) fn join_failed(world: &WorldName, reason: impl Into<JoinFailure>) -> WorldError {
         WorldError::JoinFailed {
-            world: world.to_string(),
+            world: world.clone(),
             reason: reason.into(),
         }
     }
 
-    pub(crate) fn from_store(world: &str, err: StoreError) -> WorldError {
+    pub(crate) fn from_store(world: &WorldName, err: StoreError) -> WorldError {
         WorldError::join_failed(world, err)
     }
 }
@@ -189,6 +200,10 @@ mod tests {
 
     use super::*;
 
+    fn name(s: &str) -> WorldName {
+        WorldName::new(s).unwrap()
+    }
+
     /// Errors of a call that leave the world usable are never reported as
     /// broken, and keep the communicator's error as their source.
     #[test]
@@ -211,7 +226,7 @@ mod tests {
         };
         for err in [io, refused, rendezvous, invalid, timeout] {
             let text = err.to_string();
-            let mapped = WorldError::from_call("w", err);
+            let mapped = WorldError::from_call(&name("w"), err);
             assert!(!mapped.is_world_broken(), "{mapped}");
             assert!(
                 mapped.to_string().contains(&text) || matches!(mapped, WorldError::Timeout { .. }),
@@ -222,7 +237,7 @@ mod tests {
             context: "bind",
             source: Arc::new(std::io::Error::from(std::io::ErrorKind::AddrInUse)),
         };
-        let mapped = WorldError::from_call("w", io);
+        let mapped = WorldError::from_call(&name("w"), io);
         let source = mapped.source().expect("the transport error is the source");
         assert!(source.downcast_ref::<TcpError>().is_some(), "{source}");
     }
@@ -231,7 +246,7 @@ mod tests {
     #[test]
     fn join_failures_keep_their_cause() {
         let err = WorldError::join_failed(
-            "w",
+            &name("w"),
             TcpError::Rendezvous(RendezvousError::Unavailable(Arc::from("x"))),
         );
         assert!(!err.is_world_broken());
@@ -243,7 +258,7 @@ mod tests {
             ),
             "{source:?}"
         );
-        let err = WorldError::from_store("w", StoreError::InvalidArgument("no".into()));
+        let err = WorldError::from_store(&name("w"), StoreError::InvalidArgument("no".into()));
         assert!(matches!(
             err,
             WorldError::JoinFailed {

@@ -1,5 +1,7 @@
 //! [`WorldEvent`]: what the manager tells subscribers about its worlds.
 
+use multiworld_types::{Generation, Rank, WorldName};
+
 use crate::lifecycle::BreakCause;
 
 /// Something that happened to one of the process's worlds.
@@ -9,20 +11,20 @@ pub enum WorldEvent {
     /// The world was joined and is ready.
     Joined {
         /// The world.
-        world: String,
+        world: WorldName,
         /// Its generation.
-        generation: u64,
+        generation: Generation,
         /// This process's rank.
-        rank: u32,
+        rank: Rank,
         /// Number of members.
         size: u32,
     },
     /// The world broke; its teardown has started.
     Broken {
         /// The world.
-        world: String,
+        world: WorldName,
         /// Its generation.
-        generation: u64,
+        generation: Generation,
         /// Why.
         cause: BreakCause,
     },
@@ -33,9 +35,9 @@ pub enum WorldEvent {
     /// affected, but the leaked resources stay until the process exits.
     Quarantined {
         /// The world.
-        world: String,
+        world: WorldName,
         /// Its generation.
-        generation: u64,
+        generation: Generation,
         /// What the abort reported.
         reason: String,
     },
@@ -46,7 +48,7 @@ pub enum WorldEvent {
     /// world itself is not changed.
     WatchdogStalled {
         /// The world.
-        world: String,
+        world: WorldName,
         /// How long its watchdog had not run when this was reported.
         stuck_for: std::time::Duration,
     },
@@ -54,15 +56,15 @@ pub enum WorldEvent {
     /// joined again.
     Removed {
         /// The world.
-        world: String,
+        world: WorldName,
         /// Its generation.
-        generation: u64,
+        generation: Generation,
     },
 }
 
 impl WorldEvent {
     /// The world the event is about.
-    pub fn world(&self) -> &str {
+    pub fn world(&self) -> &WorldName {
         match self {
             WorldEvent::Joined { world, .. }
             | WorldEvent::Broken { world, .. }

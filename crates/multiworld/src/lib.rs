@@ -6,24 +6,24 @@
 //! off, that world breaks and is torn down while every other world keeps
 //! running.
 //!
-//! Module map:
-//! - [`manager`]: [`WorldManager`] (join, leave, look up, list, events, hosted
+//! Module map (all private; every public item is re-exported once at the root):
+//! - `manager`: [`WorldManager`] (join, leave, look up, list, events, hosted
 //!   stores) and the process monitor that notices a stuck watchdog.
-//! - [`world`]: [`World`], one membership: its operations, its watchdog and
+//! - `world`: [`World`], one membership: its operations, its watchdog and
 //!   store-watcher tasks, break and teardown.
-//! - [`config`]: [`WorldConfig`] (how to join one world) and `from_env()`.
-//! - [`lifecycle`]: a world's state machine (joining → ready → broken →
+//! - `config`: [`WorldConfig`] (how to join one world) and `from_env()`.
+//! - `lifecycle`: a world's state machine (joining → ready → broken →
 //!   removed) and the causes of a break.
-//! - [`watchdog`]: the watchdog's decisions as pure functions of
+//! - `watchdog`: the watchdog's decisions as pure functions of
 //!   `(now, observations, config)` with a human-readable reason, and the
 //!   process monitor's "which watchdog is stuck" decision.
-//! - [`events`]: [`WorldEvent`] (`Joined`, `Broken`, `Removed`).
-//! - [`rendezvous`]: the TCP backend's rendezvous over a world's store.
+//! - `events`: [`WorldEvent`] (`Joined`, `Broken`, `Removed`).
+//! - `rendezvous`: the TCP backend's rendezvous over a world's store.
 //! - `device` (with the `nccl` feature): a world's GPU side — the NCCL
 //!   communicator of an NCCL world ([`NcclWorld`], [`DeviceOp`]), watched by
 //!   the world's watchdog, and host-staged device tensors over TCP
 //!   ([`World::send_device`], [`World::recv_device`]).
-//! - [`error`]: the error type, [`WorldError`].
+//! - `error`: the error type, [`WorldError`].
 //!
 //! ```
 //! use multiworld::{DType, Rank, Tag, Tensor, WorldConfig, WorldManager};
@@ -61,16 +61,16 @@
 //! (`Backend::Nccl`): each keeps its TCP mesh for control and host tensors
 //! and gains an NCCL communicator for device tensors.
 
-pub mod config;
+mod config;
 #[cfg(feature = "nccl")]
 mod device;
-pub mod error;
-pub mod events;
-pub mod lifecycle;
-pub mod manager;
-pub mod rendezvous;
-pub mod watchdog;
-pub mod world;
+mod error;
+mod events;
+mod lifecycle;
+mod manager;
+mod rendezvous;
+mod watchdog;
+mod world;
 
 /// The NCCL backend (with the `nccl` feature).
 #[cfg(feature = "nccl")]
@@ -81,7 +81,7 @@ pub use config::{Backend, ConfigError, WorldConfig};
 pub use device::{DEFAULT_DEVICE_OP_TIMEOUT, DeviceOp, NcclWorld};
 pub use error::{JoinFailure, WorldError};
 pub use events::WorldEvent;
-pub use lifecycle::{BreakCause, Lifecycle, WorldState};
+pub use lifecycle::{BreakCause, WorldState};
 pub use manager::{ManagerConfig, WorldInfo, WorldManager};
 pub use multiworld_collectives::{CollectiveHandle, Group};
 pub use multiworld_tcp::Error as CommError;
@@ -89,5 +89,5 @@ pub use multiworld_tcp::Received;
 pub use multiworld_types::{
     DType, Element, Generation, Rank, ReduceOp, Secret, Tag, Tensor, TensorView, WorldName, bf16, f16,
 };
-pub use watchdog::{Decision, Verdict, WatchdogConfig};
+pub use watchdog::WatchdogConfig;
 pub use world::{PendingRecv, PendingSend, World};

@@ -8,6 +8,8 @@
 
 use std::{fmt, time::Duration};
 
+use multiworld_types::Rank;
+
 /// Why a world broke. The first cause is the one kept and reported.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -15,7 +17,7 @@ pub enum BreakCause {
     /// A member's connection closed or reset (it died or was killed).
     PeerLost {
         /// The member.
-        rank: u32,
+        rank: Rank,
         /// What the transport saw.
         reason: String,
     },
@@ -23,7 +25,7 @@ pub enum BreakCause {
     /// cut off).
     HeartbeatTimeout {
         /// The member.
-        rank: u32,
+        rank: Rank,
         /// How long it was silent.
         silent_for: Duration,
     },
@@ -42,7 +44,7 @@ pub enum BreakCause {
     /// Another member declared the world broken (through the store).
     ReportedByPeer {
         /// Who reported it.
-        rank: u32,
+        rank: Rank,
         /// Its cause, as text.
         reason: String,
     },
@@ -199,7 +201,7 @@ mod tests {
 
     fn lost() -> BreakCause {
         BreakCause::PeerLost {
-            rank: 2,
+            rank: Rank(2),
             reason: "connection reset".into(),
         }
     }
@@ -258,7 +260,7 @@ mod tests {
     #[test]
     fn causes_read_well() {
         let text = BreakCause::HeartbeatTimeout {
-            rank: 3,
+            rank: Rank(3),
             silent_for: Duration::from_millis(1200),
         }
         .to_string();

@@ -17,18 +17,18 @@ use std::{
 use dashmap::mapref::entry::Entry;
 use multiworld_store::{ClientConfig, OpenOptions, ServerConfig, StoreClient, StoreServer, WorldOptions};
 use multiworld_tcp::{CommConfig, Communicator};
-use multiworld_types::{Generation, Rank, Secret, WorldName};
+use multiworld_types::{Generation, Rank, WorldName};
 use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
 
 use crate::{
     config::{Backend, WorldConfig},
-    error::WorldError,
+    error::{JoinFailure, WorldError},
     events::WorldEvent,
     lifecycle::WorldState,
     rendezvous::StoreRendezvous,
     watchdog::stalled,
-    world::{Registry, Slot, World, WorldShared},
+    world::{Attachments, Joined, Registry, Slot, World, WorldShared},
 };
 
 /// Settings of a manager. `Default` gives the documented defaults.
@@ -58,11 +58,11 @@ impl Default for ManagerConfig {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WorldInfo {
     /// The world.
-    pub name: String,
+    pub name: WorldName,
     /// Its generation (0 while joining).
-    pub generation: u64,
+    pub generation: Generation,
     /// This process's rank.
-    pub rank: u32,
+    pub rank: Rank,
     /// Number of members.
     pub size: u32,
     /// Its state.
@@ -116,7 +116,7 @@ impl Default for WorldManager {
 /// Removes a `Joining` reservation unless the join completed.
 struct Reservation<'a> {
     registry: &'a Registry,
-    name: &'a str,
+    name: &'a WorldName,
     armed: bool,
 }
 
@@ -201,10 +201,16 @@ impl WorldManager {
         }
         let bind = addr
             .parse()
-            .map_err(|e| WorldError::join_failed("", format!("cannot host a store at '{addr}': {e}")))?;
+            .map_err(|e: std::net::AddrParseError| WorldError::HostStore {
+                addr: addr.to_string(),
+                reason: JoinFailure::Other(format!("not an ip:port address: {e}")),
+            })?;
         let server = StoreServer::bind(bind, ServerConfig::default())
             .await
-            .map_err(|e| WorldError::join_failed("", e))?;
+            .map_err(|e| WorldError::HostStore {
+                addr: addr.to_string(),
+                reason: e.into(),
+            })?;
         let server = Arc::new(server);
         hosts.push(HostedStore {
             requested: addr.to_string(),
@@ -294,8 +300,8 @@ impl WorldManager {
         shared.start();
         tracing::info!(
             world = %name,
-            generation = shared.generation,
-            rank = shared.rank,
+            generation = shared.generation.0,
+            rank = shared.rank.0,
             size = shared.size,
             took = ?started.elapsed(),
             "joined world"
@@ -315,12 +321,12 @@ impl WorldManager {
         config: &WorldConfig,
         deadline: Instant,
     ) -> Result<Arc<WorldShared>, WorldError> {
-        let name = config.name.as_str();
-        let world_name = WorldName::new(name).map_err(|e| WorldError::join_failed(name, e.to_string()))?;
-        let secret = config.secret.as_ref().map(Secret::new);
+        let name = &config.name;
+        let world_name = name.clone();
+        let secret = config.secret.clone();
         let host = if config.host_store {
             Some(self.host(&config.store_addr).await.map_err(|e| match e {
-                WorldError::JoinFailed { reason, .. } => WorldError::join_failed(name, reason),
+                WorldError::HostStore { reason, .. } => WorldError::join_failed(name, reason),
                 other => other,
             })?)
         } else {
@@ -328,7 +334,7 @@ impl WorldManager {
         };
         let mut opened = OpenedStore {
             server: host.as_deref(),
-            name,
+            name: name.as_str(),
             armed: false,
         };
         if let Some(server) = &host {
@@ -337,7 +343,7 @@ impl WorldManager {
                 limits: None,
             };
             server
-                .open_world(name, options)
+                .open_world(name.as_str(), options)
                 .map_err(|e| WorldError::from_store(name, e))?;
             opened.armed = true;
         }
@@ -362,14 +368,14 @@ impl WorldManager {
                 timeout: remaining(),
             };
             let store = client
-                .open(name, options)
+                .open(name.as_str(), options)
                 .await
                 .map_err(|e| WorldError::from_store(name, e))?;
             let rendezvous = StoreRendezvous::new(store.clone());
             let mut comm_config = CommConfig::new(
                 world_name.clone(),
                 Generation(store.generation()),
-                Rank(config.rank),
+                config.rank,
                 config.size,
             );
             comm_config.secret = secret.clone();
@@ -395,14 +401,18 @@ impl WorldManager {
                     };
                     opened.armed = false;
                     let shared = WorldShared::new(
-                        config.clone(),
-                        Arc::new(comm),
-                        store,
-                        store_addr,
-                        host.clone(),
-                        token,
-                        self.inner.events.clone(),
-                        Arc::downgrade(&self.inner.registry),
+                        Joined {
+                            config: config.clone(),
+                            comm: Arc::new(comm),
+                            store,
+                            store_addr,
+                            host: host.clone(),
+                        },
+                        Attachments {
+                            token,
+                            events: self.inner.events.clone(),
+                            registry: Arc::downgrade(&self.inner.registry),
+                        },
                     );
                     #[cfg(feature = "nccl")]
                     if let Some(device) = device {
@@ -415,7 +425,7 @@ impl WorldManager {
                 // (a replacement member racing the teardown): look again.
                 Err(_) if rendezvous.world_gone() && host.is_none() && !remaining().is_zero() => {
                     tracing::debug!(
-                        world = name,
+                        world = %name,
                         "joined a generation that is gone; opening the store again"
                     );
                     tokio::time::sleep(Duration::from_millis(20)).await;
@@ -426,8 +436,8 @@ impl WorldManager {
     }
 
     /// The world of that name, if this process is a member.
-    pub fn world(&self, name: &str) -> Option<World> {
-        match self.inner.registry.get(name).as_deref() {
+    pub fn world(&self, name: impl AsRef<str>) -> Option<World> {
+        match self.inner.registry.get(name.as_ref()).as_deref() {
             Some(Slot::Member(shared)) => Some(World {
                 shared: Arc::clone(shared),
             }),
@@ -444,7 +454,7 @@ impl WorldManager {
             .map(|e| match e.value() {
                 Slot::Joining { rank, size } => WorldInfo {
                     name: e.key().clone(),
-                    generation: 0,
+                    generation: Generation(0),
                     rank: *rank,
                     size: *size,
                     state: WorldState::Joining,
@@ -464,7 +474,8 @@ impl WorldManager {
 
     /// Leaves a world: says goodbye to its members (whose side of the world
     /// then breaks), releases everything, and returns once it is removed.
-    pub async fn leave(&self, name: &str) -> Result<(), WorldError> {
+    pub async fn leave(&self, name: impl AsRef<str>) -> Result<(), WorldError> {
+        let name = name.as_ref();
         let world = self.world(name).ok_or_else(|| WorldError::NotJoined {
             world: name.to_string(),
         })?;
@@ -474,14 +485,14 @@ impl WorldManager {
 
     /// Watchdogs that have not run for longer than `stall_after`, with how
     /// long (what the process monitor reports).
-    pub fn stalled_watchdogs(&self) -> Vec<(String, Duration)> {
+    pub fn stalled_watchdogs(&self) -> Vec<(WorldName, Duration)> {
         stalled_now(&self.inner)
     }
 
     /// Leaves every world, stops the stores this process hosts, and stops the
     /// monitor. Joins fail afterwards.
     pub async fn shutdown(&self) {
-        let names: Vec<String> = self.inner.registry.iter().map(|e| e.key().clone()).collect();
+        let names: Vec<WorldName> = self.inner.registry.iter().map(|e| e.key().clone()).collect();
         for name in names {
             let _ = self.leave(&name).await;
         }
@@ -497,20 +508,16 @@ impl WorldManager {
     }
 }
 
-fn stalled_now(inner: &Inner) -> Vec<(String, Duration)> {
-    let worlds: Vec<(String, Instant)> = inner
+fn stalled_now(inner: &Inner) -> Vec<(WorldName, Duration)> {
+    let worlds = inner
         .registry
         .iter()
         .filter_map(|e| match e.value() {
             Slot::Member(w) if w.state() == WorldState::Ready => Some((w.name.clone(), w.last_tick())),
             _ => None,
         })
-        .collect();
-    stalled(
-        Instant::now(),
-        worlds.iter().map(|(n, t)| (n.as_str(), *t)),
-        inner.config.stall_after,
-    )
+        .collect::<Vec<_>>();
+    stalled(Instant::now(), worlds, inner.config.stall_after)
 }
 
 /// The process monitor, on its own OS thread so that it keeps running when
@@ -520,7 +527,7 @@ fn stalled_now(inner: &Inner) -> Vec<(String, Duration)> {
 /// [`WorldEvent::WatchdogStalled`], and logs when it recovers. Stops when the
 /// manager is shut down or dropped.
 fn monitor(inner: Weak<Inner>, stop: CancellationToken) {
-    let mut reported: HashSet<String> = HashSet::new();
+    let mut reported: HashSet<WorldName> = HashSet::new();
     loop {
         let every = match inner.upgrade() {
             Some(i) => i.config.monitor_interval,

@@ -4,25 +4,34 @@
 //! observations, calls [`decide`], logs the reason when it changes
 //! ([`ReasonLog`]) and acts on the verdict.
 //!
-//! Detection layers, strongest evidence first:
-//! 1. transport errors (a closed or reset connection): immediate;
-//! 2. a member reporting the world broken (through the store): immediate;
-//! 3. per-operation deadlines;
-//! 4. heartbeats: a member silent for longer than `heartbeat_timeout` is
-//!    frozen or cut off;
-//! 5. the world's store unreachable for longer than `store_grace`.
+//! Before deciding, `evidence` filters the observations: while the member is
+//! closing the world (`finish`), orderly departures, the store's end and
+//! members' reports are expected and weigh nothing (a crash still breaks
+//! it); the deadline to watch is the earlier of the host's and the device's.
 //!
-//! Between 2 and 3 come the device communicator's error (NCCL's asynchronous
-//! error or a failed device operation: definitive) and the store saying this
-//! generation is closed or replaced (as good as a report). Deadlines are the
-//! earlier of the host's and the device's. While the member is closing the
-//! world (`finish`), orderly departures and the store's end are expected and
-//! weigh nothing; a crash still breaks it.
+//! `decide`'s layers, strongest evidence first (the same numbers label them in
+//! the code):
+//! 1. transport errors (a closed or reset connection): immediate, the lowest
+//!    rank reported;
+//! 2. a member reporting the world broken (through the store): immediate;
+//! 3. the device communicator's error (NCCL's asynchronous error or a failed
+//!    device operation): definitive;
+//! 4. the store saying this generation is closed or replaced: as good as a
+//!    report;
+//! 5. per-operation deadlines (host or device, whichever is earlier);
+//! 6. heartbeats: a member silent for longer than `heartbeat_timeout` is
+//!    frozen or cut off;
+//! 7. the world's store unreachable for longer than `store_grace`.
+//!
+//! A healthy decision carries its suspicions (half a timeout of silence, a
+//! failing store) in its reason and the instant by which to decide again.
 //!
 //! [`stalled`] is the process-level monitor's decision: which watchdogs have
 //! not ticked for too long (a stuck watchdog is itself a failure to report).
 
 use std::time::{Duration, Instant};
+
+use multiworld_types::Rank;
 
 use crate::lifecycle::BreakCause;
 
@@ -202,37 +211,37 @@ pub fn decide(now: Instant, obs: &Observations, cfg: &WatchdogConfig) -> Decisio
         .min_by_key(|p| p.rank)
     {
         return broken(BreakCause::PeerLost {
-            rank: p.rank,
+            rank: Rank(p.rank),
             reason: p.transport_error.clone().unwrap_or_default(),
         });
     }
     // 2. A member said so.
     if let Some((rank, reason)) = &obs.reported_broken {
         return broken(BreakCause::ReportedByPeer {
-            rank: *rank,
+            rank: Rank(*rank),
             reason: reason.clone(),
         });
     }
-    // The device communicator failed: NCCL's error is definitive.
+    // 3. The device communicator failed: NCCL's error is definitive.
     if let Some(reason) = &obs.device_error {
         return broken(BreakCause::Device {
             reason: reason.clone(),
         });
     }
-    // The store closed or replaced this generation: as good as a report.
+    // 4. The store closed or replaced this generation: as good as a report.
     if let Some(reason) = &obs.store_gone {
         return broken(BreakCause::StoreLost {
             reason: reason.clone(),
         });
     }
-    // 3. Deadlines.
+    // 5. Deadlines.
     if let Some(op) = obs.earliest_op.as_ref().filter(|op| op.deadline <= now) {
         return broken(BreakCause::OpDeadline {
             op: op.op.clone(),
             after: op.timeout,
         });
     }
-    // 4. Heartbeats: the longest-silent member past the timeout.
+    // 6. Heartbeats: the longest-silent member past the timeout.
     let silent = obs
         .peers
         .iter()
@@ -242,11 +251,11 @@ pub fn decide(now: Instant, obs: &Observations, cfg: &WatchdogConfig) -> Decisio
         && silence >= cfg.heartbeat_timeout
     {
         return broken(BreakCause::HeartbeatTimeout {
-            rank,
+            rank: Rank(rank),
             silent_for: silence,
         });
     }
-    // 5. The store.
+    // 7. The store, unreachable past its grace.
     let store_down_for = now.saturating_duration_since(obs.store_last_ok);
     if let Some(err) = &obs.store_error
         && store_down_for >= cfg.store_grace
@@ -310,16 +319,15 @@ impl ReasonLog {
 /// The process monitor's decision: every watchdog (by name) whose last tick
 /// is older than `stall_after`, with how long it has been stuck, longest
 /// first.
-pub fn stalled<'a>(
+pub fn stalled<N: Ord>(
     now: Instant,
-    last_ticks: impl IntoIterator<Item = (&'a str, Instant)>,
+    last_ticks: impl IntoIterator<Item = (N, Instant)>,
     stall_after: Duration,
-) -> Vec<(String, Duration)> {
-    let mut out: Vec<(String, Duration)> = last_ticks
+) -> Vec<(N, Duration)> {
+    let mut out: Vec<(N, Duration)> = last_ticks
         .into_iter()
         .map(|(name, tick)| (name, now.saturating_duration_since(tick)))
         .filter(|(_, stuck)| *stuck >= stall_after)
-        .map(|(name, stuck)| (name.to_string(), stuck))
         .collect();
     out.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
     out
@@ -376,7 +384,7 @@ mod tests {
         assert_eq!(
             d.verdict,
             Verdict::Broken(BreakCause::PeerLost {
-                rank: 2,
+                rank: Rank(2),
                 reason: "eof".into()
             })
         );
@@ -408,7 +416,7 @@ mod tests {
         assert_eq!(
             d.verdict,
             Verdict::Broken(BreakCause::HeartbeatTimeout {
-                rank: 2,
+                rank: Rank(2),
                 silent_for: ms(1000)
             })
         );
@@ -502,7 +510,7 @@ mod tests {
         obs.reported_broken = Some((1, "rank 2 lost".into()));
         assert!(matches!(
             decide(t0, &obs, &cfg).verdict,
-            Verdict::Broken(BreakCause::ReportedByPeer { rank: 1, .. })
+            Verdict::Broken(BreakCause::ReportedByPeer { rank: Rank(1), .. })
         ));
     }
 
@@ -517,12 +525,12 @@ mod tests {
         let later = t0 + Duration::from_secs(10);
         assert!(matches!(
             decide(later, &obs, &cfg).verdict,
-            Verdict::Broken(BreakCause::PeerLost { rank: 2, .. })
+            Verdict::Broken(BreakCause::PeerLost { rank: Rank(2), .. })
         ));
         obs.peers[1].transport_error = None;
         assert!(matches!(
             decide(later, &obs, &cfg).verdict,
-            Verdict::Broken(BreakCause::ReportedByPeer { rank: 1, .. })
+            Verdict::Broken(BreakCause::ReportedByPeer { rank: Rank(1), .. })
         ));
         obs.reported_broken = None;
         assert!(matches!(
@@ -548,7 +556,7 @@ mod tests {
         assert!(
             matches!(
                 d.verdict,
-                Verdict::Broken(BreakCause::HeartbeatTimeout { rank: 2, .. })
+                Verdict::Broken(BreakCause::HeartbeatTimeout { rank: Rank(2), .. })
             ),
             "{d:?}"
         );
@@ -560,7 +568,10 @@ mod tests {
         obs.peers[1].transport_error = Some("connection reset by peer".into());
         let d = decide(t0 + ms(10) + cfg.store_grace, &obs, &cfg);
         assert!(
-            matches!(d.verdict, Verdict::Broken(BreakCause::PeerLost { rank: 2, .. })),
+            matches!(
+                d.verdict,
+                Verdict::Broken(BreakCause::PeerLost { rank: Rank(2), .. })
+            ),
             "{d:?}"
         );
         // Not closing, the same departure is a lost peer.
@@ -568,7 +579,10 @@ mod tests {
         obs.closing = false;
         let d = decide(t0 + ms(10) + cfg.store_grace, &obs, &cfg);
         assert!(
-            matches!(d.verdict, Verdict::Broken(BreakCause::PeerLost { rank: 1, .. })),
+            matches!(
+                d.verdict,
+                Verdict::Broken(BreakCause::PeerLost { rank: Rank(1), .. })
+            ),
             "{d:?}"
         );
     }
@@ -647,9 +661,9 @@ mod tests {
         assert_eq!(
             out,
             vec![
-                ("c".to_string(), Duration::from_secs(5)),
-                ("b".to_string(), Duration::from_secs(3)),
-                ("d".to_string(), Duration::from_secs(2)),
+                ("c", Duration::from_secs(5)),
+                ("b", Duration::from_secs(3)),
+                ("d", Duration::from_secs(2)),
             ]
         );
         assert!(stalled(now, [("a", now)], Duration::from_secs(2)).is_empty());

@@ -24,7 +24,7 @@ use dashmap::DashMap;
 use multiworld_collectives::Group;
 use multiworld_store::{StoreError, StoreServer, WorldStore};
 use multiworld_tcp::{Communicator, Error as TcpError, Received};
-use multiworld_types::{Rank, Tag, Tensor, TensorView};
+use multiworld_types::{Generation, Rank, Tag, Tensor, TensorView, WorldName};
 use tokio::sync::{broadcast, watch};
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
@@ -51,14 +51,14 @@ const ANNOUNCE_TIMEOUT: Duration = Duration::from_millis(500);
 const TEARDOWN_WAIT: Duration = Duration::from_secs(2);
 
 /// Where the manager keeps its members, by name.
-pub(crate) type Registry = DashMap<String, Slot>;
+pub(crate) type Registry = DashMap<WorldName, Slot>;
 
 /// A name in the registry: being joined, or a member.
 pub(crate) enum Slot {
     /// Reserved by a join in progress, with the rank and size it joins as
     /// (the generation is known only once the store is opened).
     Joining {
-        rank: u32,
+        rank: Rank,
         size: u32,
     },
     Member(Arc<WorldShared>),
@@ -77,9 +77,9 @@ struct StoreStatus {
 
 /// The state of one member world.
 pub(crate) struct WorldShared {
-    pub(crate) name: String,
-    pub(crate) generation: u64,
-    pub(crate) rank: u32,
+    pub(crate) name: WorldName,
+    pub(crate) generation: Generation,
+    pub(crate) rank: Rank,
     pub(crate) size: u32,
     pub(crate) config: WorldConfig,
     pub(crate) comm: Arc<Communicator>,
@@ -123,24 +123,44 @@ pub(crate) struct WorldShared {
     pub(crate) device: std::sync::OnceLock<Arc<crate::device::DeviceSide>>,
 }
 
+/// What a completed join brings to a new [`WorldShared`].
+pub(crate) struct Joined {
+    pub(crate) config: WorldConfig,
+    pub(crate) comm: Arc<Communicator>,
+    pub(crate) store: WorldStore,
+    pub(crate) store_addr: String,
+    /// The server hosting the world's store, when this process hosts it.
+    pub(crate) host: Option<Arc<StoreServer>>,
+}
+
+/// Where a world reports to: its cancellation (a child of the manager's
+/// root token), the manager's event channel and registry.
+pub(crate) struct Attachments {
+    pub(crate) token: CancellationToken,
+    pub(crate) events: broadcast::Sender<WorldEvent>,
+    pub(crate) registry: Weak<Registry>,
+}
+
 impl WorldShared {
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn new(
-        config: WorldConfig,
-        comm: Arc<Communicator>,
-        store: WorldStore,
-        store_addr: String,
-        host: Option<Arc<StoreServer>>,
-        token: CancellationToken,
-        events: broadcast::Sender<WorldEvent>,
-        registry: Weak<Registry>,
-    ) -> Arc<WorldShared> {
+    pub(crate) fn new(joined: Joined, attach: Attachments) -> Arc<WorldShared> {
+        let Joined {
+            config,
+            comm,
+            store,
+            store_addr,
+            host,
+        } = joined;
+        let Attachments {
+            token,
+            events,
+            registry,
+        } = attach;
         let mut lifecycle = Lifecycle::new();
         // A fresh lifecycle is Joining, so this cannot be refused.
         let _ = lifecycle.ready();
         Arc::new_cyclic(|me| WorldShared {
             name: config.name.clone(),
-            generation: store.generation(),
+            generation: Generation(store.generation()),
             rank: config.rank,
             size: config.size,
             config,
@@ -210,7 +230,7 @@ impl WorldShared {
                 cause: cause.clone(),
             },
             None => WorldError::NotJoined {
-                world: self.name.clone(),
+                world: self.name.to_string(),
             },
         }
     }
@@ -274,7 +294,7 @@ impl WorldShared {
         }
         let cause = match &err {
             TcpError::PeerLost { rank, cause } => BreakCause::PeerLost {
-                rank: rank.0,
+                rank: *rank,
                 reason: cause.to_string(),
             },
             _ => BreakCause::Aborted,
@@ -296,7 +316,7 @@ impl WorldShared {
             // broken, so `unusable` always finds it.
             let _ = self.cause.set(cause.clone());
         }
-        tracing::warn!(world = %self.name, generation = self.generation, %cause, "world broken");
+        tracing::warn!(world = %self.name, generation = self.generation.0, %cause, "world broken");
         self.comm
             .abort_with_reason(&format!("world '{}' broken: {cause}", self.name));
         self.ended.cancel();
@@ -329,7 +349,7 @@ impl WorldShared {
             self.wait_removed().await;
             return;
         }
-        tracing::info!(world = %self.name, generation = self.generation, "leaving world");
+        tracing::info!(world = %self.name, generation = self.generation.0, "leaving world");
         self.ended.cancel();
         self.comm.close().await;
         let announce = Some(format!("{}\nrank {} left the world", self.rank, self.rank));
@@ -360,7 +380,7 @@ impl WorldShared {
             if outcome.is_quarantined() {
                 tracing::error!(
                     world = %self.name,
-                    generation = self.generation,
+                    generation = self.generation.0,
                     ?outcome,
                     "the NCCL communicator did not abort in time: quarantined (leaked)"
                 );
@@ -378,7 +398,7 @@ impl WorldShared {
         // store that no member hosts.
         match &self.host {
             Some(host) => {
-                host.close_world_generation(&self.name, self.generation);
+                host.close_world_generation(self.name.as_str(), self.generation.0);
             }
             None => {
                 let _ = tokio::time::timeout(ANNOUNCE_TIMEOUT, self.store.close()).await;
@@ -393,7 +413,7 @@ impl WorldShared {
                 |_, slot| matches!(slot, Slot::Member(w) if w.generation == self.generation),
             );
         }
-        tracing::info!(world = %self.name, generation = self.generation, "world removed");
+        tracing::info!(world = %self.name, generation = self.generation.0, "world removed");
         let _ = self.events.send(WorldEvent::Removed {
             world: self.name.clone(),
             generation: self.generation,
@@ -536,7 +556,7 @@ async fn store_watcher(w: Arc<WorldShared>, tx: watch::Sender<StoreStatus>) {
         match result {
             Ok(value) => {
                 let (rank, cause) = parse_announcement(&value);
-                if rank != w.rank {
+                if rank != w.rank.0 {
                     tx.send_modify(|s| s.reported = Some((rank, cause)));
                 }
                 return;
@@ -594,18 +614,18 @@ impl std::fmt::Debug for World {
 
 impl World {
     /// The world's name.
-    pub fn name(&self) -> &str {
+    pub fn name(&self) -> &WorldName {
         &self.shared.name
     }
 
     /// This membership's generation (assigned by the world's store).
-    pub fn generation(&self) -> u64 {
+    pub fn generation(&self) -> Generation {
         self.shared.generation
     }
 
     /// This process's rank.
     pub fn rank(&self) -> Rank {
-        Rank(self.shared.rank)
+        self.shared.rank
     }
 
     /// Number of members.
@@ -731,7 +751,7 @@ impl World {
         let key = |n: u64, rank: u32| format!("multiworld/barrier/{n}/{rank}");
         let keys: Vec<String> = (0..w.size).map(|r| key(n, r)).collect();
         let wait = async {
-            w.store.set(key(n, w.rank), Vec::new()).await?;
+            w.store.set(key(n, w.rank.0), Vec::new()).await?;
             w.store.wait(&keys, timeout).await
         };
         let result = tokio::select! {
@@ -744,7 +764,7 @@ impl World {
                 // Everyone entered barrier n, so everyone left barrier n - 1:
                 // its key is no longer needed.
                 if n > 0 {
-                    let _ = w.store.delete(key(n - 1, w.rank)).await;
+                    let _ = w.store.delete(key(n - 1, w.rank.0)).await;
                 }
                 Ok(())
             }
@@ -776,7 +796,7 @@ impl World {
         w.closing.store(true, std::sync::atomic::Ordering::Relaxed);
         let me = w.rank;
         let token = [1u8];
-        let exchange = (0..w.size).filter(|&r| r != me).map(|r| async move {
+        let exchange = (0..w.size).filter(|&r| r != me.0).map(|r| async move {
             let mut got = Tensor::zeros(multiworld_types::DType::U8, [1]).map_err(|e| w.fail(e.into()))?;
             let (sent, received) = tokio::join!(
                 w.comm.send(Rank(r), FINISH_TAG, &token[..]),

@@ -85,7 +85,7 @@ async fn into_poisoned(
 }
 
 fn nccl_cfg(name: &str, store: &str) -> WorldConfig {
-    let mut c = WorldConfig::new(name, 0, 1, store);
+    let mut c = WorldConfig::new(name, 0, 1, store).unwrap();
     c.backend = Backend::Nccl;
     c.join_timeout = T;
     c
@@ -233,7 +233,10 @@ async fn child_host_staged_rank_1() {
     let driver = CudaDriver::load().unwrap();
     let ctx = DeviceContext::open(&driver, 0).unwrap();
     let m = WorldManager::default();
-    let w = m.join(WorldConfig::new("staged", 1, 2, &store)).await.unwrap();
+    let w = m
+        .join(WorldConfig::new("staged", 1, 2, &store).unwrap())
+        .await
+        .unwrap();
     // Poisoned, so the echo is only right if the receive wrote every byte.
     let mut buf = ctx.upload(DType::F32, &vec![POISON; n * 4], T).unwrap();
     w.recv_device(Rank(0), Tag(1), &mut buf).await.unwrap();
@@ -260,7 +263,10 @@ async fn host_staged_transfer_between_two_processes_on_one_gpu() {
             .unwrap(),
     );
     let ctx = DeviceContext::open(&rt, 0).unwrap();
-    let w = m.join(WorldConfig::new("staged", 0, 2, &store)).await.unwrap();
+    let w = m
+        .join(WorldConfig::new("staged", 0, 2, &store).unwrap())
+        .await
+        .unwrap();
     let x = ramp(n, 0.5);
     let src = ctx.upload(DType::F32, &f32_bytes(&x), T).unwrap();
     let mut back = ctx.upload(DType::F32, &vec![POISON; n * 4], T).unwrap();

@@ -7,7 +7,7 @@
 use std::time::{Duration, Instant};
 
 use multiworld::{
-    BreakCause, ManagerConfig, Rank, ReduceOp, Tag, Tensor, WorldConfig, WorldError, WorldEvent,
+    BreakCause, ManagerConfig, Rank, ReduceOp, Secret, Tag, Tensor, WorldConfig, WorldError, WorldEvent,
     WorldManager, WorldState,
 };
 use multiworld_store::{ServerConfig, StoreServer};
@@ -21,9 +21,9 @@ fn init_tracing() {
 }
 
 fn cfg(name: &str, rank: u32, size: u32, store: &str) -> WorldConfig {
-    let mut c = WorldConfig::new(name, rank, size, store);
+    let mut c = WorldConfig::new(name, rank, size, store).unwrap();
     c.join_timeout = Duration::from_secs(20);
-    c.secret = Some(b"test secret".to_vec());
+    c.secret = Some(Secret::new("test secret"));
     c
 }
 
@@ -82,7 +82,11 @@ async fn join_exchange_and_list() {
     assert_eq!(a.generation(), b.generation());
     assert_eq!((a.rank(), b.rank(), a.size()), (Rank(0), Rank(1), 2));
     match next_event_for(&mut events, "w", Duration::from_secs(5)).await {
-        WorldEvent::Joined { rank: 0, size: 2, .. } => {}
+        WorldEvent::Joined {
+            rank: Rank(0),
+            size: 2,
+            ..
+        } => {}
         other => panic!("{other:?}"),
     }
     ping(&a, &b, 3.5).await;
@@ -127,7 +131,7 @@ async fn a_broken_world_breaks_alone_and_its_name_can_be_joined_again() {
         WorldEvent::Broken { cause, .. } => assert!(
             matches!(
                 cause,
-                BreakCause::PeerLost { rank: 1, .. } | BreakCause::ReportedByPeer { rank: 1, .. }
+                BreakCause::PeerLost { rank: Rank(1), .. } | BreakCause::ReportedByPeer { rank: Rank(1), .. }
             ),
             "{cause:?}"
         ),
@@ -224,7 +228,7 @@ async fn losing_the_worlds_store_breaks_only_that_world() {
     for (r, c) in causes.iter().enumerate() {
         let other = 1 - r as u32;
         assert!(
-            store_lost(c) || matches!(c, BreakCause::PeerLost { rank, .. } if *rank == other),
+            store_lost(c) || matches!(c, BreakCause::PeerLost { rank, .. } if *rank == Rank(other)),
             "member {r}: {c:?}"
         );
     }
@@ -261,7 +265,7 @@ async fn joining_alone_or_with_a_missing_member_fails_cleanly() {
     let listed = listed.expect("a joining world is listed");
     assert_eq!(
         (listed.state, listed.rank, listed.size),
-        (WorldState::Joining, 0, 2)
+        (WorldState::Joining, Rank(0), 2)
     );
     assert!(matches!(err, WorldError::JoinFailed { .. }), "{err}");
     assert!(started.elapsed() < Duration::from_secs(5));
@@ -280,7 +284,7 @@ async fn a_wrong_secret_cannot_join() {
     let mut host = cfg("w", 0, 2, &store);
     host.join_timeout = Duration::from_secs(2);
     let mut bad = cfg("w", 1, 2, &store);
-    bad.secret = Some(b"guess".to_vec());
+    bad.secret = Some(Secret::new("guess"));
     bad.join_timeout = Duration::from_secs(2);
     let (a, b) = tokio::join!(leader.join(host), stranger.join(bad));
     assert!(a.is_err(), "the host must not complete a world with a stranger");
@@ -522,7 +526,7 @@ async fn a_break_announced_in_the_store_reaches_every_member() {
         timeout: Duration::from_secs(5),
     };
     let handle = client.open("told", options).await.unwrap();
-    assert_eq!(handle.generation(), worlds[0].generation());
+    assert_eq!(handle.generation(), worlds[0].generation().0);
     handle
         .set(
             "multiworld/broken",
@@ -543,12 +547,12 @@ async fn a_break_announced_in_the_store_reaches_every_member() {
             }
         });
     }
-    let told = |c: &BreakCause| matches!(c, BreakCause::ReportedByPeer { rank: 2, reason } if reason.contains("all_gather"));
+    let told = |c: &BreakCause| matches!(c, BreakCause::ReportedByPeer { rank: Rank(2), reason } if reason.contains("all_gather"));
     assert!(causes.iter().any(told), "{causes:?}");
     for (r, c) in causes.iter().enumerate() {
         let other = 1 - r as u32;
         assert!(
-            told(c) || matches!(c, BreakCause::PeerLost { rank, .. } if *rank == other),
+            told(c) || matches!(c, BreakCause::PeerLost { rank, .. } if *rank == Rank(other)),
             "member {r}: {c:?}"
         );
     }

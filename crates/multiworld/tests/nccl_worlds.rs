@@ -40,7 +40,7 @@ fn f32_bytes(v: &[f32]) -> Vec<u8> {
 }
 
 fn nccl_cfg(name: &str, rank: u32, size: u32, store: &str) -> WorldConfig {
-    let mut c = WorldConfig::new(name, rank, size, store);
+    let mut c = WorldConfig::new(name, rank, size, store).unwrap();
     c.backend = Backend::Nccl;
     c.join_timeout = T;
     c
@@ -462,8 +462,8 @@ async fn child_rank_0_without_nccl() {
     assert!(leader.worlds().is_empty() && worker.worlds().is_empty());
     // The name is free again: a TCP world of that name joins.
     let (a, b) = tokio::join!(
-        leader.join(WorldConfig::new("gpu", 0, 2, &store)),
-        worker.join(WorldConfig::new("gpu", 1, 2, &store)),
+        leader.join(WorldConfig::new("gpu", 0, 2, &store).unwrap()),
+        worker.join(WorldConfig::new("gpu", 1, 2, &store).unwrap()),
     );
     a.unwrap();
     b.unwrap();
@@ -496,8 +496,8 @@ async fn child_host_staged_without_nccl() {
     let (leader, worker) = (WorldManager::default(), WorldManager::default());
     let store = leader.serve_store("127.0.0.1:0").await.unwrap().to_string();
     let (a, b) = tokio::join!(
-        leader.join(WorldConfig::new("cuda-only", 0, 2, &store)),
-        worker.join(WorldConfig::new("cuda-only", 1, 2, &store)),
+        leader.join(WorldConfig::new("cuda-only", 0, 2, &store).unwrap()),
+        worker.join(WorldConfig::new("cuda-only", 1, 2, &store).unwrap()),
     );
     let (a, b) = (a.unwrap(), b.unwrap());
     let x = f32_bytes(&ramp(100_003, 0.5));
@@ -527,8 +527,8 @@ async fn device_tensors_travel_host_staged_over_a_tcp_world() {
     let (leader, worker) = (WorldManager::default(), WorldManager::default());
     let store = leader.serve_store("127.0.0.1:0").await.unwrap().to_string();
     let (a, b) = tokio::join!(
-        leader.join(WorldConfig::new("staged", 0, 2, &store)),
-        worker.join(WorldConfig::new("staged", 1, 2, &store)),
+        leader.join(WorldConfig::new("staged", 0, 2, &store).unwrap()),
+        worker.join(WorldConfig::new("staged", 1, 2, &store).unwrap()),
     );
     let (a, b) = (a.unwrap(), b.unwrap());
     let e = a.nccl().unwrap_err();

@@ -52,8 +52,8 @@ async fn one_process_joins_uses_and_tears_down_256_worlds() {
         let name = format!("world-{i:03}");
         let t = Instant::now();
         let (a, b) = tokio::join!(
-            leader.join(WorldConfig::new(&name, 0, 2, &store)),
-            worker.join(WorldConfig::new(&name, 1, 2, &store))
+            leader.join(WorldConfig::new(&name, 0, 2, &store).unwrap()),
+            worker.join(WorldConfig::new(&name, 1, 2, &store).unwrap())
         );
         slowest = slowest.max(t.elapsed());
         worlds.push((a.unwrap(), b.unwrap()));

@@ -41,7 +41,7 @@ impl Log {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let config = multiworld_examples::spawn_or_join("all-in-one", multiworld_examples::nproc_arg(3)).await?;
-    let (r, n) = (config.rank, config.size);
+    let (r, n) = (config.rank.0, config.size);
     anyhow::ensure!(n >= 2, "run with at least 2 ranks");
     let manager = WorldManager::default();
     let world = manager.join(config).await?;

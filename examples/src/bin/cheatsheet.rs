@@ -43,7 +43,7 @@ impl Sheet {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let config = multiworld_examples::spawn_or_join("cheatsheet", multiworld_examples::nproc_arg(4)).await?;
-    let (r, n) = (config.rank, config.size);
+    let (r, n) = (config.rank.0, config.size);
     let manager = WorldManager::default();
     let world = manager.join(config).await?;
     let g = world.collectives();

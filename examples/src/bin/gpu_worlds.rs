@@ -40,7 +40,7 @@ fn device() -> usize {
 async fn worker(rt: NcclRuntime, store: &str) -> anyhow::Result<()> {
     let ctx = DeviceContext::open(&rt, device())?;
     let manager = WorldManager::default();
-    let w = manager.join(WorldConfig::new("staged", 1, 2, store)).await?;
+    let w = manager.join(WorldConfig::new("staged", 1, 2, store)?).await?;
     let mut buf = ctx.alloc(DType::F32, STAGED)?;
     w.recv_device(Rank(0), Tag(0), &mut buf).await?;
     let doubled: Vec<f32> = f32s(&buf.to_host_vec(T)?).iter().map(|x| x * 2.0).collect();
@@ -67,7 +67,7 @@ async fn main() -> anyhow::Result<()> {
     let store = manager.serve_store("127.0.0.1:0").await?.to_string();
     let mut worlds = Vec::new();
     for name in ["gpu-a", "gpu-b"] {
-        let mut c = WorldConfig::new(name, 0, 1, &store);
+        let mut c = WorldConfig::new(name, 0, 1, &store)?;
         c.backend = Backend::Nccl;
         c.local_rank = device() as u32;
         worlds.push(manager.join(c).await?);
@@ -88,7 +88,7 @@ async fn main() -> anyhow::Result<()> {
 
     // A worker process on the same GPU: device tensors over TCP.
     let _worker = spawn_self(&["--store", &store, "--device", &device().to_string()])?;
-    let staged = manager.join(WorldConfig::new("staged", 0, 2, &store)).await?;
+    let staged = manager.join(WorldConfig::new("staged", 0, 2, &store)?).await?;
     let ctx = DeviceContext::open(&rt, device())?;
     let y: Vec<f32> = (0..STAGED).map(|i| (i % 1000) as f32 * 0.5).collect();
     let src = ctx.upload(DType::F32, &f32_bytes(&y), T)?;

@@ -41,7 +41,7 @@ async fn main() -> anyhow::Result<()> {
     if let (Some(world), Some(store)) = (arg("--worker"), arg("--store")) {
         // A worker: send MESSAGES small tensors to the leader, a few ms apart.
         let manager = WorldManager::default();
-        let w = manager.join(WorldConfig::new(&world, 1, 2, &store)).await?;
+        let w = manager.join(WorldConfig::new(&world, 1, 2, &store)?).await?;
         for i in 0..MESSAGES {
             w.send(Rank(0), Tag(0), &[i; 4][..]).await?;
             tokio::time::sleep(Duration::from_millis(5)).await;
@@ -59,7 +59,7 @@ async fn main() -> anyhow::Result<()> {
             name.to_string(),
             spawn_self(&["--worker", name, "--store", &store])?,
         ));
-        worlds.push(manager.join(WorldConfig::new(name, 0, 2, &store)).await?);
+        worlds.push(manager.join(WorldConfig::new(name, 0, 2, &store)?).await?);
     }
     println!("leader: joined w1 and w2");
     let progress: Vec<Arc<AtomicU32>> = (0..2).map(|_| Arc::new(AtomicU32::new(0))).collect();

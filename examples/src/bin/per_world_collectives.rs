@@ -107,7 +107,7 @@ async fn main() -> anyhow::Result<()> {
     if let (Some(world), Some(rank), Some(store)) = (arg("--world"), arg("--rank"), arg("--store")) {
         let manager = WorldManager::default();
         let w = manager
-            .join(WorldConfig::new(&world, rank.parse()?, 3, &store))
+            .join(WorldConfig::new(&world, rank.parse::<u32>()?, 3, &store)?)
             .await?;
         match collectives(&w).await {
             Ok(_) => w.finish(Duration::from_secs(30)).await?,
@@ -131,8 +131,8 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     let (a, b) = tokio::join!(
-        manager.join(WorldConfig::new("A", 0, 3, &store)),
-        manager.join(WorldConfig::new("B", 0, 3, &store))
+        manager.join(WorldConfig::new("A", 0, 3, &store)?),
+        manager.join(WorldConfig::new("B", 0, 3, &store)?)
     );
     let (a, b) = (a?, b?);
     println!("leader: rank 0 of worlds A and B (three members each)");

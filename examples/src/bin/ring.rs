@@ -10,7 +10,7 @@ use multiworld::{DType, Rank, Tag, Tensor, WorldManager};
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let config = multiworld_examples::spawn_or_join("ring", multiworld_examples::nproc_arg(2)).await?;
-    let (rank, size) = (config.rank, config.size);
+    let (rank, size) = (config.rank.0, config.size);
     let manager = WorldManager::default();
     let world = manager.join(config).await?;
     let next = Rank((rank + 1) % size);

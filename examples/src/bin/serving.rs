@@ -32,7 +32,7 @@ async fn main() -> anyhow::Result<()> {
 /// Serves requests until the world ends.
 async fn worker(world: &str, store: &str) -> anyhow::Result<()> {
     let manager = WorldManager::default();
-    let w = manager.join(WorldConfig::new(world, 1, 2, store)).await?;
+    let w = manager.join(WorldConfig::new(world, 1, 2, store)?).await?;
     let mlp = Mlp::new(7);
     let mut input = Tensor::zeros(DType::F32, [Mlp::INPUTS])?;
     loop {
@@ -148,7 +148,7 @@ async fn leader() -> anyhow::Result<()> {
     for i in 1..=workers {
         let name = format!("worker-{i}");
         procs.push(spawn_worker(&name, &store)?);
-        let world = manager.join(WorldConfig::new(&name, 0, 2, &store)).await?;
+        let world = manager.join(WorldConfig::new(&name, 0, 2, &store)?).await?;
         println!("leader: joined {name} (generation {})", world.generation());
         servers.push(tokio::spawn(serve(world, Arc::clone(&svc))));
     }
@@ -165,12 +165,12 @@ async fn leader() -> anyhow::Result<()> {
         procs[1].0.wait()?;
         let broke = servers.remove(1).await??;
         anyhow::ensure!(broke, "worker-2's world did not break");
-        let old = manager.world("worker-2").map_or(0, |w| w.generation());
+        let old = manager.world("worker-2").map_or(0, |w| w.generation().0);
         if let Some(w) = manager.world("worker-2") {
             w.removed().await;
         }
         procs[1] = spawn_worker("worker-2", &store)?;
-        let world = manager.join(WorldConfig::new("worker-2", 0, 2, &store)).await?;
+        let world = manager.join(WorldConfig::new("worker-2", 0, 2, &store)?).await?;
         println!(
             "leader: a replacement joined worker-2 as generation {} (was {old})",
             world.generation()

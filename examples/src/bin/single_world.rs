@@ -26,7 +26,7 @@ async fn main() -> anyhow::Result<()> {
     if let (Some(rank), Some(store)) = (arg("--rank"), arg("--store")) {
         let rank: u32 = rank.parse()?;
         let manager = WorldManager::default();
-        let w = manager.join(WorldConfig::new("all", rank, 3, &store)).await?;
+        let w = manager.join(WorldConfig::new("all", rank, 3, &store)?).await?;
         for i in 0..MESSAGES {
             if let Err(WorldError::Broken { .. }) = w.send(Rank(0), Tag(0), &[i; 4][..]).await {
                 return Ok(());
@@ -40,7 +40,7 @@ async fn main() -> anyhow::Result<()> {
     let store = manager.serve_store("127.0.0.1:0").await?.to_string();
     let mut one = spawn_self(&["--rank", "1", "--store", &store])?;
     let _two = spawn_self(&["--rank", "2", "--store", &store])?;
-    let world = manager.join(WorldConfig::new("all", 0, 3, &store)).await?;
+    let world = manager.join(WorldConfig::new("all", 0, 3, &store)?).await?;
     println!("leader: joined world 'all' with two workers (ranks 1 and 2)");
     let from_one = Arc::new(AtomicU32::new(0));
     let receive = |src: u32| {
