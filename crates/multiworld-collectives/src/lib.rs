@@ -34,7 +34,8 @@
 //! | file | what |
 //! |---|---|
 //! | `group.rs` | [`Group`], [`CollectiveConfig`]: membership, call order, agreement round, member-loss guard |
-//! | `ops.rs` | the tensor operations |
+//! | `collective.rs` | the life cycle of one tensor call, written once: `Group::run_collective` |
+//! | `ops.rs` | the tensor operations (each: its preparation and its body) |
 //! | `object.rs` | the object operations |
 //! | `algo.rs` | direct, ring and pipelined-chain algorithms |
 //! | `shm.rs` | same-host shared memory: the segment, its setup, the all-reduce through it |
@@ -43,6 +44,7 @@
 //! | `util.rs` | scratch pool, segments, `try_join_all` |
 
 mod algo;
+mod collective;
 mod desc;
 mod group;
 mod handle;

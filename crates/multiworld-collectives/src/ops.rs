@@ -1,11 +1,16 @@
 //! The tensor collectives of [`Group`], each as a blocking-style `async fn` and a
-//! `*_handle` form. Every call follows the life cycle described in `group.rs`:
-//! turn, local validation (an invalid call fails before any tensor data is sent),
-//! agreement, then the algorithm from `algo.rs` under the member-loss guard.
+//! `*_handle` form. Every call runs the life cycle of `group.rs` through one
+//! template, [`Group::run_collective`] (`collective.rs`): turn, description and
+//! local validation (an invalid call abstains and fails before any tensor data is
+//! sent), plan, then agreement and the algorithm from `algo.rs` under the
+//! member-loss guard, with the group's scratch pool lent and output shapes put
+//! back on failure. Each operation here supplies only its preparation (what it
+//! writes into the descriptor, its validation, its byte counts) and its body.
 
 use crate::algo::{self, to_peers};
-use crate::desc::{Algo, Kind};
-use crate::group::{Group, Ticket, finish_sends};
+use crate::collective::Prep;
+use crate::desc::{Desc, Kind};
+use crate::group::{Ctx, Group, Ticket, finish_sends};
 use crate::handle::CollectiveHandle;
 use crate::shm;
 use crate::util::{even_segments, segments_of, view_range};
@@ -13,34 +18,6 @@ use multiworld_tcp::{Error, Result};
 use multiworld_types::Rank;
 use multiworld_types::{DType, Tensor, TensorView};
 use multiworld_types::{ReduceOp, with_type};
-
-/// A tensor's dtype and shape, to put back if a failed call left it emptied (a
-/// receive cancelled while its message was arriving takes the buffer).
-struct Shape(DType, Vec<usize>);
-
-impl Shape {
-    fn of(t: &Tensor) -> Shape {
-        Shape(t.dtype(), t.shape().to_vec())
-    }
-
-    fn restore(&self, t: &mut Tensor) {
-        if t.dtype() != self.0 || t.shape() != self.1.as_slice() {
-            if let Ok(z) = Tensor::zeros(self.0, self.1.clone()) {
-                *t = z;
-            }
-        }
-    }
-
-    fn of_all(ts: &[Tensor]) -> Vec<Shape> {
-        ts.iter().map(Shape::of).collect()
-    }
-
-    fn restore_all(shapes: &[Shape], ts: &mut [Tensor]) {
-        for (s, t) in shapes.iter().zip(ts) {
-            s.restore(t);
-        }
-    }
-}
 
 /// The op must be defined for the dtype.
 fn check_op(op: ReduceOp, dtype: DType) -> Result<()> {
@@ -97,14 +74,16 @@ impl Group {
     }
 
     async fn barrier_in(&self, ticket: Ticket) -> Result<()> {
-        let call = self.begin(ticket, Kind::Barrier).await?;
-        let mut d = call.desc();
-        call.plan(&mut d, 0, 0);
-        let cx = call.ctx();
-        call.guard(async {
-            let (_, sends) = cx.exchange(&d, &[]).await?;
-            finish_sends(sends).await
-        })
+        self.run_collective(
+            ticket,
+            Kind::Barrier,
+            &mut (),
+            |_, _, _| Ok(Prep::new((), 0, 0)),
+            async |_, cx, d, (), _| {
+                let (_, sends) = cx.exchange(d, &[]).await?;
+                finish_sends(sends).await
+            },
+        )
         .await
     }
 
@@ -123,40 +102,34 @@ impl Group {
     }
 
     async fn broadcast_in(&self, ticket: Ticket, t: &mut Tensor, root: Rank) -> Result<()> {
-        let kind = Kind::Broadcast;
-        let mut call = self.begin(ticket, kind).await?;
-        let mut d = call.desc();
-        d.dtype = Some(t.dtype());
-        d.root = Some(root);
-        d.count = t.numel() as u64;
-        let root_i = match self.root_index(root) {
-            Ok(i) => i,
-            Err(e) => return Err(call.abstain(e.in_op(kind))),
+        let prepare = |t: &Tensor, cx: Ctx<'_>, d: &mut Desc| {
+            d.dtype = Some(t.dtype());
+            d.root = Some(root);
+            d.count = t.numel() as u64;
+            let root_i = self.root_index(root)?;
+            let bytes = t.nbytes() as u64;
+            let peers = (cx.n() - 1) as u64;
+            let send_bytes = if cx.me == root_i { bytes * peers } else { 0 };
+            Ok(Prep::new(root_i, bytes, send_bytes).with_scratch())
         };
-        let cx = call.ctx();
-        let bytes = t.nbytes() as u64;
-        let peers = (cx.n() - 1) as u64;
-        call.plan(&mut d, bytes, if cx.me == root_i { bytes * peers } else { 0 });
-        let mut sc = call.take_scratch();
-        let shape = Shape::of(t);
-        let r = call
-            .guard(async {
+        self.run_collective(
+            ticket,
+            Kind::Broadcast,
+            t,
+            prepare,
+            async |t, cx, d, root_i, lent| {
                 let payloads = if cx.me == root_i {
                     to_peers(cx, t.view())
                 } else {
                     Vec::new()
                 };
-                let (_, sends) = cx.exchange(&d, &payloads).await?;
+                let (_, sends) = cx.exchange(d, &payloads).await?;
                 drop(payloads);
-                algo::broadcast(cx, &mut sc, t, root_i, &d).await?;
+                algo::broadcast(cx, &mut lent.scratch, t, root_i, d).await?;
                 finish_sends(sends).await
-            })
-            .await;
-        call.put_scratch(sc);
-        if r.is_err() {
-            shape.restore(t);
-        }
-        r
+            },
+        )
+        .await
     }
 
     // ------------------------------------------------------ reduce/all_reduce
@@ -202,67 +175,52 @@ impl Group {
         } else {
             Kind::AllReduce
         };
-        let mut call = self.begin(ticket, kind).await?;
-        let mut d = call.desc();
-        d.dtype = Some(t.dtype());
-        d.root = root;
-        d.op = Some(op);
-        d.count = t.numel() as u64;
-        let root_i = match root.map(|r| self.root_index(r)).transpose() {
-            Ok(i) => i,
-            Err(e) => return Err(call.abstain(e.in_op(kind))),
+        let prepare = |t: &Tensor, cx: Ctx<'_>, d: &mut Desc| {
+            d.dtype = Some(t.dtype());
+            d.root = root;
+            d.op = Some(op);
+            d.count = t.numel() as u64;
+            let root_i = root.map(|r| self.root_index(r)).transpose()?;
+            check_op(op, t.dtype())?;
+            let bytes = t.nbytes() as u64;
+            let send_bytes = match root_i {
+                None => bytes * (cx.n() as u64 - 1),
+                Some(r) if r == cx.me => 0,
+                Some(_) => bytes,
+            };
+            // An all-reduce may use the segment. Not bool: a byte another process
+            // wrote is only read as a number type, for which every bit pattern is
+            // valid.
+            let shm = root_i.is_none() && t.dtype() != DType::Bool;
+            Ok(Prep::new(root_i, bytes, send_bytes)
+                .with_scratch()
+                .with_shm_if(shm))
         };
-        if let Err(e) = check_op(op, t.dtype()) {
-            return Err(call.abstain(e.in_op(kind)));
-        }
-        let cx = call.ctx();
-        let bytes = t.nbytes() as u64;
-        let send_bytes = match root_i {
-            None => bytes * (cx.n() as u64 - 1),
-            Some(r) if r == cx.me => 0,
-            Some(_) => bytes,
-        };
-        call.plan(&mut d, bytes, send_bytes);
-        let mut sc = call.take_scratch();
-        // Only a call that may use the segment takes the group's state (see
-        // `take_shm`). Not bool: a byte another process wrote is only read as a
-        // number type, for which every bit pattern is valid.
-        let mut shm =
-            (root_i.is_none() && d.algo == Algo::Shm && t.dtype() != DType::Bool).then(|| call.take_shm());
-        let shape = Shape::of(t);
-        let r = call
-            .guard(async {
-                let payloads = match root_i {
-                    None => to_peers(cx, t.view()),
-                    Some(r) if r != cx.me => vec![(r, t.view())],
-                    Some(_) => Vec::new(),
-                };
-                let (_, sends) = cx.exchange(&d, &payloads).await?;
-                drop(payloads);
-                // The segment, when this call uses one (set up on first use);
-                // without it a shared-memory call runs the ring.
-                let seg = match shm.as_mut() {
-                    Some(state) => shm::ensure(cx, state).await?,
-                    None => None,
-                };
-                match (root_i, seg) {
-                    (None, Some(seg)) => with_type!(t.dtype(), T => {
-                        shm::all_reduce::<T>(cx, seg, &mut sc, t.as_mut_slice::<T>()?, op).await?
-                    }),
-                    (None, None) => algo::all_reduce(cx, &mut sc, t, op, &d).await?,
-                    (Some(r), _) => algo::reduce(cx, &mut sc, t, r, op, &d).await?,
-                }
-                finish_sends(sends).await
-            })
-            .await;
-        call.put_scratch(sc);
-        if let Some(shm) = shm {
-            call.put_shm(shm);
-        }
-        if r.is_err() {
-            shape.restore(t);
-        }
-        r
+        self.run_collective(ticket, kind, t, prepare, async |t, cx, d, root_i, lent| {
+            let payloads = match root_i {
+                None => to_peers(cx, t.view()),
+                Some(r) if r != cx.me => vec![(r, t.view())],
+                Some(_) => Vec::new(),
+            };
+            let (_, sends) = cx.exchange(d, &payloads).await?;
+            drop(payloads);
+            // The segment, when this call uses one (set up on first use);
+            // without it a shared-memory call runs the ring.
+            let seg = match lent.shm.as_mut() {
+                Some(state) => shm::ensure(cx, state).await?,
+                None => None,
+            };
+            let sc = &mut lent.scratch;
+            match (root_i, seg) {
+                (None, Some(seg)) => with_type!(t.dtype(), T => {
+                    shm::all_reduce::<T>(cx, seg, sc, t.as_mut_slice::<T>()?, op).await?
+                }),
+                (None, None) => algo::all_reduce(cx, sc, t, op, d).await?,
+                (Some(r), _) => algo::reduce(cx, sc, t, r, op, d).await?,
+            }
+            finish_sends(sends).await
+        })
+        .await
     }
 
     // ------------------------------------------------------------- all_gather
@@ -289,41 +247,35 @@ impl Group {
     }
 
     async fn all_gather_in(&self, ticket: Ticket, outputs: &mut [Tensor], input: &Tensor) -> Result<()> {
-        let kind = Kind::AllGather;
-        let call = self.begin(ticket, kind).await?;
-        let cx = call.ctx();
-        let n = cx.n();
-        let mut d = call.desc();
-        d.dtype = Some(input.dtype());
-        d.count = input.numel() as u64;
-        let valid = (|| {
+        let prepare = |outputs: &[Tensor], cx: Ctx<'_>, d: &mut Desc| {
+            let n = cx.n();
+            d.dtype = Some(input.dtype());
+            d.count = input.numel() as u64;
             check_len("the output list", outputs.len(), n)?;
             for (p, o) in outputs.iter().enumerate() {
                 check_dtype(&format!("output {p}"), o.dtype(), input.dtype())?;
             }
-            check_len("this rank's output", outputs[cx.me].numel(), input.numel())
-        })();
-        if let Err(e) = valid {
-            return Err(call.abstain(e.in_op(kind)));
-        }
-        for (p, o) in outputs.iter().enumerate() {
-            d.a[p] = o.numel() as u64;
-        }
-        let es = input.dtype().size() as u64;
-        let total: u64 = d.a.iter().sum::<u64>() * es;
-        call.plan(&mut d, total / n as u64, input.nbytes() as u64 * (n as u64 - 1));
-        let shapes = Shape::of_all(outputs);
-        let r = call
-            .guard(async {
-                let (_, sends) = cx.exchange(&d, &to_peers(cx, input.view())).await?;
-                algo::all_gather(cx, outputs, input, &d).await?;
+            check_len("this rank's output", outputs[cx.me].numel(), input.numel())?;
+            for (p, o) in outputs.iter().enumerate() {
+                d.a[p] = o.numel() as u64;
+            }
+            let es = input.dtype().size() as u64;
+            let total: u64 = d.a.iter().sum::<u64>() * es;
+            let send_bytes = input.nbytes() as u64 * (n as u64 - 1);
+            Ok(Prep::new((), total / n as u64, send_bytes))
+        };
+        self.run_collective(
+            ticket,
+            Kind::AllGather,
+            outputs,
+            prepare,
+            async |outputs, cx, d, (), _| {
+                let (_, sends) = cx.exchange(d, &to_peers(cx, input.view())).await?;
+                algo::all_gather(cx, outputs, input, d).await?;
                 finish_sends(sends).await
-            })
-            .await;
-        if r.is_err() {
-            Shape::restore_all(&shapes, outputs);
-        }
-        r
+            },
+        )
+        .await
     }
 
     /// Gathers every member's `input` into `output`, concatenated in
@@ -347,36 +299,27 @@ impl Group {
     }
 
     async fn all_gather_into_in(&self, ticket: Ticket, output: &mut Tensor, input: &Tensor) -> Result<()> {
-        let kind = Kind::AllGatherInto;
-        let mut call = self.begin(ticket, kind).await?;
-        let cx = call.ctx();
-        let n = cx.n();
-        let mut d = call.desc();
-        d.dtype = Some(input.dtype());
-        d.count = input.numel() as u64;
-        let valid = check_dtype("the output", output.dtype(), input.dtype()).and_then(|()| {
-            let want = input.numel().saturating_mul(n);
-            check_len("the output", output.numel(), want)
-        });
-        if let Err(e) = valid {
-            return Err(call.abstain(e.in_op(kind)));
-        }
-        let bytes = input.nbytes() as u64;
-        call.plan(&mut d, bytes, bytes * (n as u64 - 1));
-        let mut sc = call.take_scratch();
-        let shape = Shape::of(output);
-        let r = call
-            .guard(async {
-                let (_, sends) = cx.exchange(&d, &to_peers(cx, input.view())).await?;
-                algo::all_gather_into(cx, &mut sc, output, input, &d).await?;
+        let prepare = |output: &Tensor, cx: Ctx<'_>, d: &mut Desc| {
+            let n = cx.n();
+            d.dtype = Some(input.dtype());
+            d.count = input.numel() as u64;
+            check_dtype("the output", output.dtype(), input.dtype())?;
+            check_len("the output", output.numel(), input.numel().saturating_mul(n))?;
+            let bytes = input.nbytes() as u64;
+            Ok(Prep::new((), bytes, bytes * (n as u64 - 1)).with_scratch())
+        };
+        self.run_collective(
+            ticket,
+            Kind::AllGatherInto,
+            output,
+            prepare,
+            async |output, cx, d, (), lent| {
+                let (_, sends) = cx.exchange(d, &to_peers(cx, input.view())).await?;
+                algo::all_gather_into(cx, &mut lent.scratch, output, input, d).await?;
                 finish_sends(sends).await
-            })
-            .await;
-        call.put_scratch(sc);
-        if r.is_err() {
-            shape.restore(output);
-        }
-        r
+            },
+        )
+        .await
     }
 
     // ---------------------------------------------------------- gather/scatter
@@ -407,59 +350,54 @@ impl Group {
         &self,
         ticket: Ticket,
         input: &Tensor,
-        mut outputs: Option<&mut [Tensor]>,
+        outputs: Option<&mut [Tensor]>,
         root: Rank,
     ) -> Result<()> {
-        let kind = Kind::Gather;
-        let call = self.begin(ticket, kind).await?;
-        let cx = call.ctx();
-        let n = cx.n();
-        let mut d = call.desc();
-        d.dtype = Some(input.dtype());
-        d.root = Some(root);
-        d.count = input.numel() as u64;
-        let valid = self.root_index(root).and_then(|r| {
-            if r != cx.me {
-                return Ok(r);
+        // The template sees a missing list (allowed off the root) as an empty one;
+        // `given` keeps the root's own error for it. Off the root the list is
+        // ignored.
+        let given = outputs.is_some();
+        let outputs = outputs.unwrap_or_default();
+        let prepare = |outputs: &[Tensor], cx: Ctx<'_>, d: &mut Desc| {
+            let n = cx.n();
+            d.dtype = Some(input.dtype());
+            d.root = Some(root);
+            d.count = input.numel() as u64;
+            let root_i = self.root_index(root)?;
+            let is_root = root_i == cx.me;
+            if is_root {
+                if !given {
+                    return Err(Error::invalid("the root must pass an output list"));
+                }
+                check_len("the output list", outputs.len(), n)?;
+                for (p, o) in outputs.iter().enumerate() {
+                    check_dtype(&format!("output {p}"), o.dtype(), input.dtype())?;
+                }
+                check_len("the root's output", outputs[cx.me].numel(), input.numel())?;
+                for (p, o) in outputs.iter().enumerate() {
+                    d.a[p] = o.numel() as u64;
+                }
             }
-            let outs = outputs
-                .as_deref()
-                .ok_or_else(|| Error::invalid("the root must pass an output list"))?;
-            check_len("the output list", outs.len(), n)?;
-            for (p, o) in outs.iter().enumerate() {
-                check_dtype(&format!("output {p}"), o.dtype(), input.dtype())?;
-            }
-            check_len("the root's output", outs[cx.me].numel(), input.numel())?;
-            Ok(r)
-        });
-        let root_i = match valid {
-            Ok(r) => r,
-            Err(e) => return Err(call.abstain(e.in_op(kind))),
+            let send_bytes = if is_root { 0 } else { input.nbytes() as u64 };
+            Ok(Prep::new(root_i, 0, send_bytes))
         };
-        let is_root = root_i == cx.me;
-        if is_root {
-            for (p, o) in outputs.as_deref().unwrap_or_default().iter().enumerate() {
-                d.a[p] = o.numel() as u64;
-            }
-        }
-        call.plan(&mut d, 0, if is_root { 0 } else { input.nbytes() as u64 });
-        let shapes = outputs.as_deref().map(Shape::of_all);
-        let r = call
-            .guard(async {
-                let payloads = if is_root {
+        self.run_collective(
+            ticket,
+            Kind::Gather,
+            outputs,
+            prepare,
+            async |outputs, cx, d, root_i, _| {
+                let payloads = if root_i == cx.me {
                     Vec::new()
                 } else {
                     vec![(root_i, input.view())]
                 };
-                let (_, sends) = cx.exchange(&d, &payloads).await?;
-                algo::gather(cx, input, outputs.as_deref_mut(), root_i, &d).await?;
+                let (_, sends) = cx.exchange(d, &payloads).await?;
+                algo::gather(cx, input, Some(outputs), root_i, d).await?;
                 finish_sends(sends).await
-            })
-            .await;
-        if let (Err(_), Some(s), Some(o)) = (&r, &shapes, outputs) {
-            Shape::restore_all(s, o);
-        }
-        r
+            },
+        )
+        .await
     }
 
     /// Sends `inputs[p]` of `root` to member p's `output` (in [`Group::ranks`]
@@ -491,54 +429,46 @@ impl Group {
         inputs: Option<&[Tensor]>,
         root: Rank,
     ) -> Result<()> {
-        let kind = Kind::Scatter;
-        let call = self.begin(ticket, kind).await?;
-        let cx = call.ctx();
-        let n = cx.n();
-        let mut d = call.desc();
-        d.dtype = Some(output.dtype());
-        d.root = Some(root);
-        d.count = output.numel() as u64;
-        let valid = self.root_index(root).and_then(|r| {
-            if r != cx.me {
-                return Ok(r);
+        let prepare = |output: &Tensor, cx: Ctx<'_>, d: &mut Desc| {
+            let n = cx.n();
+            d.dtype = Some(output.dtype());
+            d.root = Some(root);
+            d.count = output.numel() as u64;
+            let root_i = self.root_index(root)?;
+            let mut send_bytes = 0;
+            if root_i == cx.me {
+                let ins = inputs.ok_or_else(|| Error::invalid("the root must pass an input list"))?;
+                check_len("the input list", ins.len(), n)?;
+                for (p, t) in ins.iter().enumerate() {
+                    check_dtype(&format!("input {p}"), t.dtype(), output.dtype())?;
+                }
+                check_len("the root's own input", ins[cx.me].numel(), output.numel())?;
+                for (p, t) in ins.iter().enumerate() {
+                    d.a[p] = t.numel() as u64;
+                    if p != cx.me {
+                        send_bytes += t.nbytes() as u64;
+                    }
+                }
             }
-            let ins = inputs.ok_or_else(|| Error::invalid("the root must pass an input list"))?;
-            check_len("the input list", ins.len(), n)?;
-            for (p, t) in ins.iter().enumerate() {
-                check_dtype(&format!("input {p}"), t.dtype(), output.dtype())?;
-            }
-            check_len("the root's own input", ins[cx.me].numel(), output.numel())?;
-            Ok(r)
-        });
-        let root_i = match valid {
-            Ok(r) => r,
-            Err(e) => return Err(call.abstain(e.in_op(kind))),
+            Ok(Prep::new(root_i, 0, send_bytes))
         };
-        let is_root = root_i == cx.me;
-        let ins = if is_root { inputs.unwrap_or_default() } else { &[] };
-        let mut send_bytes = 0;
-        for (p, t) in ins.iter().enumerate() {
-            d.a[p] = t.numel() as u64;
-            if p != cx.me {
-                send_bytes += t.nbytes() as u64;
-            }
-        }
-        call.plan(&mut d, 0, send_bytes);
-        let shape = Shape::of(output);
-        let r = call
-            .guard(async {
+        self.run_collective(
+            ticket,
+            Kind::Scatter,
+            output,
+            prepare,
+            async |output, cx, d, root_i, _| {
+                // The root's list, checked by the preparation; nothing elsewhere.
+                let ins = inputs.filter(|_| root_i == cx.me).unwrap_or_default();
                 let payloads: Vec<(usize, TensorView<'_>)> =
                     cx.peers().filter_map(|q| Some((q, ins.get(q)?.view()))).collect();
-                let (_, sends) = cx.exchange(&d, &payloads).await?;
-                algo::scatter(cx, output, is_root.then_some(ins), root_i, &d).await?;
+                let (_, sends) = cx.exchange(d, &payloads).await?;
+                let is_root = root_i == cx.me;
+                algo::scatter(cx, output, is_root.then_some(ins), root_i, d).await?;
                 finish_sends(sends).await
-            })
-            .await;
-        if r.is_err() {
-            shape.restore(output);
-        }
-        r
+            },
+        )
+        .await
     }
 
     // ---------------------------------------------------------- reduce_scatter
@@ -604,74 +534,60 @@ impl Group {
             Inputs::List(_) => Kind::ReduceScatter,
             Inputs::Tensor(_) => Kind::ReduceScatterTensor,
         };
-        let mut call = self.begin(ticket, kind).await?;
-        let cx = call.ctx();
-        let n = cx.n();
-        let dtype = output.dtype();
-        let mut d = call.desc();
-        d.dtype = Some(dtype);
-        d.op = Some(op);
-        d.count = output.numel() as u64;
-        let valid = check_op(op, dtype).and_then(|()| match inputs {
-            Inputs::List(ins) => {
-                check_len("the input list", ins.len(), n)?;
-                for (p, t) in ins.iter().enumerate() {
-                    check_dtype(&format!("input {p}"), t.dtype(), dtype)?;
+        let prepare = |output: &Tensor, cx: Ctx<'_>, d: &mut Desc| {
+            let n = cx.n();
+            let dtype = output.dtype();
+            d.dtype = Some(dtype);
+            d.op = Some(op);
+            d.count = output.numel() as u64;
+            check_op(op, dtype)?;
+            let segs = match inputs {
+                Inputs::List(ins) => {
+                    check_len("the input list", ins.len(), n)?;
+                    for (p, t) in ins.iter().enumerate() {
+                        check_dtype(&format!("input {p}"), t.dtype(), dtype)?;
+                    }
+                    check_len("this rank's own input", ins[cx.me].numel(), output.numel())?;
+                    let segs = segments_of(ins.iter().map(Tensor::numel));
+                    for (p, s) in segs.iter().enumerate() {
+                        d.a[p] = s.len() as u64;
+                    }
+                    segs
                 }
-                check_len("this rank's own input", ins[cx.me].numel(), output.numel())
-            }
-            Inputs::Tensor(t) => {
-                check_dtype("the input", t.dtype(), dtype)?;
-                check_len("the input", t.numel(), output.numel().saturating_mul(n))
-            }
-        });
-        if let Err(e) = valid {
-            return Err(call.abstain(e.in_op(kind)));
-        }
-        let segs = match inputs {
-            Inputs::List(ins) => segments_of(ins.iter().map(Tensor::numel)),
-            Inputs::Tensor(t) => even_segments(t.numel(), n),
+                Inputs::Tensor(t) => {
+                    check_dtype("the input", t.dtype(), dtype)?;
+                    check_len("the input", t.numel(), output.numel().saturating_mul(n))?;
+                    even_segments(t.numel(), n)
+                }
+            };
+            let es = dtype.size() as u64;
+            let total = segs.last().map_or(0, |s| s.end) as u64 * es;
+            let own = segs[cx.me].len() as u64 * es;
+            Ok(Prep::new(segs, total / n as u64, total - own).with_scratch())
         };
-        if let Inputs::List(_) = inputs {
-            for (p, s) in segs.iter().enumerate() {
-                d.a[p] = s.len() as u64;
-            }
-        }
-        let es = dtype.size() as u64;
-        let total = segs.last().map_or(0, |s| s.end) as u64 * es;
-        let own = segs[cx.me].len() as u64 * es;
-        call.plan(&mut d, total / n as u64, total - own);
-        let mut sc = call.take_scratch();
-        let shape = Shape::of(output);
-        let r = call
-            .guard(async {
-                let payloads: Vec<(usize, TensorView<'_>)> = match inputs {
-                    Inputs::List(ins) => cx.peers().map(|q| (q, ins[q].view())).collect(),
-                    Inputs::Tensor(t) => cx
-                        .peers()
-                        .map(|q| Ok((q, view_range(t, segs[q].clone())?)))
-                        .collect::<Result<_>>()?,
+        self.run_collective(ticket, kind, output, prepare, async |output, cx, d, segs, lent| {
+            let payloads: Vec<(usize, TensorView<'_>)> = match inputs {
+                Inputs::List(ins) => cx.peers().map(|q| (q, ins[q].view())).collect(),
+                Inputs::Tensor(t) => cx
+                    .peers()
+                    .map(|q| Ok((q, view_range(t, segs[q].clone())?)))
+                    .collect::<Result<_>>()?,
+            };
+            let (_, sends) = cx.exchange(d, &payloads).await?;
+            drop(payloads);
+            with_type!(output.dtype(), T => {
+                let ins: Vec<&[T]> = match inputs {
+                    Inputs::List(ins) => ins.iter().map(|t| t.as_slice::<T>().map_err(Error::from)).collect::<Result<_>>()?,
+                    Inputs::Tensor(t) => {
+                        let all = t.as_slice::<T>()?;
+                        segs.iter().map(|s| &all[s.clone()]).collect()
+                    }
                 };
-                let (_, sends) = cx.exchange(&d, &payloads).await?;
-                drop(payloads);
-                with_type!(dtype, T => {
-                    let ins: Vec<&[T]> = match inputs {
-                        Inputs::List(ins) => ins.iter().map(|t| t.as_slice::<T>().map_err(Error::from)).collect::<Result<_>>()?,
-                        Inputs::Tensor(t) => {
-                            let all = t.as_slice::<T>()?;
-                            segs.iter().map(|s| &all[s.clone()]).collect()
-                        }
-                    };
-                    algo::reduce_scatter::<T>(cx, &mut sc, output.as_mut_slice::<T>()?, &ins, op, &d).await?;
-                });
-                finish_sends(sends).await
-            })
-            .await;
-        call.put_scratch(sc);
-        if r.is_err() {
-            shape.restore(output);
-        }
-        r
+                algo::reduce_scatter::<T>(cx, &mut lent.scratch, output.as_mut_slice::<T>()?, &ins, op, d).await?;
+            });
+            finish_sends(sends).await
+        })
+        .await
     }
 
     // -------------------------------------------------------------- all_to_all
@@ -698,14 +614,10 @@ impl Group {
     }
 
     async fn all_to_all_in(&self, ticket: Ticket, outputs: &mut [Tensor], inputs: &[Tensor]) -> Result<()> {
-        let kind = Kind::AllToAll;
-        let call = self.begin(ticket, kind).await?;
-        let cx = call.ctx();
-        let n = cx.n();
-        let dtype = inputs.first().map_or(DType::U8, Tensor::dtype);
-        let mut d = call.desc();
-        d.dtype = Some(dtype);
-        let valid = (|| {
+        let prepare = |outputs: &[Tensor], cx: Ctx<'_>, d: &mut Desc| {
+            let n = cx.n();
+            let dtype = inputs.first().map_or(DType::U8, Tensor::dtype);
+            d.dtype = Some(dtype);
             check_len("the input list", inputs.len(), n)?;
             check_len("the output list", outputs.len(), n)?;
             for (p, t) in inputs.iter().enumerate() {
@@ -718,34 +630,31 @@ impl Group {
                 "this rank's own output",
                 outputs[cx.me].numel(),
                 inputs[cx.me].numel(),
-            )
-        })();
-        if let Err(e) = valid {
-            return Err(call.abstain(e.in_op(kind)));
-        }
-        let mut send_bytes = 0;
-        for p in 0..n {
-            d.a[p] = inputs[p].numel() as u64;
-            d.b[p] = outputs[p].numel() as u64;
-            if p != cx.me {
-                send_bytes += inputs[p].nbytes() as u64;
+            )?;
+            let mut send_bytes = 0;
+            for p in 0..n {
+                d.a[p] = inputs[p].numel() as u64;
+                d.b[p] = outputs[p].numel() as u64;
+                if p != cx.me {
+                    send_bytes += inputs[p].nbytes() as u64;
+                }
             }
-        }
-        call.plan(&mut d, 0, send_bytes);
-        let shapes = Shape::of_all(outputs);
-        let r = call
-            .guard(async {
+            Ok(Prep::new((), 0, send_bytes))
+        };
+        self.run_collective(
+            ticket,
+            Kind::AllToAll,
+            outputs,
+            prepare,
+            async |outputs, cx, d, (), _| {
                 let payloads: Vec<(usize, TensorView<'_>)> =
                     cx.peers().map(|q| (q, inputs[q].view())).collect();
-                let (_, sends) = cx.exchange(&d, &payloads).await?;
-                algo::all_to_all(cx, outputs, inputs, &d).await?;
+                let (_, sends) = cx.exchange(d, &payloads).await?;
+                algo::all_to_all(cx, outputs, inputs, d).await?;
                 finish_sends(sends).await
-            })
-            .await;
-        if r.is_err() {
-            Shape::restore_all(&shapes, outputs);
-        }
-        r
+            },
+        )
+        .await
     }
 
     /// All-to-all of one tensor: `input` is split into `input_splits[p]` elements
@@ -793,64 +702,54 @@ impl Group {
         output_splits: Option<&[usize]>,
         input_splits: Option<&[usize]>,
     ) -> Result<()> {
-        let kind = Kind::AllToAllSingle;
-        let mut call = self.begin(ticket, kind).await?;
-        let cx = call.ctx();
-        let n = cx.n();
-        let mut d = call.desc();
-        d.dtype = Some(input.dtype());
-        d.count = input.numel() as u64;
-        let splits = |given: Option<&[usize]>, what: &str, numel: usize| -> Result<Vec<usize>> {
-            match given {
-                Some(s) => {
-                    check_len(&format!("{what} splits"), s.len(), n)?;
-                    let sum = s
-                        .iter()
-                        .try_fold(0usize, |a, &b| a.checked_add(b))
-                        .unwrap_or(usize::MAX);
-                    check_len(&format!("the {what} (sum of its splits)"), numel, sum)?;
-                    Ok(s.to_vec())
+        let prepare = |output: &Tensor, cx: Ctx<'_>, d: &mut Desc| {
+            let n = cx.n();
+            d.dtype = Some(input.dtype());
+            d.count = input.numel() as u64;
+            let splits = |given: Option<&[usize]>, what: &str, numel: usize| -> Result<Vec<usize>> {
+                match given {
+                    Some(s) => {
+                        check_len(&format!("{what} splits"), s.len(), n)?;
+                        let sum = s
+                            .iter()
+                            .try_fold(0usize, |a, &b| a.checked_add(b))
+                            .unwrap_or(usize::MAX);
+                        check_len(&format!("the {what} (sum of its splits)"), numel, sum)?;
+                        Ok(s.to_vec())
+                    }
+                    None if numel % n == 0 => Ok(vec![numel / n; n]),
+                    None => Err(Error::invalid(format!(
+                        "the {what} has {numel} elements, not divisible by the group size {n}; pass splits"
+                    ))),
                 }
-                None if numel % n == 0 => Ok(vec![numel / n; n]),
-                None => Err(Error::invalid(format!(
-                    "the {what} has {numel} elements, not divisible by the group size {n}; pass splits"
-                ))),
-            }
-        };
-        let valid = check_dtype("the output", output.dtype(), input.dtype()).and_then(|()| {
+            };
+            check_dtype("the output", output.dtype(), input.dtype())?;
             let ins = splits(input_splits, "input", input.numel())?;
             let outs = splits(output_splits, "output", output.numel())?;
             check_len("this rank's own output split", outs[cx.me], ins[cx.me])?;
-            Ok((ins, outs))
-        });
-        let (ins, outs) = match valid {
-            Ok(v) => v,
-            Err(e) => return Err(call.abstain(e.in_op(kind))),
+            for p in 0..n {
+                d.a[p] = ins[p] as u64;
+                d.b[p] = outs[p] as u64;
+            }
+            let es = input.dtype().size() as u64;
+            let send_bytes = (input.numel() - ins[cx.me]) as u64 * es;
+            Ok(Prep::new((ins, outs), 0, send_bytes).with_scratch())
         };
-        for p in 0..n {
-            d.a[p] = ins[p] as u64;
-            d.b[p] = outs[p] as u64;
-        }
-        let es = input.dtype().size() as u64;
-        let send_bytes = (input.numel() - ins[cx.me]) as u64 * es;
-        call.plan(&mut d, 0, send_bytes);
-        let mut sc = call.take_scratch();
-        let shape = Shape::of(output);
-        let r = call
-            .guard(async {
+        self.run_collective(
+            ticket,
+            Kind::AllToAllSingle,
+            output,
+            prepare,
+            async |output, cx, d, (ins, outs), lent| {
                 let in_segs = segments_of(ins.iter().copied());
                 let payloads = algo::a2a_payloads(cx, input, &in_segs)?;
-                let (_, sends) = cx.exchange(&d, &payloads).await?;
+                let (_, sends) = cx.exchange(d, &payloads).await?;
                 drop(payloads);
-                algo::all_to_all_single(cx, &mut sc, output, input, &ins, &outs, &d).await?;
+                algo::all_to_all_single(cx, &mut lent.scratch, output, input, &ins, &outs, d).await?;
                 finish_sends(sends).await
-            })
-            .await;
-        call.put_scratch(sc);
-        if r.is_err() {
-            shape.restore(output);
-        }
-        r
+            },
+        )
+        .await
     }
 }
 
@@ -859,18 +758,4 @@ impl Group {
 enum Inputs<'a> {
     List(&'a [Tensor]),
     Tensor(&'a Tensor),
-}
-
-trait InOp {
-    /// Prefixes an invalid-argument message with the operation's name.
-    fn in_op(self, kind: Kind) -> Error;
-}
-
-impl InOp for Error {
-    fn in_op(self, kind: Kind) -> Error {
-        match self {
-            Error::InvalidArgument(m) => Error::invalid(format!("{}: {m}", kind.name())),
-            other => other,
-        }
-    }
 }
