@@ -14,6 +14,10 @@
 //! releases its sockets, tasks and buffers. Nothing here is shared with any other
 //! communicator.
 //!
+//! "Socket" here means the connection's link (`crate::link`): a TCP socket, or,
+//! in a world built in memory (feature `memory`), an in-process pipe that
+//! behaves like one.
+//!
 //! Lock order: a peer's writer lock (async, held across the socket write) may be
 //! held while taking the matching lock (sync, never held across `.await`); never the
 //! other way round.
@@ -27,9 +31,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader, Interest};
-use tokio::net::TcpStream;
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::sync::{Notify, broadcast, oneshot};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -39,6 +41,7 @@ use tracing::{debug, info, warn};
 use crate::config::CommConfig;
 use crate::error::{Error, MessageDesc, Result};
 use crate::frame::{self, FrameHeader, FrameKind, HEADER_LEN, RxSequencer};
+use crate::link::{ReadLink, WriteLink};
 use crate::mesh;
 use crate::rendezvous::Rendezvous;
 use multiworld_types::{DType, Tensor, TensorView, valid_bool_bytes};
@@ -176,7 +179,7 @@ pub struct Received {
 }
 
 struct Writer {
-    half: Option<OwnedWriteHalf>,
+    half: Option<WriteLink>,
     seq: u32,
 }
 
@@ -272,6 +275,20 @@ impl std::fmt::Debug for Communicator {
     }
 }
 
+/// What [`Communicator::start`] builds a communicator from.
+pub(crate) struct Started {
+    pub(crate) cfg: CommConfig,
+    pub(crate) token: CancellationToken,
+    /// Closed (no task of the join left to add).
+    pub(crate) tracker: TaskTracker,
+    pub(crate) rejected: Arc<AtomicU64>,
+    pub(crate) local_addr: SocketAddr,
+    /// Where its tasks run.
+    pub(crate) runtime: tokio::runtime::Handle,
+    /// One connected, authenticated link per peer, `None` at its own rank.
+    pub(crate) links: Vec<Option<(ReadLink, WriteLink)>>,
+}
+
 impl Drop for Communicator {
     fn drop(&mut self) {
         self.inner.abort_with("communicator dropped");
@@ -305,16 +322,50 @@ impl Communicator {
         guard.disarm();
         tracker.close();
 
+        let links = built
+            .streams
+            .into_iter()
+            .map(|s| {
+                s.map(|stream| {
+                    let (rd, wr) = stream.into_split();
+                    (ReadLink::Tcp(rd), WriteLink::Tcp(wr))
+                })
+            })
+            .collect();
+        let comm = Self::start(Started {
+            cfg,
+            token,
+            tracker,
+            rejected,
+            local_addr: built.local_addr,
+            runtime: tokio::runtime::Handle::current(),
+            links,
+        });
+        info!(local = %comm.inner.identity, addr = %comm.inner.local_addr, "joined world");
+        Ok(comm)
+    }
+
+    /// Builds the communicator over connected, authenticated links (one per
+    /// peer, `None` at its own rank) and starts its reader and heartbeat tasks.
+    pub(crate) fn start(s: Started) -> Communicator {
+        let Started {
+            cfg,
+            token,
+            tracker,
+            rejected,
+            local_addr,
+            runtime,
+            links,
+        } = s;
         let size = cfg.size as usize;
         let epoch = Instant::now();
         let mut peers = Vec::with_capacity(size);
         let mut reads = Vec::new();
-        for (r, stream) in built.streams.into_iter().enumerate() {
-            let Some(stream) = stream else {
+        for (r, link) in links.into_iter().enumerate() {
+            let Some((rd, wr)) = link else {
                 peers.push(None);
                 continue;
             };
-            let (rd, wr) = stream.into_split();
             let peer = Arc::new(Peer {
                 rank: Rank(r as u32),
                 writer: Arc::new(tokio::sync::Mutex::new(Writer {
@@ -335,10 +386,10 @@ impl Communicator {
             identity: cfg.identity(),
             matching: Mutex::new(Matching::new(size)),
             cfg,
-            local_addr: built.local_addr,
+            local_addr,
             token,
             tracker,
-            runtime: tokio::runtime::Handle::current(),
+            runtime,
             peers,
             health_tx,
             aborted: OnceLock::new(),
@@ -346,15 +397,18 @@ impl Communicator {
             rejected,
         });
         for (peer, rd) in reads {
-            inner.tracker.spawn(reader_task(Arc::clone(&inner), peer, rd));
+            inner
+                .tracker
+                .spawn_on(reader_task(Arc::clone(&inner), peer, rd), &inner.runtime);
         }
         if let Some(every) = inner.cfg.heartbeat_interval
             && size > 1
         {
-            inner.tracker.spawn(heartbeat_task(Arc::clone(&inner), every));
+            inner
+                .tracker
+                .spawn_on(heartbeat_task(Arc::clone(&inner), every), &inner.runtime);
         }
-        info!(local = %inner.identity, addr = %inner.local_addr, "joined world");
-        Ok(Communicator { inner })
+        Communicator { inner }
     }
 
     /// This member's identity.
@@ -387,7 +441,8 @@ impl Communicator {
         &self.inner.cfg
     }
 
-    /// The listener's address.
+    /// The listener's address (`0.0.0.0:0` for a member of a world built in
+    /// memory, which has none).
     pub fn local_addr(&self) -> SocketAddr {
         self.inner.local_addr
     }
@@ -875,7 +930,7 @@ impl Inner {
             if let Some(half) = w.half.take()
                 && !closing
             {
-                reset_on_close(half.as_ref());
+                half.reset_on_close();
             }
         });
     }
@@ -884,7 +939,7 @@ impl Inner {
     fn drop_writer(&self, w: &mut Writer) {
         if let Some(half) = w.half.take() {
             if !self.closing.load(Ordering::Relaxed) {
-                reset_on_close(half.as_ref());
+                half.reset_on_close();
             }
         }
     }
@@ -1020,7 +1075,7 @@ impl Inner {
     async fn read_loop(
         &self,
         peer: &Peer,
-        rd: &mut BufReader<OwnedReadHalf>,
+        rd: &mut BufReader<ReadLink>,
         slot: &mut Option<Posted>,
     ) -> ReadEnd {
         let mut seq = RxSequencer::new(self.identity.generation);
@@ -1055,7 +1110,7 @@ impl Inner {
     async fn on_data(
         &self,
         peer: &Peer,
-        rd: &mut BufReader<OwnedReadHalf>,
+        rd: &mut BufReader<ReadLink>,
         slot: &mut Option<Posted>,
         dtype: DType,
         tag: Tag,
@@ -1086,7 +1141,7 @@ impl Inner {
             // the connection, which reading would otherwise only reveal later.
             tokio::select! {
                 _ = woken => {}
-                _ = tokio::time::sleep(CLOSED_POLL) => draining = peer_closed(rd),
+                _ = tokio::time::sleep(CLOSED_POLL) => draining = rd.get_ref().peer_closed(),
             }
             // Not reading is our choice: the peer must not look frozen for it.
             peer.counters.heard();
@@ -1156,7 +1211,7 @@ enum ReadEnd {
     Failed(String),
 }
 
-async fn reader_task(inner: Arc<Inner>, peer: Arc<Peer>, half: OwnedReadHalf) {
+async fn reader_task(inner: Arc<Inner>, peer: Arc<Peer>, half: ReadLink) {
     let mut rd = BufReader::with_capacity(READ_BUF, half);
     // The receive whose buffer is being filled, kept out here so that it can be
     // failed (and its buffer returned) whatever ends the loop.
@@ -1184,7 +1239,7 @@ async fn reader_task(inner: Arc<Inner>, peer: Arc<Peer>, half: OwnedReadHalf) {
         None => {}
     }
     if !inner.closing.load(Ordering::Relaxed) {
-        reset_on_close(rd.get_ref().as_ref());
+        rd.get_ref().reset_on_close();
     }
     if let Some(p) = slot.take() {
         let _ = p.tx.send(RecvDone {
@@ -1268,7 +1323,7 @@ async fn heartbeat_task(inner: Arc<Inner>, every: Duration) {
 /// the caller's buffer. `written` counts progress so a cancelled write can tell
 /// whether the stream is now broken.
 async fn write_frame(
-    w: &mut OwnedWriteHalf,
+    w: &mut WriteLink,
     header: &[u8],
     payload: &[u8],
     written: &mut usize,
@@ -1288,11 +1343,7 @@ async fn write_frame(
     Ok(())
 }
 
-async fn read_payload(
-    rd: &mut BufReader<OwnedReadHalf>,
-    buf: &mut [u8],
-    progress: &Counters,
-) -> io::Result<()> {
+async fn read_payload(rd: &mut BufReader<ReadLink>, buf: &mut [u8], progress: &Counters) -> io::Result<()> {
     // Every read counts as a sign of life, so a slow but live sender is never
     // mistaken for a frozen one however large its message. A read as large as
     // the rest of the buffer bypasses the BufReader (no extra copy).
@@ -1311,7 +1362,7 @@ async fn read_payload(
 /// Reads `len` bytes into `v`, growing it only as data arrives (the declared
 /// length of a frame from a closing peer is not trusted for allocation).
 async fn read_growing(
-    rd: &mut BufReader<OwnedReadHalf>,
+    rd: &mut BufReader<ReadLink>,
     v: &mut Vec<u8>,
     len: usize,
     progress: &Counters,
@@ -1331,20 +1382,8 @@ async fn read_growing(
     Ok(())
 }
 
-/// Whether the peer has closed (FIN) or reset the connection, without consuming
-/// data: the socket's read-closed readiness, polled once.
-fn peer_closed(rd: &BufReader<OwnedReadHalf>) -> bool {
-    let ready = rd.get_ref().ready(Interest::READABLE);
-    let mut ready = std::pin::pin!(ready);
-    match ready.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
-        Poll::Ready(Ok(r)) => r.is_read_closed(),
-        Poll::Ready(Err(_)) => true,
-        Poll::Pending => false,
-    }
-}
-
 /// Reads and drops `len` payload bytes, each read counting as progress.
-async fn discard(rd: &mut BufReader<OwnedReadHalf>, len: u64, progress: &Counters) -> io::Result<()> {
+async fn discard(rd: &mut BufReader<ReadLink>, len: u64, progress: &Counters) -> io::Result<()> {
     let mut scratch = [0u8; 8 << 10];
     let mut left = len;
     while left > 0 {
@@ -1357,14 +1396,6 @@ async fn discard(rd: &mut BufReader<OwnedReadHalf>, len: u64, progress: &Counter
         progress.received(n);
     }
     Ok(())
-}
-
-/// Makes the coming close of `s` abortive (RST instead of FIN). A FIN queues behind
-/// unsent data and never reaches a peer that is not reading (zero window); a reset
-/// does, so the peer notices at once. Unsent data is discarded, which is what an
-/// abort means.
-fn reset_on_close(s: &TcpStream) {
-    let _ = s.set_zero_linger();
 }
 
 fn describe_io(e: &io::Error) -> String {
@@ -1630,15 +1661,16 @@ impl Drop for RecvHandle {
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
+    use tokio::net::TcpStream;
 
     /// A connected loopback pair: the reading half (buffered like a reader
     /// task's) and the writing stream.
-    async fn pair() -> (BufReader<OwnedReadHalf>, TcpStream) {
+    async fn pair() -> (BufReader<ReadLink>, TcpStream) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let writer = TcpStream::connect(listener.local_addr().unwrap()).await.unwrap();
         let (reader, _) = listener.accept().await.unwrap();
         let (rd, _wr) = reader.into_split();
-        (BufReader::with_capacity(READ_BUF, rd), writer)
+        (BufReader::with_capacity(READ_BUF, ReadLink::Tcp(rd)), writer)
     }
 
     /// Sends `total` bytes in slices of `step` every `every`, the way a slow but

@@ -21,7 +21,16 @@
 //! | `rendezvous` | the [`Rendezvous`] trait and [`MemoryRendezvous`] | in-process |
 //! | `mesh` | listen, publish, connect, authenticate; refuse strangers | TCP |
 //! | `matching` | receive matching: posted receives, early messages, where an arriving payload goes (budget, eager reads, any-source order, cancel while arriving) | none |
-//! | `comm` | [`Communicator`]: send/recv/isend/irecv, failure handling, abort, health, heartbeats | TCP |
+//! | `link` | the byte stream under one peer connection: an enum of a TCP socket's halves and (feature `memory`) an in-process pipe, dispatched statically | TCP, in-process |
+//! | `comm` | [`Communicator`]: send/recv/isend/irecv, failure handling, abort, health, heartbeats | through `link` |
+//! | `memory` | (feature `memory`) `MemoryWorld` and `Communicator::memory_world`: a whole world in this process over pipes, for tests | in-process |
+//!
+//! Features: `memory` builds worlds in memory (every member in this process,
+//! connected by pipes, no sockets or handshake) so that the communicator and
+//! what is built on it can be tested without ports; the test kit
+//! (`multiworld-testkit`) enables it. Without it the link enums have their
+//! TCP variant only, and the TCP path is exactly the socket calls. `wire`
+//! makes the wire internals public for tests that forge frames.
 //!
 //! The wire protocol is described in `docs/protocol.md` at the repository's
 //! root.
@@ -34,7 +43,10 @@ compile_error!("multiworld-tcp supports little-endian targets only");
 mod comm;
 mod config;
 mod error;
+mod link;
 mod matching;
+#[cfg(feature = "memory")]
+mod memory;
 mod rendezvous;
 
 // The wire internals: public only with the `wire` feature, which the crate's
@@ -59,6 +71,8 @@ pub use config::{CommConfig, DEFAULT_HELLO_TIMEOUT, DEFAULT_RECV_SPIN};
 pub use error::{Error, MessageDesc, Result, Side};
 pub use frame::FrameLimits;
 pub use handshake::RejectCode;
+#[cfg(feature = "memory")]
+pub use memory::{DEFAULT_PIPE_CAPACITY, MemoryWorld};
 pub use multiworld_types::{
     DType, Element, Generation, Identity, Rank, Secret, Source, Tag, Tensor, TensorView, WorldName, bf16, f16,
 };

@@ -8,12 +8,14 @@
 //! |---|---|
 //! | crate root | joining in-process worlds ([`mesh`], [`pair`]), a file-based rendezvous for ranks in several processes ([`FileRendezvous`]), test data patterns, [`eventually`] |
 //! | [`coll`] | in-process worlds of collective groups, one closure per rank with a hang guard, exact per-rank inputs and the sequential reference they are checked against |
+//! | [`memory`] | worlds built in memory (the transport's `memory` feature): communicators and collective groups over pipes, no sockets |
 //!
 //! Helpers panic on failure (they are test code): a failed setup is a failed
 //! test.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 pub mod coll;
+pub mod memory;
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
