@@ -4,14 +4,12 @@
 //! test fails.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
-/// The child-process helpers of m8d's tests: deadlines and guards.
-#[path = "../../crates/m8d/tests/common/mod.rs"]
-mod common;
-
 use std::process::Command;
 
+use multiworld_testkit::process;
+
 fn run(bin: &str, args: &[&str]) -> String {
-    let out = common::run(Command::new(bin).args(args));
+    let out = process::run(Command::new(bin).args(args));
     assert!(
         out.success(),
         "{bin} {args:?} failed:\n{}\n{}",
@@ -46,12 +44,12 @@ async fn ring_runs_under_the_launcher() {
     });
     // On expiry the launch is dropped and the runtime with it, which kills
     // the ranks (each is killed when its handle is dropped).
-    let outcome = tokio::time::timeout(common::DEADLINE, launch)
+    let outcome = tokio::time::timeout(process::DEADLINE, launch)
         .await
         .unwrap_or_else(|_| {
             panic!(
                 "the ring under the launcher still running after {:?}",
-                common::DEADLINE
+                process::DEADLINE
             )
         })
         .unwrap();
@@ -183,16 +181,15 @@ fn per_world_collectives_complete_and_a_lost_member_fails_only_its_world() {
     assert!(out.contains("only the world that lost a member failed"), "{out}");
 }
 
-/// The GPU example against the fake CUDA driver and NCCL of
-/// `multiworld-nccl` (device memory is host memory), so it runs everywhere;
-/// on a GPU machine it runs bare.
+/// The GPU example against the fake CUDA driver and NCCL of the test kit
+/// (device memory is host memory), so it runs everywhere; on a GPU machine
+/// it runs bare.
 #[cfg(feature = "nccl")]
-#[path = "../../crates/multiworld-nccl/tests/fake/mod.rs"]
-mod fake;
+use multiworld_testkit::fake_nccl as fake;
 
 #[cfg(feature = "nccl")]
-fn run_gpu_example(env: &[(&str, &std::ffi::OsStr)], args: &[&str]) -> common::Ran {
-    common::run(
+fn run_gpu_example(env: &[(&str, &std::ffi::OsStr)], args: &[&str]) -> process::Ran {
+    process::run(
         Command::new(env!("CARGO_BIN_EXE_gpu_worlds"))
             .args(args)
             .envs(env.iter().copied()),

@@ -4,40 +4,21 @@
 //! retries a malformed address for the whole timeout.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
+
+use multiworld_testkit::process;
 
 /// How long one rejected command line may take (it should take milliseconds).
 const LIMIT: Duration = Duration::from_secs(2);
 
-/// Runs m8d with `args`, killing it after [`LIMIT`]; returns exit code, stderr
-/// and how long it ran.
+/// Runs m8d with `args`, killing it (and failing the test) after [`LIMIT`];
+/// returns exit code, stderr and how long it ran.
 fn run(args: &[&str]) -> (Option<i32>, String, Duration) {
     let start = Instant::now();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_m8d"))
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawning m8d");
-    let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break s;
-        }
-        if start.elapsed() > LIMIT {
-            // Our own child, by its handle.
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("m8d {args:?} still running after {LIMIT:?}");
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    };
+    let out = process::run_within(Command::new(env!("CARGO_BIN_EXE_m8d")).args(args), LIMIT);
     let took = start.elapsed();
-    let mut err = String::new();
-    use std::io::Read;
-    child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
-    (status.code(), err, took)
+    (out.status.code(), out.stderr, took)
 }
 
 /// Asserts that `args` is refused as a usage error mentioning `flag` and `why`.

@@ -6,12 +6,12 @@
 //! detection times, `m8d bench store` round trips, wake-ups and host deaths.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
-mod common;
-
 use std::process::Command;
 
+use multiworld_testkit::process;
+
 fn m8d(args: &[&str]) -> String {
-    let out = common::run(Command::new(env!("CARGO_BIN_EXE_m8d")).args(args));
+    let out = process::run(Command::new(env!("CARGO_BIN_EXE_m8d")).args(args));
     assert!(out.success(), "m8d {args:?}:\n{}\n{}", out.stdout, out.stderr);
     out.stdout
 }
@@ -83,7 +83,7 @@ fn the_join_benchmark_reports_quantiles() {
 fn a_plot_that_is_not_svg_is_refused_before_the_benchmark_runs() {
     for bench in ["p2p", "collectives"] {
         let png = tmp(&format!("{bench}.png"));
-        let out = common::run(Command::new(env!("CARGO_BIN_EXE_m8d")).args([
+        let out = process::run(Command::new(env!("CARGO_BIN_EXE_m8d")).args([
             "bench",
             bench,
             "--quick",

@@ -2,14 +2,14 @@
 //! behaved: with a killed worker, a frozen one, and no fault.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
-mod common;
-
 use std::process::Command;
+
+use multiworld_testkit::process;
 
 const M8D: &str = env!("CARGO_BIN_EXE_m8d");
 
 fn demo(fault: &str) -> (bool, String) {
-    let out = common::run(Command::new(M8D).args(["demo", "--after", "1", "--then", "1", "--fault", fault]));
+    let out = process::run(Command::new(M8D).args(["demo", "--after", "1", "--then", "1", "--fault", fault]));
     if !out.success() {
         eprintln!("stdout:\n{}\nstderr:\n{}", out.stdout, out.stderr);
     }

@@ -11,7 +11,6 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
 use std::{
-    io::{BufRead, BufReader},
     process::{Command, Stdio},
     sync::{
         Arc,
@@ -25,6 +24,7 @@ use m8d::{
     stream::{StreamStats, receive_stream},
 };
 use multiworld::{BreakCause, Rank, WorldConfig, WorldEvent};
+use multiworld_testkit::process::Guard;
 use tokio::sync::broadcast;
 
 const M8D: &str = env!("CARGO_BIN_EXE_m8d");
@@ -191,24 +191,21 @@ async fn a_frozen_worker_is_detected_by_heartbeats_while_the_others_never_pause(
 async fn killing_a_worlds_store_host_breaks_only_that_world() {
     let f = fleet(3).await;
     // A fourth world whose store lives in a separate `m8d store` process.
-    let mut store = Command::new(M8D)
-        .args(["store", "--bind", "127.0.0.1:0"])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(store.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
+    let mut store = Guard::spawn(
+        Command::new(M8D)
+            .args(["store", "--bind", "127.0.0.1:0"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped()),
+    );
+    let line = store.first_line();
     let store_addr = line.trim().strip_prefix("listening on ").unwrap().to_string();
-    let mut ws_worker = Command::new(M8D)
-        .args(["worker", "--world", "ws", "--store", &store_addr])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut ws_worker = Guard::spawn(
+        Command::new(M8D)
+            .args(["worker", "--world", "ws", "--store", &store_addr])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null()),
+    );
     let mut cfg = WorldConfig::new("ws", 0, 2, &store_addr).unwrap();
     cfg.host_store = false;
     let ws = f.leader.join(cfg).await.unwrap();
@@ -231,8 +228,7 @@ async fn killing_a_worlds_store_host_breaks_only_that_world() {
     let mut events = f.leader.events();
 
     let killed_at = Instant::now();
-    store.kill().unwrap();
-    store.wait().unwrap();
+    store.kill();
     let (cause, at) = broken_event(&mut events, "ws", Duration::from_secs(10)).await;
     // Both members notice the lost store after the same grace period; when
     // the worker notices first, it aborts its side and the leader sees that
@@ -257,8 +253,7 @@ async fn killing_a_worlds_store_host_breaks_only_that_world() {
         f.wait_flowing(i, 20, Duration::from_secs(5)).await.unwrap();
     }
     assert_intact(&f, &[0, 1, 2]);
-    let _ = ws_worker.kill();
-    let _ = ws_worker.wait();
+    ws_worker.kill();
     finish(f, &[]).await;
 }
 
@@ -269,17 +264,16 @@ async fn a_rank_killed_mid_collective_fails_every_survivor_without_partial_resul
     let store = leader.serve_store("127.0.0.1:0").await.unwrap().to_string();
     let elements = 256 * 1024;
     let spawn = |rank: &str| {
-        let child = Command::new(M8D)
-            .args([
-                "worker", "--world", "coll", "--store", &store, "--rank", rank, "--size", "3",
-            ])
-            .args(["--mode", "all-reduce", "--elements", &elements.to_string()])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        m8d::fleet::ChildProcess::new(child)
+        Guard::spawn(
+            Command::new(M8D)
+                .args([
+                    "worker", "--world", "coll", "--store", &store, "--rank", rank, "--size", "3",
+                ])
+                .args(["--mode", "all-reduce", "--elements", &elements.to_string()])
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null()),
+        )
     };
     let (mut one, mut two) = (spawn("1"), spawn("2"));
     let world = leader
@@ -302,7 +296,7 @@ async fn a_rank_killed_mid_collective_fails_every_survivor_without_partial_resul
         // contribution, which would test nothing.
         let killed_at = (round == 5).then(|| {
             let at = Instant::now();
-            two.kill().unwrap();
+            two.kill();
             at
         });
         let handle = group.all_reduce_handle(t, multiworld::ReduceOp::Sum);
@@ -350,7 +344,7 @@ async fn a_rank_killed_mid_collective_fails_every_survivor_without_partial_resul
     // result: it exits 0 only after a failed call, 1 after a wrong result.
     let start = Instant::now();
     let code = loop {
-        if let Some(status) = one.try_wait().unwrap() {
+        if let Some(status) = one.try_wait() {
             break status.code();
         }
         assert!(start.elapsed() < Duration::from_secs(10), "rank 1 never noticed");

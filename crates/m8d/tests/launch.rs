@@ -3,8 +3,6 @@
 //! rank (and everything it started).
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
-mod common;
-
 use std::{
     io::{BufRead, BufReader},
     process::{Command, Stdio},
@@ -12,18 +10,14 @@ use std::{
     time::{Duration, Instant},
 };
 
-use common::Guard;
-
-use nix::{
-    sys::signal::{Signal, kill},
-    unistd::Pid,
-};
+use multiworld_testkit::process::{self, Guard, KillOnPanic, gone};
+use nix::sys::signal::Signal;
 
 const M8D: &str = env!("CARGO_BIN_EXE_m8d");
 
 #[test]
 fn every_rank_gets_the_launcher_environment_and_a_prefix() {
-    let out = common::run(
+    let out = process::run(
         Command::new(M8D)
             .args(["launch", "--nproc", "3", "--master-port", "29555", "--"])
             .args([
@@ -48,7 +42,7 @@ fn every_rank_gets_the_launcher_environment_and_a_prefix() {
 #[test]
 fn the_first_failing_rank_decides_the_exit_code_and_stops_the_others() {
     let started = Instant::now();
-    let out = common::run(
+    let out = process::run(
         Command::new(M8D)
             .args(["launch", "--nproc", "3", "--grace", "2", "--"])
             .args(["sh", "-c", "if [ $RANK = 1 ]; then exit 7; fi; sleep 60"]),
@@ -101,7 +95,7 @@ fn ctrl_c_is_forwarded_to_every_rank() {
     let mut lines = Vec::new();
     wait_for_lines(&rx, &mut lines, "ready", 2);
     launcher.signal(Signal::SIGINT);
-    let status = launcher.wait_within(common::DEADLINE, || format!("{lines:?}"));
+    let status = launcher.wait_within(process::DEADLINE, || format!("{lines:?}"));
     // The reader ends when the launcher's stdout closes.
     while let Ok(line) = rx.recv_timeout(Duration::from_secs(10)) {
         lines.push(line);
@@ -112,32 +106,6 @@ fn ctrl_c_is_forwarded_to_every_rank() {
         2,
         "{lines:?}"
     );
-}
-
-/// Whether `pid` is gone: no such process, or a zombie nobody reaped yet
-/// (an orphan's reaper may be slow, or absent in a container).
-fn gone(pid: i32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Err(_) => true,
-        // "pid (comm) STATE ...": the state follows the last ')'.
-        Ok(stat) => stat
-            .rsplit_once(')')
-            .is_some_and(|(_, rest)| rest.trim_start().starts_with(['Z', 'X'])),
-    }
-}
-
-/// SIGKILLs the processes it holds if the test fails before they are gone
-/// (only then: once a test saw them gone, their pids are not ours).
-struct KillOnPanic(Vec<i32>);
-
-impl Drop for KillOnPanic {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            for &pid in &self.0 {
-                let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
-            }
-        }
-    }
 }
 
 #[test]
@@ -157,7 +125,7 @@ fn sigterm_is_forwarded_to_every_rank_and_what_it_started() {
     assert!(pids.iter().all(|&p| !gone(p)), "a rank ended early: {lines:?}");
 
     launcher.signal(Signal::SIGTERM);
-    let status = launcher.wait_within(common::DEADLINE, || format!("{lines:?}"));
+    let status = launcher.wait_within(process::DEADLINE, || format!("{lines:?}"));
     assert_eq!(
         status.code(),
         Some(143),
@@ -183,7 +151,7 @@ fn sigterm_is_forwarded_to_every_rank_and_what_it_started() {
 #[test]
 fn a_hung_child_is_killed_at_its_deadline_and_its_test_fails_with_its_output() {
     let failed = std::panic::catch_unwind(|| {
-        common::run_within(
+        process::run_within(
             Command::new("sh").args(["-c", "sleep 300 & echo started $$ $!; wait"]),
             Duration::from_secs(2),
         )

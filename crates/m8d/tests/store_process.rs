@@ -3,11 +3,9 @@
 //! SIGKILLed while it waits and must leave no waiter behind.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
-mod common;
-
 use std::{
-    io::{BufRead, BufReader, Write},
-    process::{Child, Command, Stdio},
+    io::Write,
+    process::{Command, Stdio},
     time::{Duration, Instant},
 };
 
@@ -15,21 +13,13 @@ use bytes::Bytes;
 use multiworld_store::{
     ClientConfig, OpenOptions, ServerConfig, StoreClient, StoreError, StoreServer, WorldOptions,
 };
+use multiworld_testkit::process::{self, Guard};
 
 const M8D: &str = env!("CARGO_BIN_EXE_m8d");
 
-/// A child process that is killed and reaped when dropped, so a failing
-/// test never leaves it behind.
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn start_store(extra: &[&str], env: &[(&str, &str)]) -> (Proc, String) {
+/// Starts `m8d store` (killed and reaped when the guard drops, so a failing
+/// test never leaves it behind); returns it with the address it listens on.
+fn start_store(extra: &[&str], env: &[(&str, &str)]) -> (Guard, String) {
     let mut cmd = Command::new(M8D);
     cmd.args(["store", "--bind", "127.0.0.1:0"])
         .args(extra)
@@ -38,20 +28,17 @@ fn start_store(extra: &[&str], env: &[(&str, &str)]) -> (Proc, String) {
     for (k, v) in env {
         cmd.env(k, v);
     }
-    let mut child = cmd.spawn().unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
+    let mut child = Guard::spawn(&mut cmd);
+    let line = child.first_line();
     let addr = line
         .trim()
         .strip_prefix("listening on ")
         .expect("address line")
         .to_string();
-    (Proc(child), addr)
+    (child, addr)
 }
 
-fn kv(addr: &str, world: &str, args: &[&str], env: &[(&str, &str)]) -> common::Ran {
+fn kv(addr: &str, world: &str, args: &[&str], env: &[(&str, &str)]) -> process::Ran {
     let mut cmd = Command::new(M8D);
     cmd.args([
         "kv",
@@ -67,10 +54,10 @@ fn kv(addr: &str, world: &str, args: &[&str], env: &[(&str, &str)]) -> common::R
     for (k, v) in env {
         cmd.env(k, v);
     }
-    common::run(&mut cmd)
+    process::run(&mut cmd)
 }
 
-fn stdout(o: &common::Ran) -> String {
+fn stdout(o: &process::Ran) -> String {
     o.stdout.trim().to_string()
 }
 
@@ -167,8 +154,7 @@ async fn the_store_hosts_death_fails_every_in_flight_call() {
     assert_eq!(w2.try_get("k").await.unwrap(), Some(Bytes::from("v")));
 
     let killed_at = Instant::now();
-    server.0.kill().unwrap();
-    server.0.wait().unwrap();
+    server.kill();
     let mut slowest = Duration::ZERO;
     for c in calls {
         let (r, at) = c.await.unwrap();
@@ -201,26 +187,25 @@ async fn a_client_killed_while_waiting_leaves_no_waiter_behind() {
     let addr = server.local_addr().to_string();
     let waiters = || server.world_stats("w").unwrap().table.waiters;
 
-    let mut children: Vec<Proc> = (0..3)
+    let mut children: Vec<Guard> = (0..3)
         .map(|i| {
             let key = format!("never-{i}");
-            let child = Command::new(M8D)
-                .args([
-                    "kv",
-                    "--addr",
-                    &addr,
-                    "--world",
-                    "w",
-                    "get",
-                    &key,
-                    "--timeout",
-                    "120",
-                ])
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .spawn()
-                .unwrap();
-            Proc(child)
+            Guard::spawn(
+                Command::new(M8D)
+                    .args([
+                        "kv",
+                        "--addr",
+                        &addr,
+                        "--world",
+                        "w",
+                        "get",
+                        &key,
+                        "--timeout",
+                        "120",
+                    ])
+                    .stdin(Stdio::null())
+                    .stdout(Stdio::null()),
+            )
         })
         .collect();
     let start = Instant::now();
@@ -234,8 +219,7 @@ async fn a_client_killed_while_waiting_leaves_no_waiter_behind() {
     let mut survivor = children.pop().unwrap();
     let killed_at = Instant::now();
     for mut c in children {
-        c.0.kill().unwrap();
-        c.0.wait().unwrap();
+        c.kill();
     }
     while waiters() != 1 {
         assert!(
@@ -256,7 +240,7 @@ async fn a_client_killed_while_waiting_leaves_no_waiter_behind() {
         .await
         .unwrap();
     let status = loop {
-        if let Some(s) = survivor.0.try_wait().unwrap() {
+        if let Some(s) = survivor.try_wait() {
             break s;
         }
         assert!(

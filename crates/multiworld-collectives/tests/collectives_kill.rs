@@ -11,12 +11,13 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::Stdio;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use multiworld_collectives::{Algorithm, CollectiveConfig, Group, SharedMemory};
 use multiworld_tcp::{Communicator, Error, Rank, Tensor};
+use multiworld_testkit::process::{Guard, Signal, self_test_command};
 use multiworld_testkit::*;
 use multiworld_types::ReduceOp;
 
@@ -75,18 +76,6 @@ fn is_complete_result(t: &Tensor) -> bool {
 
 fn now_nanos() -> u128 {
     SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_nanos()
-}
-
-/// Kills the children if the test fails before they end.
-struct Children(Vec<(u32, Child)>);
-
-impl Drop for Children {
-    fn drop(&mut self) {
-        for (_, c) in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
 }
 
 /// A rank process: runs all-reduces until one fails (or one that succeeds has
@@ -150,25 +139,18 @@ fn killed_mid_collective(route: Route) {
         .unwrap_or_else(std::sync::PoisonError::into_inner);
     init_tracing();
     let dir = temp_dir(&format!("collkill-{}", route.env()));
-    let exe = std::env::current_exe().unwrap();
-    let mut children = Children(Vec::new());
+    // Each killed with its process group if the test fails before it ends.
+    let mut children: Vec<(u32, Guard)> = Vec::new();
     for r in 1..WORLD {
-        let child = Command::new(&exe)
-            .args([
-                CHILD_TEST,
-                "--exact",
-                "--ignored",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env(DIR_ENV, &dir)
-            .env(RANK_ENV, r.to_string())
-            .env(ROUTE_ENV, route.env())
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap();
-        children.0.push((r, child));
+        let child = Guard::spawn(
+            self_test_command(CHILD_TEST)
+                .env(DIR_ENV, &dir)
+                .env(RANK_ENV, r.to_string())
+                .env(ROUTE_ENV, route.env())
+                .stdin(Stdio::null())
+                .stdout(Stdio::null()),
+        );
+        children.push((r, child));
     }
     let (killed_at, parent_took, parent_err) = runtime().block_on(async {
         let rdv = FileRendezvous { dir: dir.clone() };
@@ -234,9 +216,9 @@ fn killed_mid_collective(route: Route) {
             !handle.is_completed(),
             "the call must still be running when the rank is killed"
         );
-        let victim = &mut children.0.iter_mut().find(|(r, _)| *r == VICTIM).unwrap().1;
-        assert!(victim.try_wait().unwrap().is_none(), "victim still running");
-        victim.kill().unwrap(); // SIGKILL on Unix
+        let victim = &mut children.iter_mut().find(|(r, _)| *r == VICTIM).unwrap().1;
+        assert!(victim.try_wait().is_none(), "victim still running");
+        victim.signal(Signal::SIGKILL);
         let killed_at = now_nanos();
         println!(
             "{route:?}: rank {VICTIM} killed {:?} into rank 0's call",
@@ -262,9 +244,9 @@ fn killed_mid_collective(route: Route) {
     );
     // The surviving children report when their calls failed.
     let deadline = Instant::now() + Duration::from_secs(20);
-    for (r, child) in children.0.iter_mut().filter(|(r, _)| *r != VICTIM) {
+    for (r, child) in children.iter_mut().filter(|(r, _)| *r != VICTIM) {
         loop {
-            if child.try_wait().unwrap().is_some() {
+            if child.try_wait().is_some() {
                 break;
             }
             assert!(

@@ -7,9 +7,8 @@
 //! process is unsound, so the parent test re-runs this binary with the
 //! variable set and runs one `#[ignore]`d child test in it.
 
-use std::process::Command;
-
 use multiworld_nccl::{LibraryKind, NcclError, NcclRuntime};
+use multiworld_testkit::process;
 
 const MISSING: &str = "/nonexistent/libnccl.so.2";
 const CHILD_OK: &str = "CHILD-CHECKS-PASSED";
@@ -39,21 +38,11 @@ fn child_load_with_missing_nccl_library() {
 
 #[test]
 fn nccl_library_pointing_nowhere_is_library_not_found() {
-    let exe = std::env::current_exe().unwrap();
-    let out = Command::new(exe)
-        .args([
-            "--exact",
-            "child_load_with_missing_nccl_library",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env("NCCL_LIBRARY", MISSING)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "child failed:\n{stdout}\n{stderr}");
+    let out = process::run(
+        process::self_test_command("child_load_with_missing_nccl_library").env("NCCL_LIBRARY", MISSING),
+    );
+    let (stdout, stderr) = (&out.stdout, &out.stderr);
+    assert!(out.success(), "child failed:\n{stdout}\n{stderr}");
     assert!(
         stdout.contains(CHILD_OK),
         "child did not run its checks:\n{stdout}\n{stderr}"

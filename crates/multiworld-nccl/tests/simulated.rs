@@ -1,6 +1,6 @@
 //! The communicator's state machine against a *fake* CUDA driver and NCCL
-//! (`tests/fake/fake_cuda_nccl.c`, compiled here with `cc` into
-//! `libcuda.so.1` and `libnccl.so.2`). Device memory is host memory, so these
+//! (`fake/fake_cuda_nccl.c` of the test kit, compiled at test time with `cc`
+//! into `libcuda.so.1` and `libnccl.so.2`; `multiworld_testkit::fake_nccl`). Device memory is host memory, so these
 //! tests run on any machine and exercise what a GPU-less CI could not
 //! otherwise reach: the real `dlopen`/`dlsym` path, non-blocking init
 //! polling, the `ncclConfig_t` and unique-id ABI (the fake rejects a wrong
@@ -12,12 +12,13 @@
 //! The fake keeps global state, so the tests take a lock and run one at a
 //! time; each compares resource counts before and after rather than to zero.
 
-// Test code: a failed unwrap is a failed test. The unsafe code resolves and
-// calls the fake's control functions.
+// Test code: a failed unwrap is a failed test. The unsafe code loads a
+// library by name to see whether a real NCCL is installed.
 #![allow(clippy::unwrap_used, clippy::expect_used, unsafe_code)]
 
 mod device_checks;
-mod fake;
+
+use multiworld_testkit::fake_nccl as fake;
 
 use fake::{fake, fake_with};
 

@@ -4,25 +4,16 @@
 //! processes rendezvous through files in a temporary directory.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::process::{Child, Command, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use multiworld_tcp::{Communicator, DType, Error, HealthEvent, Rank, Tag, Tensor};
+use multiworld_testkit::process::{Guard, Signal, self_test_command};
 use multiworld_testkit::*;
 
 const CHILD_ENV: &str = "MW_TCP_SIGKILL_CHILD_DIR";
 const CHILD_TEST: &str = "sigkill_child_peer";
 const SIZE: usize = 128 << 20;
-
-/// Kills the child if the test fails before it does.
-struct ChildGuard(Child);
-
-impl Drop for ChildGuard {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 /// The peer process: joins as rank 1 and streams large messages to rank 0 until it
 /// is killed (or rank 0 goes away). Does nothing unless started by the test below.
@@ -45,20 +36,13 @@ fn sigkill_child_peer() {
 fn peer_killed_mid_transfer_fails_the_receiver() {
     init_tracing();
     let dir = temp_dir("sigkill");
-    let child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            CHILD_TEST,
-            "--exact",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(CHILD_ENV, &dir)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut child = ChildGuard(child);
+    // Killed with its process group if the test fails before it does.
+    let mut child = Guard::spawn(
+        self_test_command(CHILD_TEST)
+            .env(CHILD_ENV, &dir)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null()),
+    );
     runtime().block_on(async {
         let rdv = FileRendezvous { dir: dir.clone() };
         let comm = Communicator::join(config("sigkill", 0, 2), &rdv).await.unwrap();
@@ -70,8 +54,8 @@ fn peer_killed_mid_transfer_fails_the_receiver() {
         })
         .await;
         assert!(started, "the transfer never started");
-        assert!(child.0.try_wait().unwrap().is_none(), "child still running");
-        child.0.kill().unwrap(); // SIGKILL on Unix
+        assert!(child.try_wait().is_none(), "child still running");
+        child.signal(Signal::SIGKILL);
         let killed_at = Instant::now();
         let at_kill = comm.peer_stats(Rank(1)).unwrap().bytes_received;
         let r = tokio::time::timeout(Duration::from_secs(10), handle)

@@ -1,6 +1,7 @@
 //! `multiworld-testkit` (tests only, never published): the helpers the
-//! integration tests of the transport and the collectives share, in one place
-//! instead of copied between test files.
+//! integration tests of the workspace share, in one place instead of copied
+//! between test files (or shared between crates' test directories through
+//! `#[path]`).
 //!
 //! Map of the modules:
 //!
@@ -9,13 +10,27 @@
 //! | crate root | joining in-process worlds ([`mesh`], [`pair`]), a file-based rendezvous for ranks in several processes ([`FileRendezvous`]), test data patterns, [`eventually`] |
 //! | [`coll`] | in-process worlds of collective groups, one closure per rank with a hang guard, exact per-rank inputs and the sequential reference they are checked against |
 //! | [`memory`] | worlds built in memory (the transport's `memory` feature): communicators and collective groups over pipes, no sockets |
+//! | [`process`] | child processes: the one kill-on-drop guard ([`process::Guard`]: a process group of its own, SIGKILLed and reaped on drop), runs to completion with a deadline and captured output ([`process::run`]), re-executing the test binary as a peer ([`process::self_test_command`]), pids a child reported ([`process::KillOnPanic`], [`process::gone`]) |
+//! | `facade` (feature `facade`) | helpers that need the facade `multiworld`: `next_event_for`, the next world event about one world |
+//! | `fake_nccl` (feature `nccl`) | the fake CUDA driver and NCCL (`fake/fake_cuda_nccl.c`), compiled at test time and loaded through `multiworld-nccl`, with their control functions and the lock that serialises the tests using them |
+//!
+//! The features exist so that the transport's and the collectives' tests do
+//! not build the facade or the NCCL backend; a crate's tests enable what
+//! they use in their `[dev-dependencies]` (the facade's tests depend on the
+//! test kit, which depends on the facade: a cycle cargo allows for
+//! integration tests).
 //!
 //! Helpers panic on failure (they are test code): a failed setup is a failed
 //! test.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 pub mod coll;
+#[cfg(feature = "facade")]
+pub mod facade;
+#[cfg(feature = "nccl")]
+pub mod fake_nccl;
 pub mod memory;
+pub mod process;
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};

@@ -11,8 +11,8 @@
 //! buffer or too little fails. Whether values from different ranks are
 //! combined correctly needs 2+ GPUs and is not tested here.
 //!
-//! The same logic runs against the fake CUDA driver and NCCL of
-//! `multiworld-nccl` when `NCCL_LIBRARY` and `CUDA_DRIVER_LIBRARY` point at
+//! The same logic runs against the fake CUDA driver and NCCL of the test
+//! kit (`crates/multiworld-testkit/fake`) when `NCCL_LIBRARY` and `CUDA_DRIVER_LIBRARY` point at
 //! them (see `crates/multiworld-nccl/tests/fake/run-gpu-tests-on-fakes.sh`).
 //!
 //! `MULTIWORLD_NCCL_REQUIRE_GPU=1 cargo test -p multiworld --features nccl --test gpu_worlds -- --nocapture --test-threads=1`
@@ -27,6 +27,7 @@ use multiworld::{
     WorldState,
 };
 use multiworld::{DType, ReduceOp};
+use multiworld_testkit::process::{Guard, self_test_command};
 
 const T: Duration = Duration::from_secs(60);
 
@@ -212,16 +213,6 @@ async fn every_device_operation_writes_its_result() {
     m.shutdown().await;
 }
 
-/// Kills the child process if the test fails before it exits.
-struct Child(std::process::Child);
-
-impl Drop for Child {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// The child's half of the host-staged test: rank 1 of a TCP world whose
 /// store address is in `MW_GPU_STORE`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -254,13 +245,11 @@ async fn host_staged_transfer_between_two_processes_on_one_gpu() {
     let n = 16 << 20; // 64 MiB of f32
     let m = WorldManager::default();
     let store = m.serve_store("127.0.0.1:0").await.unwrap().to_string();
-    let mut child = Child(
-        std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "child_host_staged_rank_1", "--ignored", "--nocapture"])
+    // Killed with its process group if the test fails before it exits.
+    let mut child = Guard::spawn(
+        self_test_command("child_host_staged_rank_1")
             .env("MW_GPU_STORE", &store)
-            .env("MW_GPU_N", n.to_string())
-            .spawn()
-            .unwrap(),
+            .env("MW_GPU_N", n.to_string()),
     );
     let ctx = DeviceContext::open(&rt, 0).unwrap();
     let w = m
@@ -285,7 +274,7 @@ async fn host_staged_transfer_between_two_processes_on_one_gpu() {
     w.finish(T).await.unwrap();
     let deadline = Instant::now() + T;
     let status = loop {
-        if let Some(status) = child.0.try_wait().unwrap() {
+        if let Some(status) = child.try_wait() {
             break status;
         }
         assert!(Instant::now() < deadline, "the child did not exit");

@@ -11,6 +11,7 @@ use multiworld::{
     WorldManager, WorldState,
 };
 use multiworld_store::{ServerConfig, StoreServer};
+use multiworld_testkit::facade::next_event_for;
 use tokio::sync::broadcast;
 
 fn init_tracing() {
@@ -40,23 +41,6 @@ async fn pair(
         worker.join(cfg(name, 1, 2, store))
     );
     (a.unwrap(), b.unwrap())
-}
-
-async fn next_event_for(
-    rx: &mut broadcast::Receiver<WorldEvent>,
-    world: &str,
-    limit: Duration,
-) -> WorldEvent {
-    let deadline = Instant::now() + limit;
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match tokio::time::timeout(left, rx.recv()).await {
-            Ok(Ok(e)) if e.world() == world => return e,
-            Ok(Ok(_)) => continue,
-            Ok(Err(e)) => panic!("event channel: {e}"),
-            Err(_) => panic!("no event for {world} within {limit:?}"),
-        }
-    }
 }
 
 async fn ping(a: &multiworld::World, b: &multiworld::World, value: f32) {

@@ -1,5 +1,5 @@
 //! NCCL worlds driven by the world manager, against the fake CUDA driver and
-//! NCCL of `multiworld-nccl` (`crates/multiworld-nccl/tests/fake`; device
+//! NCCL of the test kit (`multiworld_testkit::fake_nccl`; device
 //! memory is host memory, one device): device collectives on worlds of one,
 //! each written out of place into a poisoned buffer; an asynchronous NCCL
 //! error, a device operation past its deadline and an abort that hangs, each
@@ -18,9 +18,6 @@
 // held across their awaits on purpose.
 #![allow(clippy::await_holding_lock)]
 
-#[path = "../../multiworld-nccl/tests/fake/mod.rs"]
-mod fake;
-
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -31,7 +28,9 @@ use multiworld::{
 };
 use multiworld::{DType, ReduceOp};
 use multiworld::{DeviceOp, NcclWorld};
-use tokio::sync::broadcast;
+use multiworld_testkit::facade::next_event_for;
+use multiworld_testkit::fake_nccl as fake;
+use multiworld_testkit::process;
 
 const T: Duration = Duration::from_secs(10);
 
@@ -52,23 +51,6 @@ async fn manager(f: &fake::Fake) -> (WorldManager, String) {
     m.use_nccl_runtime(f.runtime().unwrap());
     let store = m.serve_store("127.0.0.1:0").await.unwrap().to_string();
     (m, store)
-}
-
-async fn next_event_for(
-    rx: &mut broadcast::Receiver<WorldEvent>,
-    world: &str,
-    limit: Duration,
-) -> WorldEvent {
-    let deadline = Instant::now() + limit;
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match tokio::time::timeout(left, rx.recv()).await {
-            Ok(Ok(e)) if e.world() == world => return e,
-            Ok(Ok(_)) => continue,
-            Ok(Err(e)) => panic!("event channel: {e}"),
-            Err(_) => panic!("no event for {world} within {limit:?}"),
-        }
-    }
 }
 
 /// The byte every result buffer is filled with before an operation writes
@@ -419,20 +401,13 @@ fn rank_0_without_nccl_fails_every_ranks_join_with_its_reason() {
 /// Runs the ignored test `name` of this binary in a child process whose
 /// `NCCL_LIBRARY` points nowhere (plus `env`), and asserts that it passed.
 fn run_child_without_nccl(name: &str, env: &[(&str, &std::path::Path)]) {
-    let exe = std::env::current_exe().unwrap();
-    let mut child = std::process::Command::new(exe);
-    child
-        .args(["--exact", name, "--ignored", "--nocapture"])
-        .env("NCCL_LIBRARY", "/nonexistent/libnccl.so.2");
+    let mut child = process::self_test_command(name);
+    child.env("NCCL_LIBRARY", "/nonexistent/libnccl.so.2");
     for (key, value) in env {
         child.env(key, value);
     }
-    let out = child.output().unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let out = process::run(&mut child);
+    let text = format!("{}{}", out.stdout, out.stderr);
     assert!(out.status.success(), "{text}");
     assert!(text.contains("1 passed"), "{text}");
 }

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs both GPU test binaries (multiworld-nccl's tests/gpu.rs and the
 # facade's tests/gpu_worlds.rs) against the fake CUDA driver and NCCL of
-# tests/fake/fake_cuda_nccl.c, which then look like a machine with one GPU.
+# the test kit (crates/multiworld-testkit/fake/fake_cuda_nccl.c), which then
+# look like a machine with one GPU.
 # This checks the GPU tests' own logic on a machine without a GPU; it says
 # nothing about real NCCL.
 #
@@ -20,7 +21,8 @@ root="$(cd "$here/../../../.." && pwd)"
 libs="$(mktemp -d)"
 trap 'rm -rf "$libs"' EXIT
 for what in NCCL:libnccl.so.2 CUDA:libcuda.so.1; do
-    "${CC:-cc}" -shared -fPIC -O1 "-DFAKE_${what%%:*}" -o "$libs/${what#*:}" "$here/fake_cuda_nccl.c"
+    "${CC:-cc}" -shared -fPIC -O1 "-DFAKE_${what%%:*}" -o "$libs/${what#*:}" \
+        "$root/crates/multiworld-testkit/fake/fake_cuda_nccl.c"
 done
 export NCCL_LIBRARY="$libs/libnccl.so.2" CUDA_DRIVER_LIBRARY="$libs/libcuda.so.1"
 export MULTIWORLD_NCCL_REQUIRE_GPU=1

@@ -1,6 +1,8 @@
 /*
  * A fake CUDA driver (-DFAKE_CUDA -> libcuda.so.1) and a fake NCCL
- * (-DFAKE_NCCL -> libnccl.so.2) for tests/simulated.rs: just enough of both
+ * (-DFAKE_NCCL -> libnccl.so.2) for the tests (compiled at test time by the
+ * test kit's `fake_nccl` module, used by multiworld-nccl's tests/simulated.rs,
+ * the facade's NCCL-world tests and the examples' tests): just enough of both
  * C APIs, with "device memory" in host memory, to drive multiworld-nccl's
  * state machine (non-blocking init, async errors, events, deadlines, abort,
  * quarantine, teardown) on machines without a GPU. It also checks what the
@@ -11,7 +13,7 @@
  * of a never-completing operation as hung, and the driver fake's events on
  * that stream then stay "not ready" until an abort clears it.
  *
- * Test control functions are prefixed fake_; the test resolves them with
+ * Test control functions are prefixed fake_; the test kit resolves them with
  * dlsym. All state is global: the tests that use it run one at a time.
  */
 #include <limits.h>
