@@ -29,15 +29,8 @@ use tokio::sync::broadcast;
 
 const M8D: &str = env!("CARGO_BIN_EXE_m8d");
 
-fn init_tracing() {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_test_writer()
-        .try_init();
-}
-
 async fn fleet(workers: usize) -> Fleet {
-    init_tracing();
+    multiworld_testkit::init_tracing();
     Fleet::start(FleetConfig::new(M8D, workers)).await.unwrap()
 }
 
@@ -259,7 +252,7 @@ async fn killing_a_worlds_store_host_breaks_only_that_world() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rank_killed_mid_collective_fails_every_survivor_without_partial_results() {
-    init_tracing();
+    multiworld_testkit::init_tracing();
     let leader = multiworld::WorldManager::default();
     let store = leader.serve_store("127.0.0.1:0").await.unwrap().to_string();
     let elements = 256 * 1024;

@@ -14,13 +14,6 @@ use multiworld_store::{ServerConfig, StoreServer};
 use multiworld_testkit::facade::next_event_for;
 use tokio::sync::broadcast;
 
-fn init_tracing() {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_test_writer()
-        .try_init();
-}
-
 fn cfg(name: &str, rank: u32, size: u32, store: &str) -> WorldConfig {
     let mut c = WorldConfig::new(name, rank, size, store).unwrap();
     c.join_timeout = Duration::from_secs(20);
@@ -57,7 +50,7 @@ async fn ping(a: &multiworld::World, b: &multiworld::World, value: f32) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn join_exchange_and_list() {
-    init_tracing();
+    multiworld_testkit::init_tracing();
     let leader = WorldManager::default();
     let worker = WorldManager::default();
     let store = leader.serve_store("127.0.0.1:0").await.unwrap().to_string();
@@ -91,7 +84,7 @@ async fn join_exchange_and_list() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broken_world_breaks_alone_and_its_name_can_be_joined_again() {
-    init_tracing();
+    multiworld_testkit::init_tracing();
     let leader = WorldManager::default();
     let worker = WorldManager::default();
     let store = leader.serve_store("127.0.0.1:0").await.unwrap().to_string();
@@ -143,7 +136,7 @@ async fn a_broken_world_breaks_alone_and_its_name_can_be_joined_again() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leaving_is_orderly_and_the_peer_learns_of_it() {
-    init_tracing();
+    multiworld_testkit::init_tracing();
     let leader = WorldManager::default();
     let worker = WorldManager::default();
     let store = leader.serve_store("127.0.0.1:0").await.unwrap().to_string();
@@ -169,7 +162,7 @@ async fn leaving_is_orderly_and_the_peer_learns_of_it() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn losing_the_worlds_store_breaks_only_that_world() {
-    init_tracing();
+    multiworld_testkit::init_tracing();
     // World "s" keeps its store on a separate server that dies; world "t" on
     // the leader's own.
     let separate = StoreServer::bind("127.0.0.1:0".parse().unwrap(), ServerConfig::default())
@@ -229,7 +222,7 @@ async fn losing_the_worlds_store_breaks_only_that_world() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn joining_alone_or_with_a_missing_member_fails_cleanly() {
-    init_tracing();
+    multiworld_testkit::init_tracing();
     let m = WorldManager::default();
     let store = m.serve_store("127.0.0.1:0").await.unwrap().to_string();
     // A world of one works on its own.
@@ -261,7 +254,7 @@ async fn joining_alone_or_with_a_missing_member_fails_cleanly() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wrong_secret_cannot_join() {
-    init_tracing();
+    multiworld_testkit::init_tracing();
     let leader = WorldManager::default();
     let stranger = WorldManager::default();
     let store = leader.serve_store("127.0.0.1:0").await.unwrap().to_string();
@@ -278,7 +271,7 @@ async fn a_wrong_secret_cannot_join() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_monitor_sees_running_watchdogs_as_healthy() {
-    init_tracing();
+    multiworld_testkit::init_tracing();
     let config = ManagerConfig {
         monitor_interval: Duration::from_millis(50),
         stall_after: Duration::from_millis(800),
@@ -299,7 +292,7 @@ async fn the_monitor_sees_running_watchdogs_as_healthy() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_removes_everything_and_refuses_new_joins() {
-    init_tracing();
+    multiworld_testkit::init_tracing();
     let leader = WorldManager::default();
     let worker = WorldManager::default();
     let store = leader.serve_store("127.0.0.1:0").await.unwrap().to_string();
@@ -345,7 +338,7 @@ async fn three(name: &str) -> Three {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn finishing_together_ends_a_world_without_breaking_it() {
-    init_tracing();
+    multiworld_testkit::init_tracing();
     let Three {
         managers,
         store: _,
@@ -387,7 +380,7 @@ async fn pair_with_deadline(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_operation_past_its_deadline_breaks_the_world() {
-    init_tracing();
+    multiworld_testkit::init_tracing();
     let (_leader, worker, a, b) = pair_with_deadline("deadline").await;
     // Operations that finish in time leave nothing behind...
     for i in 0..5 {
@@ -425,7 +418,7 @@ async fn an_operation_past_its_deadline_breaks_the_world() {
 /// the call fails naming the world and the cause, and the peer is told.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_collective_past_its_deadline_breaks_the_world() {
-    init_tracing();
+    multiworld_testkit::init_tracing();
     let (_leader, worker, a, b) = pair_with_deadline("coll-deadline").await;
     // Collectives that both members make finish and leave no deadline behind.
     for i in 0..3 {
@@ -491,7 +484,7 @@ async fn leader_cause(w: &multiworld::World) -> Option<BreakCause> {
 /// store, as a member that saw a cause its peers cannot see would).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_break_announced_in_the_store_reaches_every_member() {
-    init_tracing();
+    multiworld_testkit::init_tracing();
     let Three {
         managers,
         store,
@@ -569,7 +562,7 @@ async fn without_the_nccl_feature_an_nccl_world_is_refused_with_a_clear_reason()
 /// runtime gets the thread back) names the world and how long it was stuck.
 #[tokio::test(flavor = "current_thread")]
 async fn a_stuck_watchdog_is_reported() {
-    init_tracing();
+    multiworld_testkit::init_tracing();
     let leader = WorldManager::default();
     let worker = WorldManager::default();
     let store = leader.serve_store("127.0.0.1:0").await.unwrap().to_string();
