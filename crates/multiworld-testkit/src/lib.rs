@@ -9,6 +9,7 @@
 //! | crate root | joining in-process worlds ([`mesh`], [`pair`]), a file-based rendezvous for ranks in several processes ([`FileRendezvous`]), test data patterns, [`eventually`] |
 //! | [`coll`] | in-process worlds of collective groups, one closure per rank with a hang guard, exact per-rank inputs and the sequential reference they are checked against |
 //! | [`memory`] | worlds built in memory (the transport's `memory` feature): communicators and collective groups over pipes, no sockets |
+//! | [`proxy`] | a fault-injecting TCP proxy (partition, one-way loss, half-open, latency, bandwidth, resets, closes) and [`proxy::WorldProxy`], which puts proxies between the members of a facade world |
 //!
 //! Helpers panic on failure (they are test code): a failed setup is a failed
 //! test.
@@ -16,6 +17,7 @@
 
 pub mod coll;
 pub mod memory;
+pub mod proxy;
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
