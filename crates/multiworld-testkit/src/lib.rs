@@ -13,6 +13,7 @@
 //! | [`process`] | child processes: the one kill-on-drop guard ([`process::Guard`]: a process group of its own, SIGKILLed and reaped on drop), runs to completion with a deadline and captured output ([`process::run`]), re-executing the test binary as a peer ([`process::self_test_command`]), pids a child reported ([`process::KillOnPanic`], [`process::gone`]) |
 //! | `facade` (feature `facade`) | helpers that need the facade `multiworld`: `next_event_for`, the next world event about one world |
 //! | `fake_nccl` (feature `nccl`) | the fake CUDA driver and NCCL (`fake/fake_cuda_nccl.c`), compiled at test time and loaded through `multiworld-nccl`, with their control functions and the lock that serialises the tests using them |
+//! | [`proxy`] | a fault-injecting TCP proxy (partition, one-way loss, half-open, latency, bandwidth, resets, closes) and [`proxy::WorldProxy`], which puts proxies between the members of a facade world |
 //!
 //! The features exist so that the transport's and the collectives' tests do
 //! not build the facade or the NCCL backend; a crate's tests enable what
@@ -31,6 +32,7 @@ pub mod facade;
 pub mod fake_nccl;
 pub mod memory;
 pub mod process;
+pub mod proxy;
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
