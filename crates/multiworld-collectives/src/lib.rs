@@ -46,6 +46,8 @@
 mod algo;
 mod collective;
 mod desc;
+#[cfg(test)]
+mod fuzz_tests;
 mod group;
 mod handle;
 mod object;

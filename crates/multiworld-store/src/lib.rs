@@ -55,6 +55,9 @@ mod limits;
 mod server;
 mod table;
 
+#[cfg(test)]
+mod fuzz_tests;
+
 pub use auth::StoreProof;
 pub use client::{ClientConfig, OpenOptions, StoreClient, WorldStore};
 pub use error::{Limit, StoreError};
