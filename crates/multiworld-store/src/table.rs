@@ -166,12 +166,18 @@ impl<W> WorldTable<W> {
     /// Stores a value already checked by `check_put` and collects the waits
     /// it completes.
     fn put(&mut self, key: Bytes, value: Bytes, woken: &mut Vec<Completion<W>>) {
+        self.store(key.clone(), value);
+        self.wake_watchers(&key, woken);
+    }
+
+    /// Stores a value without waking anyone (the caller wakes the key's
+    /// watchers once everything it stores is in place).
+    fn store(&mut self, key: Bytes, value: Bytes) {
         let added = key.len() + value.len();
         if let Some(old) = self.data.insert(key.clone(), value) {
             self.bytes_used -= key.len() + old.len();
         }
         self.bytes_used += added;
-        self.wake_watchers(&key, woken);
     }
 
     fn wake_watchers(&mut self, key: &[u8], woken: &mut Vec<Completion<W>>) {
@@ -281,9 +287,17 @@ impl<W> WorldTable<W> {
         }
         over(Limit::Keys, self.limits.max_keys, self.data.len() + new_keys)?;
         over(Limit::TotalBytes, self.limits.max_total_bytes, total)?;
-        let mut woken = Vec::new();
+        // Store the whole batch first, then wake: a batch is atomic to every
+        // reader, so a waiter must never be handed a value that a later entry
+        // of the same batch replaced (found by the table fuzzer).
+        let mut keys = Vec::with_capacity(entries.len());
         for (k, v) in entries {
-            self.put(k, v, &mut woken);
+            self.store(k.clone(), v);
+            keys.push(k);
+        }
+        let mut woken = Vec::new();
+        for k in &keys {
+            self.wake_watchers(k, &mut woken);
         }
         Ok(woken)
     }
