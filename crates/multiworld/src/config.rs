@@ -3,7 +3,7 @@
 //! launch`, torchrun and friends) that sets `RANK`, `LOCAL_RANK`,
 //! `WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT`.
 
-use std::{collections::HashMap, time::Duration};
+use std::{collections::HashMap, net::IpAddr, time::Duration};
 
 use multiworld_types::{Rank, Secret, WorldName};
 
@@ -70,6 +70,11 @@ pub struct WorldConfig {
     pub store_addr: String,
     /// Whether this rank hosts the world's store (default: rank 0 does).
     pub host_store: bool,
+    /// The address this member's connections to the other members listen on
+    /// and are published at (`MULTIWORLD_LISTEN_HOST`). Default: the address
+    /// of this host's interface that reaches the store (loopback when the
+    /// store is on loopback), so members on other hosts can connect back.
+    pub listen_host: Option<IpAddr>,
     /// Which communicator to use.
     pub backend: Backend,
     /// The world's shared secret, if it has one (store and transport
@@ -135,6 +140,7 @@ impl WorldConfig {
             local_rank: 0,
             store_addr,
             host_store: rank == Rank(0),
+            listen_host: None,
             backend: Backend::Tcp,
             secret: None,
             join_timeout: Duration::from_secs(30),
@@ -146,7 +152,8 @@ impl WorldConfig {
 
     /// Reads `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` (required),
     /// `LOCAL_RANK` (default 0), and the optional `MULTIWORLD_BACKEND` (tcp or
-    /// nccl) and `MULTIWORLD_SECRET` from the process environment.
+    /// nccl), `MULTIWORLD_LISTEN_HOST` and `MULTIWORLD_SECRET` from the
+    /// process environment.
     pub fn from_env(name: impl AsRef<str>) -> Result<WorldConfig, ConfigError> {
         let vars: HashMap<String, String> = std::env::vars().collect();
         WorldConfig::from_vars(name, &vars)
@@ -190,6 +197,13 @@ impl WorldConfig {
         config.local_rank = local_rank;
         if let Some(b) = get("MULTIWORLD_BACKEND") {
             config.backend = b.parse()?;
+        }
+        if let Some(h) = get("MULTIWORLD_LISTEN_HOST") {
+            config.listen_host = Some(h.parse().map_err(|e| ConfigError::Invalid {
+                what: "MULTIWORLD_LISTEN_HOST",
+                value: h.to_string(),
+                why: format!("{e}"),
+            })?);
         }
         if let Some(s) = vars.get("MULTIWORLD_SECRET").filter(|s| !s.is_empty()) {
             config.secret = Some(Secret::new(s));
@@ -262,10 +276,20 @@ mod tests {
         v.insert("RANK".into(), "0".into());
         v.insert("MULTIWORLD_BACKEND".into(), "NCCL".into());
         v.insert("MULTIWORLD_SECRET".into(), "s".into());
+        v.insert("MULTIWORLD_LISTEN_HOST".into(), "10.1.2.3".into());
         let c = WorldConfig::from_vars("w", &v).unwrap();
         assert!(c.host_store);
         assert_eq!(c.backend, Backend::Nccl);
         assert_eq!(c.secret, Some(Secret::new("s")));
+        assert_eq!(c.listen_host, Some("10.1.2.3".parse().unwrap()));
+        v.insert("MULTIWORLD_LISTEN_HOST".into(), "not-an-ip".into());
+        assert!(matches!(
+            WorldConfig::from_vars("w", &v),
+            Err(ConfigError::Invalid {
+                what: "MULTIWORLD_LISTEN_HOST",
+                ..
+            })
+        ));
     }
 
     #[test]

@@ -10,6 +10,7 @@
 
 use std::{
     collections::HashSet,
+    net::{IpAddr, Ipv4Addr, SocketAddr},
     sync::{Arc, Weak},
     time::{Duration, Instant},
 };
@@ -379,6 +380,7 @@ impl WorldManager {
                 config.size,
             );
             comm_config.secret = secret.clone();
+            comm_config.listen_addr = SocketAddr::new(mesh_host(config).await, 0);
             comm_config.join_timeout = remaining();
             // Deadlines are the watchdog's (see `WorldConfig::op_timeout`),
             // so the communicator itself never times an operation out.
@@ -508,6 +510,46 @@ impl WorldManager {
     }
 }
 
+/// The address this member's mesh listens on and publishes: the configured
+/// one, else the address of this host's interface that reaches the store, so
+/// members on other hosts can connect back (loopback when the store is on
+/// loopback or cannot be resolved).
+async fn mesh_host(config: &WorldConfig) -> IpAddr {
+    if let Some(ip) = config.listen_host {
+        return ip;
+    }
+    let store = tokio::net::lookup_host(config.store_addr.as_str())
+        .await
+        .ok()
+        .and_then(|mut addrs| addrs.next());
+    store
+        .and_then(local_ip_towards)
+        .unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST))
+}
+
+/// The local address the operating system would use to reach `peer` (a UDP
+/// socket's `connect` picks the route and sends nothing); `None` when there
+/// is no route. A loopback peer is reached over loopback; an unspecified one
+/// (a store bound to every interface) tells nothing, so `None`.
+pub(crate) fn local_ip_towards(peer: SocketAddr) -> Option<IpAddr> {
+    let ip = peer.ip();
+    if ip.is_loopback() {
+        return Some(ip);
+    }
+    if ip.is_unspecified() {
+        return None;
+    }
+    let bind: SocketAddr = if ip.is_ipv4() {
+        (Ipv4Addr::UNSPECIFIED, 0).into()
+    } else {
+        (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
+    };
+    let socket = std::net::UdpSocket::bind(bind).ok()?;
+    socket.connect(peer).ok()?;
+    let local = socket.local_addr().ok()?.ip();
+    (!local.is_unspecified()).then_some(local)
+}
+
 fn stalled_now(inner: &Inner) -> Vec<(WorldName, Duration)> {
     let worlds = inner
         .registry
@@ -572,3 +614,23 @@ fn monitor(inner: Weak<Inner>, stop: CancellationToken) {
 /// How often the monitor thread checks, while it waits, whether its manager
 /// is gone.
 const MONITOR_POLL: Duration = Duration::from_millis(50);
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+
+    #[test]
+    fn the_mesh_listens_where_the_store_is_reached_from() {
+        let lo4: SocketAddr = "127.0.0.1:29500".parse().unwrap();
+        assert_eq!(local_ip_towards(lo4), Some(lo4.ip()));
+        let lo6: SocketAddr = "[::1]:29500".parse().unwrap();
+        assert_eq!(local_ip_towards(lo6), Some(lo6.ip()));
+        assert_eq!(local_ip_towards("0.0.0.0:29500".parse().unwrap()), None);
+        // A routed address is reached from a real interface, never from an
+        // unspecified one (where the machine has a route at all).
+        if let Some(ip) = local_ip_towards("10.255.255.254:9".parse().unwrap()) {
+            assert!(!ip.is_unspecified(), "{ip}");
+        }
+    }
+}

@@ -82,6 +82,45 @@ async fn join_exchange_and_list() {
     );
 }
 
+/// The mesh listens on the interface that reaches the store, so members on
+/// other hosts can connect back: a world whose store is reached over this
+/// host's routed address (not loopback) is meshed over that address. Also
+/// `listen_host` picks the address explicitly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_mesh_listens_on_the_interface_that_reaches_the_store() {
+    multiworld_testkit::init_tracing();
+    let leader = WorldManager::default();
+    let worker = WorldManager::default();
+    // Explicit: loopback even though the store is on loopback too.
+    let store = leader.serve_store("127.0.0.1:0").await.unwrap().to_string();
+    let mut c0 = cfg("explicit", 0, 2, &store);
+    let mut c1 = cfg("explicit", 1, 2, &store);
+    c0.listen_host = Some("127.0.0.1".parse().unwrap());
+    c1.listen_host = Some("127.0.0.1".parse().unwrap());
+    let (a, b) = tokio::join!(leader.join(c0), worker.join(c1));
+    let (a, b) = (a.unwrap(), b.unwrap());
+    assert!(a.communicator().local_addr().ip().is_loopback());
+    ping(&a, &b, 1.0).await;
+
+    // Derived: this host's routed address, where it has one.
+    let probe = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+    let routed = probe
+        .connect("10.255.255.254:9")
+        .ok()
+        .and_then(|()| probe.local_addr().ok())
+        .map(|a| a.ip())
+        .filter(|ip| !ip.is_unspecified() && !ip.is_loopback());
+    let Some(ip) = routed else {
+        eprintln!("skipped the routed half: this machine has no route off loopback");
+        return;
+    };
+    let store = leader.serve_store(&format!("{ip}:0")).await.unwrap().to_string();
+    let (a, b) = pair(&leader, &worker, "routed", &store).await;
+    assert_eq!(a.communicator().local_addr().ip(), ip);
+    assert_eq!(b.communicator().local_addr().ip(), ip);
+    ping(&a, &b, 2.0).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broken_world_breaks_alone_and_its_name_can_be_joined_again() {
     multiworld_testkit::init_tracing();
