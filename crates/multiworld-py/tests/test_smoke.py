@@ -1,0 +1,2 @@
+def test_import():
+    import multiworld_rs
