@@ -175,8 +175,9 @@ pub async fn from_comm(w: &multiworld::World, err: CommError) -> WorldError {
             WorldState::Broken(cause) => return WorldError::Broken { world, cause },
             WorldState::Removed => {
                 // A removed world's calls fail at their first check, before
-                // doing anything, with the recorded cause: ask one for it.
-                if let Err(e @ WorldError::Broken { .. }) = w.finish(std::time::Duration::ZERO).await {
+                // doing anything, with the recorded cause (or `NotJoined`
+                // after a leave): ask one for it.
+                if let Err(e) = w.finish(std::time::Duration::ZERO).await {
                     return e;
                 }
                 break;
