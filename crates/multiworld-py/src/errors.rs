@@ -80,7 +80,9 @@ pub fn cause_rank(cause: &BreakCause) -> Option<u32> {
 
 fn obj<'py>(py: Python<'py>, v: impl IntoPyObject<'py>) -> Py<PyAny> {
     // Strings, integers, floats and None always convert.
-    v.into_bound_py_any(py).map(Bound::unbind).unwrap_or_else(|_| py.None())
+    v.into_bound_py_any(py)
+        .map(Bound::unbind)
+        .unwrap_or_else(|_| py.None())
 }
 
 /// Maps a world error; `generation` is the world's, when the caller knows it.
@@ -123,9 +125,12 @@ pub fn world(py: Python<'_>, err: WorldError, generation: Option<u64>) -> PyErr 
             message,
             &[("world", obj(py, world.as_str())), ("state", obj(py, state))],
         ),
-        WorldError::Transport { world, source } => {
-            new(py, "TransportError", message, &fields(py, &world, source.to_string()))
-        }
+        WorldError::Transport { world, source } => new(
+            py,
+            "TransportError",
+            message,
+            &fields(py, &world, source.to_string()),
+        ),
         WorldError::JoinFailed { world, reason } => {
             new(py, "JoinError", message, &fields(py, &world, reason.to_string()))
         }

@@ -9,6 +9,9 @@ use tokio::sync::broadcast;
 
 use crate::{errors, runtime, world::World};
 
+/// One row of `Manager.worlds()`: name, generation, rank, size, state, cause.
+type InfoRow = (String, u64, u32, u32, &'static str, Option<&'static str>);
+
 /// Owns every world of this process (see `multiworld_rs.WorldManager`).
 #[pyclass(module = "multiworld_rs._native", frozen)]
 pub struct Manager {
@@ -44,7 +47,8 @@ impl JoinOptions {
             .parse::<Backend>()
             .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
         config.secret = self.secret.map(Secret::new);
-        config.join_timeout = runtime::seconds("timeout", Some(self.timeout))?.unwrap_or(Duration::from_secs(30));
+        config.join_timeout =
+            runtime::seconds("timeout", Some(self.timeout))?.unwrap_or(Duration::from_secs(30));
         config.op_timeout = runtime::seconds("op_timeout", self.op_timeout)?;
         if let Some(h) = self.host_store {
             config.host_store = h;
@@ -137,7 +141,7 @@ impl Manager {
     }
 
     /// `(name, generation, rank, size, state, cause)` of every world.
-    fn worlds(&self) -> PyResult<Vec<(String, u64, u32, u32, &'static str, Option<&'static str>)>> {
+    fn worlds(&self) -> PyResult<Vec<InfoRow>> {
         Ok(self
             .m()?
             .worlds()
@@ -249,14 +253,14 @@ impl From<WorldEvent> for Event {
             detail: None,
         };
         match ev {
-            WorldEvent::Joined {
-                generation, rank, ..
-            } => {
+            WorldEvent::Joined { generation, rank, .. } => {
                 e.kind = "joined";
                 e.generation = Some(generation.0);
                 e.rank = Some(rank.0);
             }
-            WorldEvent::Broken { generation, cause, .. } => {
+            WorldEvent::Broken {
+                generation, cause, ..
+            } => {
                 e.kind = "broken";
                 e.generation = Some(generation.0);
                 e.cause = Some(errors::cause_kind(&cause));

@@ -65,14 +65,20 @@ pub fn outputs(list: &[Output]) -> PyResult<Vec<Tensor>> {
     list.iter().map(Output::tensor).collect()
 }
 
-fn give<'py, T: numpy::Element + multiworld::Element>(py: Python<'py>, t: Tensor) -> PyResult<Bound<'py, PyAny>> {
+fn give<'py, T: numpy::Element + multiworld::Element>(
+    py: Python<'py>,
+    t: Tensor,
+) -> PyResult<Bound<'py, PyAny>> {
     let v = t
         .into_vec::<T>()
         .map_err(|t| invalid(format!("internal: tensor holds {}", t.dtype())))?;
     Ok(PyArray1::from_vec(py, v).into_any())
 }
 
-fn give_u16<'py, T: multiworld::Element + bytemuck::Pod>(py: Python<'py>, t: Tensor) -> PyResult<Bound<'py, PyAny>> {
+fn give_u16<'py, T: multiworld::Element + bytemuck::Pod>(
+    py: Python<'py>,
+    t: Tensor,
+) -> PyResult<Bound<'py, PyAny>> {
     let v = t
         .into_vec::<T>()
         .map_err(|t| invalid(format!("internal: tensor holds {}", t.dtype())))?;

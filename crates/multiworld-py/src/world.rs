@@ -42,11 +42,14 @@ fn reduce_op(name: &str) -> PyResult<ReduceOp> {
         "prod" => "product",
         other => other,
     };
-    ReduceOp::ALL.into_iter().find(|op| op.name() == name).ok_or_else(|| {
-        PyValueError::new_err(format!(
-            "unknown reduce op '{name}' (expected one of sum, product, min, max, avg, band, bor, bxor)"
-        ))
-    })
+    ReduceOp::ALL
+        .into_iter()
+        .find(|op| op.name() == name)
+        .ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "unknown reduce op '{name}' (expected one of sum, product, min, max, avg, band, bor, bxor)"
+            ))
+        })
 }
 
 impl World {
@@ -74,7 +77,11 @@ impl World {
     }
 
     /// Waits for a collective; maps its (transport) error.
-    fn coll<T: Send>(&self, py: Python<'_>, fut: impl Future<Output = Result<T, CommError>> + Send) -> PyResult<T> {
+    fn coll<T: Send>(
+        &self,
+        py: Python<'_>,
+        fut: impl Future<Output = Result<T, CommError>> + Send,
+    ) -> PyResult<T> {
         let w = self.w()?;
         self.op(py, async move {
             match fut.await {
@@ -129,7 +136,10 @@ impl Done {
     fn into_py(self, py: Python<'_>) -> PyResult<Py<PyAny>> {
         Ok(match self {
             Done::Unit => py.None(),
-            Done::Received(src, t) => (src, tensor::to_numpy(py, t)?).into_pyobject(py)?.into_any().unbind(),
+            Done::Received(src, t) => (src, tensor::to_numpy(py, t)?)
+                .into_pyobject(py)?
+                .into_any()
+                .unbind(),
             Done::Tensor(t) => tensor::to_numpy(py, t)?.unbind(),
         })
     }
@@ -212,16 +222,20 @@ impl Work {
             }
             // Another thread took the outcome: it is cached by now, or soon.
             Some(None) => {
-                return self
-                    .cached(py)
-                    .unwrap_or_else(|| Err(PyRuntimeError::new_err("another thread is waiting on this handle")));
+                return self.cached(py).unwrap_or_else(|| {
+                    Err(PyRuntimeError::new_err(
+                        "another thread is waiting on this handle",
+                    ))
+                });
             }
             Some(Some(r)) => r,
         };
         let out = match r {
             Ok(Ok(done)) => done.into_py(py),
             Ok(Err(e)) => Err(errors::world(py, e, self.generation)),
-            Err(join) => Err(PyRuntimeError::new_err(format!("the operation's task failed: {join}"))),
+            Err(join) => Err(PyRuntimeError::new_err(format!(
+                "the operation's task failed: {join}"
+            ))),
         };
         let mut g = self.outcome.lock().unwrap_or_else(|e| e.into_inner());
         *g = Some(match &out {
@@ -276,8 +290,17 @@ impl World {
     }
 
     /// Sends a flat byte view of `dtype` elements to `dst` (no copy).
-    fn send(&self, py: Python<'_>, data: PyReadonlyArray1<'_, u8>, dtype: &str, dst: u32, tag: u32) -> PyResult<()> {
-        let bytes = data.as_slice().map_err(|e| PyValueError::new_err(e.to_string()))?;
+    fn send(
+        &self,
+        py: Python<'_>,
+        data: PyReadonlyArray1<'_, u8>,
+        dtype: &str,
+        dst: u32,
+        tag: u32,
+    ) -> PyResult<()> {
+        let bytes = data
+            .as_slice()
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
         let view = tensor::view(bytes, tensor::dtype(dtype)?)?;
         let w = self.w()?;
         self.op(py, w.send(Rank(dst), Tag(tag), view))
@@ -351,11 +374,19 @@ impl World {
         let (mut outs, input) = (tensor::outputs(&outputs)?, input.tensor()?);
         let g = self.w()?.collectives();
         self.coll(py, g.all_gather(&mut outs, &input))?;
-        Ok(tensor::list_to_numpy(py, outs)?.into_pyobject(py)?.into_any().unbind())
+        Ok(tensor::list_to_numpy(py, outs)?
+            .into_pyobject(py)?
+            .into_any()
+            .unbind())
     }
 
     /// All-gather into one tensor; returns it.
-    fn all_gather_into_tensor(&self, py: Python<'_>, output: Output, input: Input<'_>) -> PyResult<Py<PyAny>> {
+    fn all_gather_into_tensor(
+        &self,
+        py: Python<'_>,
+        output: Output,
+        input: Input<'_>,
+    ) -> PyResult<Py<PyAny>> {
         let (mut out, input) = (output.tensor()?, input.tensor()?);
         let g = self.w()?.collectives();
         self.coll(py, g.all_gather_into_tensor(&mut out, &input))?;
@@ -375,8 +406,13 @@ impl World {
         let mut outs = outputs.as_deref().map(tensor::outputs).transpose()?;
         let g = self.w()?.collectives();
         self.coll(py, g.gather(&input, outs.as_deref_mut(), Rank(root)))?;
-        outs.map(|o| Ok(tensor::list_to_numpy(py, o)?.into_pyobject(py)?.into_any().unbind()))
-            .transpose()
+        outs.map(|o| {
+            Ok(tensor::list_to_numpy(py, o)?
+                .into_pyobject(py)?
+                .into_any()
+                .unbind())
+        })
+        .transpose()
     }
 
     /// Scatter from `root`; returns this member's part.
@@ -396,7 +432,13 @@ impl World {
     }
 
     /// Reduce-scatter of a list (one input per member); returns this member's part.
-    fn reduce_scatter(&self, py: Python<'_>, output: Output, inputs: Vec<Input<'_>>, op: &str) -> PyResult<Py<PyAny>> {
+    fn reduce_scatter(
+        &self,
+        py: Python<'_>,
+        output: Output,
+        inputs: Vec<Input<'_>>,
+        op: &str,
+    ) -> PyResult<Py<PyAny>> {
         let (mut out, ins, op) = (output.tensor()?, tensor::inputs(&inputs)?, reduce_op(op)?);
         let g = self.w()?.collectives();
         self.coll(py, g.reduce_scatter(&mut out, &ins, op))?;
@@ -404,7 +446,13 @@ impl World {
     }
 
     /// Reduce-scatter of one tensor; returns this member's part.
-    fn reduce_scatter_tensor(&self, py: Python<'_>, output: Output, input: Input<'_>, op: &str) -> PyResult<Py<PyAny>> {
+    fn reduce_scatter_tensor(
+        &self,
+        py: Python<'_>,
+        output: Output,
+        input: Input<'_>,
+        op: &str,
+    ) -> PyResult<Py<PyAny>> {
         let (mut out, input, op) = (output.tensor()?, input.tensor()?, reduce_op(op)?);
         let g = self.w()?.collectives();
         self.coll(py, g.reduce_scatter_tensor(&mut out, &input, op))?;
@@ -412,11 +460,19 @@ impl World {
     }
 
     /// All-to-all of lists; returns the outputs.
-    fn all_to_all(&self, py: Python<'_>, outputs: Vec<Output>, inputs: Vec<Input<'_>>) -> PyResult<Py<PyAny>> {
+    fn all_to_all(
+        &self,
+        py: Python<'_>,
+        outputs: Vec<Output>,
+        inputs: Vec<Input<'_>>,
+    ) -> PyResult<Py<PyAny>> {
         let (mut outs, ins) = (tensor::outputs(&outputs)?, tensor::inputs(&inputs)?);
         let g = self.w()?.collectives();
         self.coll(py, g.all_to_all(&mut outs, &ins))?;
-        Ok(tensor::list_to_numpy(py, outs)?.into_pyobject(py)?.into_any().unbind())
+        Ok(tensor::list_to_numpy(py, outs)?
+            .into_pyobject(py)?
+            .into_any()
+            .unbind())
     }
 
     /// All-to-all of one tensor with optional uneven splits; returns the output.
@@ -433,7 +489,12 @@ impl World {
         let g = self.w()?.collectives();
         self.coll(
             py,
-            g.all_to_all_single(&mut out, &input, output_splits.as_deref(), input_splits.as_deref()),
+            g.all_to_all_single(
+                &mut out,
+                &input,
+                output_splits.as_deref(),
+                input_splits.as_deref(),
+            ),
         )?;
         Ok(tensor::to_numpy(py, out)?.unbind())
     }
@@ -491,7 +552,11 @@ impl World {
     }
 
     /// Gathers every member's bytes everywhere.
-    fn all_gather_object<'py>(&self, py: Python<'py>, data: Bound<'py, PyBytes>) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+    fn all_gather_object<'py>(
+        &self,
+        py: Python<'py>,
+        data: Bound<'py, PyBytes>,
+    ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
         let data = data.as_bytes().to_vec();
         let g = self.w()?.collectives();
         let out: Vec<Vec<u8>> = self.coll(py, g.all_gather_object(&data))?;
