@@ -34,7 +34,7 @@ pub struct JoinOptions {
     secret: Option<Vec<u8>>,
     timeout: f64,
     op_timeout: Option<f64>,
-    backend: String,
+    backend: Option<String>,
     host_store: Option<bool>,
     heartbeat_interval: Option<f64>,
     heartbeat_timeout: Option<f64>,
@@ -42,10 +42,11 @@ pub struct JoinOptions {
 
 impl JoinOptions {
     fn apply(self, config: &mut WorldConfig) -> PyResult<()> {
-        config.backend = self
-            .backend
-            .parse::<Backend>()
-            .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
+        if let Some(b) = &self.backend {
+            config.backend = b
+                .parse::<Backend>()
+                .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
+        }
         config.secret = self.secret.map(Secret::new);
         config.join_timeout =
             runtime::seconds("timeout", Some(self.timeout))?.unwrap_or(Duration::from_secs(30));
@@ -59,7 +60,6 @@ impl JoinOptions {
         }
         if let Some(t) = runtime::seconds("heartbeat_timeout", self.heartbeat_timeout)? {
             wd.heartbeat_timeout = t;
-            wd.store_grace = wd.store_grace.max(t);
         }
         config.watchdog = wd;
         Ok(())
@@ -121,15 +121,12 @@ impl Manager {
     /// Joins a world described by RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
     fn join_env(&self, py: Python<'_>, name: &str, options: JoinOptions) -> PyResult<World> {
         let mut config = WorldConfig::from_env(name).map_err(|e| config_error(py, e))?;
+        // What the environment set stays unless the call says otherwise.
         let env_secret = config.secret.take();
-        let env_backend = config.backend;
         let explicit_secret = options.secret.is_some();
         options.apply(&mut config)?;
         if !explicit_secret {
             config.secret = env_secret;
-        }
-        if config.backend == Backend::Tcp {
-            config.backend = env_backend;
         }
         config.validate().map_err(|e| config_error(py, e))?;
         self.join_config(py, config)

@@ -481,13 +481,13 @@ class WorldManager:
 
     @staticmethod
     def _options(secret: Union[str, bytes, None], timeout: float, op_timeout: Optional[float],
-                 backend: str, host_store: Optional[bool], heartbeat_interval: Optional[float],
+                 backend: Optional[str], host_store: Optional[bool], heartbeat_interval: Optional[float],
                  heartbeat_timeout: Optional[float]) -> dict:
         if isinstance(secret, str):
             secret = secret.encode()
         if secret is not None and not isinstance(secret, (bytes, bytearray)):
             raise TypeError(f"secret must be str or bytes, got {type(secret).__name__}")
-        if not isinstance(backend, str):
+        if backend is not None and not isinstance(backend, str):
             raise TypeError(f"backend must be a string, got {backend!r}")
         return {
             "secret": None if secret is None else bytes(secret),
@@ -524,13 +524,13 @@ class WorldManager:
 
     def join_from_env(self, name: str = "world", *, secret: Union[str, bytes, None] = None,
                       timeout: float = 30.0, op_timeout: Optional[float] = None,
-                      backend: str = "tcp", host_store: Optional[bool] = None,
+                      backend: Optional[str] = None, host_store: Optional[bool] = None,
                       heartbeat_interval: Optional[float] = None,
                       heartbeat_timeout: Optional[float] = None) -> World:
         """Joins world ``name`` as a launcher describes it: ``RANK``,
         ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` (required),
         ``MULTIWORLD_SECRET`` and ``MULTIWORLD_BACKEND`` (optional; explicit
-        arguments win). A missing or bad variable raises
+        ``secret``/``backend`` arguments win; the backend defaults to tcp). A missing or bad variable raises
         :class:`~multiworld_rs.errors.ConfigError` naming it."""
         opts = self._options(secret, timeout, op_timeout, backend, host_store,
                              heartbeat_interval, heartbeat_timeout)
