@@ -191,6 +191,12 @@ impl Work {
         }
     }
 
+    /// Cancels the operation if it is still running (a later `wait` raises
+    /// `RuntimeError`). A send cut off mid-frame breaks its world.
+    fn cancel(&self) {
+        self.abort.abort();
+    }
+
     /// Waits for the outcome, at most `timeout` seconds (`None`: no limit);
     /// raises `WorldTimeoutError` if it is not done by then (the operation
     /// goes on). Returns `None`, an array, `(src, array)` or a list of arrays.
