@@ -109,6 +109,9 @@ def test_received_array_owns_runtime_buffer(pair):
     # The result is a view of the flat array that took over the runtime's
     # buffer: nothing else holds it, and it is writeable.
     assert got.base is not None and got.base.flags.owndata is False
+    # ... and that buffer is the runtime's Vec, kept alive by rust-numpy's
+    # container object, not a numpy allocation a copy would have made.
+    assert type(got.base.base).__name__ == "PySliceContainer"
     assert got.flags.writeable and got.flags.c_contiguous
     got[0] = 42.0
     assert (got[1:] == x[1:]).all()
