@@ -1,0 +1,45 @@
+"""multiworld_rs: one process, many independent communication worlds.
+
+A process joins any number of *worlds* through one :class:`WorldManager`;
+each world has its own store, connections and watchdog and is its own fault
+domain: when a member of one world dies, freezes or is cut off, that world
+breaks (its operations raise :class:`BrokenWorldError`) and is torn down,
+while every other world keeps running.
+
+    >>> import numpy as np, multiworld_rs as mw
+    >>> m = mw.WorldManager()
+    >>> store = m.serve_store("127.0.0.1:0")
+    >>> w = m.join("solo", 0, 1, store)
+    >>> t = np.arange(3, dtype=np.float32)
+    >>> w.all_reduce(t, mw.ReduceOp.SUM)
+    >>> m.shutdown()
+
+See ``docs/python.md`` for the API, the tensor and GIL rules and the error
+mapping.
+"""
+
+from . import errors
+from ._api import Event, EventStream, ReduceOp, Work, World, WorldInfo, WorldManager
+from ._tensors import DTYPES
+from .errors import (
+    AlreadyJoinedError,
+    BrokenWorldError,
+    ConfigError,
+    DeviceError,
+    ForkedProcessError,
+    InvalidArgumentError,
+    JoinError,
+    MismatchError,
+    MultiworldError,
+    NotJoinedError,
+    ShutDownError,
+    TransportError,
+    WorldTimeoutError,
+)
+
+__all__ = [
+    "WorldManager", "World", "Work", "Event", "EventStream", "WorldInfo", "ReduceOp", "DTYPES",
+    "errors", "MultiworldError", "BrokenWorldError", "WorldTimeoutError", "MismatchError",
+    "InvalidArgumentError", "ConfigError", "NotJoinedError", "AlreadyJoinedError", "JoinError",
+    "TransportError", "DeviceError", "ShutDownError", "ForkedProcessError",
+]

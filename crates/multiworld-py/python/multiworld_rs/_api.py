@@ -1,0 +1,563 @@
+"""The synchronous API: WorldManager, World, Work, events (see docs/python.md)."""
+
+from __future__ import annotations
+
+import enum
+
+import pickle
+from typing import Any, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from . import _native
+from . import _tensors as T
+
+__all__ = ["ReduceOp", "WorldManager", "World", "Work", "Event", "EventStream", "WorldInfo"]
+
+Event = _native.Event
+
+
+class ReduceOp(str, enum.Enum):
+    """A reduction, as ``torch.distributed.ReduceOp``. Anywhere an op is
+    taken, its name as a string (``"sum"``, ``"SUM"``, ``"prod"``...) works too."""
+
+    SUM = "sum"
+    PRODUCT = "product"
+    MIN = "min"
+    MAX = "max"
+    AVG = "avg"
+    BAND = "band"
+    BOR = "bor"
+    BXOR = "bxor"
+
+
+def _op(op: Any) -> str:
+    if isinstance(op, ReduceOp):
+        return op.value
+    if isinstance(op, str):
+        return op.lower()
+    name = getattr(op, "name", None)  # e.g. torch.distributed.ReduceOp.SUM
+    if isinstance(name, str):
+        return name.lower()
+    raise TypeError(f"op must be a ReduceOp or its name, got {op!r}")
+
+
+def _u32(what: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{what} must be an int, got {value!r}")
+    if not 0 <= int(value) < 2**32:
+        raise ValueError(f"{what} must be in 0..2**32, got {value!r}")
+    return int(value)
+
+
+def _opt_rank(what: str, value: Any) -> Optional[int]:
+    return None if value is None else _u32(what, value)
+
+
+def _seconds(what: str, value: Any) -> Optional[float]:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{what} must be a number of seconds, got {value!r}")
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(f"{what} must be a finite, non-negative number of seconds, got {value!r}")
+    return float(value)
+
+
+def _shape(shape: Any) -> Tuple[int, ...]:
+    if isinstance(shape, (int, np.integer)):
+        shape = (shape,)
+    try:
+        dims = tuple(int(d) for d in shape)
+    except TypeError:
+        raise TypeError(f"shape must be a sequence of ints, got {shape!r}") from None
+    if any(d < 0 for d in dims):
+        raise ValueError(f"shape must not have negative dimensions, got {shape!r}")
+    return dims
+
+
+class WorldInfo(NamedTuple):
+    """One world of a manager, as listed by :meth:`WorldManager.worlds`."""
+
+    name: str
+    generation: int
+    rank: int
+    size: int
+    state: str
+    #: The break cause's kind when ``state == "broken"``.
+    cause: Optional[str]
+
+
+class EventStream:
+    """Events of a manager from the moment of subscription
+    (:meth:`WorldManager.events`). Iterating blocks for the next event and
+    stops after ``timeout`` seconds without one (never, with ``None``);
+    :meth:`next` returns ``None`` instead of stopping."""
+
+    def __init__(self, native: Any, timeout: Optional[float]) -> None:
+        self._s = native
+        self._timeout = timeout
+
+    def next(self, timeout: Optional[float] = None) -> Optional[Event]:
+        """The next event, or ``None`` after ``timeout`` seconds without one."""
+        return self._s.next(_seconds("timeout", timeout))
+
+    def __iter__(self) -> Iterator[Event]:
+        return self
+
+    def __next__(self) -> Event:
+        ev = self._s.next(self._timeout)
+        if ev is None:
+            raise StopIteration
+        return ev
+
+
+class Work:
+    """A handle on an operation running in the background (``isend``,
+    ``irecv``, a collective with ``async_op=True``), like torch's ``Work``."""
+
+    def __init__(self, native: Any, finish: Any = None) -> None:
+        self._w = native
+        self._finish = finish
+        self._done = False
+        self._result: Any = None
+
+    def is_completed(self) -> bool:
+        """Whether the operation has finished (successfully or not)."""
+        return self._done or self._w.is_completed()
+
+    def wait(self, timeout: Optional[float] = None) -> Any:
+        """Waits for the operation (at most ``timeout`` seconds, raising
+        :class:`~multiworld_rs.errors.WorldTimeoutError`; the operation goes
+        on) and returns its result: ``None`` for a send, the received array
+        for a receive, the output for a collective. Raises the operation's
+        error. Can be called again; returns the same result."""
+        raw = self._w.wait(_seconds("timeout", timeout))
+        if not self._done:
+            self._result = self._finish(raw) if self._finish is not None else raw
+            self._done = True
+        return self._result
+
+
+def _writing(native: Any, arr: np.ndarray, tensor: Any) -> Work:
+    """A Work whose wait() writes the flat result into ``arr`` and returns ``tensor``."""
+
+    def finish(flat: np.ndarray) -> Any:
+        T.write(arr, flat)
+        return tensor
+
+    return Work(native, finish)
+
+
+class World:
+    """One membership of a world: its point-to-point operations and
+    collectives. Made by :meth:`WorldManager.join`.
+
+    Tensors are numpy arrays (CPU torch tensors and ``__dlpack__`` objects are
+    accepted through numpy, see :mod:`multiworld_rs` docs). Collectives follow
+    ``torch.distributed``: same argument order, results written in place into
+    the caller's arrays. Every member must call the same collectives in the
+    same order. Every blocking call releases the GIL and can be interrupted
+    with Ctrl-C."""
+
+    __slots__ = ("_w", "__weakref__")
+
+    def __init__(self, native: Any) -> None:
+        self._w = native
+
+    def __repr__(self) -> str:
+        return repr(self._w)
+
+    # -- identity -------------------------------------------------------
+    @property
+    def name(self) -> str:
+        """The world's name."""
+        return self._w.name
+
+    @property
+    def rank(self) -> int:
+        """This process's rank."""
+        return self._w.rank
+
+    @property
+    def size(self) -> int:
+        """Number of members."""
+        return self._w.size
+
+    @property
+    def generation(self) -> int:
+        """This membership's generation (a world is ``(name, generation)``)."""
+        return self._w.generation
+
+    @property
+    def store_addr(self) -> str:
+        """The address of the world's store."""
+        return self._w.store_addr
+
+    @property
+    def state(self) -> str:
+        """``"joining"``, ``"ready"``, ``"broken"`` or ``"removed"``."""
+        return self._w.state()[0]
+
+    @property
+    def cause(self) -> Optional[str]:
+        """The break cause's kind while the world is broken, else ``None``."""
+        return self._w.state()[1]
+
+    # -- point to point -----------------------------------------------------
+    def send(self, tensor: Any, dst: int, tag: int = 0) -> None:
+        """Sends ``tensor`` to rank ``dst`` on ``tag``. Blocks until the data
+        is handed to the connection. A C-contiguous array is sent from its
+        own memory (no copy; do not modify it from another thread meanwhile);
+        any other array is copied first."""
+        flat, dtype, _ = T.send_view(tensor)
+        self._w.send(flat, dtype, _u32("dst", dst), _u32("tag", tag))
+
+    def recv(self, src: Optional[int] = None, tag: int = 0, *, dtype: Any, shape: Any) -> np.ndarray:
+        """Receives a message of ``dtype`` and ``shape`` from ``src`` (``None``:
+        any member) and returns it as a new array that owns the runtime's
+        buffer (no copy). A message of another dtype or size raises
+        :class:`~multiworld_rs.errors.MismatchError`."""
+        d, shp = T.np_dtype(dtype), _shape(shape)
+        _, flat = self._w.recv(_opt_rank("src", src), _u32("tag", tag), d.name, list(shp))
+        return T.from_flat(flat, d, shp)
+
+    def recv_any(self, tag: int = 0, *, dtype: Any, shape: Any) -> Tuple[int, np.ndarray]:
+        """Receives from any member; returns ``(sender rank, array)``."""
+        d, shp = T.np_dtype(dtype), _shape(shape)
+        src, flat = self._w.recv(None, _u32("tag", tag), d.name, list(shp))
+        return src, T.from_flat(flat, d, shp)
+
+    def recv_into(self, tensor: Any, src: Optional[int] = None, tag: int = 0) -> int:
+        """Receives into the caller's array (its dtype and size must match the
+        message's, else :class:`~multiworld_rs.errors.MismatchError` naming
+        both, and the array is untouched); returns the sender's rank."""
+        arr, (dtype, shp) = T.out_spec(tensor, "tensor")
+        got, flat = self._w.recv(_opt_rank("src", src), _u32("tag", tag), dtype, list(shp))
+        T.write(arr, flat)
+        return got
+
+    def isend(self, tensor: Any, dst: int, tag: int = 0) -> Work:
+        """Starts sending a copy of ``tensor`` (the caller may reuse its array
+        at once); ``wait()`` returns ``None``. Dropping the handle does not
+        cancel the send."""
+        flat, dtype, shp = T.send_view(tensor)
+        return Work(self._w.isend((flat, dtype, list(shp)), _u32("dst", dst), _u32("tag", tag)))
+
+    def irecv(self, tensor: Any = None, src: Optional[int] = None, tag: int = 0, *,
+              dtype: Any = None, shape: Any = None) -> Work:
+        """Starts a receive from ``src`` (``None``: any member). With
+        ``tensor``, ``wait()`` fills it and returns it; otherwise give
+        ``dtype`` and ``shape`` and ``wait()`` returns a new array. The
+        sender's rank is ``work.source`` after ``wait()``. Dropping the handle
+        before completion cancels the receive."""
+        if tensor is not None:
+            arr, (dname, shp) = T.out_spec(tensor, "tensor")
+            d = arr.dtype
+        else:
+            if dtype is None or shape is None:
+                raise TypeError("irecv needs either tensor or both dtype and shape")
+            arr, d, shp = None, T.np_dtype(dtype), _shape(shape)
+            dname = d.name
+        native = self._w.irecv(_opt_rank("src", src), _u32("tag", tag), (dname, list(shp)))
+        work = Work(native)
+
+        def finish(raw: Any) -> np.ndarray:
+            got, flat = raw
+            work.source = got  # type: ignore[attr-defined]
+            if arr is not None:
+                T.write(arr, flat)
+                return tensor
+            return T.from_flat(flat, d, shp)
+
+        work._finish = finish
+        return work
+
+    # -- collectives --------------------------------------------------------
+    def broadcast(self, tensor: Any, src: int, async_op: bool = False) -> Optional[Work]:
+        """Copies rank ``src``'s ``tensor`` into every member's ``tensor``.
+        With ``async_op=True``, returns a :class:`Work` whose ``wait()``
+        writes the result into ``tensor`` (do not use it until then)."""
+        arr, _ = T.out_spec(tensor)
+        if async_op:
+            return _writing(self._w.broadcast_async(T.send_view(arr), _u32("src", src)), arr, tensor)
+        flat = self._w.broadcast(T.send_view(arr), _u32("src", src))
+        T.write(arr, flat)
+        return None
+
+    def all_reduce(self, tensor: Any, op: Any = ReduceOp.SUM, async_op: bool = False) -> Optional[Work]:
+        """Reduces ``tensor`` over every member with ``op``; every member gets
+        the result in ``tensor``. With ``async_op=True``, returns a
+        :class:`Work` whose ``wait()`` writes the result into ``tensor``."""
+        arr, _ = T.out_spec(tensor)
+        if async_op:
+            return _writing(self._w.all_reduce_async(T.send_view(arr), _op(op)), arr, tensor)
+        flat = self._w.all_reduce(T.send_view(arr), _op(op))
+        T.write(arr, flat)
+        return None
+
+    def reduce(self, tensor: Any, dst: int, op: Any = ReduceOp.SUM) -> None:
+        """Reduces ``tensor`` over every member with ``op`` into rank
+        ``dst``'s ``tensor`` (the others' are left as they were)."""
+        arr, _ = T.out_spec(tensor)
+        dst = _u32("dst", dst)
+        flat = self._w.reduce(T.send_view(arr), dst, _op(op))
+        if self.rank == dst:
+            T.write(arr, flat)
+
+    def all_gather(self, tensor_list: List[Any], tensor: Any) -> None:
+        """Gathers every member's ``tensor`` into ``tensor_list`` (one array
+        per member, in rank order; sizes may differ by member)."""
+        outs = [T.out_spec(t, f"tensor_list[{i}]") for i, t in enumerate(tensor_list)]
+        flats = self._w.all_gather([s for _, s in outs], T.send_view(tensor))
+        for (arr, _), flat in zip(outs, flats):
+            T.write(arr, flat)
+
+    def all_gather_into_tensor(self, output_tensor: Any, input_tensor: Any,
+                               async_op: bool = False) -> Optional[Work]:
+        """Gathers every member's ``input_tensor`` into ``output_tensor``
+        (``size`` times as many elements), concatenated in rank order."""
+        arr, spec = T.out_spec(output_tensor, "output_tensor")
+        view = T.send_view(input_tensor, "input_tensor")
+        if async_op:
+            return _writing(self._w.all_gather_into_tensor_async(spec, view), arr, output_tensor)
+        T.write(arr, self._w.all_gather_into_tensor(spec, view))
+        return None
+
+    def gather(self, tensor: Any, gather_list: Optional[List[Any]] = None, dst: int = 0) -> None:
+        """Gathers every member's ``tensor`` into rank ``dst``'s
+        ``gather_list`` (required there, ignored elsewhere)."""
+        dst = _u32("dst", dst)
+        outs = None
+        if self.rank == dst:
+            if gather_list is None:
+                raise ValueError("gather: gather_list is required on the destination rank")
+            outs = [T.out_spec(t, f"gather_list[{i}]") for i, t in enumerate(gather_list)]
+        flats = self._w.gather(T.send_view(tensor), None if outs is None else [s for _, s in outs], dst)
+        if outs is not None and flats is not None:
+            for (arr, _), flat in zip(outs, flats):
+                T.write(arr, flat)
+
+    def scatter(self, tensor: Any, scatter_list: Optional[List[Any]] = None, src: int = 0) -> None:
+        """Sends ``scatter_list[i]`` of rank ``src`` into rank i's ``tensor``
+        (``scatter_list`` required on ``src``, ignored elsewhere)."""
+        src = _u32("src", src)
+        arr, spec = T.out_spec(tensor)
+        ins = None
+        if self.rank == src:
+            if scatter_list is None:
+                raise ValueError("scatter: scatter_list is required on the source rank")
+            ins = [T.send_view(t, f"scatter_list[{i}]") for i, t in enumerate(scatter_list)]
+        T.write(arr, self._w.scatter(spec, ins, src))
+
+    def reduce_scatter(self, output: Any, input_list: List[Any], op: Any = ReduceOp.SUM) -> None:
+        """Reduces ``input_list[i]`` over every member into rank i's ``output``."""
+        arr, spec = T.out_spec(output, "output")
+        ins = [T.send_view(t, f"input_list[{i}]") for i, t in enumerate(input_list)]
+        T.write(arr, self._w.reduce_scatter(spec, ins, _op(op)))
+
+    def reduce_scatter_tensor(self, output: Any, input: Any, op: Any = ReduceOp.SUM) -> None:
+        """Reduces ``input`` (``size`` segments) over every member; rank i gets
+        segment i in ``output``."""
+        arr, spec = T.out_spec(output, "output")
+        T.write(arr, self._w.reduce_scatter_tensor(spec, T.send_view(input, "input"), _op(op)))
+
+    def all_to_all(self, output_tensor_list: List[Any], input_tensor_list: List[Any]) -> None:
+        """Sends ``input_tensor_list[i]`` to rank i, which receives it in its
+        ``output_tensor_list[me]``."""
+        outs = [T.out_spec(t, f"output_tensor_list[{i}]") for i, t in enumerate(output_tensor_list)]
+        ins = [T.send_view(t, f"input_tensor_list[{i}]") for i, t in enumerate(input_tensor_list)]
+        flats = self._w.all_to_all([s for _, s in outs], ins)
+        for (arr, _), flat in zip(outs, flats):
+            T.write(arr, flat)
+
+    def all_to_all_single(self, output: Any, input: Any,
+                          output_split_sizes: Optional[Sequence[int]] = None,
+                          input_split_sizes: Optional[Sequence[int]] = None) -> None:
+        """All-to-all of one tensor split along its first dimension: rank i
+        gets ``input_split_sizes[i]`` rows (even splits when ``None``), and
+        ``output`` receives ``output_split_sizes[j]`` rows from rank j."""
+        arr, spec = T.out_spec(output, "output")
+        flat_in, dname, in_shape = T.send_view(input, "input")
+
+        def elements(splits: Optional[Sequence[int]], shape: Tuple[int, ...], what: str) -> Optional[List[int]]:
+            if splits is None:
+                return None
+            row = int(np.prod(shape[1:])) if len(shape) > 1 else 1
+            return [_u32(what, s) * row for s in splits]
+
+        flat = self._w.all_to_all_single(
+            spec, (flat_in, dname, list(in_shape)),
+            elements(output_split_sizes, arr.shape, "output_split_sizes"),
+            elements(input_split_sizes, in_shape, "input_split_sizes"))
+        T.write(arr, flat)
+
+    def barrier(self, async_op: bool = False) -> Optional[Work]:
+        """Waits until every member has called it."""
+        if async_op:
+            return Work(self._w.barrier_async())
+        self._w.barrier()
+        return None
+
+    # -- object collectives (pickled) -----------------------------------------
+    def broadcast_object_list(self, object_list: List[Any], src: int = 0) -> None:
+        """Replaces every member's ``object_list`` items with rank ``src``'s
+        (pickled; same length everywhere), like torch."""
+        src = _u32("src", src)
+        data = pickle.dumps(list(object_list)) if self.rank == src else None
+        got = pickle.loads(self._w.broadcast_object(data, src))
+        object_list[:] = got[: len(object_list)]
+
+    def all_gather_object(self, object_list: List[Any], obj: Any) -> None:
+        """Fills ``object_list`` (one slot per member) with every member's ``obj``."""
+        got = self._w.all_gather_object(pickle.dumps(obj))
+        object_list[:] = [pickle.loads(b) for b in got]
+
+    def gather_object(self, obj: Any, object_gather_list: Optional[List[Any]] = None, dst: int = 0) -> None:
+        """Fills rank ``dst``'s ``object_gather_list`` with every member's ``obj``."""
+        got = self._w.gather_object(pickle.dumps(obj), _u32("dst", dst))
+        if got is not None and object_gather_list is not None:
+            object_gather_list[:] = [pickle.loads(b) for b in got]
+
+    def scatter_object_list(self, scatter_object_output_list: List[Any],
+                            scatter_object_input_list: Optional[List[Any]] = None, src: int = 0) -> None:
+        """Puts rank ``src``'s ``scatter_object_input_list[i]`` into rank i's
+        ``scatter_object_output_list[0]``."""
+        src = _u32("src", src)
+        data = None
+        if self.rank == src:
+            if scatter_object_input_list is None:
+                raise ValueError("scatter_object_list: the input list is required on the source rank")
+            data = [pickle.dumps(o) for o in scatter_object_input_list]
+        got = pickle.loads(self._w.scatter_object(data, src))
+        if scatter_object_output_list:
+            scatter_object_output_list[0] = got
+        else:
+            scatter_object_output_list.append(got)
+
+    # -- end ----------------------------------------------------------------
+    def finish(self, timeout: float = 30.0) -> None:
+        """Ends the world for every member (each must call it): exchanges a
+        goodbye with every member, then leaves. Raises WorldTimeoutError if
+        not every member finished within ``timeout`` seconds (the world is
+        left anyway)."""
+        self._w.finish(_seconds("timeout", timeout))
+
+    def abort(self) -> None:
+        """Breaks the world now (cause ``"aborted"``): pending and future
+        operations fail, peers are told, the world is torn down."""
+        self._w.abort()
+
+    def wait_removed(self, timeout: Optional[float] = None) -> bool:
+        """Waits until the world is torn down (after a break, a leave or a
+        finish); returns False if it was not within ``timeout`` seconds."""
+        return self._w.wait_removed(_seconds("timeout", timeout))
+
+
+class WorldManager:
+    """Owns every world of this process. Each world is its own fault domain:
+    a member of one dying, freezing or being cut off breaks that world only.
+
+    Use as a context manager (``with WorldManager() as m:``) or call
+    :meth:`shutdown`. Create it in the process that uses it: a forked child
+    cannot use its parent's runtime (use the ``spawn`` start method)."""
+
+    def __init__(self) -> None:
+        self._m = _native.Manager()
+
+    def __enter__(self) -> "WorldManager":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def serve_store(self, bind: str = "127.0.0.1:0") -> str:
+        """Hosts a store at ``bind`` (port 0: any free port) and returns the
+        ``host:port`` it listens on. Worlds joined with that address and
+        ``host_store`` (rank 0 by default) are hosted there."""
+        if not isinstance(bind, str):
+            raise TypeError(f"bind must be a 'host:port' string, got {bind!r}")
+        return self._m.serve_store(bind)
+
+    @staticmethod
+    def _options(secret: Union[str, bytes, None], timeout: float, op_timeout: Optional[float],
+                 backend: Optional[str], host_store: Optional[bool], heartbeat_interval: Optional[float],
+                 heartbeat_timeout: Optional[float]) -> dict:
+        if isinstance(secret, str):
+            secret = secret.encode()
+        if secret is not None and not isinstance(secret, (bytes, bytearray)):
+            raise TypeError(f"secret must be str or bytes, got {type(secret).__name__}")
+        if backend is not None and not isinstance(backend, str):
+            raise TypeError(f"backend must be a string, got {backend!r}")
+        return {
+            "secret": None if secret is None else bytes(secret),
+            "timeout": _seconds("timeout", timeout),
+            "op_timeout": _seconds("op_timeout", op_timeout),
+            "backend": backend,
+            "host_store": host_store,
+            "heartbeat_interval": _seconds("heartbeat_interval", heartbeat_interval),
+            "heartbeat_timeout": _seconds("heartbeat_timeout", heartbeat_timeout),
+        }
+
+    def join(self, name: str, rank: int, size: int, store: str, *,
+             secret: Union[str, bytes, None] = None, timeout: float = 30.0,
+             op_timeout: Optional[float] = None, backend: str = "tcp",
+             host_store: Optional[bool] = None, heartbeat_interval: Optional[float] = None,
+             heartbeat_timeout: Optional[float] = None) -> World:
+        """Joins world ``name`` as ``rank`` of ``size`` through the store at
+        ``store`` (``host:port``; rank 0 hosts it unless ``host_store`` says
+        otherwise). Blocks until every member has joined (at most ``timeout``
+        seconds, then :class:`~multiworld_rs.errors.JoinError`).
+
+        ``secret``: the world's shared secret (every member must give the
+        same). ``op_timeout``: deadline of every operation; one still pending
+        then breaks the world (cause ``"op_deadline"``). ``heartbeat_interval``
+        / ``heartbeat_timeout`` (seconds; defaults 0.2 / 1.0): how fast a
+        frozen member is detected (cause ``"heartbeat_timeout"``)."""
+        if not isinstance(name, str):
+            raise TypeError(f"name must be a string, got {name!r}")
+        if not isinstance(store, str):
+            raise TypeError(f"store must be a 'host:port' string, got {store!r}")
+        opts = self._options(secret, timeout, op_timeout, backend, host_store,
+                             heartbeat_interval, heartbeat_timeout)
+        return World(self._m.join(name, _u32("rank", rank), _u32("size", size), store, opts))
+
+    def join_from_env(self, name: str = "world", *, secret: Union[str, bytes, None] = None,
+                      timeout: float = 30.0, op_timeout: Optional[float] = None,
+                      backend: Optional[str] = None, host_store: Optional[bool] = None,
+                      heartbeat_interval: Optional[float] = None,
+                      heartbeat_timeout: Optional[float] = None) -> World:
+        """Joins world ``name`` as a launcher describes it: ``RANK``,
+        ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` (required),
+        ``MULTIWORLD_SECRET`` and ``MULTIWORLD_BACKEND`` (optional; explicit
+        ``secret``/``backend`` arguments win; the backend defaults to tcp). A missing or bad variable raises
+        :class:`~multiworld_rs.errors.ConfigError` naming it."""
+        opts = self._options(secret, timeout, op_timeout, backend, host_store,
+                             heartbeat_interval, heartbeat_timeout)
+        return World(self._m.join_env(name, opts))
+
+    def world(self, name: str) -> Optional[World]:
+        """The world of that name if this process is a member, else ``None``."""
+        w = self._m.world(name)
+        return None if w is None else World(w)
+
+    def worlds(self) -> List[WorldInfo]:
+        """Every world of this process (including ones being torn down)."""
+        return [WorldInfo(*t) for t in self._m.worlds()]
+
+    def leave(self, name: str) -> None:
+        """Leaves a world at once (no goodbye: the other members see this
+        process as lost; prefer :meth:`World.finish` for an orderly end)."""
+        self._m.leave(name)
+
+    def shutdown(self) -> None:
+        """Leaves every world and stops the stores this process hosts."""
+        self._m.shutdown()
+
+    def events(self, timeout: Optional[float] = None) -> EventStream:
+        """Subscribes to this manager's events (``joined``, ``broken``,
+        ``removed``, ...) from now on. Iterating the stream stops after
+        ``timeout`` seconds without an event (``None``: waits forever)."""
+        return EventStream(self._m.events(), _seconds("timeout", timeout))
+
+

@@ -1,0 +1,122 @@
+"""Arrays in and out of the native module.
+
+The native side sees every array as a flat ``uint8`` view of C-contiguous
+memory plus a dtype name and a shape, and hands results back as flat arrays
+that own the runtime's buffer (float16/bfloat16 as uint16). Everything here
+is cheap: views, reshapes, and a copy only where documented (a
+non-contiguous or non-native-byte-order array is copied before a send).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence, Tuple
+
+import numpy as np
+
+try:  # bfloat16 comes from ml_dtypes, when it is installed.
+    import ml_dtypes as _ml_dtypes
+
+    BFLOAT16: Any = np.dtype(_ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - depends on the environment
+    _ml_dtypes = None
+    BFLOAT16 = None
+
+#: The dtype names the runtime carries.
+DTYPES = (
+    "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
+    "uint64", "float16", "bfloat16", "float32", "float64",
+)
+_HALF = ("float16", "bfloat16")
+
+
+def np_dtype(dtype: Any) -> np.dtype:
+    """A numpy dtype from a dtype, a type or a name ("float32", "bfloat16", a
+    torch dtype's name...); raises TypeError naming anything unsupported."""
+    if isinstance(dtype, str) and dtype.startswith("torch."):
+        dtype = dtype[len("torch."):]
+    elif type(dtype).__module__ == "torch":  # a torch.dtype
+        dtype = str(dtype)[len("torch."):]
+    if isinstance(dtype, str) and dtype == "bfloat16":
+        if BFLOAT16 is None:
+            raise TypeError("dtype 'bfloat16' needs the ml_dtypes package (pip install ml_dtypes)")
+        return BFLOAT16
+    aliases = {"float": "float32", "double": "float64", "half": "float16",
+               "long": "int64", "int": "int32"}
+    if isinstance(dtype, str):
+        dtype = aliases.get(dtype, dtype)
+    try:
+        d = np.dtype(dtype)
+    except TypeError as e:
+        raise TypeError(f"not a dtype: {dtype!r}") from e
+    if d.name not in DTYPES:
+        raise TypeError(f"unsupported dtype {d!r} (supported: {', '.join(DTYPES)})")
+    return d
+
+
+def as_array(obj: Any, what: str = "tensor") -> np.ndarray:
+    """A numpy array over ``obj`` without a copy where possible: numpy arrays
+    as they are, torch CPU tensors through ``.numpy()`` (shares memory),
+    objects with ``__dlpack__`` through ``np.from_dlpack``; anything else is
+    refused with a TypeError naming its type."""
+    if isinstance(obj, np.ndarray):
+        return obj
+    if type(obj).__module__.startswith("torch"):
+        if getattr(obj, "device", None) is not None and obj.device.type != "cpu":
+            raise TypeError(f"{what}: only CPU tensors are supported, got one on {obj.device}")
+        if str(obj.dtype) == "torch.bfloat16":
+            import torch  # only reached when torch is installed
+
+            if BFLOAT16 is None:
+                raise TypeError("bfloat16 tensors need the ml_dtypes package")
+            return obj.detach().view(torch.int16).numpy().view(BFLOAT16)
+        return obj.detach().numpy()
+    if hasattr(obj, "__dlpack__"):
+        return np.from_dlpack(obj)
+    if isinstance(obj, np.generic):
+        return np.asarray(obj)
+    raise TypeError(f"{what} must be a numpy array, a CPU torch tensor or a __dlpack__ object, "
+                    f"got {type(obj).__name__}")
+
+
+def check_dtype(arr: np.ndarray, what: str = "tensor") -> str:
+    """The runtime's name of ``arr``'s dtype; TypeError if unsupported."""
+    name = arr.dtype.name
+    if name not in DTYPES:
+        raise TypeError(f"{what}: unsupported dtype {arr.dtype!r} (supported: {', '.join(DTYPES)})")
+    return name
+
+
+def send_view(obj: Any, what: str = "tensor") -> Tuple[np.ndarray, str, Tuple[int, ...]]:
+    """``(flat uint8 view, dtype name, shape)`` of an input. No copy for a
+    C-contiguous native-byte-order array; otherwise one copy is made."""
+    arr = as_array(obj, what)
+    name = check_dtype(arr, what)
+    if not arr.dtype.isnative:
+        arr = arr.astype(arr.dtype.newbyteorder("="))
+    if not arr.flags.c_contiguous:
+        arr = np.ascontiguousarray(arr)
+    return arr.reshape(-1).view(np.uint8), name, arr.shape
+
+
+def out_spec(obj: Any, what: str = "output") -> Tuple[np.ndarray, Tuple[str, Tuple[int, ...]]]:
+    """``(array, (dtype name, shape))`` of an output the caller passed; the
+    array must be writeable (checked before anything runs)."""
+    arr = as_array(obj, what)
+    name = check_dtype(arr, what)
+    if not arr.flags.writeable:
+        raise ValueError(f"{what} is read-only: an output array must be writeable")
+    return arr, (name, arr.shape)
+
+
+def from_flat(flat: np.ndarray, dtype: np.dtype, shape: Sequence[int]) -> np.ndarray:
+    """The runtime's flat result as an array of ``dtype`` and ``shape`` (views only)."""
+    if dtype.name in _HALF:
+        flat = flat.view(dtype)
+    return flat.reshape(shape)
+
+
+def write(dst: np.ndarray, flat: np.ndarray) -> None:
+    """Copies a flat result into the caller's array (any strides)."""
+    if dst.dtype.name in _HALF:
+        flat = flat.view(dst.dtype)
+    np.copyto(dst, flat.reshape(dst.shape), casting="equiv")

@@ -1,0 +1,223 @@
+//! From the runtime's typed errors to Python exceptions.
+//!
+//! The exception classes live in Python (`multiworld_rs/errors.py`), so they
+//! have ordinary constructors, fields and docstrings; this module imports
+//! them once and instantiates them with keyword fields. The mapping (also in
+//! `docs/python.md`):
+//!
+//! | Rust | Python |
+//! |---|---|
+//! | `WorldError::Broken` | `BrokenWorldError` (`world`, `generation`, `cause`, `rank`, `detail`) |
+//! | `WorldError::Timeout` | `WorldTimeoutError` (a `TimeoutError`) |
+//! | `WorldError::Mismatch` | `MismatchError` (a `ValueError`) |
+//! | `WorldError::InvalidArgument` | `InvalidArgumentError` (a `ValueError`) |
+//! | `WorldError::Config` | `ConfigError` (a `ValueError`) |
+//! | `WorldError::NotJoined` | `NotJoinedError` (a `LookupError`) |
+//! | `WorldError::AlreadyJoined` | `AlreadyJoinedError` |
+//! | `WorldError::JoinFailed`, `HostStore` | `JoinError` |
+//! | `WorldError::Transport` | `TransportError` |
+//! | `WorldError::Device` | `DeviceError` |
+//! | `WorldError::ShutDown` | `ShutDownError` |
+//!
+//! A collective's error is the transport's (`CommError`); a world-fatal one
+//! is reported as `BrokenWorldError` with the cause the world recorded.
+
+use multiworld::{BreakCause, CommError, WorldError, WorldName, WorldState};
+use pyo3::{
+    IntoPyObjectExt,
+    prelude::*,
+    sync::PyOnceLock,
+    types::{PyDict, PyModule},
+};
+
+static ERRORS: PyOnceLock<Py<PyModule>> = PyOnceLock::new();
+
+fn module(py: Python<'_>) -> PyResult<&Bound<'_, PyModule>> {
+    ERRORS
+        .get_or_try_init(py, || Ok(py.import("multiworld_rs.errors")?.unbind()))
+        .map(|m| m.bind(py))
+}
+
+/// An instance of the Python exception class `name` with `message` and the
+/// keyword `fields`.
+pub fn new(py: Python<'_>, name: &str, message: String, fields: &[(&str, Py<PyAny>)]) -> PyErr {
+    let build = || -> PyResult<PyErr> {
+        let class = module(py)?.getattr(name)?;
+        let kwargs = PyDict::new(py);
+        for (k, v) in fields {
+            kwargs.set_item(k, v)?;
+        }
+        let value = class.call((message.clone(),), Some(&kwargs))?;
+        Ok(PyErr::from_value(value))
+    };
+    // Only a broken installation (errors.py missing) makes `build` fail.
+    build().unwrap_or_else(|e| e)
+}
+
+/// The short name of a break cause, as Python sees it (`"peer_lost"`, ...).
+pub fn cause_kind(cause: &BreakCause) -> &'static str {
+    match cause {
+        BreakCause::PeerLost { .. } => "peer_lost",
+        BreakCause::HeartbeatTimeout { .. } => "heartbeat_timeout",
+        BreakCause::OpDeadline { .. } => "op_deadline",
+        BreakCause::StoreLost { .. } => "store_lost",
+        BreakCause::ReportedByPeer { .. } => "reported_by_peer",
+        BreakCause::Device { .. } => "device",
+        BreakCause::Aborted => "aborted",
+        _ => "unknown",
+    }
+}
+
+/// The rank a break cause is about, if any.
+pub fn cause_rank(cause: &BreakCause) -> Option<u32> {
+    match cause {
+        BreakCause::PeerLost { rank, .. }
+        | BreakCause::HeartbeatTimeout { rank, .. }
+        | BreakCause::ReportedByPeer { rank, .. } => Some(rank.0),
+        _ => None,
+    }
+}
+
+fn obj<'py>(py: Python<'py>, v: impl IntoPyObject<'py>) -> Py<PyAny> {
+    // Strings, integers, floats and None always convert.
+    v.into_bound_py_any(py)
+        .map(Bound::unbind)
+        .unwrap_or_else(|_| py.None())
+}
+
+/// Maps a world error; `generation` is the world's, when the caller knows it.
+pub fn world(py: Python<'_>, err: WorldError, generation: Option<u64>) -> PyErr {
+    let message = err.to_string();
+    match err {
+        WorldError::Broken { world, cause } => new(
+            py,
+            "BrokenWorldError",
+            message,
+            &[
+                ("world", obj(py, world.as_str())),
+                ("generation", obj(py, generation)),
+                ("cause", obj(py, cause_kind(&cause))),
+                ("rank", obj(py, cause_rank(&cause))),
+                ("detail", obj(py, cause.to_string())),
+            ],
+        ),
+        WorldError::Timeout { world, op, after } => new(
+            py,
+            "WorldTimeoutError",
+            message,
+            &[
+                ("world", obj(py, world.as_str())),
+                ("op", obj(py, op)),
+                ("after", obj(py, after.as_secs_f64())),
+            ],
+        ),
+        WorldError::Mismatch { world, detail } => {
+            new(py, "MismatchError", message, &fields(py, &world, detail))
+        }
+        WorldError::InvalidArgument { world, detail } => {
+            new(py, "InvalidArgumentError", message, &fields(py, &world, detail))
+        }
+        WorldError::Device { world, detail } => new(py, "DeviceError", message, &fields(py, &world, detail)),
+        WorldError::NotJoined { world } => new(py, "NotJoinedError", message, &[("world", obj(py, world))]),
+        WorldError::AlreadyJoined { world, state } => new(
+            py,
+            "AlreadyJoinedError",
+            message,
+            &[("world", obj(py, world.as_str())), ("state", obj(py, state))],
+        ),
+        WorldError::Transport { world, source } => new(
+            py,
+            "TransportError",
+            message,
+            &fields(py, &world, source.to_string()),
+        ),
+        WorldError::JoinFailed { world, reason } => {
+            new(py, "JoinError", message, &fields(py, &world, reason.to_string()))
+        }
+        WorldError::HostStore { addr, reason } => new(
+            py,
+            "JoinError",
+            message,
+            &[("detail", obj(py, reason.to_string())), ("addr", obj(py, addr))],
+        ),
+        WorldError::Config(e) => new(py, "ConfigError", message, &[("detail", obj(py, e.to_string()))]),
+        WorldError::ShutDown => new(py, "ShutDownError", message, &[]),
+        _ => new(py, "MultiworldError", message, &[]),
+    }
+}
+
+fn fields(py: Python<'_>, world: &WorldName, detail: String) -> [(&'static str, Py<PyAny>); 2] {
+    [("world", obj(py, world.as_str())), ("detail", obj(py, detail))]
+}
+
+/// A collective's (transport) error as a world error. A world-fatal one
+/// becomes `Broken` with the cause the world recorded: the watchdog records
+/// it a moment after the transport sees it, so this waits for it (briefly;
+/// without one, the transport's error is the cause).
+pub async fn from_comm(w: &multiworld::World, err: CommError) -> WorldError {
+    let world = w.name().clone();
+    if !err.is_world_fatal() {
+        return match err {
+            CommError::Timeout { op, after } => WorldError::Timeout {
+                world,
+                op: op.to_string(),
+                after,
+            },
+            CommError::Mismatch { .. } => WorldError::Mismatch {
+                world,
+                detail: err.to_string(),
+            },
+            CommError::InvalidArgument(detail) => WorldError::InvalidArgument {
+                world,
+                detail: detail.to_string(),
+            },
+            source => WorldError::Transport { world, source },
+        };
+    }
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(1);
+    loop {
+        match w.state() {
+            WorldState::Broken(cause) => return WorldError::Broken { world, cause },
+            WorldState::Removed => {
+                // A removed world's calls fail at their first check, before
+                // doing anything, with the recorded cause (or `NotJoined`
+                // after a leave): ask one for it.
+                if let Err(e) = w.finish(std::time::Duration::ZERO).await {
+                    return e;
+                }
+                break;
+            }
+            _ => {}
+        }
+        if tokio::time::Instant::now() >= deadline {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    let cause = match err {
+        CommError::PeerLost { rank, cause } => BreakCause::PeerLost {
+            rank,
+            reason: cause.to_string(),
+        },
+        _ => BreakCause::Aborted,
+    };
+    WorldError::Broken { world, cause }
+}
+
+/// The error of a forked child touching the runtime of its parent `pid`.
+pub fn forked(parent: u32) -> PyErr {
+    Python::attach(|py| {
+        new(
+            py,
+            "ForkedProcessError",
+            format!(
+                "this process (pid {}) was forked from pid {parent}, which had started the \
+                 multiworld runtime; a forked child cannot use it (its threads did not survive \
+                 the fork). Start worker processes with the 'spawn' start method instead: \
+                 multiprocessing.get_context('spawn') or multiprocessing.set_start_method('spawn')",
+                std::process::id()
+            ),
+            &[("parent_pid", obj(py, parent))],
+        )
+    })
+}

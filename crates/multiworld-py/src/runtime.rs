@@ -1,0 +1,129 @@
+//! The one Tokio runtime of the process, and how Python threads wait on it.
+//!
+//! Every blocking call of the package goes through [`wait`]: it releases the
+//! GIL, drives the future on the runtime in slices of [`SLICE`], and between
+//! slices lets Python run its signal handlers, so Ctrl-C interrupts a waiting
+//! call on the main thread within one slice (the future is then dropped; see
+//! `docs/python.md` for what that means for each operation). Rust tasks never
+//! call into Python.
+//!
+//! The runtime remembers the pid that created it. A child made by `fork()`
+//! inherits the memory of the runtime but none of its threads, so any use of
+//! it there would hang: such a child gets [`ForkedProcessError`] instead, and
+//! objects it inherited are leaked, never dropped, in the child (dropping them
+//! would touch the dead runtime).
+
+use std::{future::Future, sync::OnceLock, time::Duration};
+
+use pyo3::prelude::*;
+
+use crate::errors;
+
+/// How long a blocking call runs without the GIL before Python's signal
+/// handlers get a chance (the bound on Ctrl-C latency).
+pub const SLICE: Duration = Duration::from_millis(50);
+
+struct Shared {
+    rt: tokio::runtime::Runtime,
+    pid: u32,
+}
+
+static RUNTIME: OnceLock<Result<Shared, String>> = OnceLock::new();
+
+fn build() -> Result<Shared, String> {
+    let threads = std::thread::available_parallelism().map_or(2, |n| n.get().clamp(2, 8));
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(threads)
+        .thread_name("multiworld-rt")
+        .enable_all()
+        .build()
+        .map(|rt| Shared {
+            rt,
+            pid: std::process::id(),
+        })
+        .map_err(|e| format!("cannot start the multiworld runtime: {e}"))
+}
+
+/// True when this process is not the one that started the runtime (a forked
+/// child); false when the runtime is not started yet.
+pub fn is_forked_child() -> bool {
+    matches!(RUNTIME.get(), Some(Ok(s)) if s.pid != std::process::id())
+}
+
+/// The runtime, started on first use; an error in a forked child.
+pub fn runtime() -> PyResult<&'static tokio::runtime::Runtime> {
+    match RUNTIME.get_or_init(build) {
+        Ok(s) if s.pid == std::process::id() => Ok(&s.rt),
+        Ok(s) => Err(errors::forked(s.pid)),
+        Err(e) => Err(pyo3::exceptions::PyRuntimeError::new_err(e.clone())),
+    }
+}
+
+/// Runs `fut` to completion on the runtime with the GIL released, checking
+/// for signals (KeyboardInterrupt) every [`SLICE`]. On an exception from a
+/// signal handler, `fut` is dropped (cancelled) and the exception returned.
+pub fn wait<F>(py: Python<'_>, fut: F) -> PyResult<F::Output>
+where
+    F: Future + Send,
+    F::Output: Send,
+{
+    let rt = runtime()?;
+    let mut fut = std::pin::pin!(fut);
+    loop {
+        let slice = py.detach(|| rt.block_on(async { tokio::time::timeout(SLICE, fut.as_mut()).await }));
+        match slice {
+            Ok(out) => return Ok(out),
+            Err(_) => py.check_signals()?,
+        }
+    }
+}
+
+/// Like [`wait`], but gives up after `timeout` (`None`: never), returning
+/// `Ok(None)`.
+pub fn wait_for<F>(py: Python<'_>, fut: F, timeout: Option<Duration>) -> PyResult<Option<F::Output>>
+where
+    F: Future + Send,
+    F::Output: Send,
+{
+    match timeout {
+        None => wait(py, fut).map(Some),
+        Some(after) => wait(py, async move { tokio::time::timeout(after, fut).await.ok() }),
+    }
+}
+
+/// Runs `f` inside the runtime's context (for constructors and drops of
+/// runtime objects that need one).
+pub fn enter<R>(f: impl FnOnce() -> R) -> PyResult<R> {
+    let rt = runtime()?;
+    let _guard = rt.enter();
+    Ok(f())
+}
+
+/// Drops a runtime object: inside the runtime's context normally, leaked in a
+/// forked child (where dropping would touch a runtime without threads).
+pub fn release<T>(value: T) {
+    if is_forked_child() {
+        std::mem::forget(value);
+        return;
+    }
+    match RUNTIME.get() {
+        Some(Ok(s)) => {
+            let _guard = s.rt.enter();
+            drop(value);
+        }
+        _ => drop(value),
+    }
+}
+
+/// Converts a Python timeout in seconds (`None`: no timeout) to a duration,
+/// refusing negative, NaN or absurd values with a `ValueError` naming them.
+pub fn seconds(what: &str, value: Option<f64>) -> PyResult<Option<Duration>> {
+    match value {
+        None => Ok(None),
+        Some(s) => Duration::try_from_secs_f64(s).map(Some).map_err(|_| {
+            pyo3::exceptions::PyValueError::new_err(format!(
+                "{what} must be a non-negative number of seconds, got {s}"
+            ))
+        }),
+    }
+}

@@ -1,0 +1,114 @@
+//! Between numpy arrays and the runtime's tensors.
+//!
+//! The Python layer hands every array over as a flat `uint8` view of its
+//! C-contiguous memory plus its dtype name and shape (see
+//! `multiworld_rs/_tensors.py`), so this side needs no per-dtype entry points:
+//! - a send borrows those bytes as a [`TensorView`] (no copy);
+//! - inputs of collectives and of `isend` become owned [`Tensor`]s (one copy:
+//!   the runtime's tensors own their memory);
+//! - a received or computed [`Tensor`] becomes a numpy array that takes over
+//!   its `Vec` (no copy, except `bool`, whose bytes are re-collected once);
+//!   `float16`/`bfloat16` travel as `uint16` and are viewed back in Python.
+
+use multiworld::{DType, Tensor, TensorView, bf16, f16};
+use numpy::{PyArray1, PyReadonlyArray1};
+use pyo3::{exceptions::PyValueError, prelude::*};
+
+/// The dtype of a torch/numpy dtype name (`"float32"`, `"bool"`, `"bfloat16"`, ...).
+pub fn dtype(name: &str) -> PyResult<DType> {
+    DType::ALL
+        .into_iter()
+        .find(|d| d.name() == name)
+        .ok_or_else(|| PyValueError::new_err(format!("unsupported dtype '{name}'")))
+}
+
+fn invalid(e: impl std::fmt::Display) -> PyErr {
+    PyValueError::new_err(e.to_string())
+}
+
+/// A borrowed view of `bytes` as `dtype` elements (no copy).
+pub fn view<'a>(bytes: &'a [u8], dtype: DType) -> PyResult<TensorView<'a>> {
+    TensorView::from_bytes(dtype, bytes).map_err(invalid)
+}
+
+/// An input tensor given as `(uint8 view, dtype name, shape)`: copied into an
+/// owned tensor.
+#[derive(FromPyObject)]
+pub struct Input<'py>(PyReadonlyArray1<'py, u8>, String, Vec<usize>);
+
+impl Input<'_> {
+    /// The owned tensor (one copy of the array's bytes).
+    pub fn tensor(&self) -> PyResult<Tensor> {
+        let bytes = self.0.as_slice().map_err(invalid)?;
+        Tensor::from_bytes(dtype(&self.1)?, self.2.clone(), bytes).map_err(invalid)
+    }
+}
+
+/// An output tensor given as `(dtype name, shape)`: allocated zeroed.
+#[derive(FromPyObject)]
+pub struct Output(pub String, pub Vec<usize>);
+
+impl Output {
+    /// A zeroed tensor of this dtype and shape.
+    pub fn tensor(&self) -> PyResult<Tensor> {
+        Tensor::zeros(dtype(&self.0)?, self.1.clone()).map_err(invalid)
+    }
+}
+
+/// Every input of a list as owned tensors.
+pub fn inputs(list: &[Input<'_>]) -> PyResult<Vec<Tensor>> {
+    list.iter().map(Input::tensor).collect()
+}
+
+/// Every output of a list, allocated.
+pub fn outputs(list: &[Output]) -> PyResult<Vec<Tensor>> {
+    list.iter().map(Output::tensor).collect()
+}
+
+fn give<'py, T: numpy::Element + multiworld::Element>(
+    py: Python<'py>,
+    t: Tensor,
+) -> PyResult<Bound<'py, PyAny>> {
+    let v = t
+        .into_vec::<T>()
+        .map_err(|t| invalid(format!("internal: tensor holds {}", t.dtype())))?;
+    Ok(PyArray1::from_vec(py, v).into_any())
+}
+
+fn give_u16<'py, T: multiworld::Element + bytemuck::Pod>(
+    py: Python<'py>,
+    t: Tensor,
+) -> PyResult<Bound<'py, PyAny>> {
+    let v = t
+        .into_vec::<T>()
+        .map_err(|t| invalid(format!("internal: tensor holds {}", t.dtype())))?;
+    // Same size and alignment (2 bytes): reinterprets the allocation, no copy.
+    let v: Vec<u16> = bytemuck::allocation::cast_vec(v);
+    Ok(PyArray1::from_vec(py, v).into_any())
+}
+
+/// A flat numpy array over the tensor's memory (no copy, except `bool`).
+/// `float16` and `bfloat16` come back as `uint16`; the Python layer views and
+/// reshapes.
+pub fn to_numpy<'py>(py: Python<'py>, t: Tensor) -> PyResult<Bound<'py, PyAny>> {
+    match t.dtype() {
+        DType::F16 => give_u16::<f16>(py, t),
+        DType::BF16 => give_u16::<bf16>(py, t),
+        DType::F32 => give::<f32>(py, t),
+        DType::F64 => give::<f64>(py, t),
+        DType::I8 => give::<i8>(py, t),
+        DType::I16 => give::<i16>(py, t),
+        DType::I32 => give::<i32>(py, t),
+        DType::I64 => give::<i64>(py, t),
+        DType::U8 => give::<u8>(py, t),
+        DType::U16 => give::<u16>(py, t),
+        DType::U32 => give::<u32>(py, t),
+        DType::U64 => give::<u64>(py, t),
+        DType::Bool => give::<bool>(py, t),
+    }
+}
+
+/// Several tensors as flat numpy arrays.
+pub fn list_to_numpy<'py>(py: Python<'py>, ts: Vec<Tensor>) -> PyResult<Vec<Bound<'py, PyAny>>> {
+    ts.into_iter().map(|t| to_numpy(py, t)).collect()
+}

@@ -1,0 +1,632 @@
+//! `World` (the native half of `multiworld_rs.World`): point-to-point
+//! operations, their handles, collectives and object collectives.
+//!
+//! Every method takes arrays as the Python layer prepares them (see
+//! `tensor.rs`) and returns flat numpy arrays that the Python layer reshapes
+//! and, for in-place operations, copies into the caller's arrays.
+
+use std::{future::Future, sync::Mutex, time::Duration};
+
+use multiworld::{CommError, Rank, ReduceOp, Tag, Tensor, WorldError, WorldState};
+use numpy::PyReadonlyArray1;
+use pyo3::{
+    exceptions::{PyRuntimeError, PyValueError},
+    prelude::*,
+    types::PyBytes,
+};
+use tokio::task::JoinHandle;
+
+use crate::{
+    errors, runtime,
+    tensor::{self, Input, Output},
+};
+
+/// One membership of a world (see `multiworld_rs.World`).
+#[pyclass(module = "multiworld_rs._native", frozen)]
+pub struct World {
+    inner: Option<multiworld::World>,
+}
+
+impl Drop for World {
+    fn drop(&mut self) {
+        if let Some(w) = self.inner.take() {
+            runtime::release(w);
+        }
+    }
+}
+
+/// A reduce op by its torch name (`"sum"`, `"avg"`, `"band"`, ...).
+fn reduce_op(name: &str) -> PyResult<ReduceOp> {
+    let name = name.to_ascii_lowercase();
+    let name = match name.as_str() {
+        "prod" => "product",
+        other => other,
+    };
+    ReduceOp::ALL
+        .into_iter()
+        .find(|op| op.name() == name)
+        .ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "unknown reduce op '{name}' (expected one of sum, product, min, max, avg, band, bor, bxor)"
+            ))
+        })
+}
+
+impl World {
+    pub(crate) fn new(inner: multiworld::World) -> World {
+        World { inner: Some(inner) }
+    }
+
+    fn w(&self) -> PyResult<&multiworld::World> {
+        self.inner
+            .as_ref()
+            .ok_or_else(|| PyRuntimeError::new_err("the world handle was released"))
+    }
+
+    fn generation_of(&self) -> Option<u64> {
+        self.inner.as_ref().map(|w| w.generation().0)
+    }
+
+    /// Waits for a world operation; maps its error.
+    fn op<T: Send>(
+        &self,
+        py: Python<'_>,
+        fut: impl Future<Output = Result<T, WorldError>> + Send,
+    ) -> PyResult<T> {
+        runtime::wait(py, fut)?.map_err(|e| errors::world(py, e, self.generation_of()))
+    }
+
+    /// Waits for a collective; maps its (transport) error.
+    fn coll<T: Send>(
+        &self,
+        py: Python<'_>,
+        fut: impl Future<Output = Result<T, CommError>> + Send,
+    ) -> PyResult<T> {
+        let w = self.w()?;
+        self.op(py, async move {
+            match fut.await {
+                Ok(v) => Ok(v),
+                Err(e) => Err(errors::from_comm(w, e).await),
+            }
+        })
+    }
+
+    /// Starts `fut` as a task and returns its handle.
+    fn work(
+        &self,
+        fut: impl Future<Output = Result<Done, WorldError>> + Send + 'static,
+        cancel_on_drop: bool,
+    ) -> PyResult<Work> {
+        let task = runtime::runtime()?.spawn(fut);
+        Ok(Work {
+            abort: task.abort_handle(),
+            pending: tokio::sync::Mutex::new(Some(task)),
+            cancel_on_drop,
+            outcome: Mutex::new(None),
+            generation: self.generation_of(),
+            world: self.w()?.name().to_string(),
+        })
+    }
+}
+
+/// A collective's handle as a `Work` future: its error mapped as for the
+/// blocking form.
+async fn background<T>(
+    w: multiworld::World,
+    h: multiworld::CollectiveHandle<T>,
+    done: fn(T) -> Done,
+) -> Result<Done, WorldError> {
+    match h.wait().await {
+        Ok(v) => Ok(done(v)),
+        Err(e) => Err(errors::from_comm(&w, e).await),
+    }
+}
+
+/// What a background operation yields, converted to Python by `Work.wait`.
+pub enum Done {
+    /// Nothing (a send, a barrier).
+    Unit,
+    /// A receive: the sender and the message.
+    Received(u32, Tensor),
+    /// One tensor (a collective's output).
+    Tensor(Tensor),
+}
+
+impl Done {
+    fn into_py(self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        Ok(match self {
+            Done::Unit => py.None(),
+            Done::Received(src, t) => (src, tensor::to_numpy(py, t)?)
+                .into_pyobject(py)?
+                .into_any()
+                .unbind(),
+            Done::Tensor(t) => tensor::to_numpy(py, t)?.unbind(),
+        })
+    }
+}
+
+/// A handle on an operation running in the background (`isend`, `irecv`, a
+/// collective with `async_op=True`).
+#[pyclass(module = "multiworld_rs._native", frozen)]
+pub struct Work {
+    pending: tokio::sync::Mutex<Option<JoinHandle<Result<Done, WorldError>>>>,
+    abort: tokio::task::AbortHandle,
+    cancel_on_drop: bool,
+    /// The outcome once waited for (returned again by later waits). Locked
+    /// only with the GIL held and never across a wait.
+    outcome: Mutex<Option<Result<Py<PyAny>, PyErr>>>,
+    generation: Option<u64>,
+    world: String,
+}
+
+impl Drop for Work {
+    fn drop(&mut self) {
+        if self.cancel_on_drop && !runtime::is_forked_child() {
+            self.abort.abort();
+        }
+        if let Some(j) = self.pending.get_mut().take() {
+            runtime::release(j);
+        }
+    }
+}
+
+impl Work {
+    fn cached(&self, py: Python<'_>) -> Option<PyResult<Py<PyAny>>> {
+        let g = self.outcome.lock().unwrap_or_else(|e| e.into_inner());
+        g.as_ref().map(|r| match r {
+            Ok(v) => Ok(v.clone_ref(py)),
+            Err(e) => Err(e.clone_ref(py)),
+        })
+    }
+}
+
+#[pymethods]
+impl Work {
+    /// Whether the operation has finished (successfully or not).
+    fn is_completed(&self) -> bool {
+        match self.pending.try_lock() {
+            Ok(g) => g.as_ref().is_none_or(|j| j.is_finished()),
+            // Someone is waiting on it right now.
+            Err(_) => false,
+        }
+    }
+
+    /// Cancels the operation if it is still running (a later `wait` raises
+    /// `RuntimeError`). A send cut off mid-frame breaks its world.
+    fn cancel(&self) {
+        self.abort.abort();
+    }
+
+    /// Waits for the outcome, at most `timeout` seconds (`None`: no limit);
+    /// raises `WorldTimeoutError` if it is not done by then (the operation
+    /// goes on). Returns `None`, an array, `(src, array)` or a list of arrays.
+    #[pyo3(signature = (timeout=None))]
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Py<PyAny>> {
+        if let Some(r) = self.cached(py) {
+            return r;
+        }
+        let after = runtime::seconds("timeout", timeout)?;
+        let fut = async {
+            let mut g = self.pending.lock().await;
+            let j = g.as_mut()?;
+            let r = j.await;
+            *g = None;
+            Some(r)
+        };
+        let r = match runtime::wait_for(py, fut, after)? {
+            None => {
+                return Err(errors::world(
+                    py,
+                    WorldError::Timeout {
+                        world: multiworld::WorldName::new(&self.world)
+                            .map_err(|e| PyRuntimeError::new_err(e.to_string()))?,
+                        op: "wait".into(),
+                        after: after.unwrap_or(Duration::ZERO),
+                    },
+                    self.generation,
+                ));
+            }
+            // Another thread took the outcome: it is cached by now, or soon.
+            Some(None) => {
+                return self.cached(py).unwrap_or_else(|| {
+                    Err(PyRuntimeError::new_err(
+                        "another thread is waiting on this handle",
+                    ))
+                });
+            }
+            Some(Some(r)) => r,
+        };
+        let out = match r {
+            Ok(Ok(done)) => done.into_py(py),
+            Ok(Err(e)) => Err(errors::world(py, e, self.generation)),
+            Err(join) => Err(PyRuntimeError::new_err(format!(
+                "the operation's task failed: {join}"
+            ))),
+        };
+        let mut g = self.outcome.lock().unwrap_or_else(|e| e.into_inner());
+        *g = Some(match &out {
+            Ok(v) => Ok(v.clone_ref(py)),
+            Err(e) => Err(e.clone_ref(py)),
+        });
+        out
+    }
+}
+
+#[pymethods]
+impl World {
+    /// The world's name.
+    #[getter]
+    fn name(&self) -> PyResult<String> {
+        Ok(self.w()?.name().to_string())
+    }
+
+    /// This process's rank.
+    #[getter]
+    fn rank(&self) -> PyResult<u32> {
+        Ok(self.w()?.rank().0)
+    }
+
+    /// Number of members.
+    #[getter]
+    fn size(&self) -> PyResult<u32> {
+        Ok(self.w()?.size())
+    }
+
+    /// This membership's generation.
+    #[getter]
+    fn generation(&self) -> PyResult<u64> {
+        Ok(self.w()?.generation().0)
+    }
+
+    /// The store's address.
+    #[getter]
+    fn store_addr(&self) -> PyResult<String> {
+        Ok(self.w()?.store_addr().to_string())
+    }
+
+    /// `(state, cause)`: state is "joining", "ready", "broken" or "removed";
+    /// cause the break cause's kind when broken.
+    fn state(&self) -> PyResult<(&'static str, Option<&'static str>)> {
+        let s = self.w()?.state();
+        let cause = match &s {
+            WorldState::Broken(c) => Some(errors::cause_kind(c)),
+            _ => None,
+        };
+        Ok((s.label(), cause))
+    }
+
+    /// Sends a flat byte view of `dtype` elements to `dst` (no copy).
+    fn send(
+        &self,
+        py: Python<'_>,
+        data: PyReadonlyArray1<'_, u8>,
+        dtype: &str,
+        dst: u32,
+        tag: u32,
+    ) -> PyResult<()> {
+        let bytes = data
+            .as_slice()
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let view = tensor::view(bytes, tensor::dtype(dtype)?)?;
+        let w = self.w()?;
+        self.op(py, w.send(Rank(dst), Tag(tag), view))
+    }
+
+    /// Receives a message of `dtype` and `shape` from `src` (`None`: any);
+    /// returns `(src, flat array)`.
+    fn recv(
+        &self,
+        py: Python<'_>,
+        src: Option<u32>,
+        tag: u32,
+        dtype: &str,
+        shape: Vec<usize>,
+    ) -> PyResult<(u32, Py<PyAny>)> {
+        let mut t = Output(dtype.to_string(), shape).tensor()?;
+        let w = self.w()?;
+        let from = match src {
+            Some(r) => self.op(py, async { w.recv(Rank(r), Tag(tag), &mut t).await.map(|()| r) })?,
+            None => self.op(py, async { w.recv_any(Tag(tag), &mut t).await.map(|r| r.0) })?,
+        };
+        Ok((from, tensor::to_numpy(py, t)?.unbind()))
+    }
+
+    /// Starts a send of a copy of `data`; the handle yields `None`.
+    fn isend(&self, data: Input<'_>, dst: u32, tag: u32) -> PyResult<Work> {
+        let t = data.tensor()?;
+        let w = self.w()?;
+        let pending = runtime::enter(|| w.isend(Rank(dst), Tag(tag), t))?;
+        self.work(async move { pending.wait().await.map(|_| Done::Unit) }, false)
+    }
+
+    /// Starts a receive; the handle yields `(src, flat array)`. Dropping the
+    /// handle before it completes cancels the receive.
+    fn irecv(&self, src: Option<u32>, tag: u32, out: Output) -> PyResult<Work> {
+        let t = out.tensor()?;
+        let w = self.w()?;
+        let pending = runtime::enter(|| w.irecv(src.map(Rank), Tag(tag), t))?;
+        self.work(
+            async move { pending.wait().await.map(|r| Done::Received(r.src.0, r.tensor)) },
+            true,
+        )
+    }
+
+    /// Broadcast from `root`; returns the result.
+    fn broadcast(&self, py: Python<'_>, t: Input<'_>, root: u32) -> PyResult<Py<PyAny>> {
+        let mut t = t.tensor()?;
+        let g = self.w()?.collectives();
+        self.coll(py, g.broadcast(&mut t, Rank(root)))?;
+        Ok(tensor::to_numpy(py, t)?.unbind())
+    }
+
+    /// All-reduce with `op`; returns the result.
+    fn all_reduce(&self, py: Python<'_>, t: Input<'_>, op: &str) -> PyResult<Py<PyAny>> {
+        let (mut t, op) = (t.tensor()?, reduce_op(op)?);
+        let g = self.w()?.collectives();
+        self.coll(py, g.all_reduce(&mut t, op))?;
+        Ok(tensor::to_numpy(py, t)?.unbind())
+    }
+
+    /// Reduce to `root` with `op`; returns the tensor (the result on the root).
+    fn reduce(&self, py: Python<'_>, t: Input<'_>, root: u32, op: &str) -> PyResult<Py<PyAny>> {
+        let (mut t, op) = (t.tensor()?, reduce_op(op)?);
+        let g = self.w()?.collectives();
+        self.coll(py, g.reduce(&mut t, Rank(root), op))?;
+        Ok(tensor::to_numpy(py, t)?.unbind())
+    }
+
+    /// All-gather into one output per member; returns them.
+    fn all_gather(&self, py: Python<'_>, outputs: Vec<Output>, input: Input<'_>) -> PyResult<Py<PyAny>> {
+        let (mut outs, input) = (tensor::outputs(&outputs)?, input.tensor()?);
+        let g = self.w()?.collectives();
+        self.coll(py, g.all_gather(&mut outs, &input))?;
+        Ok(tensor::list_to_numpy(py, outs)?
+            .into_pyobject(py)?
+            .into_any()
+            .unbind())
+    }
+
+    /// All-gather into one tensor; returns it.
+    fn all_gather_into_tensor(
+        &self,
+        py: Python<'_>,
+        output: Output,
+        input: Input<'_>,
+    ) -> PyResult<Py<PyAny>> {
+        let (mut out, input) = (output.tensor()?, input.tensor()?);
+        let g = self.w()?.collectives();
+        self.coll(py, g.all_gather_into_tensor(&mut out, &input))?;
+        Ok(tensor::to_numpy(py, out)?.unbind())
+    }
+
+    /// Gather to `root`; returns the outputs there, `None` elsewhere.
+    #[pyo3(signature = (input, outputs, root))]
+    fn gather(
+        &self,
+        py: Python<'_>,
+        input: Input<'_>,
+        outputs: Option<Vec<Output>>,
+        root: u32,
+    ) -> PyResult<Option<Py<PyAny>>> {
+        let input = input.tensor()?;
+        let mut outs = outputs.as_deref().map(tensor::outputs).transpose()?;
+        let g = self.w()?.collectives();
+        self.coll(py, g.gather(&input, outs.as_deref_mut(), Rank(root)))?;
+        outs.map(|o| {
+            Ok(tensor::list_to_numpy(py, o)?
+                .into_pyobject(py)?
+                .into_any()
+                .unbind())
+        })
+        .transpose()
+    }
+
+    /// Scatter from `root`; returns this member's part.
+    #[pyo3(signature = (output, inputs, root))]
+    fn scatter(
+        &self,
+        py: Python<'_>,
+        output: Output,
+        inputs: Option<Vec<Input<'_>>>,
+        root: u32,
+    ) -> PyResult<Py<PyAny>> {
+        let mut out = output.tensor()?;
+        let ins = inputs.as_deref().map(tensor::inputs).transpose()?;
+        let g = self.w()?.collectives();
+        self.coll(py, g.scatter(&mut out, ins.as_deref(), Rank(root)))?;
+        Ok(tensor::to_numpy(py, out)?.unbind())
+    }
+
+    /// Reduce-scatter of a list (one input per member); returns this member's part.
+    fn reduce_scatter(
+        &self,
+        py: Python<'_>,
+        output: Output,
+        inputs: Vec<Input<'_>>,
+        op: &str,
+    ) -> PyResult<Py<PyAny>> {
+        let (mut out, ins, op) = (output.tensor()?, tensor::inputs(&inputs)?, reduce_op(op)?);
+        let g = self.w()?.collectives();
+        self.coll(py, g.reduce_scatter(&mut out, &ins, op))?;
+        Ok(tensor::to_numpy(py, out)?.unbind())
+    }
+
+    /// Reduce-scatter of one tensor; returns this member's part.
+    fn reduce_scatter_tensor(
+        &self,
+        py: Python<'_>,
+        output: Output,
+        input: Input<'_>,
+        op: &str,
+    ) -> PyResult<Py<PyAny>> {
+        let (mut out, input, op) = (output.tensor()?, input.tensor()?, reduce_op(op)?);
+        let g = self.w()?.collectives();
+        self.coll(py, g.reduce_scatter_tensor(&mut out, &input, op))?;
+        Ok(tensor::to_numpy(py, out)?.unbind())
+    }
+
+    /// All-to-all of lists; returns the outputs.
+    fn all_to_all(
+        &self,
+        py: Python<'_>,
+        outputs: Vec<Output>,
+        inputs: Vec<Input<'_>>,
+    ) -> PyResult<Py<PyAny>> {
+        let (mut outs, ins) = (tensor::outputs(&outputs)?, tensor::inputs(&inputs)?);
+        let g = self.w()?.collectives();
+        self.coll(py, g.all_to_all(&mut outs, &ins))?;
+        Ok(tensor::list_to_numpy(py, outs)?
+            .into_pyobject(py)?
+            .into_any()
+            .unbind())
+    }
+
+    /// All-to-all of one tensor with optional uneven splits; returns the output.
+    #[pyo3(signature = (output, input, output_splits=None, input_splits=None))]
+    fn all_to_all_single(
+        &self,
+        py: Python<'_>,
+        output: Output,
+        input: Input<'_>,
+        output_splits: Option<Vec<usize>>,
+        input_splits: Option<Vec<usize>>,
+    ) -> PyResult<Py<PyAny>> {
+        let (mut out, input) = (output.tensor()?, input.tensor()?);
+        let g = self.w()?.collectives();
+        self.coll(
+            py,
+            g.all_to_all_single(
+                &mut out,
+                &input,
+                output_splits.as_deref(),
+                input_splits.as_deref(),
+            ),
+        )?;
+        Ok(tensor::to_numpy(py, out)?.unbind())
+    }
+
+    /// Starts an all-reduce in the background; the handle yields the result.
+    fn all_reduce_async(&self, t: Input<'_>, op: &str) -> PyResult<Work> {
+        let (t, op) = (t.tensor()?, reduce_op(op)?);
+        let w = self.w()?.clone();
+        let h = runtime::enter(|| w.collectives().all_reduce_handle(t, op))?;
+        self.work(background(w, h, Done::Tensor), false)
+    }
+
+    /// Starts a broadcast in the background; the handle yields the result.
+    fn broadcast_async(&self, t: Input<'_>, root: u32) -> PyResult<Work> {
+        let t = t.tensor()?;
+        let w = self.w()?.clone();
+        let h = runtime::enter(|| w.collectives().broadcast_handle(t, Rank(root)))?;
+        self.work(background(w, h, Done::Tensor), false)
+    }
+
+    /// Starts an all-gather into one tensor in the background; the handle
+    /// yields the output.
+    fn all_gather_into_tensor_async(&self, output: Output, input: Input<'_>) -> PyResult<Work> {
+        let (out, input) = (output.tensor()?, input.tensor()?);
+        let w = self.w()?.clone();
+        let h = runtime::enter(|| w.collectives().all_gather_into_tensor_handle(out, input))?;
+        self.work(background(w, h, Done::Tensor), false)
+    }
+
+    /// Starts a barrier in the background; the handle yields `None`.
+    fn barrier_async(&self) -> PyResult<Work> {
+        let w = self.w()?.clone();
+        let h = runtime::enter(|| w.collectives().barrier_handle())?;
+        self.work(background(w, h, |()| Done::Unit), false)
+    }
+
+    /// Waits until every member has called it.
+    fn barrier(&self, py: Python<'_>) -> PyResult<()> {
+        let g = self.w()?.collectives();
+        self.coll(py, g.barrier())
+    }
+
+    /// Broadcasts `root`'s bytes (a pickle); returns them everywhere.
+    #[pyo3(signature = (data, root))]
+    fn broadcast_object<'py>(
+        &self,
+        py: Python<'py>,
+        data: Option<Bound<'py, PyBytes>>,
+        root: u32,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let data = data.map(|b| b.as_bytes().to_vec());
+        let g = self.w()?.collectives();
+        let out: Vec<u8> = self.coll(py, g.broadcast_object(data.as_ref(), Rank(root)))?;
+        Ok(PyBytes::new(py, &out))
+    }
+
+    /// Gathers every member's bytes everywhere.
+    fn all_gather_object<'py>(
+        &self,
+        py: Python<'py>,
+        data: Bound<'py, PyBytes>,
+    ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+        let data = data.as_bytes().to_vec();
+        let g = self.w()?.collectives();
+        let out: Vec<Vec<u8>> = self.coll(py, g.all_gather_object(&data))?;
+        Ok(out.iter().map(|b| PyBytes::new(py, b)).collect())
+    }
+
+    /// Gathers every member's bytes at `root` (`None` elsewhere).
+    fn gather_object<'py>(
+        &self,
+        py: Python<'py>,
+        data: Bound<'py, PyBytes>,
+        root: u32,
+    ) -> PyResult<Option<Vec<Bound<'py, PyBytes>>>> {
+        let data = data.as_bytes().to_vec();
+        let g = self.w()?.collectives();
+        let out: Option<Vec<Vec<u8>>> = self.coll(py, g.gather_object(&data, Rank(root)))?;
+        Ok(out.map(|v| v.iter().map(|b| PyBytes::new(py, b)).collect()))
+    }
+
+    /// Scatters `root`'s list of bytes; returns this member's.
+    #[pyo3(signature = (data, root))]
+    fn scatter_object<'py>(
+        &self,
+        py: Python<'py>,
+        data: Option<Vec<Bound<'py, PyBytes>>>,
+        root: u32,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let data: Option<Vec<Vec<u8>>> = data.map(|v| v.iter().map(|b| b.as_bytes().to_vec()).collect());
+        let g = self.w()?.collectives();
+        let out: Vec<u8> = self.coll(py, g.scatter_object(data.as_deref(), Rank(root)))?;
+        Ok(PyBytes::new(py, &out))
+    }
+
+    /// Ends the world for every member (each must call it), then leaves.
+    fn finish(&self, py: Python<'_>, timeout: f64) -> PyResult<()> {
+        let after = runtime::seconds("timeout", Some(timeout))?.unwrap_or(Duration::ZERO);
+        let w = self.w()?;
+        self.op(py, w.finish(after))
+    }
+
+    /// Breaks the world now (cause "aborted").
+    fn abort(&self) -> PyResult<()> {
+        let w = self.w()?;
+        runtime::enter(|| w.abort())
+    }
+
+    /// Waits (at most `timeout` seconds) until the world is torn down;
+    /// returns whether it was.
+    #[pyo3(signature = (timeout=None))]
+    fn wait_removed(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
+        let after = runtime::seconds("timeout", timeout)?;
+        let w = self.w()?;
+        Ok(runtime::wait_for(py, w.removed(), after)?.is_some())
+    }
+
+    fn __repr__(&self) -> PyResult<String> {
+        let w = self.w()?;
+        Ok(format!(
+            "World(name={:?}, rank={}, size={}, generation={}, state={:?})",
+            w.name().as_str(),
+            w.rank().0,
+            w.size(),
+            w.generation().0,
+            w.state().label()
+        ))
+    }
+}

@@ -1,0 +1,245 @@
+"""Exceptions: hierarchy, fields, bad arguments, interrupts, fork."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+import multiworld_rs as mw
+from multiworld_rs import errors as E
+
+from conftest import both, unique
+
+
+def test_hierarchy():
+    assert issubclass(E.BrokenWorldError, E.MultiworldError)
+    assert issubclass(E.WorldTimeoutError, TimeoutError)
+    assert issubclass(E.MismatchError, ValueError)
+    assert issubclass(E.InvalidArgumentError, ValueError)
+    assert issubclass(E.ConfigError, ValueError)
+    assert issubclass(E.NotJoinedError, LookupError)
+    assert issubclass(E.ForkedProcessError, RuntimeError)
+    e = E.WorldTimeoutError("x", world="w", op="recv", after=1.5)
+    assert (e.world, e.op, e.after, str(e)) == ("w", "recv", 1.5, "x")
+
+
+def test_recv_into_mismatch_names_both_and_leaves_array(pair):
+    w0, w1 = pair
+    x = np.arange(6, dtype=np.float32)
+    out = np.full(5, 7, dtype=np.int32)
+
+    def recv():
+        with pytest.raises(mw.MismatchError) as info:
+            w0.recv_into(out, 1)
+        return str(info.value)
+
+    _, msg = both(lambda: w1.send(x, 0), recv)
+    assert "int32" in msg and "float32" in msg and "20 bytes" in msg and "24 bytes" in msg, msg
+    assert (out == 7).all()
+
+
+def test_bad_arguments(pair):
+    w0, _ = pair
+    x = np.zeros(2, dtype=np.float32)
+    with pytest.raises(ValueError, match="-1"):
+        w0.send(x, -1)
+    with pytest.raises(TypeError, match="'1'"):
+        w0.send(x, "1")
+    with pytest.raises(mw.InvalidArgumentError, match="7"):
+        w0.send(x, 7)  # no such rank
+    with pytest.raises(TypeError, match="complex"):
+        w0.send(np.zeros(2, dtype=np.complex64), 1)
+    with pytest.raises(TypeError, match="list"):
+        w0.send([1.0, 2.0], 1)
+    with pytest.raises(ValueError, match="nope"):
+        w0.all_reduce(x, "nope")
+    with pytest.raises(TypeError, match="dtype"):
+        w0.recv(1, dtype="complex128", shape=2)
+    with pytest.raises(ValueError, match="-3"):
+        w0.recv(1, dtype="float32", shape=(-3,))
+    with pytest.raises(ValueError, match="-1"):
+        w0.irecv(src=1, dtype="float32", shape=2).wait(timeout=-1)
+    m = mw.WorldManager()
+    with pytest.raises(mw.ConfigError, match="rank"):
+        m.join("w", 3, 2, "127.0.0.1:1")
+    with pytest.raises(mw.ConfigError, match="name"):
+        m.join("", 0, 1, "127.0.0.1:1")
+    with pytest.raises(ValueError, match="backend"):
+        m.join("w", 0, 1, "127.0.0.1:1", backend="carrier-pigeon")
+    with pytest.raises(mw.JoinError, match="nonsense"):
+        m.serve_store("nonsense")
+    m.shutdown()
+
+
+def test_join_times_out_when_a_member_is_missing():
+    m = mw.WorldManager()
+    store = m.serve_store("127.0.0.1:0")
+    t0 = time.monotonic()
+    with pytest.raises(mw.JoinError):
+        m.join(unique("lonely"), 0, 2, store, timeout=0.5)
+    assert time.monotonic() - t0 < 5
+    m.shutdown()
+
+
+def test_join_from_env_reports_missing_variables(monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    m = mw.WorldManager()
+    with pytest.raises(mw.ConfigError, match="RANK"):
+        m.join_from_env("w")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "0")
+    w = m.join_from_env(unique("env"), timeout=10)
+    assert (w.rank, w.size) == (0, 1)
+    m.shutdown()
+
+
+def test_broken_world_error_fields_and_events(pair):
+    w0, w1 = pair
+    w1.abort()
+    with pytest.raises(mw.BrokenWorldError) as info:
+        w0.recv(1, dtype="float32", shape=1)
+    e = info.value
+    assert e.world == w0.name and e.generation == w0.generation
+    assert e.cause in E.CAUSES and e.cause in ("peer_lost", "reported_by_peer")
+    assert e.rank == 1 and e.detail
+    with pytest.raises(mw.BrokenWorldError) as info:
+        w1.send(np.zeros(1), 0)
+    assert info.value.cause == "aborted"
+
+
+def test_events_and_worlds():
+    a, b = mw.WorldManager(), mw.WorldManager()
+    store = a.serve_store("127.0.0.1:0")
+    events = a.events(timeout=5)
+    name = unique("ev")
+    w0, w1 = both(lambda: a.join(name, 0, 2, store), lambda: b.join(name, 1, 2, store))
+    assert [(i.name, i.rank, i.size, i.state) for i in a.worlds()] == [(name, 0, 2, "ready")]
+    assert a.world(name).generation == w0.generation and a.world("nope") is None
+    b.shutdown()
+    kinds = []
+    for ev in events:
+        kinds.append((ev.kind, ev.world, ev.cause))
+        if ev.kind == "removed":
+            break
+    assert kinds[0] == ("joined", name, None)
+    assert kinds[1][0] == "broken" and kinds[1][2] == "peer_lost"
+    assert kinds[-1][0] == "removed"
+    assert events.next(0.05) is None
+    assert w0.wait_removed(5)
+    with pytest.raises(mw.BrokenWorldError):
+        w0.barrier()
+    a.shutdown()
+
+
+def test_work_wait_timeout_then_result(pair):
+    w0, w1 = pair
+    work = w0.irecv(src=1, tag=9, dtype="int64", shape=3)
+    assert not work.is_completed()
+    with pytest.raises(mw.WorldTimeoutError):
+        work.wait(timeout=0.05)
+    w1.send(np.array([1, 2, 3]), 0, tag=9)
+    got = work.wait(timeout=10)
+    assert (got == [1, 2, 3]).all() and work.source == 1 and work.is_completed()
+    assert work.wait() is got
+    s = w1.isend(np.ones(2), 0)
+    assert s.wait(10) is None
+    out = np.zeros(2)
+    w0.irecv(out, 1).wait(10)
+    assert (out == 1).all()
+
+
+def test_not_joined_after_leave():
+    a = mw.WorldManager()
+    store = a.serve_store("127.0.0.1:0")
+    name = unique("solo")
+    w = a.join(name, 0, 1, store)
+    a.leave(name)
+    with pytest.raises(mw.NotJoinedError):
+        w.barrier()
+    with pytest.raises(mw.NotJoinedError):
+        a.leave(name)
+    a.shutdown()
+    with pytest.raises(mw.ShutDownError):
+        a.join(name, 0, 1, store)
+
+
+def run_py(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_ctrl_c_interrupts_a_blocked_receive_quickly():
+    r = run_py("""
+        import os, signal, threading, time
+        import multiworld_rs as mw
+        a, b = mw.WorldManager(), mw.WorldManager()
+        store = a.serve_store("127.0.0.1:0")
+        out = {}
+        t = threading.Thread(target=lambda: out.setdefault(1, b.join("w", 1, 2, store)))
+        t.start()
+        w = a.join("w", 0, 2, store)
+        t.join()
+        took = []
+        for _ in range(3):
+            sent = []
+            def fire():
+                time.sleep(0.3)
+                sent.append(time.monotonic())
+                os.kill(os.getpid(), signal.SIGINT)
+            threading.Thread(target=fire).start()
+            try:
+                w.recv(1, dtype="float32", shape=1)
+            except KeyboardInterrupt:
+                took.append(time.monotonic() - sent[0])
+            else:
+                raise SystemExit("recv returned")
+        # The world is still usable after an interrupted receive.
+        threading.Thread(target=lambda: out[1].send(__import__("numpy").ones(1, "float32"), 0)).start()
+        assert w.recv(1, dtype="float32", shape=1)[0] == 1.0
+        took.sort()
+        print(f"MEDIAN {took[1]:.4f} WORST {took[2]:.4f}")
+        a.shutdown(); b.shutdown()
+    """)
+    assert r.returncode == 0, r.stderr
+    median = float(r.stdout.split("MEDIAN")[1].split()[0])
+    worst = float(r.stdout.split("WORST")[1])
+    # Slices of 50 ms: typically ~25 ms; the worst case is bounded loosely so
+    # that a busy machine's scheduling noise cannot make this flaky.
+    assert median < 0.1, f"Ctrl-C took {median:.3f} s (median of 3)"
+    assert worst < 0.3, f"Ctrl-C took {worst:.3f} s (worst of 3)"
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_forked_child_gets_a_clear_error():
+    r = run_py("""
+        import os
+        import multiworld_rs as mw
+        m = mw.WorldManager()          # starts the runtime in the parent
+        store = m.serve_store("127.0.0.1:0")
+        pid = os.fork()
+        if pid == 0:
+            try:
+                mw.WorldManager()
+            except mw.ForkedProcessError as e:
+                ok = "spawn" in str(e) and e.parent_pid == os.getppid()
+                try:
+                    m.serve_store("127.0.0.1:0")   # an inherited manager too
+                except mw.ForkedProcessError:
+                    os._exit(0 if ok else 3)
+                os._exit(4)
+            os._exit(5)
+        _, status = os.waitpid(pid, 0)
+        print("CHILD", os.waitstatus_to_exitcode(status))
+        m.shutdown()
+    """)
+    assert r.returncode == 0, r.stderr
+    assert "CHILD 0" in r.stdout, r.stdout + r.stderr

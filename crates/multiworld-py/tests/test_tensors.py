@@ -1,0 +1,136 @@
+"""dtype conversion, zero-copy paths, array rules."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import multiworld_rs as mw
+from multiworld_rs import _tensors as T
+
+from conftest import both
+
+ALL = list(mw.DTYPES)
+try:
+    import ml_dtypes  # noqa: F401
+except ImportError:  # pragma: no cover
+    ALL.remove("bfloat16")
+
+
+def sample(name: str, n: int = 7) -> np.ndarray:
+    d = T.np_dtype(name)
+    if name == "bool":
+        return np.arange(n) % 3 == 0
+    if name.startswith(("float", "bfloat")):
+        return (np.arange(n) - 2.5).astype(d)
+    info = np.iinfo(d)
+    return np.array([info.min, info.max] + list(range(n - 2)), dtype=d)
+
+
+@pytest.mark.parametrize("name", mw.DTYPES)
+def test_np_dtype_names(name):
+    if name == "bfloat16" and T.BFLOAT16 is None:
+        pytest.skip("ml_dtypes not installed")
+    assert T.np_dtype(name).name == name
+    assert T.np_dtype("torch." + name).name == name
+
+
+def test_np_dtype_refuses_unsupported():
+    for bad in ("complex64", "object", "U4", "float128" if hasattr(np, "float128") else "complex128"):
+        with pytest.raises(TypeError, match="unsupported dtype|not a dtype"):
+            T.np_dtype(bad)
+    with pytest.raises(TypeError, match="not a dtype"):
+        T.np_dtype("no-such-type")
+
+
+def test_send_view_is_zero_copy_for_contiguous():
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    flat, name, shape = T.send_view(a)
+    assert name == "float32" and shape == (3, 4)
+    assert flat.dtype == np.uint8 and flat.nbytes == a.nbytes
+    assert np.shares_memory(flat, a)
+
+
+def test_send_view_copies_non_contiguous_and_byteswapped():
+    a = np.arange(12, dtype=np.int32).reshape(3, 4)[:, ::2]
+    flat, _, shape = T.send_view(a)
+    assert shape == (3, 2) and not np.shares_memory(flat, a)
+    assert (flat.view(np.int32) == a.reshape(-1)).all()
+    b = np.arange(4, dtype=">f8")
+    flat, name, _ = T.send_view(b)
+    assert name == "float64" and (flat.view("<f8") == b).all()
+
+
+def test_as_array_refuses_other_types():
+    with pytest.raises(TypeError, match="list"):
+        T.as_array([1, 2, 3])
+
+
+def test_out_spec_refuses_read_only():
+    a = np.zeros(3)
+    a.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        T.out_spec(a)
+
+
+def test_dlpack_objects_are_accepted():
+    class Holder:  # an object that only speaks DLPack
+        def __init__(self, a):
+            self.a = a
+
+        def __dlpack__(self, **kw):
+            return self.a.__dlpack__(**kw)
+
+        def __dlpack_device__(self):
+            return self.a.__dlpack_device__()
+
+    a = np.arange(5, dtype=np.int16)
+    arr = T.as_array(Holder(a))
+    assert np.shares_memory(arr, a)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_every_dtype_roundtrips(pair, name):
+    w0, w1 = pair
+    x = sample(name).reshape(7, 1)
+    _, got = both(lambda: w1.send(x, 0, tag=3), lambda: w0.recv(1, 3, dtype=name, shape=(7, 1)))
+    assert got.dtype == x.dtype and got.shape == (7, 1)
+    assert (got == x).all()
+    # recv_into fills the caller's array (here a non-contiguous one).
+    big = np.zeros((7, 2), dtype=x.dtype)
+    _, src = both(lambda: w1.send(x, 0), lambda: w0.recv_into(big[:, 1:], 1))
+    assert src == 1 and (big[:, 1:] == x).all() and not big[:, 0].any()
+
+
+def test_received_array_owns_runtime_buffer(pair):
+    w0, w1 = pair
+    x = np.arange(1 << 16, dtype=np.float64)
+    _, got = both(lambda: w1.send(x, 0), lambda: w0.recv(1, dtype=np.float64, shape=x.shape))
+    # The result is a view of the flat array that took over the runtime's
+    # buffer: nothing else holds it, and it is writeable.
+    assert got.base is not None and got.base.flags.owndata is False
+    # ... and that buffer is the runtime's Vec, kept alive by rust-numpy's
+    # container object, not a numpy allocation a copy would have made.
+    assert type(got.base.base).__name__ == "PySliceContainer"
+    assert got.flags.writeable and got.flags.c_contiguous
+    got[0] = 42.0
+    assert (got[1:] == x[1:]).all()
+
+
+def test_scalar_and_empty(pair):
+    w0, w1 = pair
+    s = np.float32(2.5)
+    _, got = both(lambda: w1.send(s, 0), lambda: w0.recv(1, dtype="float32", shape=()))
+    assert got.shape == () and got == 2.5
+    e = np.zeros((0, 3), dtype=np.int8)
+    _, got = both(lambda: w1.send(e, 0), lambda: w0.recv(1, dtype="int8", shape=(0, 3)))
+    assert got.shape == (0, 3)
+
+
+def test_torch_cpu_tensors(pair):
+    torch = pytest.importorskip("torch", reason="torch is not installed in this venv (optional)")
+    w0, w1 = pair
+    t = torch.arange(6, dtype=torch.float32)
+    out = torch.zeros(6)
+    both(lambda: w1.send(t, 0), lambda: w0.recv_into(out, 1))
+    assert torch.equal(out, t)
