@@ -381,7 +381,14 @@ async fn run_conn(shared: &Arc<Shared>, ctl: &Arc<ConnCtl>, client: TcpStream) {
         return;
     }
     let upstream = tokio::select! {
-        _ = ctl.token.cancelled() => return,
+        _ = ctl.token.cancelled() => {
+            // Reset (or closed) while connecting to the target: a reset
+            // must still reach the client as an RST, not a FIN.
+            if ctl.reset.load(Ordering::SeqCst) {
+                let _ = client.set_zero_linger();
+            }
+            return;
+        }
         r = TcpStream::connect(shared.target) => r,
     };
     let Ok(upstream) = upstream else {
