@@ -90,4 +90,4 @@ pub use multiworld_types::{
     DType, Element, Generation, Rank, ReduceOp, Secret, Tag, Tensor, TensorView, WorldName, bf16, f16,
 };
 pub use watchdog::WatchdogConfig;
-pub use world::{PendingRecv, PendingSend, World};
+pub use world::{PendingRecv, PendingSend, ReceiveFailed, World};

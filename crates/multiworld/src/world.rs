@@ -706,6 +706,31 @@ impl World {
             .map_err(|e| self.shared.fail(e))
     }
 
+    /// [`recv`](Self::recv) (or, with `src` `None`, [`recv_any`](Self::recv_any))
+    /// with a deadline of its own: when no message has arrived after `after`,
+    /// the receive is withdrawn and fails with `WorldError::Timeout`, the
+    /// world stays usable, and `buf` keeps its dtype and shape (a message
+    /// sent later goes to a later receive). Returns the sender.
+    pub async fn recv_timeout(
+        &self,
+        src: Option<Rank>,
+        tag: Tag,
+        buf: &mut Tensor,
+        after: Duration,
+    ) -> Result<Rank, WorldError> {
+        let pending = self.irecv(src, tag, std::mem::take(buf));
+        match pending.wait_timeout(after).await {
+            Ok(r) => {
+                *buf = r.tensor;
+                Ok(r.src)
+            }
+            Err(f) => {
+                *buf = f.buffer;
+                Err(f.error)
+            }
+        }
+    }
+
     /// Starts a send of an owned tensor; the handle gives the tensor back.
     /// Dropping the handle does not cancel the send.
     pub fn isend(&self, dst: Rank, tag: Tag, data: Tensor) -> PendingSend {
@@ -726,11 +751,10 @@ impl World {
     /// handle cancels the receive.
     pub fn irecv(&self, src: Option<Rank>, tag: Tag, buf: Tensor) -> PendingRecv {
         let source = src.map_or(multiworld_tcp::Source::Any, multiworld_tcp::Source::Rank);
-        let inner = self
-            .shared
-            .check()
-            .and_then(|()| self.shared.check_tag(tag))
-            .map(|()| self.shared.comm.irecv(source, tag, buf));
+        let inner = match self.shared.check().and_then(|()| self.shared.check_tag(tag)) {
+            Ok(()) => Ok(self.shared.comm.irecv(source, tag, buf)),
+            Err(error) => Err(ReceiveFailed { error, buffer: buf }),
+        };
         PendingRecv {
             world: Arc::clone(&self.shared),
             _deadline: inner.as_ref().ok().and_then(|_| self.shared.track("irecv")),
@@ -858,7 +882,30 @@ impl PendingSend {
 pub struct PendingRecv {
     world: Arc<WorldShared>,
     _deadline: Option<OpDeadline>,
-    inner: Result<multiworld_tcp::RecvHandle, WorldError>,
+    inner: Result<multiworld_tcp::RecvHandle, ReceiveFailed>,
+}
+
+/// A receive that failed, with the buffer it was posted with (its dtype and
+/// shape as given; its contents unspecified).
+#[derive(Debug)]
+pub struct ReceiveFailed {
+    /// Why: `WorldError::Timeout` when the call's own deadline passed first
+    /// (the world stays usable), or what a failed receive reports.
+    pub error: WorldError,
+    /// The caller's buffer, given back.
+    pub buffer: Tensor,
+}
+
+impl std::fmt::Display for ReceiveFailed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.error.fmt(f)
+    }
+}
+
+impl std::error::Error for ReceiveFailed {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.error)
+    }
 }
 
 impl PendingRecv {
@@ -869,6 +916,28 @@ impl PendingRecv {
 
     /// Waits for the receive; returns the sender and the filled tensor.
     pub async fn wait(self) -> Result<Received, WorldError> {
-        self.inner?.wait().await.map_err(|e| self.world.fail(e))
+        let handle = self.inner.map_err(|f| f.error)?;
+        handle.wait().await.map_err(|e| self.world.fail(e))
+    }
+
+    /// Waits at most `after`, a deadline of this call alone: when no message
+    /// has arrived by then, the receive is withdrawn (a message sent later
+    /// goes to a later receive, nothing is lost) and it fails with
+    /// `WorldError::Timeout`; the world stays usable. Unlike
+    /// `WorldConfig::op_timeout`, which breaks the world, this is the
+    /// caller's own patience. Every failure gives the caller's buffer back.
+    pub async fn wait_timeout(self, after: Duration) -> Result<Received, ReceiveFailed> {
+        let handle = self.inner?;
+        handle.wait_timeout(after).await.map_err(|f| ReceiveFailed {
+            error: match f.error {
+                multiworld_tcp::Error::Timeout { after, .. } => WorldError::Timeout {
+                    world: self.world.name.clone(),
+                    op: "recv".to_string(),
+                    after,
+                },
+                other => self.world.fail(other),
+            },
+            buffer: f.buffer,
+        })
     }
 }

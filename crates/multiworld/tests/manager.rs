@@ -633,3 +633,57 @@ async fn a_stuck_watchdog_is_reported() {
         "{stuck_for:?}"
     );
 }
+
+/// A receive's own deadline fails only that receive: `WorldError::Timeout`
+/// after about the deadline, the world still usable, the buffer given back
+/// with its dtype and shape, and a message sent afterwards delivered to the
+/// next receive (the withdrawn one took nothing). Every failure of a pending
+/// receive gives its buffer back, a broken world's included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_receive_deadline_of_its_own_leaves_the_world_usable() {
+    multiworld_testkit::init_tracing();
+    let leader = WorldManager::default();
+    let worker = WorldManager::default();
+    let store = leader.serve_store("127.0.0.1:0").await.unwrap().to_string();
+    let (a, b) = pair(&leader, &worker, "patience", &store).await;
+    let mut buf = Tensor::zeros(multiworld::DType::F32, [256]).unwrap();
+    for src in [Some(Rank(1)), None] {
+        let started = std::time::Instant::now();
+        let err = a
+            .recv_timeout(src, Tag(5), &mut buf, Duration::from_millis(200))
+            .await
+            .unwrap_err();
+        let took = started.elapsed();
+        assert!(matches!(err, WorldError::Timeout { .. }), "{err}");
+        assert!(!err.is_world_broken());
+        assert!(took >= Duration::from_millis(200), "{took:?}");
+        assert!(took < Duration::from_secs(5), "{took:?}");
+        assert_eq!((buf.dtype(), buf.shape()), (multiworld::DType::F32, &[256][..]));
+        assert_eq!(a.state(), WorldState::Ready);
+    }
+    // The message sent now goes to the next receive.
+    let data = vec![7.5f32; 256];
+    b.send(Rank(0), Tag(5), &data[..]).await.unwrap();
+    let from = a
+        .recv_timeout(Some(Rank(1)), Tag(5), &mut buf, Duration::from_secs(10))
+        .await
+        .unwrap();
+    assert_eq!(from, Rank(1));
+    assert!(buf.as_slice::<f32>().unwrap().iter().all(|&x| x == 7.5));
+    ping(&a, &b, 1.5).await;
+
+    // A broken world: the pending receive fails at once and gives its
+    // buffer back.
+    a.abort();
+    let pending = a.irecv(
+        Some(Rank(1)),
+        Tag(5),
+        Tensor::zeros(multiworld::DType::I64, [3]).unwrap(),
+    );
+    let failed = pending.wait_timeout(Duration::from_secs(10)).await.unwrap_err();
+    assert!(failed.error.is_world_broken(), "{}", failed.error);
+    assert_eq!(
+        (failed.buffer.dtype(), failed.buffer.shape()),
+        (multiworld::DType::I64, &[3][..])
+    );
+}
