@@ -34,8 +34,8 @@
 //! let (leader, worker) = (WorldManager::default(), WorldManager::default());
 //! let store = leader.serve_store("127.0.0.1:0").await?.to_string();
 //! let (a, b) = tokio::join!(
-//!     leader.join(WorldConfig::new("w", 0, 2, &store)), // rank 0 hosts the store
-//!     worker.join(WorldConfig::new("w", 1, 2, &store)),
+//!     leader.join(WorldConfig::new("w", 0, 2, &store)?), // rank 0 hosts the store
+//!     worker.join(WorldConfig::new("w", 1, 2, &store)?),
 //! );
 //! let (a, b) = (a?, b?);
 //! let mut got = Tensor::zeros(DType::F32, [3])?;
