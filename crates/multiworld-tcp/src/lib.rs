@@ -43,6 +43,7 @@ compile_error!("multiworld-tcp supports little-endian targets only");
 mod comm;
 mod config;
 mod error;
+mod limiter;
 mod link;
 mod matching;
 #[cfg(feature = "memory")]

@@ -17,6 +17,12 @@
 //! (silent ones first, from the busiest source address first, with a per-address
 //! cap). The connecting side retries a refused, reset or busy attempt with
 //! backoff until the join deadline.
+//!
+//! Strangers can be refused as fast as they connect, so the listener's log lines
+//! about refusals (and failed accepts) are rate-limited ([`LogLimiter`]): at most
+//! one WARN line per second each, saying how many were held back since the last
+//! one (those are logged at DEBUG); `rejected_connections()` still counts every
+//! refusal.
 
 use std::io;
 use std::net::{IpAddr, SocketAddr};
@@ -39,6 +45,7 @@ use crate::handshake::{
     self, CHALLENGE_BODY_LEN, Challenge, HELLO_FIXED_LEN, Hello, HelloPrefix, MSG_ACCEPT, MSG_CHALLENGE,
     MSG_PROOF, MSG_REJECT, NONCE_LEN, PROOF_BODY_LEN, Reject, RejectCode, Role,
 };
+use crate::limiter::{LOG_INTERVAL, LogLimiter};
 use crate::rendezvous::Rendezvous;
 use multiworld_types::{Generation, Identity, Rank, WorldName};
 
@@ -72,7 +79,7 @@ where
         MSG_CHALLENGE => {}
         MSG_REJECT => {
             let r = read_reject_body(stream).await.map_err(io)?;
-            warn!(%peer, %local, to = %to, reason = %r, "connection refused by peer");
+            log_remote_refusal(peer, local, to, &r);
             return Err(refused(peer, Side::Remote, r));
         }
         other => {
@@ -108,7 +115,7 @@ where
         MSG_ACCEPT => Ok(()),
         MSG_REJECT => {
             let r = read_reject_body(stream).await.map_err(io)?;
-            warn!(%peer, %local, to = %to, reason = %r, "connection refused by peer");
+            log_remote_refusal(peer, local, to, &r);
             Err(refused(peer, Side::Remote, r))
         }
         other => {
@@ -119,6 +126,17 @@ where
             warn!(%peer, %local, reason = %r, "refusing connection");
             Err(refused(peer, Side::Local, r))
         }
+    }
+}
+
+/// Logs a refusal by the accepting side: at WARN when it is final, at DEBUG
+/// when the mesh retries it (busy, too slow: [`is_transient`]), since a
+/// listener crowded by strangers turns a joiner away again and again.
+fn log_remote_refusal(peer: SocketAddr, local: &Identity, to: Rank, r: &Reject) {
+    if matches!(r.code, RejectCode::Busy | RejectCode::Timeout) {
+        debug!(%peer, %local, to = %to, reason = %r, "connection refused by peer, will retry");
+    } else {
+        warn!(%peer, %local, to = %to, reason = %r, "connection refused by peer");
     }
 }
 
@@ -184,6 +202,8 @@ struct AcceptCtx {
     /// what a join that times out reports, since a peer with the wrong
     /// secret, world or generation is otherwise only a missing peer here.
     last_refusal: Mutex<Option<(SocketAddr, Side, Reject)>>,
+    /// At most one WARN line about refusals per [`LOG_INTERVAL`].
+    refusal_log: Mutex<RefusalLog>,
     token: CancellationToken,
     tracker: TaskTracker,
 }
@@ -296,13 +316,61 @@ impl AcceptCtx {
         Ok(hello.from)
     }
 
-    fn note_refusal(&self, addr: SocketAddr, side: Side, r: &Reject) {
+    /// Counts a refusal (always) and logs it: at WARN, with the number of
+    /// refusals held back since the previous WARN line, at most once per
+    /// [`LOG_INTERVAL`]; the others at DEBUG. The first refusal held back after
+    /// a WARN line starts a timer that reports the held-back count once the
+    /// interval is over, should no new refusal come to report it.
+    fn note_refusal(self: &Arc<Self>, addr: SocketAddr, side: Side, r: &Reject) {
         self.rejected.fetch_add(1, Ordering::Relaxed);
-        warn!(peer = %addr, local = %self.identity, code = ?r.code, reason = %r, "refused inbound connection");
+        let (admitted, flush_at) = {
+            let mut log = self.refusal_log();
+            let admitted = log.limiter.admit(Instant::now());
+            let first_held = admitted.is_none() && log.limiter.held() == 1;
+            // The line written now names this refusal; one held back is
+            // named by the line that reports the count.
+            log.latest = admitted.is_none().then(|| (addr, r.clone()));
+            (
+                admitted,
+                if first_held {
+                    log.limiter.next_line_at()
+                } else {
+                    None
+                },
+            )
+        };
+        match admitted {
+            Some(suppressed) => {
+                warn!(peer = %addr, local = %self.identity, code = ?r.code, reason = %r, suppressed, "refused inbound connection");
+            }
+            None => {
+                debug!(peer = %addr, local = %self.identity, code = ?r.code, reason = %r, "refused inbound connection");
+            }
+        }
+        if let Some(at) = flush_at {
+            let ctx = Arc::clone(self);
+            self.tracker.spawn(async move {
+                tokio::select! {
+                    // On close, the held-back count is reported by `drop`.
+                    _ = ctx.token.cancelled() => {}
+                    _ = tokio::time::sleep_until(at) => {
+                        let flushed = ctx.refusal_log().flush(Instant::now());
+                        if let Some((suppressed, (peer, r))) = flushed {
+                            warn!(local = %ctx.identity, suppressed, latest_peer = %peer, latest_code = ?r.code, latest_reason = %r, "refused inbound connections (logged at debug level only)");
+                        }
+                    }
+                }
+            });
+        }
         if r.code != RejectCode::Busy {
             let mut last = self.last_refusal.lock().unwrap_or_else(|e| e.into_inner());
             *last = Some((addr, side, r.clone()));
         }
+    }
+
+    fn refusal_log(&self) -> std::sync::MutexGuard<'_, RefusalLog> {
+        // A poisoned lock only means a panic elsewhere while counting.
+        self.refusal_log.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn pending_table(&self) -> std::sync::MutexGuard<'_, PendingTable<CancellationToken>> {
@@ -326,6 +394,34 @@ impl AcceptCtx {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone()
+    }
+}
+
+impl Drop for AcceptCtx {
+    /// The listener is gone: reports the refusals held back since the last
+    /// WARN line, so that every refusal is counted in some WARN line.
+    fn drop(&mut self) {
+        let log = self.refusal_log.get_mut().unwrap_or_else(|e| e.into_inner());
+        let held = log.limiter.take_held();
+        if let (true, Some((peer, r))) = (held > 0, log.latest.take()) {
+            warn!(local = %self.identity, suppressed = held, latest_peer = %peer, latest_code = ?r.code, latest_reason = %r, "refused inbound connections (logged at debug level only); listener closed");
+        }
+    }
+}
+
+/// The listener's rate limit on WARN lines about refusals, and the latest
+/// refusal held back (named in the line that reports the count).
+struct RefusalLog {
+    limiter: LogLimiter,
+    latest: Option<(SocketAddr, Reject)>,
+}
+
+impl RefusalLog {
+    /// A summary line now, if refusals were held back and a line is allowed:
+    /// their count and the latest of them.
+    fn flush(&mut self, now: Instant) -> Option<(u64, (SocketAddr, Reject))> {
+        let n = self.limiter.flush(now)?;
+        Some((n, self.latest.take()?))
     }
 }
 
@@ -477,7 +573,13 @@ impl<T> PendingTable<T> {
     }
 }
 
+/// Pause after a failed accept (e.g. EMFILE: out of descriptors), so that the
+/// loop does not spin while the error lasts.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(20);
+
 async fn accept_loop(listener: TcpListener, ctx: Arc<AcceptCtx>) {
+    // At most one WARN line about failed accepts per interval.
+    let mut failures = LogLimiter::new(LOG_INTERVAL);
     loop {
         let accepted = tokio::select! {
             biased;
@@ -485,13 +587,23 @@ async fn accept_loop(listener: TcpListener, ctx: Arc<AcceptCtx>) {
             r = listener.accept() => r,
         };
         let (mut stream, addr) = match accepted {
-            Ok(x) => x,
+            Ok(x) => {
+                if let Some(suppressed) = failures.flush(Instant::now()) {
+                    warn!(local = %ctx.identity, suppressed, "accepting again after failures (logged at debug level only)");
+                }
+                x
+            }
             Err(e) => {
-                // E.g. EMFILE: back off briefly instead of spinning.
-                warn!(local = %ctx.identity, error = %e, "accept failed");
+                match failures.admit(Instant::now()) {
+                    Some(suppressed) => {
+                        warn!(local = %ctx.identity, error = %e, suppressed, "accept failed");
+                    }
+                    None => debug!(local = %ctx.identity, error = %e, "accept failed"),
+                }
+                // Back off briefly instead of spinning.
                 tokio::select! {
                     _ = ctx.token.cancelled() => break,
-                    _ = tokio::time::sleep(Duration::from_millis(20)) => continue,
+                    _ = tokio::time::sleep(ACCEPT_BACKOFF) => continue,
                 }
             }
         };
@@ -541,6 +653,10 @@ async fn accept_loop(listener: TcpListener, ctx: Arc<AcceptCtx>) {
                 }
             }
         });
+    }
+    let held = failures.take_held();
+    if held > 0 {
+        warn!(local = %ctx.identity, suppressed = held, "accept failed (logged at debug level only); listener closed");
     }
 }
 
@@ -708,6 +824,10 @@ pub(crate) async fn build(
         )),
         rejected,
         last_refusal: Mutex::new(None),
+        refusal_log: Mutex::new(RefusalLog {
+            limiter: LogLimiter::new(LOG_INTERVAL),
+            latest: None,
+        }),
         token: token.clone(),
         tracker: tracker.clone(),
     });
