@@ -24,6 +24,24 @@ use tokio::task::JoinHandle;
 
 use crate::stream::{StreamStats, receive_stream, request_end};
 
+/// Where a worker reaches its world's store: called with the world's name
+/// (`w1`, ...) and the address of the leader's store, it returns the address
+/// to give that worker as `--store` (e.g. a fault-injecting proxy in front of
+/// the store, so that the worker's traffic with the leader can be faulted).
+/// Called at every spawn, re-spawns included.
+#[derive(Clone)]
+pub struct WorkerStore(pub Arc<WorkerStoreFn>);
+
+/// The function of a [`WorkerStore`]: `(world name, leader's store address)`
+/// to the worker's store address.
+pub type WorkerStoreFn = dyn Fn(&str, &str) -> String + Send + Sync;
+
+impl std::fmt::Debug for WorkerStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("WorkerStore(..)")
+    }
+}
+
 /// How to run a fleet.
 #[derive(Debug, Clone)]
 pub struct FleetConfig {
@@ -37,6 +55,9 @@ pub struct FleetConfig {
     pub join_timeout: Duration,
     /// Let the workers' stderr through (otherwise it is discarded).
     pub worker_logs: bool,
+    /// The store address each worker is given; `None`: the leader's store
+    /// itself. The leader always joins through its own store directly.
+    pub worker_store: Option<WorkerStore>,
 }
 
 impl FleetConfig {
@@ -48,6 +69,7 @@ impl FleetConfig {
             bytes: 64 * 1024,
             join_timeout: Duration::from_secs(30),
             worker_logs: false,
+            worker_store: None,
         }
     }
 }
@@ -160,8 +182,12 @@ impl Fleet {
         } else {
             Stdio::null()
         };
+        let store = match &self.config.worker_store {
+            Some(WorkerStore(route)) => route(name, &self.store),
+            None => self.store.clone(),
+        };
         let child = Command::new(&self.config.exe)
-            .args(["worker", "--world", name, "--store", &self.store])
+            .args(["worker", "--world", name, "--store", &store])
             .args(["--bytes", &self.config.bytes.to_string()])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
