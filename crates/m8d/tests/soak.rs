@@ -287,11 +287,18 @@ async fn soak(network: bool) {
         .map(|(k, v)| format!("{} {k} (median detection {:?})", v.len(), median(v)))
         .collect();
     eprintln!(
-        "soak done: {}; workers that exited by themselves after a network fault: {self_exits} of {network_faults}; \
+        "soak done: {}{}; \
          {} messages received, {} corrupted, {} lost; the {} healthy generations (never faulted, ended cleanly) \
          sent {} and the leader received {} of them; longest pause of a healthy world during a fault {:?}; \
          workers' exits {exits:?}",
         faults.join(", "),
+        if network {
+            format!(
+                "; workers that exited by themselves after a network fault: {self_exits} of {network_faults}"
+            )
+        } else {
+            String::new()
+        },
         totals.received,
         totals.corrupted,
         totals.lost,
