@@ -347,7 +347,9 @@ async fn a_client_connects_to_a_server_that_starts_later() {
     assert!(!connecting.is_finished(), "connected to nothing");
     let s = StoreServer::bind(addr, ServerConfig::default()).await.unwrap();
     connecting.await.unwrap().unwrap();
-    drop(s);
+    // Stop it and wait until its listener is closed (a plain drop stops it
+    // in the background: a connect right after could still be accepted).
+    s.shutdown(Duration::from_secs(1)).await;
 
     // With nothing there, the client gives up at its deadline with a reason.
     let cfg = ClientConfig {
