@@ -254,8 +254,15 @@ impl AcceptCtx {
                 .into());
             }
         };
-        handshake::check_hello(&hello, &self.identity)?;
-        self.pending_table().promote(id);
+        // The identity is judged only once the peer has proven the secret:
+        // a stranger is answered the same way (a Challenge, then Auth)
+        // whatever it got wrong, so the refusal confirms no guessed world
+        // name, generation, size or rank; a member that proved the secret
+        // learns exactly what differs.
+        let identity = handshake::check_hello(&hello, &self.identity);
+        if identity.is_ok() {
+            self.pending_table().promote(id);
+        }
         let nonce = rand::random::<[u8; NONCE_LEN]>();
         let t = handshake::transcript(&hello, &nonce);
         let ch = Challenge {
@@ -303,6 +310,7 @@ impl AcceptCtx {
         // Authenticated: no longer a stranger's slot, so no longer evictable
         // (an eviction between the claim and the Accept would lose the rank).
         let _ = self.pending_table().remove(id);
+        identity?;
         if !self.claim(hello.from) {
             return Err(Reject::new(
                 RejectCode::Duplicate,

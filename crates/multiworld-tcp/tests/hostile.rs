@@ -368,3 +368,104 @@ async fn a_member_turned_away_as_busy_retries_and_joins() {
     assert_eq!(seen, 1, "an Auth refusal is final, not retried");
     assert!(took < Duration::from_secs(2), "{took:?}");
 }
+
+/// What a stranger without the secret hears from a listener, byte for byte:
+/// the type byte of the first answer and the code of the final refusal.
+async fn stranger_hears(addr: SocketAddr, hello: multiworld_tcp::handshake::Hello) -> (u8, u8) {
+    use multiworld_tcp::handshake::{MAC_LEN, MSG_PROOF, MSG_REJECT, NONCE_LEN};
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(&hello.encode()).await.unwrap();
+    let mut first = [0u8; 1];
+    s.read_exact(&mut first).await.unwrap();
+    if first[0] == MSG_REJECT {
+        let mut code = [0u8; 1];
+        s.read_exact(&mut code).await.unwrap();
+        return (first[0], code[0]);
+    }
+    let mut challenge = [0u8; NONCE_LEN + MAC_LEN];
+    s.read_exact(&mut challenge).await.unwrap();
+    let mut proof = vec![MSG_PROOF];
+    proof.extend_from_slice(&[0x5a; MAC_LEN]);
+    s.write_all(&proof).await.unwrap();
+    let mut answer = [0u8; 2];
+    s.read_exact(&mut answer).await.unwrap();
+    assert_eq!(answer[0], MSG_REJECT);
+    (first[0], answer[1])
+}
+
+/// A stranger cannot confirm a guessed identity: whether its Hello names the
+/// right world or a wrong one, the right generation or not, a rank that may
+/// connect or not, it is answered the same way (a Challenge, then Auth once
+/// its proof fails). A member that proves the secret but is of another
+/// generation learns exactly that (Generation), and the world still joins.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_look_the_same_to_a_stranger_whatever_it_got_wrong() {
+    use multiworld_tcp::Identity;
+    use multiworld_tcp::handshake::{Hello, MSG_CHALLENGE, PROTOCOL_VERSION};
+    init_tracing();
+    let name = "uniform";
+    let rdv = MemoryRendezvous::new();
+    let spawn = |r: u32| {
+        let rdv = rdv.clone();
+        let cfg = config(name, r, 2);
+        tokio::spawn(async move { Communicator::join(cfg, &rdv).await })
+    };
+    let rank0 = spawn(0);
+    let raw = rdv
+        .get(
+            &addr_key(&world(name), Generation(1), Rank(0)),
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap();
+    let addr: SocketAddr = std::str::from_utf8(&raw).unwrap().parse().unwrap();
+    let hello = |w: &str, generation: u64, from: u32, to: u32| Hello {
+        version: PROTOCOL_VERSION,
+        world: world(w),
+        generation: Generation(generation),
+        from: Rank(from),
+        to: Rank(to),
+        size: 2,
+        nonce: [7; 32],
+    };
+    let guesses = [
+        ("right identity", hello(name, 1, 1, 0)),
+        ("wrong world", hello("another-world", 1, 1, 0)),
+        ("wrong generation", hello(name, 9, 1, 0)),
+        ("a rank that may not connect", hello(name, 1, 0, 0)),
+        ("the wrong listener rank", hello(name, 1, 1, 1)),
+    ];
+    let auth = RejectCode::Auth.code();
+    for (what, h) in guesses {
+        let heard = stranger_hears(addr, h).await;
+        assert_eq!(heard, (MSG_CHALLENGE, auth), "{what}");
+    }
+
+    // A member with the secret, of another generation: told precisely.
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    let stale = Identity {
+        world: world(name),
+        generation: Generation(2),
+        rank: Rank(1),
+        size: 2,
+    };
+    let err = multiworld_tcp::mesh::client_handshake(&mut s, &stale, Rank(0), SECRET, addr)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Refused {
+                code: RejectCode::Generation,
+                ..
+            }
+        ),
+        "{err}"
+    );
+
+    // The world still joins, and every refusal was counted.
+    let rank1 = spawn(1);
+    let a = rank0.await.unwrap().expect("rank 0 joins");
+    let _b = rank1.await.unwrap().expect("rank 1 joins");
+    assert_eq!(a.rejected_connections(), 6);
+}
