@@ -178,7 +178,12 @@ def run_py(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
 
 
 def test_ctrl_c_interrupts_a_blocked_receive_quickly():
+    # If this ever hangs (it did twice in 30-odd runs, both times beside a
+    # release build), faulthandler prints every thread's stack before the
+    # subprocess timeout, so the failure says where it stuck.
     r = run_py("""
+        import faulthandler
+        faulthandler.dump_traceback_later(45, exit=True)
         import os, signal, threading, time
         import multiworld_rs as mw
         a, b = mw.WorldManager(), mw.WorldManager()
