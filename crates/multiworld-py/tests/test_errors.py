@@ -178,13 +178,16 @@ def run_py(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
 
 
 def test_ctrl_c_interrupts_a_blocked_receive_quickly():
-    # If this ever hangs (it did twice in 30-odd runs, both times beside a
-    # release build), faulthandler prints every thread's stack before the
-    # subprocess timeout, so the failure says where it stuck.
+    # A process started in the background by a non-interactive shell (as CI
+    # may run this suite) inherits SIGINT ignored, and Python then installs
+    # no KeyboardInterrupt handler: the script installs it itself (without
+    # it, the SIGINT below was ignored and the receive waited for ever). If
+    # it ever hangs anyway, faulthandler prints every thread's stack.
     r = run_py("""
-        import faulthandler
+        import faulthandler, signal
         faulthandler.dump_traceback_later(45, exit=True)
-        import os, signal, threading, time
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        import os, threading, time
         import multiworld_rs as mw
         a, b = mw.WorldManager(), mw.WorldManager()
         store = a.serve_store("127.0.0.1:0")
