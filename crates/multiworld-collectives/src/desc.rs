@@ -81,7 +81,8 @@ pub enum Kind {
 }
 
 impl Kind {
-    const ALL: [Kind; 17] = [
+    /// Every kind (the codec's table; the fuzzers draw from it too).
+    pub(crate) const ALL: [Kind; 17] = [
         Kind::Barrier,
         Kind::Broadcast,
         Kind::Reduce,

@@ -33,26 +33,6 @@ fn fuzz_config(default: u32) -> ProptestConfig {
     }
 }
 
-const KINDS: [Kind; 17] = [
-    Kind::Barrier,
-    Kind::Broadcast,
-    Kind::Reduce,
-    Kind::AllReduce,
-    Kind::AllGather,
-    Kind::AllGatherInto,
-    Kind::Gather,
-    Kind::Scatter,
-    Kind::ReduceScatter,
-    Kind::ReduceScatterTensor,
-    Kind::AllToAll,
-    Kind::AllToAllSingle,
-    Kind::BroadcastObject,
-    Kind::AllGatherObject,
-    Kind::GatherObject,
-    Kind::ScatterObject,
-    Kind::NewGroup,
-];
-
 fn small() -> impl Strategy<Value = u64> {
     prop_oneof![0u64..8, Just(u64::MAX), Just(1 << 40), any::<u64>()]
 }
@@ -60,7 +40,7 @@ fn small() -> impl Strategy<Value = u64> {
 /// A valid descriptor of a group of `n`.
 fn desc(n: usize) -> impl Strategy<Value = Desc> {
     (
-        proptest::sample::select(KINDS.to_vec()),
+        proptest::sample::select(Kind::ALL.to_vec()),
         any::<bool>(),
         any::<bool>(),
         proptest::sample::select(vec![Algo::Direct, Algo::Ring, Algo::Shm]),

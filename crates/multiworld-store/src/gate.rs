@@ -50,7 +50,7 @@ pub(crate) enum Verdict {
 }
 
 /// Methods whose requests name a world.
-const WORLD_METHODS: [&str; 15] = [
+pub(crate) const WORLD_METHODS: [&str; 15] = [
     "Open",
     "Close",
     "Set",
