@@ -8,10 +8,12 @@
 //! | `errors` | runtime errors → the Python exception classes of `multiworld_rs.errors` |
 //! | `tensor` | numpy bytes ↔ tensors: borrowed views for sends, owned `Vec`s handed to numpy |
 //! | `manager` | `Manager`, `EventStream`, `Event` |
-//! | `world` | `World` (p2p, collectives, object collectives), `Work` (handles) |
+//! | `world` | `World` (p2p, collectives, object collectives, sub-groups), `Work` (handles) |
+//! | `notify` | `Notifier`: wake-ups of an asyncio loop when background operations end |
 
 mod errors;
 mod manager;
+mod notify;
 mod runtime;
 mod tensor;
 mod world;
@@ -23,6 +25,8 @@ use pyo3::prelude::*;
 mod _native {
     #[pymodule_export]
     use crate::manager::{Event, EventStream, Manager};
+    #[pymodule_export]
+    use crate::notify::Notifier;
     #[pymodule_export]
     use crate::world::{Work, World};
 }

@@ -1,5 +1,6 @@
 //! `World` (the native half of `multiworld_rs.World`): point-to-point
-//! operations, their handles, collectives and object collectives.
+//! operations, their handles, collectives (blocking and handle forms),
+//! object collectives and sub-groups.
 //!
 //! Every method takes arrays as the Python layer prepares them (see
 //! `tensor.rs`) and returns flat numpy arrays that the Python layer reshapes
@@ -7,7 +8,7 @@
 
 use std::{future::Future, sync::Mutex, time::Duration};
 
-use multiworld::{CommError, Rank, ReduceOp, Tag, Tensor, WorldError, WorldState};
+use multiworld::{CollectiveHandle, CommError, Group, Rank, ReduceOp, Tag, Tensor, WorldError, WorldState};
 use numpy::PyReadonlyArray1;
 use pyo3::{
     exceptions::{PyRuntimeError, PyValueError},
@@ -17,14 +18,19 @@ use pyo3::{
 use tokio::task::JoinHandle;
 
 use crate::{
-    errors, runtime,
+    errors,
+    notify::{Completion, Notifier},
+    runtime,
     tensor::{self, Input, Output},
 };
 
-/// One membership of a world (see `multiworld_rs.World`).
+/// One membership of a world (see `multiworld_rs.World`), or a sub-group of
+/// one: the same membership whose collectives run on `group`.
 #[pyclass(module = "multiworld_rs._native", frozen)]
 pub struct World {
     inner: Option<multiworld::World>,
+    /// A sub-group's collectives (`None`: the whole world's).
+    group: Option<Group>,
 }
 
 impl Drop for World {
@@ -54,7 +60,18 @@ fn reduce_op(name: &str) -> PyResult<ReduceOp> {
 
 impl World {
     pub(crate) fn new(inner: multiworld::World) -> World {
-        World { inner: Some(inner) }
+        World {
+            inner: Some(inner),
+            group: None,
+        }
+    }
+
+    /// The group the collectives run on (cheap: shared state).
+    fn g(&self) -> PyResult<Group> {
+        match &self.group {
+            Some(g) => Ok(g.clone()),
+            None => Ok(self.w()?.collectives().clone()),
+        }
     }
 
     fn w(&self) -> PyResult<&multiworld::World> {
@@ -97,8 +114,14 @@ impl World {
         fut: impl Future<Output = Result<Done, WorldError>> + Send + 'static,
         cancel_on_drop: bool,
     ) -> PyResult<Work> {
-        let task = runtime::runtime()?.spawn(fut);
+        let completion = Completion::default();
+        let guard = completion.guard();
+        let task = runtime::runtime()?.spawn(async move {
+            let _fire_when_done = guard;
+            fut.await
+        });
         Ok(Work {
+            completion,
             abort: task.abort_handle(),
             pending: tokio::sync::Mutex::new(Some(task)),
             cancel_on_drop,
@@ -106,6 +129,19 @@ impl World {
             generation: self.generation_of(),
             world: self.w()?.name().to_string(),
         })
+    }
+}
+
+impl World {
+    /// Starts a collective's handle form on this world's group as a `Work`.
+    fn start<T: Send + 'static>(
+        &self,
+        start: impl FnOnce(&Group) -> CollectiveHandle<T>,
+        done: fn(T) -> Done,
+    ) -> PyResult<Work> {
+        let (w, g) = (self.w()?.clone(), self.g()?);
+        let h = runtime::enter(|| start(&g))?;
+        self.work(background(w, h, done), false)
     }
 }
 
@@ -130,6 +166,16 @@ pub enum Done {
     Received(u32, Tensor),
     /// One tensor (a collective's output).
     Tensor(Tensor),
+    /// One tensor per member (all_gather, all_to_all).
+    Tensors(Vec<Tensor>),
+    /// One tensor per member on the root, nothing elsewhere (gather).
+    MaybeTensors(Option<Vec<Tensor>>),
+    /// One object's bytes (broadcast_object, scatter_object).
+    Bytes(Vec<u8>),
+    /// One object's bytes per member (all_gather_object).
+    BytesList(Vec<Vec<u8>>),
+    /// One object's bytes per member on the root, nothing elsewhere.
+    MaybeBytesList(Option<Vec<Vec<u8>>>),
 }
 
 impl Done {
@@ -141,6 +187,19 @@ impl Done {
                 .into_any()
                 .unbind(),
             Done::Tensor(t) => tensor::to_numpy(py, t)?.unbind(),
+            Done::Tensors(ts) | Done::MaybeTensors(Some(ts)) => tensor::list_to_numpy(py, ts)?
+                .into_pyobject(py)?
+                .into_any()
+                .unbind(),
+            Done::MaybeTensors(None) | Done::MaybeBytesList(None) => py.None(),
+            Done::Bytes(b) => PyBytes::new(py, &b).into_any().unbind(),
+            Done::BytesList(bs) | Done::MaybeBytesList(Some(bs)) => bs
+                .iter()
+                .map(|b| PyBytes::new(py, b))
+                .collect::<Vec<_>>()
+                .into_pyobject(py)?
+                .into_any()
+                .unbind(),
         })
     }
 }
@@ -149,6 +208,7 @@ impl Done {
 /// collective with `async_op=True`).
 #[pyclass(module = "multiworld_rs._native", frozen)]
 pub struct Work {
+    completion: Completion,
     pending: tokio::sync::Mutex<Option<JoinHandle<Result<Done, WorldError>>>>,
     abort: tokio::task::AbortHandle,
     cancel_on_drop: bool,
@@ -195,6 +255,12 @@ impl Work {
     /// `RuntimeError`). A send cut off mid-frame breaks its world.
     fn cancel(&self) {
         self.abort.abort();
+    }
+
+    /// Asks for `token` to reach `notifier` when the operation ends (at once
+    /// if it has ended): the asyncio bridge's wake-up.
+    fn notify(&self, notifier: &Notifier, token: u64) {
+        self.completion.notify(notifier, token);
     }
 
     /// Waits for the outcome, at most `timeout` seconds (`None`: no limit);
@@ -354,7 +420,7 @@ impl World {
     /// Broadcast from `root`; returns the result.
     fn broadcast(&self, py: Python<'_>, t: Input<'_>, root: u32) -> PyResult<Py<PyAny>> {
         let mut t = t.tensor()?;
-        let g = self.w()?.collectives();
+        let g = self.g()?;
         self.coll(py, g.broadcast(&mut t, Rank(root)))?;
         Ok(tensor::to_numpy(py, t)?.unbind())
     }
@@ -362,7 +428,7 @@ impl World {
     /// All-reduce with `op`; returns the result.
     fn all_reduce(&self, py: Python<'_>, t: Input<'_>, op: &str) -> PyResult<Py<PyAny>> {
         let (mut t, op) = (t.tensor()?, reduce_op(op)?);
-        let g = self.w()?.collectives();
+        let g = self.g()?;
         self.coll(py, g.all_reduce(&mut t, op))?;
         Ok(tensor::to_numpy(py, t)?.unbind())
     }
@@ -370,7 +436,7 @@ impl World {
     /// Reduce to `root` with `op`; returns the tensor (the result on the root).
     fn reduce(&self, py: Python<'_>, t: Input<'_>, root: u32, op: &str) -> PyResult<Py<PyAny>> {
         let (mut t, op) = (t.tensor()?, reduce_op(op)?);
-        let g = self.w()?.collectives();
+        let g = self.g()?;
         self.coll(py, g.reduce(&mut t, Rank(root), op))?;
         Ok(tensor::to_numpy(py, t)?.unbind())
     }
@@ -378,7 +444,7 @@ impl World {
     /// All-gather into one output per member; returns them.
     fn all_gather(&self, py: Python<'_>, outputs: Vec<Output>, input: Input<'_>) -> PyResult<Py<PyAny>> {
         let (mut outs, input) = (tensor::outputs(&outputs)?, input.tensor()?);
-        let g = self.w()?.collectives();
+        let g = self.g()?;
         self.coll(py, g.all_gather(&mut outs, &input))?;
         Ok(tensor::list_to_numpy(py, outs)?
             .into_pyobject(py)?
@@ -394,7 +460,7 @@ impl World {
         input: Input<'_>,
     ) -> PyResult<Py<PyAny>> {
         let (mut out, input) = (output.tensor()?, input.tensor()?);
-        let g = self.w()?.collectives();
+        let g = self.g()?;
         self.coll(py, g.all_gather_into_tensor(&mut out, &input))?;
         Ok(tensor::to_numpy(py, out)?.unbind())
     }
@@ -410,7 +476,7 @@ impl World {
     ) -> PyResult<Option<Py<PyAny>>> {
         let input = input.tensor()?;
         let mut outs = outputs.as_deref().map(tensor::outputs).transpose()?;
-        let g = self.w()?.collectives();
+        let g = self.g()?;
         self.coll(py, g.gather(&input, outs.as_deref_mut(), Rank(root)))?;
         outs.map(|o| {
             Ok(tensor::list_to_numpy(py, o)?
@@ -432,7 +498,7 @@ impl World {
     ) -> PyResult<Py<PyAny>> {
         let mut out = output.tensor()?;
         let ins = inputs.as_deref().map(tensor::inputs).transpose()?;
-        let g = self.w()?.collectives();
+        let g = self.g()?;
         self.coll(py, g.scatter(&mut out, ins.as_deref(), Rank(root)))?;
         Ok(tensor::to_numpy(py, out)?.unbind())
     }
@@ -446,7 +512,7 @@ impl World {
         op: &str,
     ) -> PyResult<Py<PyAny>> {
         let (mut out, ins, op) = (output.tensor()?, tensor::inputs(&inputs)?, reduce_op(op)?);
-        let g = self.w()?.collectives();
+        let g = self.g()?;
         self.coll(py, g.reduce_scatter(&mut out, &ins, op))?;
         Ok(tensor::to_numpy(py, out)?.unbind())
     }
@@ -460,7 +526,7 @@ impl World {
         op: &str,
     ) -> PyResult<Py<PyAny>> {
         let (mut out, input, op) = (output.tensor()?, input.tensor()?, reduce_op(op)?);
-        let g = self.w()?.collectives();
+        let g = self.g()?;
         self.coll(py, g.reduce_scatter_tensor(&mut out, &input, op))?;
         Ok(tensor::to_numpy(py, out)?.unbind())
     }
@@ -473,7 +539,7 @@ impl World {
         inputs: Vec<Input<'_>>,
     ) -> PyResult<Py<PyAny>> {
         let (mut outs, ins) = (tensor::outputs(&outputs)?, tensor::inputs(&inputs)?);
-        let g = self.w()?.collectives();
+        let g = self.g()?;
         self.coll(py, g.all_to_all(&mut outs, &ins))?;
         Ok(tensor::list_to_numpy(py, outs)?
             .into_pyobject(py)?
@@ -492,7 +558,7 @@ impl World {
         input_splits: Option<Vec<usize>>,
     ) -> PyResult<Py<PyAny>> {
         let (mut out, input) = (output.tensor()?, input.tensor()?);
-        let g = self.w()?.collectives();
+        let g = self.g()?;
         self.coll(
             py,
             g.all_to_all_single(
@@ -505,41 +571,152 @@ impl World {
         Ok(tensor::to_numpy(py, out)?.unbind())
     }
 
+    // -- handle forms (async_op=True and the asyncio API) -------------------
+
     /// Starts an all-reduce in the background; the handle yields the result.
     fn all_reduce_async(&self, t: Input<'_>, op: &str) -> PyResult<Work> {
         let (t, op) = (t.tensor()?, reduce_op(op)?);
-        let w = self.w()?.clone();
-        let h = runtime::enter(|| w.collectives().all_reduce_handle(t, op))?;
-        self.work(background(w, h, Done::Tensor), false)
+        self.start(|g| g.all_reduce_handle(t, op), Done::Tensor)
     }
 
     /// Starts a broadcast in the background; the handle yields the result.
     fn broadcast_async(&self, t: Input<'_>, root: u32) -> PyResult<Work> {
         let t = t.tensor()?;
-        let w = self.w()?.clone();
-        let h = runtime::enter(|| w.collectives().broadcast_handle(t, Rank(root)))?;
-        self.work(background(w, h, Done::Tensor), false)
+        self.start(|g| g.broadcast_handle(t, Rank(root)), Done::Tensor)
+    }
+
+    /// Starts a reduce in the background; the handle yields the tensor.
+    fn reduce_async(&self, t: Input<'_>, root: u32, op: &str) -> PyResult<Work> {
+        let (t, op) = (t.tensor()?, reduce_op(op)?);
+        self.start(|g| g.reduce_handle(t, Rank(root), op), Done::Tensor)
+    }
+
+    /// Starts an all-gather into a list in the background.
+    fn all_gather_async(&self, outputs: Vec<Output>, input: Input<'_>) -> PyResult<Work> {
+        let (outs, input) = (tensor::outputs(&outputs)?, input.tensor()?);
+        self.start(|g| g.all_gather_handle(outs, input), Done::Tensors)
     }
 
     /// Starts an all-gather into one tensor in the background; the handle
     /// yields the output.
     fn all_gather_into_tensor_async(&self, output: Output, input: Input<'_>) -> PyResult<Work> {
         let (out, input) = (output.tensor()?, input.tensor()?);
-        let w = self.w()?.clone();
-        let h = runtime::enter(|| w.collectives().all_gather_into_tensor_handle(out, input))?;
-        self.work(background(w, h, Done::Tensor), false)
+        self.start(|g| g.all_gather_into_tensor_handle(out, input), Done::Tensor)
+    }
+
+    /// Starts a gather in the background; the handle yields the outputs on
+    /// the root, `None` elsewhere.
+    #[pyo3(signature = (input, outputs, root))]
+    fn gather_async(&self, input: Input<'_>, outputs: Option<Vec<Output>>, root: u32) -> PyResult<Work> {
+        let input = input.tensor()?;
+        let outs = outputs.as_deref().map(tensor::outputs).transpose()?;
+        self.start(|g| g.gather_handle(input, outs, Rank(root)), Done::MaybeTensors)
+    }
+
+    /// Starts a scatter in the background; the handle yields this member's part.
+    #[pyo3(signature = (output, inputs, root))]
+    fn scatter_async(&self, output: Output, inputs: Option<Vec<Input<'_>>>, root: u32) -> PyResult<Work> {
+        let out = output.tensor()?;
+        let ins = inputs.as_deref().map(tensor::inputs).transpose()?;
+        self.start(|g| g.scatter_handle(out, ins, Rank(root)), Done::Tensor)
+    }
+
+    /// Starts a reduce-scatter of a list in the background.
+    fn reduce_scatter_async(&self, output: Output, inputs: Vec<Input<'_>>, op: &str) -> PyResult<Work> {
+        let (out, ins, op) = (output.tensor()?, tensor::inputs(&inputs)?, reduce_op(op)?);
+        self.start(|g| g.reduce_scatter_handle(out, ins, op), Done::Tensor)
+    }
+
+    /// Starts a reduce-scatter of one tensor in the background.
+    fn reduce_scatter_tensor_async(&self, output: Output, input: Input<'_>, op: &str) -> PyResult<Work> {
+        let (out, input, op) = (output.tensor()?, input.tensor()?, reduce_op(op)?);
+        self.start(|g| g.reduce_scatter_tensor_handle(out, input, op), Done::Tensor)
+    }
+
+    /// Starts an all-to-all of lists in the background.
+    fn all_to_all_async(&self, outputs: Vec<Output>, inputs: Vec<Input<'_>>) -> PyResult<Work> {
+        let (outs, ins) = (tensor::outputs(&outputs)?, tensor::inputs(&inputs)?);
+        self.start(|g| g.all_to_all_handle(outs, ins), Done::Tensors)
+    }
+
+    /// Starts an all-to-all of one tensor in the background.
+    #[pyo3(signature = (output, input, output_splits=None, input_splits=None))]
+    fn all_to_all_single_async(
+        &self,
+        output: Output,
+        input: Input<'_>,
+        output_splits: Option<Vec<usize>>,
+        input_splits: Option<Vec<usize>>,
+    ) -> PyResult<Work> {
+        let (out, input) = (output.tensor()?, input.tensor()?);
+        self.start(
+            |g| g.all_to_all_single_handle(out, input, output_splits, input_splits),
+            Done::Tensor,
+        )
     }
 
     /// Starts a barrier in the background; the handle yields `None`.
     fn barrier_async(&self) -> PyResult<Work> {
-        let w = self.w()?.clone();
-        let h = runtime::enter(|| w.collectives().barrier_handle())?;
-        self.work(background(w, h, |()| Done::Unit), false)
+        self.start(Group::barrier_handle, |()| Done::Unit)
+    }
+
+    /// Starts an object broadcast in the background (bytes of a pickle).
+    #[pyo3(signature = (data, root))]
+    fn broadcast_object_async(&self, data: Option<Bound<'_, PyBytes>>, root: u32) -> PyResult<Work> {
+        let data = data.map(|b| b.as_bytes().to_vec());
+        self.start(|g| g.broadcast_object_handle(data, Rank(root)), Done::Bytes)
+    }
+
+    /// Starts an object all-gather in the background.
+    fn all_gather_object_async(&self, data: Bound<'_, PyBytes>) -> PyResult<Work> {
+        let data = data.as_bytes().to_vec();
+        self.start(|g| g.all_gather_object_handle(data), Done::BytesList)
+    }
+
+    /// Starts an object gather in the background.
+    fn gather_object_async(&self, data: Bound<'_, PyBytes>, root: u32) -> PyResult<Work> {
+        let data = data.as_bytes().to_vec();
+        self.start(|g| g.gather_object_handle(data, Rank(root)), Done::MaybeBytesList)
+    }
+
+    /// Starts an object scatter in the background.
+    #[pyo3(signature = (data, root))]
+    fn scatter_object_async(&self, data: Option<Vec<Bound<'_, PyBytes>>>, root: u32) -> PyResult<Work> {
+        let data: Option<Vec<Vec<u8>>> = data.map(|v| v.iter().map(|b| b.as_bytes().to_vec()).collect());
+        self.start(|g| g.scatter_object_handle(data, Rank(root)), Done::Bytes)
+    }
+
+    // -- sub-groups ----------------------------------------------------------
+
+    /// Creates a sub-group of world ranks `ranks` (a collective call on this
+    /// world or group: every member calls it, members of the new group or
+    /// not). Returns the same membership with its collectives on the sub-group.
+    fn new_group(&self, py: Python<'_>, ranks: Vec<u32>) -> PyResult<World> {
+        let g = self.g()?;
+        let ranks: Vec<Rank> = ranks.into_iter().map(Rank).collect();
+        let sub = self.coll(py, g.new_group(&ranks))?;
+        Ok(World {
+            inner: Some(self.w()?.clone()),
+            group: Some(sub),
+        })
+    }
+
+    /// The world ranks of the group the collectives run on (every rank for
+    /// a world).
+    #[getter]
+    fn group_ranks(&self) -> PyResult<Vec<u32>> {
+        Ok(self.g()?.ranks().iter().map(|r| r.0).collect())
+    }
+
+    /// This member's position in `group_ranks` (`None`: not a member).
+    #[getter]
+    fn group_rank(&self) -> PyResult<Option<usize>> {
+        Ok(self.g()?.group_rank())
     }
 
     /// Waits until every member has called it.
     fn barrier(&self, py: Python<'_>) -> PyResult<()> {
-        let g = self.w()?.collectives();
+        let g = self.g()?;
         self.coll(py, g.barrier())
     }
 
@@ -552,7 +729,7 @@ impl World {
         root: u32,
     ) -> PyResult<Bound<'py, PyBytes>> {
         let data = data.map(|b| b.as_bytes().to_vec());
-        let g = self.w()?.collectives();
+        let g = self.g()?;
         let out: Vec<u8> = self.coll(py, g.broadcast_object(data.as_ref(), Rank(root)))?;
         Ok(PyBytes::new(py, &out))
     }
@@ -564,7 +741,7 @@ impl World {
         data: Bound<'py, PyBytes>,
     ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
         let data = data.as_bytes().to_vec();
-        let g = self.w()?.collectives();
+        let g = self.g()?;
         let out: Vec<Vec<u8>> = self.coll(py, g.all_gather_object(&data))?;
         Ok(out.iter().map(|b| PyBytes::new(py, b)).collect())
     }
@@ -577,7 +754,7 @@ impl World {
         root: u32,
     ) -> PyResult<Option<Vec<Bound<'py, PyBytes>>>> {
         let data = data.as_bytes().to_vec();
-        let g = self.w()?.collectives();
+        let g = self.g()?;
         let out: Option<Vec<Vec<u8>>> = self.coll(py, g.gather_object(&data, Rank(root)))?;
         Ok(out.map(|v| v.iter().map(|b| PyBytes::new(py, b)).collect()))
     }
@@ -591,7 +768,7 @@ impl World {
         root: u32,
     ) -> PyResult<Bound<'py, PyBytes>> {
         let data: Option<Vec<Vec<u8>>> = data.map(|v| v.iter().map(|b| b.as_bytes().to_vec()).collect());
-        let g = self.w()?.collectives();
+        let g = self.g()?;
         let out: Vec<u8> = self.coll(py, g.scatter_object(data.as_deref(), Rank(root)))?;
         Ok(PyBytes::new(py, &out))
     }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import numpy as np
 import pytest
@@ -66,6 +67,100 @@ def test_broken_world_raises_in_coroutines():
         with pytest.raises(mw.BrokenWorldError) as info:
             await w0.recv(1, dtype="float32", shape=1)
         assert info.value.rank == 1
+        await a.shutdown()
+        await b.shutdown()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_many_pending_receives_need_no_threads_and_cancel_cleanly():
+    """200 receives awaited at once: no thread per receive (the loop is woken
+    through one notifier), cancelling them all withdraws every one, and the
+    world then delivers the next messages to new receives."""
+
+    async def main():
+        a, b, w0, w1 = await pair()
+        threads_before = threading.active_count()
+        tasks = [asyncio.ensure_future(w0.recv(1, 100 + i, dtype="int32", shape=1)) for i in range(200)]
+        await asyncio.sleep(0.1)
+        assert not any(t.done() for t in tasks)
+        assert threading.active_count() <= threads_before + 2
+        # Half of them get their message; the others are cancelled.
+        await asyncio.gather(*(w1.send(np.array([i], np.int32), 0, 100 + i) for i in range(0, 200, 2)))
+        got = await asyncio.gather(*tasks[0::2])
+        assert [int(x[0]) for x in got] == list(range(0, 200, 2))
+        for t in tasks[1::2]:
+            t.cancel()
+        results = await asyncio.gather(*tasks[1::2], return_exceptions=True)
+        assert all(isinstance(r, asyncio.CancelledError) for r in results)
+        # Withdrawn: messages on those tags now reach new receives, in order.
+        _, again = await asyncio.gather(w1.send(np.array([-7], np.int32), 0, 101),
+                                        w0.recv(1, 101, dtype="int32", shape=1))
+        assert int(again[0]) == -7
+        assert w0.state == "ready" and w1.state == "ready"
+        await asyncio.gather(w0.finish(10), w1.finish(10))
+        await a.shutdown()
+        await b.shutdown()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_leader_awaits_many_worlds_and_a_broken_one_fails_alone():
+    """A leader in 4 worlds awaits receives from all of them with one
+    asyncio.gather; one worker aborts: only its receive fails, the others
+    deliver."""
+
+    async def main():
+        leader = aio.AsyncWorldManager()
+        store = await leader.serve_store()
+        workers = [aio.AsyncWorldManager() for _ in range(4)]
+        names = [unique("lead") for _ in range(4)]
+        joined = await asyncio.gather(
+            *(leader.join(n, 0, 2, store, timeout=10) for n in names),
+            *(m.join(n, 1, 2, store, timeout=10) for m, n in zip(workers, names)))
+        lws, wws = joined[:4], joined[4:]
+        for _ in range(3):
+            sends = [w.send(np.full(1024, i, np.float32), 0) for i, w in enumerate(wws)]
+            got = await asyncio.gather(*(lw.recv(1, dtype="float32", shape=1024) for lw in lws), *sends)
+            assert [float(g[0]) for g in got[:4]] == [0.0, 1.0, 2.0, 3.0]
+        wws[2].abort()
+        sends = [w.send(np.full(4, i, np.float32), 0) for i, w in enumerate(wws) if i != 2]
+        got = await asyncio.gather(*(lw.recv(1, dtype="float32", shape=4) for lw in lws), *sends,
+                                   return_exceptions=True)
+        assert isinstance(got[2], mw.BrokenWorldError) and got[2].world == names[2]
+        assert [float(got[i][0]) for i in (0, 1, 3)] == [0.0, 1.0, 3.0]
+        assert [lw.state for lw in lws] == ["ready", "ready", "broken", "ready"] or lws[2].state == "removed"
+        await leader.shutdown()
+        for m in workers:
+            await m.shutdown()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_events_as_an_async_iterator():
+    async def main():
+        a, b, w0, w1 = await pair()
+        events = a.events(timeout=10)
+        w1.abort()
+        kinds = []
+        async for ev in events:
+            kinds.append((ev.kind, ev.world))
+            if ev.kind == "removed":
+                break
+        assert kinds[0] == ("broken", w0.name) and kinds[-1] == ("removed", w0.name)
+        # A cancelled wait loses nothing: the event that comes later is kept.
+        waiting = asyncio.ensure_future(a.next_event(events, 5))
+        await asyncio.sleep(0.05)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        # The cancelled wait's thread may still take the next event: it is
+        # kept for the next call, not dropped.
+        name = unique("aio-ev")
+        await asyncio.gather(a.join(name, 0, 2, w0.sync.store_addr, timeout=10),
+                             b.join(name, 1, 2, w0.sync.store_addr, timeout=10))
+        ev = await a.next_event(events, 5)
+        assert ev is not None and (ev.kind, ev.world) == ("joined", name)
         await a.shutdown()
         await b.shutdown()
 

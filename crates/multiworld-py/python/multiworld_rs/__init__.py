@@ -19,7 +19,7 @@ mapping.
 """
 
 from . import errors
-from ._api import Event, EventStream, ReduceOp, Work, World, WorldInfo, WorldManager
+from ._api import Event, EventStream, Group, ReduceOp, Work, World, WorldInfo, WorldManager
 from ._tensors import DTYPES
 from .errors import (
     AlreadyJoinedError,
@@ -38,7 +38,7 @@ from .errors import (
 )
 
 __all__ = [
-    "WorldManager", "World", "Work", "Event", "EventStream", "WorldInfo", "ReduceOp", "DTYPES",
+    "WorldManager", "World", "Group", "Work", "Event", "EventStream", "WorldInfo", "ReduceOp", "DTYPES",
     "errors", "MultiworldError", "BrokenWorldError", "WorldTimeoutError", "MismatchError",
     "InvalidArgumentError", "ConfigError", "NotJoinedError", "AlreadyJoinedError", "JoinError",
     "TransportError", "DeviceError", "ShutDownError", "ForkedProcessError",

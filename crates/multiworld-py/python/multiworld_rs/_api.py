@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import collections
 import enum
 
 import pickle
+import time
 from typing import Any, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -12,7 +14,7 @@ import numpy as np
 from . import _native
 from . import _tensors as T
 
-__all__ = ["ReduceOp", "WorldManager", "World", "Work", "Event", "EventStream", "WorldInfo"]
+__all__ = ["ReduceOp", "WorldManager", "World", "Group", "Work", "Event", "EventStream", "WorldInfo"]
 
 Event = _native.Event
 
@@ -90,25 +92,69 @@ class WorldInfo(NamedTuple):
 
 class EventStream:
     """Events of a manager from the moment of subscription
-    (:meth:`WorldManager.events`). Iterating blocks for the next event and
-    stops after ``timeout`` seconds without one (never, with ``None``);
-    :meth:`next` returns ``None`` instead of stopping."""
+    (:meth:`WorldManager.events`). Iterating (``for`` or ``async for``)
+    waits for the next event and stops after ``timeout`` seconds without one
+    (never, with ``None``); :meth:`next` and :meth:`anext` return ``None``
+    instead of stopping. No event is lost when an ``async for`` is
+    cancelled: an event that arrives meanwhile is kept for the next call."""
+
+    #: How long one waiting slice of :meth:`anext` lasts (a cancelled
+    #: ``async for`` lets its waiting thread go within this).
+    _SLICE = 0.2
 
     def __init__(self, native: Any, timeout: Optional[float]) -> None:
         self._s = native
         self._timeout = timeout
+        self._kept: "collections.deque[Event]" = collections.deque()
 
     def next(self, timeout: Optional[float] = None) -> Optional[Event]:
         """The next event, or ``None`` after ``timeout`` seconds without one."""
+        if self._kept:
+            return self._kept.popleft()
         return self._s.next(_seconds("timeout", timeout))
+
+    async def anext(self, timeout: Optional[float] = None) -> Optional[Event]:
+        """The coroutine form of :meth:`next` (the event loop keeps running)."""
+        import asyncio
+
+        limit = _seconds("timeout", timeout)
+        loop = asyncio.get_running_loop()
+        deadline = None if limit is None else time.monotonic() + limit
+        while True:
+            if self._kept:
+                return self._kept.popleft()
+            left = self._SLICE if deadline is None else max(0.0, min(self._SLICE, deadline - time.monotonic()))
+            fut = loop.run_in_executor(None, self._s.next, left)
+            try:
+                ev = await asyncio.shield(fut)
+            except asyncio.CancelledError:
+                fut.add_done_callback(self._keep)
+                raise
+            if ev is not None:
+                return ev
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+
+    def _keep(self, fut: "Any") -> None:
+        if not fut.cancelled() and fut.exception() is None and fut.result() is not None:
+            self._kept.append(fut.result())
 
     def __iter__(self) -> Iterator[Event]:
         return self
 
     def __next__(self) -> Event:
-        ev = self._s.next(self._timeout)
+        ev = self.next(self._timeout)
         if ev is None:
             raise StopIteration
+        return ev
+
+    def __aiter__(self) -> "EventStream":
+        return self
+
+    async def __anext__(self) -> Event:
+        ev = await self.anext(self._timeout)
+        if ev is None:
+            raise StopAsyncIteration
         return ev
 
 
@@ -139,14 +185,25 @@ class Work:
         return self._result
 
 
-def _writing(native: Any, arr: np.ndarray, tensor: Any) -> Work:
-    """A Work whose wait() writes the flat result into ``arr`` and returns ``tensor``."""
+def _writer(arr: np.ndarray, tensor: Any) -> Any:
+    """A finisher that writes a flat result into ``arr`` and returns ``tensor``."""
 
     def finish(flat: np.ndarray) -> Any:
         T.write(arr, flat)
         return tensor
 
-    return Work(native, finish)
+    return finish
+
+
+def _list_writer(outs: List[Tuple[np.ndarray, Any]], tensors: List[Any]) -> Any:
+    """A finisher that writes flat results into each of ``outs`` and returns ``tensors``."""
+
+    def finish(flats: List[np.ndarray]) -> Any:
+        for (arr, _), flat in zip(outs, flats):
+            T.write(arr, flat)
+        return tensors
+
+    return finish
 
 
 class World:
@@ -274,44 +331,48 @@ class World:
         return work
 
     # -- collectives --------------------------------------------------------
-    def broadcast(self, tensor: Any, src: int, async_op: bool = False) -> Optional[Work]:
-        """Copies rank ``src``'s ``tensor`` into every member's ``tensor``.
-        With ``async_op=True``, returns a :class:`Work` whose ``wait()``
-        writes the result into ``tensor`` (do not use it until then)."""
-        arr, _ = T.out_spec(tensor)
+    # Each takes ``async_op``: False runs the call and writes its result in
+    # place; True starts it and returns a :class:`Work` whose ``wait()``
+    # writes the result (do not use the output arrays until then; inputs are
+    # copied at the start, so the caller may reuse them at once).
+    def _run(self, name: str, args: Tuple[Any, ...], finish: Any, async_op: bool) -> Optional[Work]:
         if async_op:
-            return _writing(self._w.broadcast_async(T.send_view(arr), _u32("src", src)), arr, tensor)
-        flat = self._w.broadcast(T.send_view(arr), _u32("src", src))
-        T.write(arr, flat)
+            return Work(getattr(self._w, name + "_async")(*args), finish)
+        finish(getattr(self._w, name)(*args))
         return None
+
+    def broadcast(self, tensor: Any, src: int, async_op: bool = False) -> Optional[Work]:
+        """Copies rank ``src``'s ``tensor`` into every member's ``tensor``."""
+        arr, _ = T.out_spec(tensor)
+        return self._run("broadcast", (T.send_view(arr), _u32("src", src)),
+                         _writer(arr, tensor), async_op)
 
     def all_reduce(self, tensor: Any, op: Any = ReduceOp.SUM, async_op: bool = False) -> Optional[Work]:
         """Reduces ``tensor`` over every member with ``op``; every member gets
-        the result in ``tensor``. With ``async_op=True``, returns a
-        :class:`Work` whose ``wait()`` writes the result into ``tensor``."""
+        the result in ``tensor``."""
         arr, _ = T.out_spec(tensor)
-        if async_op:
-            return _writing(self._w.all_reduce_async(T.send_view(arr), _op(op)), arr, tensor)
-        flat = self._w.all_reduce(T.send_view(arr), _op(op))
-        T.write(arr, flat)
-        return None
+        return self._run("all_reduce", (T.send_view(arr), _op(op)), _writer(arr, tensor), async_op)
 
-    def reduce(self, tensor: Any, dst: int, op: Any = ReduceOp.SUM) -> None:
+    def reduce(self, tensor: Any, dst: int, op: Any = ReduceOp.SUM, async_op: bool = False) -> Optional[Work]:
         """Reduces ``tensor`` over every member with ``op`` into rank
         ``dst``'s ``tensor`` (the others' are left as they were)."""
         arr, _ = T.out_spec(tensor)
         dst = _u32("dst", dst)
-        flat = self._w.reduce(T.send_view(arr), dst, _op(op))
-        if self.rank == dst:
-            T.write(arr, flat)
+        mine = self.rank == dst
 
-    def all_gather(self, tensor_list: List[Any], tensor: Any) -> None:
+        def finish(flat: np.ndarray) -> Any:
+            if mine:
+                T.write(arr, flat)
+            return tensor
+
+        return self._run("reduce", (T.send_view(arr), dst, _op(op)), finish, async_op)
+
+    def all_gather(self, tensor_list: List[Any], tensor: Any, async_op: bool = False) -> Optional[Work]:
         """Gathers every member's ``tensor`` into ``tensor_list`` (one array
         per member, in rank order; sizes may differ by member)."""
         outs = [T.out_spec(t, f"tensor_list[{i}]") for i, t in enumerate(tensor_list)]
-        flats = self._w.all_gather([s for _, s in outs], T.send_view(tensor))
-        for (arr, _), flat in zip(outs, flats):
-            T.write(arr, flat)
+        return self._run("all_gather", ([s for _, s in outs], T.send_view(tensor)),
+                         _list_writer(outs, tensor_list), async_op)
 
     def all_gather_into_tensor(self, output_tensor: Any, input_tensor: Any,
                                async_op: bool = False) -> Optional[Work]:
@@ -319,12 +380,10 @@ class World:
         (``size`` times as many elements), concatenated in rank order."""
         arr, spec = T.out_spec(output_tensor, "output_tensor")
         view = T.send_view(input_tensor, "input_tensor")
-        if async_op:
-            return _writing(self._w.all_gather_into_tensor_async(spec, view), arr, output_tensor)
-        T.write(arr, self._w.all_gather_into_tensor(spec, view))
-        return None
+        return self._run("all_gather_into_tensor", (spec, view), _writer(arr, output_tensor), async_op)
 
-    def gather(self, tensor: Any, gather_list: Optional[List[Any]] = None, dst: int = 0) -> None:
+    def gather(self, tensor: Any, gather_list: Optional[List[Any]] = None, dst: int = 0,
+               async_op: bool = False) -> Optional[Work]:
         """Gathers every member's ``tensor`` into rank ``dst``'s
         ``gather_list`` (required there, ignored elsewhere)."""
         dst = _u32("dst", dst)
@@ -333,12 +392,18 @@ class World:
             if gather_list is None:
                 raise ValueError("gather: gather_list is required on the destination rank")
             outs = [T.out_spec(t, f"gather_list[{i}]") for i, t in enumerate(gather_list)]
-        flats = self._w.gather(T.send_view(tensor), None if outs is None else [s for _, s in outs], dst)
-        if outs is not None and flats is not None:
-            for (arr, _), flat in zip(outs, flats):
-                T.write(arr, flat)
 
-    def scatter(self, tensor: Any, scatter_list: Optional[List[Any]] = None, src: int = 0) -> None:
+        def finish(flats: Optional[List[np.ndarray]]) -> Any:
+            if outs is not None and flats is not None:
+                for (arr, _), flat in zip(outs, flats):
+                    T.write(arr, flat)
+            return gather_list
+
+        return self._run("gather", (T.send_view(tensor), None if outs is None else [s for _, s in outs], dst),
+                         finish, async_op)
+
+    def scatter(self, tensor: Any, scatter_list: Optional[List[Any]] = None, src: int = 0,
+                async_op: bool = False) -> Optional[Work]:
         """Sends ``scatter_list[i]`` of rank ``src`` into rank i's ``tensor``
         (``scatter_list`` required on ``src``, ignored elsewhere)."""
         src = _u32("src", src)
@@ -348,32 +413,36 @@ class World:
             if scatter_list is None:
                 raise ValueError("scatter: scatter_list is required on the source rank")
             ins = [T.send_view(t, f"scatter_list[{i}]") for i, t in enumerate(scatter_list)]
-        T.write(arr, self._w.scatter(spec, ins, src))
+        return self._run("scatter", (spec, ins, src), _writer(arr, tensor), async_op)
 
-    def reduce_scatter(self, output: Any, input_list: List[Any], op: Any = ReduceOp.SUM) -> None:
+    def reduce_scatter(self, output: Any, input_list: List[Any], op: Any = ReduceOp.SUM,
+                       async_op: bool = False) -> Optional[Work]:
         """Reduces ``input_list[i]`` over every member into rank i's ``output``."""
         arr, spec = T.out_spec(output, "output")
         ins = [T.send_view(t, f"input_list[{i}]") for i, t in enumerate(input_list)]
-        T.write(arr, self._w.reduce_scatter(spec, ins, _op(op)))
+        return self._run("reduce_scatter", (spec, ins, _op(op)), _writer(arr, output), async_op)
 
-    def reduce_scatter_tensor(self, output: Any, input: Any, op: Any = ReduceOp.SUM) -> None:
+    def reduce_scatter_tensor(self, output: Any, input: Any, op: Any = ReduceOp.SUM,
+                              async_op: bool = False) -> Optional[Work]:
         """Reduces ``input`` (``size`` segments) over every member; rank i gets
         segment i in ``output``."""
         arr, spec = T.out_spec(output, "output")
-        T.write(arr, self._w.reduce_scatter_tensor(spec, T.send_view(input, "input"), _op(op)))
+        return self._run("reduce_scatter_tensor", (spec, T.send_view(input, "input"), _op(op)),
+                         _writer(arr, output), async_op)
 
-    def all_to_all(self, output_tensor_list: List[Any], input_tensor_list: List[Any]) -> None:
+    def all_to_all(self, output_tensor_list: List[Any], input_tensor_list: List[Any],
+                   async_op: bool = False) -> Optional[Work]:
         """Sends ``input_tensor_list[i]`` to rank i, which receives it in its
         ``output_tensor_list[me]``."""
         outs = [T.out_spec(t, f"output_tensor_list[{i}]") for i, t in enumerate(output_tensor_list)]
         ins = [T.send_view(t, f"input_tensor_list[{i}]") for i, t in enumerate(input_tensor_list)]
-        flats = self._w.all_to_all([s for _, s in outs], ins)
-        for (arr, _), flat in zip(outs, flats):
-            T.write(arr, flat)
+        return self._run("all_to_all", ([s for _, s in outs], ins),
+                         _list_writer(outs, output_tensor_list), async_op)
 
     def all_to_all_single(self, output: Any, input: Any,
                           output_split_sizes: Optional[Sequence[int]] = None,
-                          input_split_sizes: Optional[Sequence[int]] = None) -> None:
+                          input_split_sizes: Optional[Sequence[int]] = None,
+                          async_op: bool = False) -> Optional[Work]:
         """All-to-all of one tensor split along its first dimension: rank i
         gets ``input_split_sizes[i]`` rows (even splits when ``None``), and
         ``output`` receives ``output_split_sizes[j]`` rows from rank j."""
@@ -386,41 +455,54 @@ class World:
             row = int(np.prod(shape[1:])) if len(shape) > 1 else 1
             return [_u32(what, s) * row for s in splits]
 
-        flat = self._w.all_to_all_single(
-            spec, (flat_in, dname, list(in_shape)),
-            elements(output_split_sizes, arr.shape, "output_split_sizes"),
-            elements(input_split_sizes, in_shape, "input_split_sizes"))
-        T.write(arr, flat)
+        args = (spec, (flat_in, dname, list(in_shape)),
+                elements(output_split_sizes, arr.shape, "output_split_sizes"),
+                elements(input_split_sizes, in_shape, "input_split_sizes"))
+        return self._run("all_to_all_single", args, _writer(arr, output), async_op)
 
     def barrier(self, async_op: bool = False) -> Optional[Work]:
         """Waits until every member has called it."""
-        if async_op:
-            return Work(self._w.barrier_async())
-        self._w.barrier()
-        return None
+        return self._run("barrier", (), lambda _: None, async_op)
 
     # -- object collectives (pickled) -----------------------------------------
-    def broadcast_object_list(self, object_list: List[Any], src: int = 0) -> None:
+    # ``async_op`` is an extension of torch's signatures (the asyncio API
+    # uses it); the lists are filled by ``wait()``.
+    def broadcast_object_list(self, object_list: List[Any], src: int = 0,
+                              async_op: bool = False) -> Optional[Work]:
         """Replaces every member's ``object_list`` items with rank ``src``'s
         (pickled; same length everywhere), like torch."""
         src = _u32("src", src)
         data = pickle.dumps(list(object_list)) if self.rank == src else None
-        got = pickle.loads(self._w.broadcast_object(data, src))
-        object_list[:] = got[: len(object_list)]
 
-    def all_gather_object(self, object_list: List[Any], obj: Any) -> None:
+        def finish(raw: bytes) -> Any:
+            object_list[:] = pickle.loads(raw)[: len(object_list)]
+            return object_list
+
+        return self._run("broadcast_object", (data, src), finish, async_op)
+
+    def all_gather_object(self, object_list: List[Any], obj: Any, async_op: bool = False) -> Optional[Work]:
         """Fills ``object_list`` (one slot per member) with every member's ``obj``."""
-        got = self._w.all_gather_object(pickle.dumps(obj))
-        object_list[:] = [pickle.loads(b) for b in got]
 
-    def gather_object(self, obj: Any, object_gather_list: Optional[List[Any]] = None, dst: int = 0) -> None:
+        def finish(raw: List[bytes]) -> Any:
+            object_list[:] = [pickle.loads(b) for b in raw]
+            return object_list
+
+        return self._run("all_gather_object", (pickle.dumps(obj),), finish, async_op)
+
+    def gather_object(self, obj: Any, object_gather_list: Optional[List[Any]] = None, dst: int = 0,
+                      async_op: bool = False) -> Optional[Work]:
         """Fills rank ``dst``'s ``object_gather_list`` with every member's ``obj``."""
-        got = self._w.gather_object(pickle.dumps(obj), _u32("dst", dst))
-        if got is not None and object_gather_list is not None:
-            object_gather_list[:] = [pickle.loads(b) for b in got]
+
+        def finish(raw: Optional[List[bytes]]) -> Any:
+            if raw is not None and object_gather_list is not None:
+                object_gather_list[:] = [pickle.loads(b) for b in raw]
+            return object_gather_list
+
+        return self._run("gather_object", (pickle.dumps(obj), _u32("dst", dst)), finish, async_op)
 
     def scatter_object_list(self, scatter_object_output_list: List[Any],
-                            scatter_object_input_list: Optional[List[Any]] = None, src: int = 0) -> None:
+                            scatter_object_input_list: Optional[List[Any]] = None, src: int = 0,
+                            async_op: bool = False) -> Optional[Work]:
         """Puts rank ``src``'s ``scatter_object_input_list[i]`` into rank i's
         ``scatter_object_output_list[0]``."""
         src = _u32("src", src)
@@ -429,11 +511,30 @@ class World:
             if scatter_object_input_list is None:
                 raise ValueError("scatter_object_list: the input list is required on the source rank")
             data = [pickle.dumps(o) for o in scatter_object_input_list]
-        got = pickle.loads(self._w.scatter_object(data, src))
-        if scatter_object_output_list:
-            scatter_object_output_list[0] = got
-        else:
-            scatter_object_output_list.append(got)
+
+        def finish(raw: bytes) -> Any:
+            got = pickle.loads(raw)
+            if scatter_object_output_list:
+                scatter_object_output_list[0] = got
+            else:
+                scatter_object_output_list.append(got)
+            return scatter_object_output_list
+
+        return self._run("scatter_object", (data, src), finish, async_op)
+
+    # -- sub-groups -----------------------------------------------------------
+    def new_group(self, ranks: Sequence[int]) -> "Group":
+        """Creates a sub-group of the world ranks ``ranks``, like torch's
+        ``new_group``: **every member of this world (or group) calls it**, in
+        the same order as its other collectives, members of the new group or
+        not, with the same list. Returns a :class:`Group`: the same membership
+        whose collectives run among ``ranks`` only (roots are world ranks;
+        lists are indexed by position in ``group.ranks``). On a rank outside
+        ``ranks`` every collective of the group raises
+        :class:`~multiworld_rs.errors.InvalidArgumentError`."""
+        if isinstance(ranks, (str, bytes)) or not hasattr(ranks, "__iter__"):
+            raise TypeError(f"new_group: ranks must be a sequence of ranks, got {ranks!r}")
+        return Group(self._w.new_group([_u32("ranks[]", r) for r in ranks]))
 
     # -- end ----------------------------------------------------------------
     def finish(self, timeout: float = 30.0) -> None:
@@ -452,6 +553,41 @@ class World:
         """Waits until the world is torn down (after a break, a leave or a
         finish); returns False if it was not within ``timeout`` seconds."""
         return self._w.wait_removed(_seconds("timeout", timeout))
+
+
+class Group(World):
+    """A sub-group of a world, made by :meth:`World.new_group`: the same
+    membership (point-to-point operations, ``rank``, ``generation`` and the
+    world's fault domain are the world's) whose collectives run among
+    :attr:`ranks` only. Roots (``src``/``dst``) are world ranks; lists
+    (``all_gather``'s outputs, ``scatter``'s inputs, ...) hold one entry per
+    group member, in the order of :attr:`ranks`. Sub-groups of a group are
+    made with its own :meth:`new_group`."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"Group(world={self.name!r}, ranks={self.ranks}, rank={self.rank})"
+
+    @property
+    def ranks(self) -> List[int]:
+        """The group's members (world ranks, ascending)."""
+        return list(self._w.group_ranks)
+
+    @property
+    def size(self) -> int:
+        """Number of group members."""
+        return len(self._w.group_ranks)
+
+    @property
+    def group_rank(self) -> Optional[int]:
+        """This process's position in :attr:`ranks` (``None``: not a member)."""
+        return self._w.group_rank
+
+    @property
+    def is_member(self) -> bool:
+        """Whether this process is a member of the group."""
+        return self._w.group_rank is not None
 
 
 class WorldManager:

@@ -1,48 +1,104 @@
-"""asyncio twin of the synchronous API (first version).
+"""asyncio twin of the synchronous API.
 
-Every operation is started in the runtime at once (as with ``isend`` /
-``irecv`` / ``async_op=True``) and awaited through a waiting thread of a
-dedicated pool, so the event loop is never blocked. Cancelling the awaiting
-task withdraws a receive; a send or a collective already started goes on in
-the background (only the waiting stops).
+Every operation starts in the runtime at once (as with ``isend``/``irecv``
+or ``async_op=True``) and is awaited through the event loop itself: when an
+operation ends, the runtime writes a wake-up byte to a socket the loop
+watches (one per event loop, ``loop.add_reader``), and the loop resolves the
+futures of every operation that ended. No thread waits per operation, the
+loop is never blocked, and Rust never calls into Python.
+
+Cancelling a task that awaits a receive (``recv``, ``recv_into``,
+``recv_any``) withdraws the receive: a message that arrives later goes to
+the next receive. A send or a collective that has started cannot be cut off
+without breaking its world, so cancelling its task only stops the waiting;
+the operation finishes in the background (its error, if any, is dropped).
+
+A leader awaiting many worlds::
+
+    async with aio.AsyncWorldManager() as m:
+        worlds = [await m.join(f"w{i}", 0, 2, store) for i in ...]
+        arrays = await asyncio.gather(*(w.recv(1, dtype="float32", shape=n) for w in worlds))
 
 Differences from the synchronous API: ``send`` copies its input (the
-operation outlives the call's borrow), and the collectives offered here are
-``all_reduce``, ``broadcast``, ``all_gather_into_tensor`` and ``barrier``;
-use :attr:`AsyncWorld.sync` with ``asyncio.to_thread`` for the others.
+operation outlives the call's borrow); blocking housekeeping (``join``,
+``finish``, ``leave``, ``shutdown``) runs in a small thread pool.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from typing import Any, List, Optional, Tuple
+import weakref
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from . import _api
+from . import _api, _native
 from ._api import ReduceOp, Work, World, WorldInfo, WorldManager
 
-__all__ = ["AsyncWorldManager", "AsyncWorld"]
+__all__ = ["AsyncWorldManager", "AsyncWorld", "AsyncGroup"]
 
-# One waiting thread per operation in flight (they sleep in Rust, without the
-# GIL); large enough for a leader awaiting many worlds at once.
-_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=256, thread_name_prefix="multiworld-aio")
-
-
-def _consume(fut: "asyncio.Future[Any]") -> None:
-    if not fut.cancelled():
-        fut.exception()  # retrieved: a cancelled operation's error is expected
+# For the calls that block by nature (join, finish, leave, ...), not for
+# operations: those are awaited through the loop's notifier.
+_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="multiworld-aio")
 
 
-async def _wait(work: Work) -> Any:
+class _Bridge:
+    """One event loop's notifier and the futures waiting on it."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._notifier = _native.Notifier()
+        self._pending: Dict[int, Tuple["asyncio.Future[Any]", Work]] = {}
+        self._next = 0
+        loop.add_reader(self._notifier.fileno(), self._ready)
+
+    def watch(self, work: Work) -> Tuple[int, "asyncio.Future[Any]"]:
+        fut = asyncio.get_running_loop().create_future()
+        token = self._next
+        self._next += 1
+        self._pending[token] = (fut, work)
+        work._w.notify(self._notifier, token)
+        return token, fut
+
+    def forget(self, token: int) -> None:
+        self._pending.pop(token, None)
+
+    def _ready(self) -> None:
+        for token in self._notifier.drain():
+            entry = self._pending.pop(token, None)
+            if entry is None:
+                continue
+            fut, work = entry
+            if fut.done():
+                continue
+            # The operation has ended: wait() returns at once (at most the
+            # microseconds until its task hands over the outcome).
+            try:
+                fut.set_result(work.wait())
+            except Exception as e:  # the operation's error, for the awaiting task
+                fut.set_exception(e)
+
+
+_BRIDGES: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Bridge]" = weakref.WeakKeyDictionary()
+
+
+def _bridge() -> _Bridge:
     loop = asyncio.get_running_loop()
-    fut = loop.run_in_executor(_POOL, work.wait)
+    b = _BRIDGES.get(loop)
+    if b is None:
+        b = _BRIDGES[loop] = _Bridge(loop)
+    return b
+
+
+async def _wait(work: Work, withdraw_on_cancel: bool = False) -> Any:
+    bridge = _bridge()
+    token, fut = bridge.watch(work)
     try:
-        return await asyncio.shield(fut)
+        return await fut
     except asyncio.CancelledError:
-        work._w.cancel()
-        fut.add_done_callback(_consume)
+        bridge.forget(token)
+        if withdraw_on_cancel:
+            work._w.cancel()
         raise
 
 
@@ -52,7 +108,9 @@ async def _call(fn: Any, *args: Any, **kw: Any) -> Any:
 
 
 class AsyncWorld:
-    """The coroutine form of :class:`multiworld_rs.World`."""
+    """The coroutine form of :class:`multiworld_rs.World`: the same methods,
+    awaited. Collectives write their results in place, as in the
+    synchronous API, and return what ``Work.wait()`` returns."""
 
     def __init__(self, world: World) -> None:
         self.sync = world
@@ -73,7 +131,7 @@ class AsyncWorld:
 
     @property
     def size(self) -> int:
-        """Number of members."""
+        """Number of members (of the group, for an :class:`AsyncGroup`)."""
         return self.sync.size
 
     @property
@@ -86,42 +144,107 @@ class AsyncWorld:
         """``"ready"``, ``"broken"`` or ``"removed"``."""
         return self.sync.state
 
+    @property
+    def cause(self) -> Optional[str]:
+        """The break cause's kind while the world is broken, else ``None``."""
+        return self.sync.cause
+
+    # -- point to point -----------------------------------------------------
     async def send(self, tensor: Any, dst: int, tag: int = 0) -> None:
         """Sends a copy of ``tensor`` to ``dst``."""
         await _wait(self.sync.isend(tensor, dst, tag))
 
     async def recv(self, src: Optional[int] = None, tag: int = 0, *, dtype: Any, shape: Any) -> np.ndarray:
         """Receives a new array from ``src`` (``None``: any member)."""
-        return await _wait(self.sync.irecv(None, src, tag, dtype=dtype, shape=shape))
+        return await _wait(self.sync.irecv(None, src, tag, dtype=dtype, shape=shape), True)
 
     async def recv_any(self, tag: int = 0, *, dtype: Any, shape: Any) -> Tuple[int, np.ndarray]:
         """Receives from any member; returns ``(sender, array)``."""
         work = self.sync.irecv(None, None, tag, dtype=dtype, shape=shape)
-        arr = await _wait(work)
+        arr = await _wait(work, True)
         return work.source, arr  # type: ignore[attr-defined]
 
     async def recv_into(self, tensor: Any, src: Optional[int] = None, tag: int = 0) -> int:
         """Receives into ``tensor``; returns the sender's rank."""
         work = self.sync.irecv(tensor, src, tag)
-        await _wait(work)
+        await _wait(work, True)
         return work.source  # type: ignore[attr-defined]
 
-    async def all_reduce(self, tensor: Any, op: Any = ReduceOp.SUM) -> None:
-        """In-place all-reduce (see :meth:`World.all_reduce`)."""
-        await _wait(self.sync.all_reduce(tensor, op, async_op=True))
-
-    async def broadcast(self, tensor: Any, src: int) -> None:
+    # -- collectives (see the synchronous methods for the semantics) ---------
+    async def broadcast(self, tensor: Any, src: int) -> Any:
         """In-place broadcast from ``src``."""
-        await _wait(self.sync.broadcast(tensor, src, async_op=True))
+        return await _wait(self.sync.broadcast(tensor, src, async_op=True))
 
-    async def all_gather_into_tensor(self, output_tensor: Any, input_tensor: Any) -> None:
+    async def all_reduce(self, tensor: Any, op: Any = ReduceOp.SUM) -> Any:
+        """In-place all-reduce."""
+        return await _wait(self.sync.all_reduce(tensor, op, async_op=True))
+
+    async def reduce(self, tensor: Any, dst: int, op: Any = ReduceOp.SUM) -> Any:
+        """Reduce into rank ``dst``'s ``tensor``."""
+        return await _wait(self.sync.reduce(tensor, dst, op, async_op=True))
+
+    async def all_gather(self, tensor_list: List[Any], tensor: Any) -> Any:
+        """All-gather into a list of arrays."""
+        return await _wait(self.sync.all_gather(tensor_list, tensor, async_op=True))
+
+    async def all_gather_into_tensor(self, output_tensor: Any, input_tensor: Any) -> Any:
         """All-gather into one tensor."""
-        await _wait(self.sync.all_gather_into_tensor(output_tensor, input_tensor, async_op=True))
+        return await _wait(self.sync.all_gather_into_tensor(output_tensor, input_tensor, async_op=True))
+
+    async def gather(self, tensor: Any, gather_list: Optional[List[Any]] = None, dst: int = 0) -> Any:
+        """Gather into rank ``dst``'s ``gather_list``."""
+        return await _wait(self.sync.gather(tensor, gather_list, dst, async_op=True))
+
+    async def scatter(self, tensor: Any, scatter_list: Optional[List[Any]] = None, src: int = 0) -> Any:
+        """Scatter rank ``src``'s ``scatter_list``."""
+        return await _wait(self.sync.scatter(tensor, scatter_list, src, async_op=True))
+
+    async def reduce_scatter(self, output: Any, input_list: List[Any], op: Any = ReduceOp.SUM) -> Any:
+        """Reduce-scatter of a list."""
+        return await _wait(self.sync.reduce_scatter(output, input_list, op, async_op=True))
+
+    async def reduce_scatter_tensor(self, output: Any, input: Any, op: Any = ReduceOp.SUM) -> Any:
+        """Reduce-scatter of one tensor."""
+        return await _wait(self.sync.reduce_scatter_tensor(output, input, op, async_op=True))
+
+    async def all_to_all(self, output_tensor_list: List[Any], input_tensor_list: List[Any]) -> Any:
+        """All-to-all of lists."""
+        return await _wait(self.sync.all_to_all(output_tensor_list, input_tensor_list, async_op=True))
+
+    async def all_to_all_single(self, output: Any, input: Any,
+                                output_split_sizes: Optional[Sequence[int]] = None,
+                                input_split_sizes: Optional[Sequence[int]] = None) -> Any:
+        """All-to-all of one tensor (even or uneven splits)."""
+        return await _wait(self.sync.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
+                                                       async_op=True))
 
     async def barrier(self) -> None:
         """Waits until every member has called it."""
         await _wait(self.sync.barrier(async_op=True))
 
+    async def broadcast_object_list(self, object_list: List[Any], src: int = 0) -> Any:
+        """Object broadcast (pickled)."""
+        return await _wait(self.sync.broadcast_object_list(object_list, src, async_op=True))
+
+    async def all_gather_object(self, object_list: List[Any], obj: Any) -> Any:
+        """Object all-gather (pickled)."""
+        return await _wait(self.sync.all_gather_object(object_list, obj, async_op=True))
+
+    async def gather_object(self, obj: Any, object_gather_list: Optional[List[Any]] = None, dst: int = 0) -> Any:
+        """Object gather (pickled)."""
+        return await _wait(self.sync.gather_object(obj, object_gather_list, dst, async_op=True))
+
+    async def scatter_object_list(self, scatter_object_output_list: List[Any],
+                                  scatter_object_input_list: Optional[List[Any]] = None, src: int = 0) -> Any:
+        """Object scatter (pickled)."""
+        return await _wait(self.sync.scatter_object_list(scatter_object_output_list, scatter_object_input_list,
+                                                         src, async_op=True))
+
+    async def new_group(self, ranks: Sequence[int]) -> "AsyncGroup":
+        """A sub-group (see :meth:`multiworld_rs.World.new_group`)."""
+        return AsyncGroup(await _call(self.sync.new_group, ranks))
+
+    # -- end ----------------------------------------------------------------
     async def finish(self, timeout: float = 30.0) -> None:
         """Orderly end for every member (see :meth:`World.finish`)."""
         await _call(self.sync.finish, timeout)
@@ -129,6 +252,24 @@ class AsyncWorld:
     def abort(self) -> None:
         """Breaks the world now."""
         self.sync.abort()
+
+    async def wait_removed(self, timeout: Optional[float] = None) -> bool:
+        """Waits until the world is torn down (see :meth:`World.wait_removed`)."""
+        return await _call(self.sync.wait_removed, timeout)
+
+
+class AsyncGroup(AsyncWorld):
+    """The coroutine form of :class:`multiworld_rs.Group`."""
+
+    @property
+    def ranks(self) -> List[int]:
+        """The group's members (world ranks)."""
+        return self.sync.ranks  # type: ignore[attr-defined,no-any-return]
+
+    @property
+    def group_rank(self) -> Optional[int]:
+        """This process's position in :attr:`ranks` (``None``: not a member)."""
+        return self.sync.group_rank  # type: ignore[attr-defined,no-any-return]
 
 
 class AsyncWorldManager:
@@ -152,6 +293,10 @@ class AsyncWorldManager:
         """Joins a world (same options as :meth:`WorldManager.join`)."""
         return AsyncWorld(await _call(self.sync.join, name, rank, size, store, **options))
 
+    async def join_from_env(self, name: str = "world", **options: Any) -> AsyncWorld:
+        """Joins the world the launcher describes (see :meth:`WorldManager.join_from_env`)."""
+        return AsyncWorld(await _call(self.sync.join_from_env, name, **options))
+
     def world(self, name: str) -> Optional[AsyncWorld]:
         """The world of that name, if this process is a member."""
         w = self.sync.world(name)
@@ -169,7 +314,12 @@ class AsyncWorldManager:
         """Leaves every world and stops the hosted stores."""
         await _call(self.sync.shutdown)
 
+    def events(self, timeout: Optional[float] = None) -> "_api.EventStream":
+        """The manager's events, to iterate with ``async for`` (or ``for``);
+        see :meth:`WorldManager.events`."""
+        return self.sync.events(timeout)
+
     async def next_event(self, stream: "_api.EventStream", timeout: Optional[float] = None) -> Any:
-        """The next event of ``stream`` (from ``self.sync.events()``), or
-        ``None`` after ``timeout`` seconds."""
-        return await _call(stream.next, timeout)
+        """The next event of ``stream``, or ``None`` after ``timeout`` seconds."""
+        return await stream.anext(timeout)
+
