@@ -694,7 +694,8 @@ pub struct StoreServer {
     local_addr: SocketAddr,
     stop: CancellationToken,
     kill: CancellationToken,
-    task: Option<JoinHandle<()>>,
+    /// The accept loop; taken by the first `stop`.
+    task: std::sync::Mutex<Option<JoinHandle<()>>>,
 }
 
 impl StoreServer {
@@ -739,7 +740,7 @@ impl StoreServer {
             local_addr,
             stop,
             kill,
-            task: Some(task),
+            task: std::sync::Mutex::new(Some(task)),
         })
     }
 
@@ -800,10 +801,22 @@ impl StoreServer {
 
     /// Closes every world, stops accepting, and waits (at most `grace`) for
     /// open connections to finish.
-    pub async fn shutdown(mut self, grace: Duration) {
+    pub async fn shutdown(self, grace: Duration) {
+        self.stop(grace).await;
+    }
+
+    /// [`StoreServer::shutdown`] through a shared reference (for a server
+    /// that others still hold): when it returns, the listening port is free
+    /// and every connection is closed. Later calls return at once.
+    pub async fn stop(&self, grace: Duration) {
         self.shared.close_all();
         self.stop.cancel();
-        if let Some(mut task) = self.task.take() {
+        let task = self
+            .task
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        if let Some(mut task) = task {
             if tokio::time::timeout(grace, &mut task).await.is_err() {
                 tracing::warn!(addr = %self.local_addr, "store connections did not drain in time; aborting");
                 self.kill.cancel();

@@ -491,8 +491,9 @@ impl WorldManager {
         stalled_now(&self.inner)
     }
 
-    /// Leaves every world, stops the stores this process hosts, and stops the
-    /// monitor. Joins fail afterwards.
+    /// Leaves every world, stops the stores this process hosts (their ports
+    /// are free when it returns, even while world handles are still held),
+    /// and stops the monitor. Joins fail afterwards.
     pub async fn shutdown(&self) {
         let names: Vec<WorldName> = self.inner.registry.iter().map(|e| e.key().clone()).collect();
         for name in names {
@@ -501,11 +502,10 @@ impl WorldManager {
         self.inner.root.cancel();
         let hosts = std::mem::take(&mut *self.inner.hosts.lock().await);
         for h in hosts {
-            // Worlds being torn down elsewhere may still hold the server; it
-            // stops when the last of them lets go.
-            if let Ok(server) = Arc::try_unwrap(h.server) {
-                server.shutdown(Duration::from_secs(1)).await;
-            }
+            // Stopped even while world handles the application still holds
+            // share it: every world of this manager has been left, and the
+            // port must be free when shutdown returns.
+            h.server.stop(Duration::from_secs(1)).await;
         }
     }
 }

@@ -338,6 +338,13 @@ async fn shutdown_removes_everything_and_refuses_new_joins() {
     let (_a, b) = pair(&leader, &worker, "w", &store).await;
     leader.shutdown().await;
     assert!(leader.worlds().is_empty());
+    // The hosted store is stopped although the world handle `_a` (which
+    // shares its server) is still held: the port can be bound at once.
+    let again = StoreServer::bind(store.parse().unwrap(), ServerConfig::default()).await;
+    if let Err(e) = &again {
+        panic!("the store's port is still bound after shutdown: {e}");
+    }
+    drop(again);
     assert!(matches!(
         leader.join(cfg("x", 0, 1, &store)).await.unwrap_err(),
         WorldError::ShutDown

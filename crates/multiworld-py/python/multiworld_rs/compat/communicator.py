@@ -9,8 +9,6 @@ world is broken. Get the communicator from
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 from typing import TYPE_CHECKING, Any, Callable, List, NoReturn, Optional
 
 from .. import aio
@@ -26,11 +24,6 @@ __all__ = ["BrokenWorldException", "WorldCommunicator", "DEFAULT_WORLD_NAME"]
 #: empty name; no world can be joined under it here, so an operation that
 #: leaves ``world_name`` out raises :class:`BrokenWorldException`).
 DEFAULT_WORLD_NAME = ""
-
-# Threads that wait in the collectives multiworld_rs.aio does not offer
-# (reduce, all_gather, gather, scatter); they sleep in Rust without the GIL.
-# Large enough for a leader waiting on many worlds at once.
-_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=256, thread_name_prefix="multiworld-compat")
 
 
 def _rebuild(cls: type, world_name: str, msg: str, fields: dict) -> "BrokenWorldException":
@@ -129,16 +122,6 @@ class WorldCommunicator:
         except (BrokenWorldError, NotJoinedError) as e:
             self._raise(e, world_name)
 
-    async def _run_sync(self, world_name: str, op: Callable[[Any], Any]) -> None:
-        """Runs a blocking operation of the synchronous world in a waiting
-        thread (for the collectives multiworld_rs.aio does not offer)."""
-        sync = self._world(world_name).sync
-        loop = asyncio.get_running_loop()
-        try:
-            await loop.run_in_executor(_POOL, op, sync)
-        except (BrokenWorldError, NotJoinedError) as e:
-            self._raise(e, world_name)
-
     def is_broken(self, world_name: str) -> bool:
         """Whether the world is broken; as in the older library, a name that
         is not a world of this process (never initialized, removed, torn down
@@ -192,7 +175,7 @@ class WorldCommunicator:
         Raises:
             BrokenWorldException: the world is broken or not there.
         """
-        await self._run_sync(world_name, lambda s: s.reduce(tensor, dst, op))
+        await self._run(world_name, lambda w: w.reduce(tensor, dst, op))
 
     async def all_gather(self, tensors: List[Any], tensor: Any,
                          world_name: str = DEFAULT_WORLD_NAME) -> None:
@@ -202,7 +185,7 @@ class WorldCommunicator:
         Raises:
             BrokenWorldException: the world is broken or not there.
         """
-        await self._run_sync(world_name, lambda s: s.all_gather(tensors, tensor))
+        await self._run(world_name, lambda w: w.all_gather(tensors, tensor))
 
     async def gather(self, tensor: Any, gather_list: Optional[List[Any]] = None, dst: int = 0,
                      world_name: str = DEFAULT_WORLD_NAME) -> None:
@@ -212,7 +195,7 @@ class WorldCommunicator:
         Raises:
             BrokenWorldException: the world is broken or not there.
         """
-        await self._run_sync(world_name, lambda s: s.gather(tensor, gather_list, dst))
+        await self._run(world_name, lambda w: w.gather(tensor, gather_list, dst))
 
     async def scatter(self, tensor: Any, scatter_list: Optional[List[Any]] = None, src: int = 0,
                       world_name: str = DEFAULT_WORLD_NAME) -> None:
@@ -222,4 +205,4 @@ class WorldCommunicator:
         Raises:
             BrokenWorldException: the world is broken or not there.
         """
-        await self._run_sync(world_name, lambda s: s.scatter(tensor, scatter_list, src))
+        await self._run(world_name, lambda w: w.scatter(tensor, scatter_list, src))
