@@ -41,4 +41,4 @@ if [ "${MW_PY_RELEASE:-0}" = 1 ]; then release=(--release); fi
 
 echo "== pytest"
 cd "$crate"
-exec "$py" -m pytest -q -p no:cacheprovider "$@" tests
+exec "$py" -m pytest -q -rs -p no:cacheprovider "$@" tests
