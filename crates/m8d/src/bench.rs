@@ -134,6 +134,10 @@ pub struct FailoverArgs {
     /// Kill-and-freeze rounds.
     #[arg(long, default_value_t = 3)]
     pub rounds: usize,
+    /// Serve the leader's metrics at this address (`GET /metrics`; watch
+    /// with `m8d status ADDR --watch`).
+    #[arg(long, value_name = "ADDR")]
+    pub metrics: Option<std::net::SocketAddr>,
     /// Seconds of throughput measured before and after each fault.
     #[arg(long, value_parser = crate::args::seconds, allow_negative_numbers = true, default_value = "2")]
     pub window: Duration,
@@ -554,7 +558,11 @@ async fn failover(args: FailoverArgs) -> anyhow::Result<()> {
     let exe = std::env::current_exe().context("finding m8d's own path")?;
     let mut config = m8d::fleet::FleetConfig::new(exe, args.workers);
     config.bytes = args.bytes;
+    config.metrics_addr = args.metrics;
     let mut fleet = m8d::fleet::Fleet::start(config).await?;
+    if let Some(addr) = fleet.leader.metrics_addr() {
+        eprintln!("the leader's metrics: http://{addr}/metrics");
+    }
     let victim = 1;
     let healthy: Vec<usize> = (0..args.workers).filter(|&i| i != victim).collect();
     let window = args.window;

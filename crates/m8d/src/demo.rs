@@ -50,6 +50,10 @@ pub struct DemoArgs {
     /// Bytes per message.
     #[arg(long, default_value_t = 65536)]
     pub bytes: usize,
+    /// Serve the leader's metrics at this address (`GET /metrics`), so that
+    /// `m8d status ADDR` can watch it from a second terminal.
+    #[arg(long, value_name = "ADDR")]
+    pub metrics: Option<std::net::SocketAddr>,
 }
 
 struct Table {
@@ -140,12 +144,16 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     let exe = std::env::current_exe().context("finding m8d's own path")?;
     let mut config = FleetConfig::new(exe, args.workers);
     config.bytes = args.bytes;
+    config.metrics_addr = args.metrics;
     let started = Instant::now();
     println!(
         "m8d demo: a leader and {} worker processes on loopback, one world each, {} B checksummed messages",
         args.workers, args.bytes
     );
     let mut fleet = Fleet::start(config).await?;
+    if let Some(addr) = fleet.leader.metrics_addr() {
+        println!("the leader's metrics: http://{addr}/metrics (watch with `m8d status {addr} --watch`)");
+    }
     println!(
         "all {} worlds joined in {:?} (stores hosted by the leader at {})",
         args.workers,

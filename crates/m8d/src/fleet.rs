@@ -58,6 +58,9 @@ pub struct FleetConfig {
     /// The store address each worker is given; `None`: the leader's store
     /// itself. The leader always joins through its own store directly.
     pub worker_store: Option<WorkerStore>,
+    /// Serve the leader's metrics at this address (see
+    /// `ManagerConfig::metrics_addr`); `None`: the environment decides.
+    pub metrics_addr: Option<std::net::SocketAddr>,
 }
 
 impl FleetConfig {
@@ -70,6 +73,7 @@ impl FleetConfig {
             join_timeout: Duration::from_secs(30),
             worker_logs: false,
             worker_store: None,
+            metrics_addr: None,
         }
     }
 }
@@ -143,7 +147,11 @@ impl Fleet {
     /// Starts the leader's store, the workers and their worlds, and waits
     /// until every stream flows.
     pub async fn start(config: FleetConfig) -> anyhow::Result<Fleet> {
-        let leader = WorldManager::default();
+        let mut manager_config = multiworld::ManagerConfig::default();
+        if config.metrics_addr.is_some() {
+            manager_config.metrics_addr = config.metrics_addr;
+        }
+        let leader = WorldManager::new(manager_config);
         let store = leader.serve_store("127.0.0.1:0").await?.to_string();
         let mut fleet = Fleet {
             leader,

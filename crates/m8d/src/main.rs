@@ -23,6 +23,7 @@ mod args;
 mod bench;
 mod demo;
 mod kv;
+mod observe;
 mod secret;
 mod store;
 mod worker;
@@ -57,6 +58,12 @@ enum Command {
     /// Run a benchmark and print its figures.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
+    /// Print a flight record (what a world was doing when it broke, written
+    /// to MULTIWORLD_FLIGHT_RECORDER_DIR) as a timeline.
+    Flight(observe::FlightArgs),
+    /// Show a process's worlds live from its metrics endpoint: state,
+    /// generation, peers, rates, breaks and their causes.
+    Status(observe::StatusArgs),
 }
 
 /// Flags of `m8d launch`.
@@ -80,11 +87,30 @@ struct LaunchArgs {
     command: Vec<std::ffi::OsString>,
 }
 
+/// Logs go to stderr: human-readable, coloured only when stderr is a
+/// terminal; `MULTIWORLD_LOG_FORMAT=json` writes one JSON object per line
+/// instead (with the span fields: world, generation, rank). `RUST_LOG`
+/// filters (default `warn`).
+fn init_logging() {
+    use std::io::IsTerminal;
+    let filter = EnvFilter::try_from_env("RUST_LOG").unwrap_or_else(|_| EnvFilter::new("warn"));
+    let json = std::env::var("MULTIWORLD_LOG_FORMAT").is_ok_and(|f| f.eq_ignore_ascii_case("json"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    if json {
+        builder
+            .json()
+            .with_current_span(true)
+            .with_span_list(false)
+            .init();
+    } else {
+        builder.with_ansi(std::io::stderr().is_terminal()).init();
+    }
+}
+
 fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(EnvFilter::try_from_env("RUST_LOG").unwrap_or_else(|_| EnvFilter::new("warn")))
-        .with_writer(std::io::stderr)
-        .init();
+    init_logging();
     let cli = Cli::parse();
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let code = runtime.block_on(async move {
@@ -110,6 +136,8 @@ fn main() -> anyhow::Result<()> {
             Command::Kv(args) => kv::run(args).await,
             Command::Bench(cmd) => bench::run(cmd).await,
             Command::Worker(args) => worker::run(args).await,
+            Command::Flight(args) => observe::flight(&args),
+            Command::Status(args) => observe::status(args).await,
         }
         .map(|()| 0)
     })?;

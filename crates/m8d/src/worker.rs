@@ -50,6 +50,10 @@ pub struct WorkerArgs {
     /// Elements (f32) per all-reduce in `--mode all-reduce`.
     #[arg(long, default_value_t = 1 << 20)]
     pub elements: usize,
+    /// In `--mode all-reduce`, stop taking part at this round and hang (a
+    /// rank that never answers, for fault-injection tests).
+    #[arg(long)]
+    pub stall_at_round: Option<u64>,
     /// How long joining may take, in seconds.
     #[arg(long, value_parser = crate::args::seconds, allow_negative_numbers = true, default_value = "30")]
     pub join_timeout: Duration,
@@ -84,7 +88,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         world.generation()
     );
     if args.mode == Mode::AllReduce {
-        return all_reduce_forever(&world, args.elements).await;
+        return all_reduce_forever(&world, args.elements, args.stall_at_round).await;
     }
     let asked = Arc::new(AtomicBool::new(false));
     let listener = {
@@ -134,11 +138,19 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
 /// All-reduces forever; returns when the world ends. A result that is not
 /// exactly the expected sum is an error (exit code 1): a survivor must never
 /// take a partial result for a complete one.
-async fn all_reduce_forever(world: &multiworld::World, elements: usize) -> anyhow::Result<()> {
+async fn all_reduce_forever(
+    world: &multiworld::World,
+    elements: usize,
+    stall_at: Option<u64>,
+) -> anyhow::Result<()> {
     let group = world.collectives();
     let size = world.size();
     let me = world.rank().0;
     for round in 0u64.. {
+        if stall_at == Some(round) {
+            eprintln!("worker {me} of {}: hanging at round {round}", world.name());
+            std::future::pending::<()>().await;
+        }
         let mut t = multiworld::Tensor::from_vec(
             vec![m8d::stream::all_reduce_value(me, round); elements],
             [elements],
@@ -156,6 +168,9 @@ async fn all_reduce_forever(world: &multiworld::World, elements: usize) -> anyho
                     "worker {me} of {}: all-reduce round {round} failed: {e}",
                     world.name()
                 );
+                // Let the world's break run its course (flight record
+                // written, store told) before the process ends.
+                let _ = tokio::time::timeout(Duration::from_secs(10), world.removed()).await;
                 return Ok(());
             }
         }

@@ -277,15 +277,22 @@ pub struct Group {
     observer: Option<Arc<dyn CallObserver>>,
 }
 
-/// Told when each collective call of a group starts running; what it returns
-/// is dropped when the call ends, however it ends. A runtime that watches its
-/// worlds uses it to register every call's deadline with its watchdog
-/// (see [`Group::with_observer`]). Called on the async task making the call:
-/// it must not block.
+/// Told when each collective call of a group starts running and how it ends.
+/// A runtime that watches its worlds uses it to register every call's
+/// deadline with its watchdog and to record and time its calls (see
+/// [`Group::with_observer`]). Called on the async task making the call: it
+/// must not block.
 pub trait CallObserver: Send + Sync {
     /// Call `op` (e.g. `"all_reduce"`) starts; the returned value lives as
     /// long as the call runs.
-    fn call_started(&self, op: &'static str) -> Box<dyn Send>;
+    fn call_started(&self, op: &'static str) -> Box<dyn CallEnd>;
+}
+
+/// The end of one observed call (from [`CallObserver::call_started`]).
+pub trait CallEnd: Send {
+    /// The call ended with `error` (`None`: it succeeded). A call whose
+    /// future is dropped before it ends is not told: its value is dropped.
+    fn ended(self: Box<Self>, error: Option<&Error>);
 }
 
 impl fmt::Debug for Group {
@@ -783,7 +790,7 @@ impl<'g> Call<'g> {
         let op = self.kind.name();
         let local = g.comm.rank();
         debug!(rank = %local, group = g.id, seq = self.seq, op, "collective call starts");
-        let _observed = self.group.observer.as_ref().map(|o| o.call_started(op));
+        let observed = self.group.observer.as_ref().map(|o| o.call_started(op));
         let body = async {
             match self.group.cfg.timeout.or(g.comm.config().op_timeout) {
                 None => fut.await,
@@ -814,6 +821,9 @@ impl<'g> Call<'g> {
             Err(e) => {
                 debug!(rank = %local, group = g.id, seq = self.seq, op, error = %e, "collective call failed")
             }
+        }
+        if let Some(end) = observed {
+            end.ended(r.as_ref().err());
         }
         r
     }

@@ -56,6 +56,6 @@ mod shm;
 mod util;
 
 pub use desc::Kind as CollectiveKind;
-pub use group::{Algorithm, CallObserver, CollectiveConfig, Group};
+pub use group::{Algorithm, CallEnd, CallObserver, CollectiveConfig, Group};
 pub use handle::CollectiveHandle;
 pub use shm::SharedMemory;

@@ -56,26 +56,12 @@ pub fn new(py: Python<'_>, name: &str, message: String, fields: &[(&str, Py<PyAn
 
 /// The short name of a break cause, as Python sees it (`"peer_lost"`, ...).
 pub fn cause_kind(cause: &BreakCause) -> &'static str {
-    match cause {
-        BreakCause::PeerLost { .. } => "peer_lost",
-        BreakCause::HeartbeatTimeout { .. } => "heartbeat_timeout",
-        BreakCause::OpDeadline { .. } => "op_deadline",
-        BreakCause::StoreLost { .. } => "store_lost",
-        BreakCause::ReportedByPeer { .. } => "reported_by_peer",
-        BreakCause::Device { .. } => "device",
-        BreakCause::Aborted => "aborted",
-        _ => "unknown",
-    }
+    cause.kind()
 }
 
 /// The rank a break cause is about, if any.
 pub fn cause_rank(cause: &BreakCause) -> Option<u32> {
-    match cause {
-        BreakCause::PeerLost { rank, .. }
-        | BreakCause::HeartbeatTimeout { rank, .. }
-        | BreakCause::ReportedByPeer { rank, .. } => Some(rank.0),
-        _ => None,
-    }
+    cause.rank().map(|r| r.0)
 }
 
 fn obj<'py>(py: Python<'py>, v: impl IntoPyObject<'py>) -> Py<PyAny> {

@@ -2,7 +2,9 @@
 
 use multiworld_types::{Generation, Rank, WorldName};
 
-use crate::lifecycle::BreakCause;
+use std::sync::Arc;
+
+use crate::{lifecycle::BreakCause, recorder::FlightRecord};
 
 /// Something that happened to one of the process's worlds.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -27,6 +29,9 @@ pub enum WorldEvent {
         generation: Generation,
         /// Why.
         cause: BreakCause,
+        /// What the world was doing when it broke: its last operations and
+        /// those still pending (see [`FlightRecord::timeline`]).
+        record: Arc<FlightRecord>,
     },
     /// The world's device communicator did not finish aborting within its
     /// deadline (a hung kernel or NCCL call): its communicator, stream and

@@ -17,7 +17,13 @@
 //! - `watchdog`: the watchdog's decisions as pure functions of
 //!   `(now, observations, config)` with a human-readable reason, and the
 //!   process monitor's "which watchdog is stuck" decision.
-//! - `events`: [`WorldEvent`] (`Joined`, `Broken`, `Removed`).
+//! - `events`: [`WorldEvent`] (`Joined`, `Broken` with its flight record,
+//!   `Removed`, ...).
+//! - `recorder`: the flight recorder: each world's last operations and those
+//!   pending ([`FlightRecord`], its readable timeline).
+//! - `metrics`: Prometheus metrics of the process and its worlds, and the
+//!   opt-in HTTP endpoint (`ManagerConfig::metrics_addr`,
+//!   `MULTIWORLD_METRICS_ADDR`); [`WorldManager::metrics_text`].
 //! - `rendezvous`: the TCP backend's rendezvous over a world's store.
 //! - `device` (with the `nccl` feature): a world's GPU side — the NCCL
 //!   communicator of an NCCL world ([`NcclWorld`], [`DeviceOp`]), watched by
@@ -68,6 +74,8 @@ mod error;
 mod events;
 mod lifecycle;
 mod manager;
+mod metrics;
+mod recorder;
 mod rendezvous;
 mod watchdog;
 mod world;
@@ -89,5 +97,6 @@ pub use multiworld_tcp::Received;
 pub use multiworld_types::{
     DType, Element, Generation, Rank, ReduceOp, Secret, Tag, Tensor, TensorView, WorldName, bf16, f16,
 };
+pub use recorder::{FlightRecord, OpRecord, Outcome as OpOutcome};
 pub use watchdog::WatchdogConfig;
 pub use world::{PendingRecv, PendingSend, ReceiveFailed, World};

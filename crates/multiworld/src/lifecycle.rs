@@ -58,6 +58,33 @@ pub enum BreakCause {
     Aborted,
 }
 
+impl BreakCause {
+    /// The cause's kind as a short name: `peer_lost`, `heartbeat_timeout`,
+    /// `op_deadline`, `store_lost`, `reported_by_peer`, `device` or
+    /// `aborted` (the metrics' `cause` label and the Python `.cause`).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            BreakCause::PeerLost { .. } => "peer_lost",
+            BreakCause::HeartbeatTimeout { .. } => "heartbeat_timeout",
+            BreakCause::OpDeadline { .. } => "op_deadline",
+            BreakCause::StoreLost { .. } => "store_lost",
+            BreakCause::ReportedByPeer { .. } => "reported_by_peer",
+            BreakCause::Device { .. } => "device",
+            BreakCause::Aborted => "aborted",
+        }
+    }
+
+    /// The member the cause is about, if any.
+    pub fn rank(&self) -> Option<Rank> {
+        match self {
+            BreakCause::PeerLost { rank, .. }
+            | BreakCause::HeartbeatTimeout { rank, .. }
+            | BreakCause::ReportedByPeer { rank, .. } => Some(*rank),
+            _ => None,
+        }
+    }
+}
+
 impl fmt::Display for BreakCause {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {

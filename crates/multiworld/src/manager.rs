@@ -11,6 +11,7 @@
 use std::{
     collections::HashSet,
     net::{IpAddr, Ipv4Addr, SocketAddr},
+    path::PathBuf,
     sync::{Arc, Weak},
     time::{Duration, Instant},
 };
@@ -27,12 +28,15 @@ use crate::{
     error::{JoinFailure, WorldError},
     events::WorldEvent,
     lifecycle::WorldState,
+    metrics::{Endpoint, Metrics},
     rendezvous::StoreRendezvous,
     watchdog::stalled,
     world::{Attachments, Joined, Registry, Slot, World, WorldShared},
 };
 
-/// Settings of a manager. `Default` gives the documented defaults.
+/// Settings of a manager. `Default` gives the documented defaults, with
+/// `metrics_addr` and `flight_recorder_dir` read from the environment
+/// (`MULTIWORLD_METRICS_ADDR`, `MULTIWORLD_FLIGHT_RECORDER_DIR`).
 #[derive(Debug, Clone)]
 pub struct ManagerConfig {
     /// How often the process monitor looks at the watchdogs (default 500 ms).
@@ -43,14 +47,51 @@ pub struct ManagerConfig {
     /// Events buffered per subscriber before a slow one starts missing them
     /// (default 4,096).
     pub event_capacity: usize,
+    /// Serve Prometheus metrics over HTTP at this address (`GET /metrics`;
+    /// port 0 picks a free port, see [`WorldManager::metrics_addr`]). Default:
+    /// `MULTIWORLD_METRICS_ADDR` when set (e.g. `0.0.0.0:9464`), else off.
+    /// The metrics exist either way ([`WorldManager::metrics_text`]).
+    pub metrics_addr: Option<SocketAddr>,
+    /// Operations each world's flight recorder keeps once ended (default
+    /// 256; the ones still running are always kept).
+    pub flight_recorder_capacity: usize,
+    /// Write a broken world's flight record to this directory, as
+    /// `<world>-g<generation>-r<rank>.json` (`m8d flight FILE` prints it).
+    /// Default: `MULTIWORLD_FLIGHT_RECORDER_DIR` when set, else off (the
+    /// record is still logged and attached to [`WorldEvent::Broken`]).
+    pub flight_recorder_dir: Option<PathBuf>,
 }
+
+/// The environment variable naming the metrics endpoint's address.
+pub const METRICS_ADDR_ENV: &str = "MULTIWORLD_METRICS_ADDR";
+/// The environment variable naming the flight records' directory.
+pub const FLIGHT_RECORDER_DIR_ENV: &str = "MULTIWORLD_FLIGHT_RECORDER_DIR";
 
 impl Default for ManagerConfig {
     fn default() -> Self {
+        let metrics_addr = std::env::var(METRICS_ADDR_ENV)
+            .ok()
+            .map(|v| v.trim().to_string())
+            .filter(|v| !v.is_empty())
+            .and_then(|v| match v.parse() {
+                Ok(a) => Some(a),
+                Err(e) => {
+                    tracing::error!(
+                        "{METRICS_ADDR_ENV}={v:?} is not an ip:port address ({e}); metrics are not served"
+                    );
+                    None
+                }
+            });
+        let flight_recorder_dir = std::env::var_os(FLIGHT_RECORDER_DIR_ENV)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from);
         ManagerConfig {
             monitor_interval: Duration::from_millis(500),
             stall_after: Duration::from_secs(2),
             event_capacity: 4096,
+            metrics_addr,
+            flight_recorder_capacity: crate::recorder::DEFAULT_CAPACITY,
+            flight_recorder_dir,
         }
     }
 }
@@ -78,6 +119,9 @@ struct HostedStore {
 struct Inner {
     config: ManagerConfig,
     registry: Arc<Registry>,
+    metrics: Arc<Metrics>,
+    /// The metrics endpoint, when one is served.
+    endpoint: Option<Endpoint>,
     events: broadcast::Sender<WorldEvent>,
     root: CancellationToken,
     hosts: tokio::sync::Mutex<Vec<HostedStore>>,
@@ -150,11 +194,28 @@ impl WorldManager {
     /// its own (see [`WorldEvent::WatchdogStalled`]).
     pub fn new(config: ManagerConfig) -> WorldManager {
         let (events, _) = broadcast::channel(config.event_capacity.max(16));
+        let registry = Arc::new(Registry::new());
+        let metrics = Arc::new(Metrics::new(Arc::downgrade(&registry)));
+        let root = CancellationToken::new();
+        let endpoint = config.metrics_addr.and_then(|addr| {
+            match crate::metrics::serve(addr, Arc::downgrade(&metrics), &root) {
+                Ok(e) => {
+                    tracing::info!(addr = %e.addr, "serving metrics at http://{}/metrics", e.addr);
+                    Some(e)
+                }
+                Err(e) => {
+                    tracing::error!(%addr, error = %e, "cannot serve metrics");
+                    None
+                }
+            }
+        });
         let inner = Arc::new(Inner {
             config,
-            registry: Arc::new(Registry::new()),
+            registry,
+            metrics,
+            endpoint,
             events,
-            root: CancellationToken::new(),
+            root,
             hosts: tokio::sync::Mutex::new(Vec::new()),
             #[cfg(feature = "nccl")]
             nccl: std::sync::Mutex::new(None),
@@ -182,6 +243,27 @@ impl WorldManager {
     /// Subscribes to world events from now on.
     pub fn events(&self) -> broadcast::Receiver<WorldEvent> {
         self.inner.events.subscribe()
+    }
+
+    /// Where the metrics endpoint listens (`None`: not served, see
+    /// [`ManagerConfig::metrics_addr`]).
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.inner.endpoint.as_ref().map(|e| e.addr)
+    }
+
+    /// Every metric of this process and its worlds now, in Prometheus' text
+    /// format (what the endpoint serves).
+    pub fn metrics_text(&self) -> String {
+        self.inner.metrics.encode()
+    }
+
+    /// The flight record of the world `name` now (its last operations and
+    /// those running), if this process is a member.
+    pub fn flight_record(&self, name: impl AsRef<str>) -> Option<crate::recorder::FlightRecord> {
+        match self.inner.registry.get(name.as_ref()).as_deref() {
+            Some(Slot::Member(w)) => Some(w.flight_record("on request")),
+            _ => None,
+        }
     }
 
     /// Starts (or finds) a store server of this process at `bind` and returns
@@ -299,6 +381,7 @@ impl WorldManager {
             .insert(name.clone(), Slot::Member(Arc::clone(&shared)));
         reservation.armed = false;
         shared.start();
+        self.inner.metrics.joins.inc();
         tracing::info!(
             world = %name,
             generation = shared.generation.0,
@@ -414,6 +497,9 @@ impl WorldManager {
                             token,
                             events: self.inner.events.clone(),
                             registry: Arc::downgrade(&self.inner.registry),
+                            metrics: Arc::clone(&self.inner.metrics),
+                            flight_capacity: self.inner.config.flight_recorder_capacity,
+                            flight_dir: self.inner.config.flight_recorder_dir.clone(),
                         },
                     );
                     #[cfg(feature = "nccl")]
@@ -595,6 +681,7 @@ fn monitor(inner: Weak<Inner>, stop: CancellationToken) {
         for (name, stuck) in &now_stalled {
             if reported.insert(name.clone()) {
                 tracing::error!(world = %name, stuck_for = ?stuck, "the world's watchdog is not running");
+                inner.metrics.watchdog_stalls.inc();
                 let _ = inner.events.send(WorldEvent::WatchdogStalled {
                     world: name.clone(),
                     stuck_for: *stuck,

@@ -11,13 +11,20 @@
 //!   dead or closed store is noticed as soon as its connection fails.
 //!
 //! Breaking a world aborts its communicator first (every pending operation
-//! fails at once), then announces the cause in the store, cancels the world's
+//! fails at once), takes its flight record (what it was doing: see
+//! `recorder`), then announces the cause in the store, cancels the world's
 //! tasks, closes the store if this process hosts it, and finally emits
 //! `Removed`. Nothing here is shared with any other world.
+//!
+//! Every operation (point to point and collective) goes through one
+//! [`OpGuard`]: it registers the deadline (with `op_timeout`), records the
+//! operation in the flight recorder and its duration in the world's latency
+//! histograms.
 
 use std::{
+    path::PathBuf,
     sync::{Arc, Mutex, MutexGuard, Weak},
-    time::{Duration, Instant},
+    time::{Duration, Instant, SystemTime},
 };
 
 use dashmap::DashMap;
@@ -27,12 +34,15 @@ use multiworld_tcp::{Communicator, Error as TcpError, Received};
 use multiworld_types::{Generation, Rank, Tag, Tensor, TensorView, WorldName};
 use tokio::sync::{broadcast, watch};
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
+use tracing::Instrument;
 
 use crate::{
     config::WorldConfig,
     error::WorldError,
     events::WorldEvent,
     lifecycle::{BreakCause, Lifecycle, Transition, WorldState},
+    metrics::{CauseKind, CauseLabel, Metrics, OpLatencies},
+    recorder::{FlightRecord, FlightRecorder, OpStart, Outcome},
     watchdog::{Observations, PeerObservation, ReasonLog, Verdict, decide},
 };
 
@@ -118,6 +128,17 @@ pub(crate) struct WorldShared {
     last_tick_us: std::sync::atomic::AtomicU64,
     epoch: Instant,
     removed: watch::Sender<bool>,
+    /// What the world did lately (see `recorder`).
+    recorder: FlightRecorder,
+    /// Its operations' durations by kind.
+    pub(crate) latencies: OpLatencies,
+    /// The manager's process-level metrics.
+    metrics: Arc<Metrics>,
+    /// Where a broken world's flight record is written (one JSON file).
+    flight_dir: Option<PathBuf>,
+    /// The span the world's tasks run in (fields world, generation, rank),
+    /// so every line they log carries them (e.g. in JSON logs).
+    span: tracing::Span,
     /// The world's NCCL communicator (NCCL worlds only), set once at join.
     #[cfg(feature = "nccl")]
     pub(crate) device: std::sync::OnceLock<Arc<crate::device::DeviceSide>>,
@@ -139,6 +160,10 @@ pub(crate) struct Attachments {
     pub(crate) token: CancellationToken,
     pub(crate) events: broadcast::Sender<WorldEvent>,
     pub(crate) registry: Weak<Registry>,
+    pub(crate) metrics: Arc<Metrics>,
+    /// Operations the flight recorder keeps once ended.
+    pub(crate) flight_capacity: usize,
+    pub(crate) flight_dir: Option<PathBuf>,
 }
 
 impl WorldShared {
@@ -154,7 +179,17 @@ impl WorldShared {
             token,
             events,
             registry,
+            metrics,
+            flight_capacity,
+            flight_dir,
         } = attach;
+        let epoch = Instant::now();
+        let span = tracing::info_span!(
+            "world",
+            world = %config.name,
+            generation = store.generation(),
+            rank = config.rank.0
+        );
         let mut lifecycle = Lifecycle::new();
         // A fresh lifecycle is Joining, so this cannot be refused.
         let _ = lifecycle.ready();
@@ -164,7 +199,7 @@ impl WorldShared {
             rank: config.rank,
             size: config.size,
             config,
-            collectives: Group::world(&comm).with_observer(Arc::new(CollectiveDeadlines(me.clone()))),
+            collectives: Group::world(&comm).with_observer(Arc::new(CollectiveCalls(me.clone()))),
             comm,
             store,
             store_addr,
@@ -182,8 +217,13 @@ impl WorldShared {
             events,
             registry,
             last_tick_us: std::sync::atomic::AtomicU64::new(0),
-            epoch: Instant::now(),
+            epoch,
             removed: watch::Sender::new(false),
+            recorder: FlightRecorder::new(flight_capacity, epoch, SystemTime::now()),
+            latencies: OpLatencies::default(),
+            metrics,
+            flight_dir,
+            span,
             #[cfg(feature = "nccl")]
             device: std::sync::OnceLock::new(),
         })
@@ -197,8 +237,10 @@ impl WorldShared {
             gone: None,
             reported: None,
         });
-        self.tasks.spawn(store_watcher(Arc::clone(self), tx));
-        self.tasks.spawn(watchdog(Arc::clone(self), rx));
+        self.tasks
+            .spawn(store_watcher(Arc::clone(self), tx).instrument(self.span.clone()));
+        self.tasks
+            .spawn(watchdog(Arc::clone(self), rx).instrument(self.span.clone()));
         self.tasks.close();
     }
 
@@ -235,23 +277,76 @@ impl WorldShared {
         }
     }
 
-    /// Registers an operation's deadline (when the world has `op_timeout`);
-    /// the guard removes it when the operation ends.
-    fn track(self: &Arc<Self>, op: &'static str) -> Option<OpDeadline> {
-        let after = self.config.op_timeout?;
-        let key = (
-            Instant::now() + after,
-            self.next_op.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
-        );
-        self.deadlines
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(key, op);
-        self.deadline_added.notify_one();
-        Some(OpDeadline {
+    /// Starts tracking an operation: its deadline (when the world has
+    /// `op_timeout`), its flight record and its duration. The guard ends it.
+    fn track(self: &Arc<Self>, start: OpStart) -> OpGuard {
+        let now = Instant::now();
+        let deadline = self.config.op_timeout.map(|after| {
+            let key = (
+                now + after,
+                self.next_op.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            );
+            self.deadlines
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(key, start.kind);
+            self.deadline_added.notify_one();
+            key
+        });
+        OpGuard {
             world: Arc::clone(self),
-            key,
-        })
+            seq: self.recorder.begin(start, now),
+            kind: start.kind,
+            started: now,
+            deadline,
+            outcome: None,
+        }
+    }
+
+    /// Runs one request/response call to the world's store, timing it as a
+    /// store round trip.
+    async fn store_call<T>(&self, call: impl std::future::Future<Output = T>) -> T {
+        let started = Instant::now();
+        let out = call.await;
+        self.metrics
+            .store_round_trip_seconds
+            .observe(started.elapsed().as_secs_f64());
+        out
+    }
+
+    /// The flight record now (see `recorder`), with `reason` as its heading.
+    pub(crate) fn flight_record(&self, reason: &str) -> FlightRecord {
+        self.recorder.snapshot(
+            self.name.as_str(),
+            self.generation.0,
+            self.rank.0,
+            reason,
+            Instant::now(),
+        )
+    }
+
+    /// Writes a broken world's record to `flight_dir` as
+    /// `<world>-g<generation>-r<rank>.json` (best effort: a write that fails
+    /// is logged, never fatal).
+    fn write_flight_record(&self, record: &FlightRecord) {
+        let Some(dir) = &self.flight_dir else {
+            return;
+        };
+        let file = dir.join(format!(
+            "{}-g{}-r{}.json",
+            self.name.as_str().replace(['/', '\\'], "_"),
+            self.generation.0,
+            self.rank.0
+        ));
+        let written = serde_json::to_vec_pretty(record)
+            .map_err(std::io::Error::other)
+            .and_then(|bytes| std::fs::create_dir_all(dir).and_then(|()| std::fs::write(&file, bytes)));
+        match written {
+            Ok(()) => tracing::info!(world = %self.name, file = %file.display(), "flight record written"),
+            Err(e) => {
+                tracing::warn!(world = %self.name, file = %file.display(), error = %e, "could not write the flight record")
+            }
+        }
     }
 
     fn earliest_deadline(&self) -> Option<crate::watchdog::PendingOp> {
@@ -316,14 +411,56 @@ impl WorldShared {
             // broken, so `unusable` always finds it.
             let _ = self.cause.set(cause.clone());
         }
+        let broke_at = Instant::now();
+        // Taken before the abort, so operations pending at the break show as
+        // pending (the abort ends them as failed).
+        let record = self.flight_record(&format!("broken: {cause}"));
         tracing::warn!(world = %self.name, generation = self.generation.0, %cause, "world broken");
         self.comm
             .abort_with_reason(&format!("world '{}' broken: {cause}", self.name));
         self.ended.cancel();
+        self.metrics
+            .abort_seconds
+            .observe(broke_at.elapsed().as_secs_f64());
+        self.metrics
+            .breaks
+            .get_or_create(&CauseLabel {
+                cause: CauseKind(cause.kind()),
+            })
+            .inc();
+        *self
+            .metrics
+            .last_break
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(crate::metrics::LastBreak {
+            world: self.name.to_string(),
+            generation: self.generation.0,
+            rank: self.rank.0,
+            cause: cause.kind(),
+            at_unix: SystemTime::now()
+                .duration_since(SystemTime::UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64()),
+        });
+        let pending: Vec<String> = record
+            .pending()
+            .map(|o| match o.peer {
+                Some(p) => format!("{} (peer {p})", o.kind),
+                None => o.kind.clone(),
+            })
+            .collect();
+        tracing::warn!(
+            world = %self.name,
+            generation = self.generation.0,
+            pending = ?pending,
+            "flight record at the break:\n{}",
+            record.timeline()
+        );
+        self.write_flight_record(&record);
         let _ = self.events.send(WorldEvent::Broken {
             world: self.name.clone(),
             generation: self.generation,
             cause: cause.clone(),
+            record: Arc::new(record),
         });
         let announce = match &cause {
             // Told by the store: everybody already knows.
@@ -331,7 +468,8 @@ impl WorldShared {
             other => Some(format!("{}\n{other}", self.rank)),
         };
         let me = Arc::clone(self);
-        tokio::spawn(async move { me.teardown(announce, false).await });
+        let span = self.span.clone();
+        tokio::spawn(async move { me.teardown(announce, false).await }.instrument(span));
     }
 
     /// Leaves the world on purpose: an orderly goodbye to the peers (who see
@@ -357,9 +495,14 @@ impl WorldShared {
     }
 
     async fn teardown(self: Arc<Self>, announce: Option<String>, left: bool) {
+        let started = Instant::now();
         if let Some(text) = announce {
             // Best effort: a dead store cannot be told anything.
-            let _ = tokio::time::timeout(ANNOUNCE_TIMEOUT, self.store.set(BROKEN_KEY, text)).await;
+            let _ = tokio::time::timeout(
+                ANNOUNCE_TIMEOUT,
+                self.store_call(self.store.set(BROKEN_KEY, text)),
+            )
+            .await;
         }
         self.token.cancel();
         if tokio::time::timeout(TEARDOWN_WAIT, self.tasks.wait())
@@ -401,7 +544,7 @@ impl WorldShared {
                 host.close_world_generation(self.name.as_str(), self.generation.0);
             }
             None => {
-                let _ = tokio::time::timeout(ANNOUNCE_TIMEOUT, self.store.close()).await;
+                let _ = tokio::time::timeout(ANNOUNCE_TIMEOUT, self.store_call(self.store.close())).await;
             }
         }
         if !left {
@@ -413,6 +556,9 @@ impl WorldShared {
                 |_, slot| matches!(slot, Slot::Member(w) if w.generation == self.generation),
             );
         }
+        self.metrics
+            .teardown_seconds
+            .observe(started.elapsed().as_secs_f64());
         tracing::info!(world = %self.name, generation = self.generation.0, "world removed");
         let _ = self.events.send(WorldEvent::Removed {
             world: self.name.clone(),
@@ -428,32 +574,87 @@ impl WorldShared {
     }
 }
 
-/// An operation's registered deadline; dropping it (the operation ended,
-/// however) unregisters it.
-struct OpDeadline {
+/// One operation in flight (see [`WorldShared::track`]): when it ends it
+/// leaves the deadlines, is recorded with its outcome, and its duration goes
+/// to the latency histogram of its kind. Dropped without an outcome (its
+/// caller stopped waiting), it is recorded as cancelled, or as failed when
+/// the world broke meanwhile.
+pub(crate) struct OpGuard {
     world: Arc<WorldShared>,
-    key: (Instant, u64),
+    seq: u64,
+    kind: &'static str,
+    started: Instant,
+    deadline: Option<(Instant, u64)>,
+    outcome: Option<Outcome>,
 }
 
-impl Drop for OpDeadline {
+impl OpGuard {
+    /// Notes how the operation ended.
+    fn finish<T, E: std::fmt::Display>(&mut self, r: &Result<T, E>) {
+        self.outcome = Some(match r {
+            Ok(_) => Outcome::Done,
+            Err(e) => Outcome::Failed(e.to_string()),
+        });
+    }
+}
+
+impl Drop for OpGuard {
     fn drop(&mut self) {
+        let now = Instant::now();
+        if let Some(key) = self.deadline {
+            self.world
+                .deadlines
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&key);
+        }
+        let outcome = self
+            .outcome
+            .take()
+            .unwrap_or_else(|| match self.world.cause.get() {
+                Some(cause) => Outcome::Failed(format!("world broken: {cause}")),
+                None => Outcome::Cancelled,
+            });
+        self.world.recorder.end(self.seq, now, outcome);
         self.world
-            .deadlines
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&self.key);
+            .latencies
+            .observe(self.kind, now.saturating_duration_since(self.started));
     }
 }
 
-/// Registers every collective call of a world (and of its sub-groups) with
-/// the world's deadlines, like its point-to-point operations: a call still
-/// running at `op_timeout` breaks the world with `BreakCause::OpDeadline`.
-struct CollectiveDeadlines(Weak<WorldShared>);
-
-impl multiworld_collectives::CallObserver for CollectiveDeadlines {
-    fn call_started(&self, op: &'static str) -> Box<dyn Send> {
-        Box::new(self.0.upgrade().and_then(|w| w.track(op)))
+impl multiworld_collectives::CallEnd for OpGuard {
+    fn ended(mut self: Box<Self>, error: Option<&TcpError>) {
+        self.outcome = Some(match error {
+            None => Outcome::Done,
+            Some(e) => Outcome::Failed(e.to_string()),
+        });
     }
+}
+
+/// Tracks every collective call of a world (and of its sub-groups) like its
+/// point-to-point operations: deadline (a call still running at `op_timeout`
+/// breaks the world with `BreakCause::OpDeadline`), flight record, duration.
+struct CollectiveCalls(Weak<WorldShared>);
+
+impl multiworld_collectives::CallObserver for CollectiveCalls {
+    fn call_started(&self, op: &'static str) -> Box<dyn multiworld_collectives::CallEnd> {
+        match self.0.upgrade() {
+            Some(w) => Box::new(w.track(OpStart {
+                kind: op,
+                peer: None,
+                tag: None,
+                bytes: 0,
+            })),
+            None => Box::new(Untracked),
+        }
+    }
+}
+
+/// A call of a world that is gone: nothing to record.
+struct Untracked;
+
+impl multiworld_collectives::CallEnd for Untracked {
+    fn ended(self: Box<Self>, _: Option<&TcpError>) {}
 }
 
 /// Watches one world until it breaks or is torn down.
@@ -673,12 +874,21 @@ impl World {
     ) -> Result<(), WorldError> {
         self.shared.check()?;
         self.shared.check_tag(tag)?;
-        let _deadline = self.shared.track("send");
-        self.shared
+        let data: TensorView<'a> = data.into();
+        let mut op = self.shared.track(OpStart {
+            kind: "send",
+            peer: Some(dst.0),
+            tag: Some(tag.0),
+            bytes: data.as_bytes().len() as u64,
+        });
+        let r = self
+            .shared
             .comm
             .send(dst, tag, data)
             .await
-            .map_err(|e| self.shared.fail(e))
+            .map_err(|e| self.shared.fail(e));
+        op.finish(&r);
+        r
     }
 
     /// Receives from `src` on `tag` into `buf`, whose dtype and size must
@@ -686,24 +896,40 @@ impl World {
     pub async fn recv(&self, src: Rank, tag: Tag, buf: &mut Tensor) -> Result<(), WorldError> {
         self.shared.check()?;
         self.shared.check_tag(tag)?;
-        let _deadline = self.shared.track("recv");
-        self.shared
+        let mut op = self.shared.track(OpStart {
+            kind: "recv",
+            peer: Some(src.0),
+            tag: Some(tag.0),
+            bytes: buf.nbytes() as u64,
+        });
+        let r = self
+            .shared
             .comm
             .recv(src, tag, buf)
             .await
-            .map_err(|e| self.shared.fail(e))
+            .map_err(|e| self.shared.fail(e));
+        op.finish(&r);
+        r
     }
 
     /// Receives from any member on `tag`; returns who sent it.
     pub async fn recv_any(&self, tag: Tag, buf: &mut Tensor) -> Result<Rank, WorldError> {
         self.shared.check()?;
         self.shared.check_tag(tag)?;
-        let _deadline = self.shared.track("recv from any rank");
-        self.shared
+        let mut op = self.shared.track(OpStart {
+            kind: "recv_any",
+            peer: None,
+            tag: Some(tag.0),
+            bytes: buf.nbytes() as u64,
+        });
+        let r = self
+            .shared
             .comm
             .recv_any(tag, buf)
             .await
-            .map_err(|e| self.shared.fail(e))
+            .map_err(|e| self.shared.fail(e));
+        op.finish(&r);
+        r
     }
 
     /// [`recv`](Self::recv) (or, with `src` `None`, [`recv_any`](Self::recv_any))
@@ -734,6 +960,7 @@ impl World {
     /// Starts a send of an owned tensor; the handle gives the tensor back.
     /// Dropping the handle does not cancel the send.
     pub fn isend(&self, dst: Rank, tag: Tag, data: Tensor) -> PendingSend {
+        let bytes = data.nbytes() as u64;
         let inner = self
             .shared
             .check()
@@ -741,7 +968,14 @@ impl World {
             .map(|()| self.shared.comm.isend(dst, tag, data));
         PendingSend {
             world: Arc::clone(&self.shared),
-            _deadline: inner.as_ref().ok().and_then(|_| self.shared.track("isend")),
+            op: inner.as_ref().ok().map(|_| {
+                self.shared.track(OpStart {
+                    kind: "isend",
+                    peer: Some(dst.0),
+                    tag: Some(tag.0),
+                    bytes,
+                })
+            }),
             inner,
         }
     }
@@ -751,13 +985,21 @@ impl World {
     /// handle cancels the receive.
     pub fn irecv(&self, src: Option<Rank>, tag: Tag, buf: Tensor) -> PendingRecv {
         let source = src.map_or(multiworld_tcp::Source::Any, multiworld_tcp::Source::Rank);
+        let bytes = buf.nbytes() as u64;
         let inner = match self.shared.check().and_then(|()| self.shared.check_tag(tag)) {
             Ok(()) => Ok(self.shared.comm.irecv(source, tag, buf)),
             Err(error) => Err(ReceiveFailed { error, buffer: buf }),
         };
         PendingRecv {
             world: Arc::clone(&self.shared),
-            _deadline: inner.as_ref().ok().and_then(|_| self.shared.track("irecv")),
+            op: inner.as_ref().ok().map(|_| {
+                self.shared.track(OpStart {
+                    kind: "irecv",
+                    peer: src.map(|r| r.0),
+                    tag: Some(tag.0),
+                    bytes,
+                })
+            }),
             inner,
         }
     }
@@ -775,7 +1017,7 @@ impl World {
         let key = |n: u64, rank: u32| format!("multiworld/barrier/{n}/{rank}");
         let keys: Vec<String> = (0..w.size).map(|r| key(n, r)).collect();
         let wait = async {
-            w.store.set(key(n, w.rank.0), Vec::new()).await?;
+            w.store_call(w.store.set(key(n, w.rank.0), Vec::new())).await?;
             w.store.wait(&keys, timeout).await
         };
         let result = tokio::select! {
@@ -788,7 +1030,7 @@ impl World {
                 // Everyone entered barrier n, so everyone left barrier n - 1:
                 // its key is no longer needed.
                 if n > 0 {
-                    let _ = w.store.delete(key(n - 1, w.rank.0)).await;
+                    let _ = w.store_call(w.store.delete(key(n - 1, w.rank.0))).await;
                 }
                 Ok(())
             }
@@ -862,7 +1104,7 @@ impl World {
 /// A send started by [`World::isend`].
 pub struct PendingSend {
     world: Arc<WorldShared>,
-    _deadline: Option<OpDeadline>,
+    op: Option<OpGuard>,
     inner: Result<multiworld_tcp::SendHandle, WorldError>,
 }
 
@@ -874,14 +1116,22 @@ impl PendingSend {
 
     /// Waits for the send; returns the tensor.
     pub async fn wait(self) -> Result<Tensor, WorldError> {
-        self.inner?.wait().await.map_err(|e| self.world.fail(e))
+        let PendingSend { world, mut op, inner } = self;
+        let r = match inner {
+            Ok(h) => h.wait().await.map_err(|e| world.fail(e)),
+            Err(e) => Err(e),
+        };
+        if let Some(op) = &mut op {
+            op.finish(&r);
+        }
+        r
     }
 }
 
 /// A receive started by [`World::irecv`].
 pub struct PendingRecv {
     world: Arc<WorldShared>,
-    _deadline: Option<OpDeadline>,
+    op: Option<OpGuard>,
     inner: Result<multiworld_tcp::RecvHandle, ReceiveFailed>,
 }
 
@@ -916,8 +1166,13 @@ impl PendingRecv {
 
     /// Waits for the receive; returns the sender and the filled tensor.
     pub async fn wait(self) -> Result<Received, WorldError> {
-        let handle = self.inner.map_err(|f| f.error)?;
-        handle.wait().await.map_err(|e| self.world.fail(e))
+        let PendingRecv { world, mut op, inner } = self;
+        let handle = inner.map_err(|f| f.error)?;
+        let r = handle.wait().await.map_err(|e| world.fail(e));
+        if let Some(op) = &mut op {
+            op.finish(&r);
+        }
+        r
     }
 
     /// Waits at most `after`, a deadline of this call alone: when no message
@@ -927,17 +1182,22 @@ impl PendingRecv {
     /// `WorldConfig::op_timeout`, which breaks the world, this is the
     /// caller's own patience. Every failure gives the caller's buffer back.
     pub async fn wait_timeout(self, after: Duration) -> Result<Received, ReceiveFailed> {
-        let handle = self.inner?;
-        handle.wait_timeout(after).await.map_err(|f| ReceiveFailed {
+        let PendingRecv { world, mut op, inner } = self;
+        let handle = inner?;
+        let r = handle.wait_timeout(after).await.map_err(|f| ReceiveFailed {
             error: match f.error {
                 multiworld_tcp::Error::Timeout { after, .. } => WorldError::Timeout {
-                    world: self.world.name.clone(),
+                    world: world.name.clone(),
                     op: "recv".to_string(),
                     after,
                 },
-                other => self.world.fail(other),
+                other => world.fail(other),
             },
             buffer: f.buffer,
-        })
+        });
+        if let Some(op) = &mut op {
+            op.finish(&r);
+        }
+        r
     }
 }
