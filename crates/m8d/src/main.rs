@@ -106,25 +106,45 @@ struct LaunchArgs {
     command: Vec<std::ffi::OsString>,
 }
 
+impl LaunchArgs {
+    /// Where this launcher sits among the nodes.
+    fn nodes(&self) -> m8d::launch::Nodes {
+        m8d::launch::Nodes {
+            nnodes: self.nnodes,
+            node_rank: self.node_rank,
+            node_addr: self.node_addr,
+        }
+    }
+}
+
 fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(EnvFilter::try_from_env("RUST_LOG").unwrap_or_else(|_| EnvFilter::new("warn")))
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
+    if let Command::Launch(args) = &cli.command {
+        // An impossible launch is a usage error (exit 2), like a bad value.
+        if let Err(e) = args.nodes().check(args.nproc_per_node, args.master_port) {
+            use clap::{CommandFactory, error::ErrorKind};
+            let mut cmd = Cli::command();
+            // Built, the subcommand knows its full name for the usage line.
+            cmd.build();
+            if let Some(launch) = cmd.find_subcommand_mut("launch") {
+                launch.error(ErrorKind::ArgumentConflict, &e).exit();
+            }
+            cmd.error(ErrorKind::ArgumentConflict, e).exit();
+        }
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let code = runtime.block_on(async move {
         match cli.command {
             Command::Launch(args) => {
+                let nodes = args.nodes();
                 let mut command = args.command.into_iter();
                 let program = command
                     .next()
                     .ok_or_else(|| anyhow::anyhow!("no program given"))?;
-                let nodes = m8d::launch::Nodes {
-                    nnodes: args.nnodes,
-                    node_rank: args.node_rank,
-                    node_addr: args.node_addr,
-                };
                 let config = m8d::launch::LaunchConfig {
                     nproc: args.nproc_per_node,
                     master_addr: args.master_addr,

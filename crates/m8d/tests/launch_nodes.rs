@@ -244,7 +244,8 @@ fn impossible_multi_node_launches_are_refused() {
             "-c",
             "echo started",
         ]));
-        assert!(!out.success(), "{flags:?}: {out:?}");
+        // A usage error, like a bad value: exit 2, with what is wrong.
+        assert_eq!(out.status.code(), Some(2), "{flags:?}: {out:?}");
         assert!(out.stderr.contains(says), "{flags:?}: {out:?}");
         assert!(!out.stdout.contains("started"), "{flags:?}: a rank ran: {out:?}");
     }
