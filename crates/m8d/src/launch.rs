@@ -1,17 +1,26 @@
 //! The launcher style of starting a world: run a program N times, once per
-//! rank, with `RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `MASTER_ADDR` and
-//! `MASTER_PORT` set (what `WorldConfig::from_env` reads). Every line a rank
-//! prints is prefixed with `[rank R]`. When a rank fails, the others are asked
-//! to stop (SIGTERM, then SIGKILL after a grace period) and the launcher exits
-//! with the first failing rank's exit code. Ctrl-C (SIGINT) and SIGTERM sent
-//! to the launcher are forwarded to every rank's process group (each rank
-//! leads its own, so nothing else reaches them); the launcher then exits with
-//! 130 or 143 (128 + the signal), whatever the ranks' own codes, after the
-//! same grace period and SIGKILL as above.
+//! rank, with torchrun's environment contract (`RANK`, `LOCAL_RANK`,
+//! `WORLD_SIZE`, `LOCAL_WORLD_SIZE`, `GROUP_RANK`, `MASTER_ADDR`,
+//! `MASTER_PORT`: what `WorldConfig::from_env` reads), on one machine or as
+//! one node of several (one launcher per node, each with its `--node-rank`,
+//! ranks numbered as torchrun numbers them: [`Nodes`]). Every line a rank
+//! prints is prefixed with `[rank R]` (its rank in the whole world). When a
+//! rank fails, the others of this node are asked to stop (SIGTERM, then
+//! SIGKILL after a grace period) and the launcher exits with the first
+//! failing rank's exit code; the ranks on other nodes see their world break
+//! and fail in turn, which ends their launchers. Ctrl-C (SIGINT) and SIGTERM
+//! sent to the launcher are forwarded to every rank's process group (each
+//! rank leads its own, so nothing else reaches them); the launcher then
+//! exits with 130 or 143 (128 + the signal), whatever the ranks' own codes,
+//! after the same grace period and SIGKILL as above.
+//!
+//! The pure part ([`Nodes`]: the rank arithmetic, the checks, every rank's
+//! environment) is apart from the driver that starts the processes
+//! ([`launch_nodes`], [`launch`]).
 
 use std::{
     ffi::OsString,
-    net::TcpListener,
+    net::{IpAddr, TcpListener},
     process::{ExitStatus, Stdio},
     time::Duration,
 };
@@ -28,14 +37,16 @@ use tokio::{
     sync::mpsc,
 };
 
-/// What to launch.
+/// What to launch on this machine.
 #[derive(Debug, Clone)]
 pub struct LaunchConfig {
-    /// Number of ranks.
+    /// Number of ranks on this machine (`--nproc-per-node`; all of them in a
+    /// single-node launch).
     pub nproc: u32,
     /// `MASTER_ADDR` for every rank.
     pub master_addr: String,
-    /// `MASTER_PORT` for every rank (`None`: a free port is picked).
+    /// `MASTER_PORT` for every rank (`None`: a free port is picked, on a
+    /// single node only: across nodes it must be given).
     pub master_port: Option<u16>,
     /// The program.
     pub program: OsString,
@@ -52,8 +63,107 @@ pub struct LaunchOutcome {
     /// failing rank's code (128 + signal for a rank killed by a signal); 130
     /// after Ctrl-C (SIGINT) and 143 after SIGTERM, forwarded to the ranks.
     pub code: i32,
-    /// The first rank that failed, if any.
+    /// The first rank that failed, if any (its rank in the whole world).
     pub first_failure: Option<u32>,
+}
+
+/// Where this launcher sits among the nodes of a launch: torchrun's
+/// `--nnodes`, `--node-rank`, and the address its ranks listen on.
+///
+/// Ranks are numbered as torchrun numbers them: with `P` ranks per node,
+/// local rank `L` of node `I` is rank `I * P + L` of a world of
+/// `nnodes * P`, so node 0 runs rank 0, which hosts the world's store at
+/// `MASTER_ADDR:MASTER_PORT`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Nodes {
+    /// Number of nodes (machines), each running one launcher.
+    pub nnodes: u32,
+    /// This node's index, `0..nnodes`.
+    pub node_rank: u32,
+    /// The address of this node that its ranks listen on and publish to the
+    /// others (set as `MULTIWORLD_LISTEN_HOST`); `None` leaves each rank its
+    /// default, the address of the interface that reaches the store.
+    pub node_addr: Option<IpAddr>,
+}
+
+impl Nodes {
+    /// A single-node launch: one node, node 0, default addresses.
+    pub const SINGLE: Nodes = Nodes {
+        nnodes: 1,
+        node_rank: 0,
+        node_addr: None,
+    };
+
+    /// Checks a launch of `nproc_per_node` ranks on each node, and returns
+    /// the world's size. Refuses no ranks or no nodes, a node rank not below
+    /// the number of nodes, a world larger than `u32::MAX` ranks, and a
+    /// launch across nodes without a `master_port` (a free port picked on
+    /// one node means nothing on the others).
+    pub fn check(&self, nproc_per_node: u32, master_port: Option<u16>) -> anyhow::Result<u32> {
+        anyhow::ensure!(nproc_per_node >= 1, "--nproc-per-node must be at least 1");
+        anyhow::ensure!(self.nnodes >= 1, "--nnodes must be at least 1");
+        anyhow::ensure!(
+            self.node_rank < self.nnodes,
+            "--node-rank {} is out of range: with --nnodes {} it must be from 0 to {}",
+            self.node_rank,
+            self.nnodes,
+            self.nnodes - 1
+        );
+        let size = self.nnodes.checked_mul(nproc_per_node).ok_or_else(|| {
+            anyhow::anyhow!(
+                "--nnodes {} times --nproc-per-node {nproc_per_node} is more ranks than a world can have ({})",
+                self.nnodes,
+                u32::MAX
+            )
+        })?;
+        anyhow::ensure!(
+            self.nnodes == 1 || master_port.is_some(),
+            "--master-port is required with --nnodes {} (more than one node): every node's \
+             ranks must name the same port, open between the machines (e.g. 29500), and a \
+             free port picked on one node means nothing on the others",
+            self.nnodes
+        );
+        Ok(size)
+    }
+
+    /// The world rank of local rank `local_rank` of this node.
+    pub fn rank(&self, nproc_per_node: u32, local_rank: u32) -> u32 {
+        self.node_rank * nproc_per_node + local_rank
+    }
+
+    /// The environment of local rank `local_rank` of this node: `RANK`,
+    /// `LOCAL_RANK`, `WORLD_SIZE`, `LOCAL_WORLD_SIZE`, `GROUP_RANK` (the
+    /// node's rank), `MASTER_ADDR`, `MASTER_PORT`, and
+    /// `MULTIWORLD_LISTEN_HOST` when [`node_addr`](Self::node_addr) is set.
+    /// Call [`check`](Self::check) first: the arithmetic assumes a world
+    /// that fits.
+    pub fn rank_env(
+        &self,
+        nproc_per_node: u32,
+        local_rank: u32,
+        master_addr: &str,
+        master_port: u16,
+    ) -> Vec<(&'static str, String)> {
+        let mut env = vec![
+            ("RANK", self.rank(nproc_per_node, local_rank).to_string()),
+            ("LOCAL_RANK", local_rank.to_string()),
+            ("WORLD_SIZE", (self.nnodes * nproc_per_node).to_string()),
+            ("LOCAL_WORLD_SIZE", nproc_per_node.to_string()),
+            ("GROUP_RANK", self.node_rank.to_string()),
+            ("MASTER_ADDR", master_addr.to_string()),
+            ("MASTER_PORT", master_port.to_string()),
+        ];
+        if let Some(ip) = self.node_addr {
+            env.push(("MULTIWORLD_LISTEN_HOST", ip.to_string()));
+        }
+        env
+    }
+}
+
+impl Default for Nodes {
+    fn default() -> Self {
+        Nodes::SINGLE
+    }
 }
 
 fn status_code(status: ExitStatus) -> i32 {
@@ -79,15 +189,22 @@ async fn forward_lines(rank: u32, stream: impl AsyncRead + Unpin, to_stderr: boo
     }
 }
 
-/// Runs the ranks to completion.
+/// Runs the ranks of a single-node launch to completion:
+/// [`launch_nodes`] with [`Nodes::SINGLE`].
+pub async fn launch(config: LaunchConfig) -> anyhow::Result<LaunchOutcome> {
+    launch_nodes(config, Nodes::SINGLE).await
+}
+
+/// Runs this node's ranks to completion: `config.nproc` of them, numbered
+/// and given their environment by `nodes` ([`Nodes::rank_env`]).
 ///
 /// From the first call on, this process handles SIGINT and SIGTERM itself
 /// (forwarding them to the ranks while they run): the handlers are
 /// installed before any rank starts, so a signal can never end the launcher
 /// and leave its ranks running, and, as with any tokio signal handler, they
 /// stay installed for the rest of the process's life.
-pub async fn launch(config: LaunchConfig) -> anyhow::Result<LaunchOutcome> {
-    anyhow::ensure!(config.nproc >= 1, "--nproc must be at least 1");
+pub async fn launch_nodes(config: LaunchConfig, nodes: Nodes) -> anyhow::Result<LaunchOutcome> {
+    nodes.check(config.nproc, config.master_port)?;
     let port = match config.master_port {
         Some(p) => p,
         None => free_port(&config.master_addr)?,
@@ -97,15 +214,11 @@ pub async fn launch(config: LaunchConfig) -> anyhow::Result<LaunchOutcome> {
     let (exit_tx, mut exit_rx) = mpsc::unbounded_channel::<(u32, ExitStatus)>();
     let mut children: Vec<Child> = Vec::new();
     let mut printers = Vec::new();
-    for rank in 0..config.nproc {
+    for local_rank in 0..config.nproc {
+        let rank = nodes.rank(config.nproc, local_rank);
         let mut child = Command::new(&config.program)
             .args(&config.args)
-            .env("RANK", rank.to_string())
-            .env("LOCAL_RANK", rank.to_string())
-            .env("WORLD_SIZE", config.nproc.to_string())
-            .env("LOCAL_WORLD_SIZE", config.nproc.to_string())
-            .env("MASTER_ADDR", &config.master_addr)
-            .env("MASTER_PORT", port.to_string())
+            .envs(nodes.rank_env(config.nproc, local_rank, &config.master_addr, port))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -127,12 +240,13 @@ pub async fn launch(config: LaunchConfig) -> anyhow::Result<LaunchOutcome> {
     // stay here for signalling.
     let mut pids = Vec::new();
     let mut waiters = Vec::new();
-    for (rank, mut child) in children.into_iter().enumerate() {
+    for (local_rank, mut child) in (0..config.nproc).zip(children) {
         pids.extend(child.id());
         let tx = exit_tx.clone();
+        let rank = nodes.rank(config.nproc, local_rank);
         waiters.push(tokio::spawn(async move {
             if let Ok(status) = child.wait().await {
-                let _ = tx.send((rank as u32, status));
+                let _ = tx.send((rank, status));
             }
         }));
     }
@@ -203,4 +317,106 @@ pub async fn launch(config: LaunchConfig) -> anyhow::Result<LaunchOutcome> {
         }
     }
     Ok(outcome)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use std::collections::HashMap;
+
+    use super::*;
+
+    fn env_of(nodes: &Nodes, nproc: u32, local_rank: u32) -> HashMap<&'static str, String> {
+        nodes
+            .rank_env(nproc, local_rank, "10.0.0.1", 29500)
+            .into_iter()
+            .collect()
+    }
+
+    #[test]
+    fn ranks_are_numbered_as_torchrun_numbers_them() {
+        // 3 nodes of 4: node 1's local rank 2 is rank 6 of 12.
+        let node = Nodes {
+            nnodes: 3,
+            node_rank: 1,
+            node_addr: None,
+        };
+        assert_eq!(node.check(4, Some(29500)).unwrap(), 12);
+        let env = env_of(&node, 4, 2);
+        let expected: HashMap<&str, String> = [
+            ("RANK", "6"),
+            ("LOCAL_RANK", "2"),
+            ("WORLD_SIZE", "12"),
+            ("LOCAL_WORLD_SIZE", "4"),
+            ("GROUP_RANK", "1"),
+            ("MASTER_ADDR", "10.0.0.1"),
+            ("MASTER_PORT", "29500"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k, v.to_string()))
+        .collect();
+        assert_eq!(env, expected);
+        // Every rank of the world exactly once, node by node.
+        let mut ranks = Vec::new();
+        for node_rank in 0..3 {
+            let node = Nodes { node_rank, ..node };
+            for local in 0..4 {
+                ranks.push(env_of(&node, 4, local)["RANK"].parse::<u32>().unwrap());
+            }
+        }
+        assert_eq!(ranks, (0..12).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn a_single_node_is_the_old_launcher() {
+        assert_eq!(Nodes::default(), Nodes::SINGLE);
+        assert_eq!(Nodes::SINGLE.check(3, None).unwrap(), 3);
+        let env = env_of(&Nodes::SINGLE, 3, 2);
+        assert_eq!(
+            (
+                &*env["RANK"],
+                &*env["LOCAL_RANK"],
+                &*env["WORLD_SIZE"],
+                &*env["GROUP_RANK"]
+            ),
+            ("2", "2", "3", "0")
+        );
+        assert!(!env.contains_key("MULTIWORLD_LISTEN_HOST"));
+    }
+
+    #[test]
+    fn the_node_address_becomes_the_ranks_listen_host() {
+        let node = Nodes {
+            nnodes: 2,
+            node_rank: 1,
+            node_addr: Some("127.0.0.2".parse().unwrap()),
+        };
+        assert_eq!(env_of(&node, 2, 0)["MULTIWORLD_LISTEN_HOST"], "127.0.0.2");
+        let v6 = Nodes {
+            node_addr: Some("::1".parse().unwrap()),
+            ..node
+        };
+        assert_eq!(env_of(&v6, 2, 0)["MULTIWORLD_LISTEN_HOST"], "::1");
+    }
+
+    #[test]
+    fn impossible_launches_are_refused_with_the_flag_to_fix() {
+        let nodes = |nnodes, node_rank| Nodes {
+            nnodes,
+            node_rank,
+            node_addr: None,
+        };
+        let refused = |n: Nodes, nproc: u32, port: Option<u16>, says: &str| {
+            let e = n.check(nproc, port).unwrap_err().to_string();
+            assert!(e.contains(says), "{says}: {e}");
+        };
+        refused(nodes(1, 0), 0, None, "--nproc-per-node must be at least 1");
+        refused(nodes(0, 0), 1, Some(1), "--nnodes must be at least 1");
+        refused(nodes(2, 2), 1, Some(1), "--node-rank 2 is out of range");
+        refused(nodes(2, 5), 1, Some(1), "from 0 to 1");
+        refused(nodes(u32::MAX, 0), 2, Some(1), "more ranks than a world can have");
+        // Across nodes the port must be given.
+        refused(nodes(2, 0), 1, None, "--master-port is required with --nnodes 2");
+        assert_eq!(nodes(2, 1).check(4, Some(29500)).unwrap(), 8);
+    }
 }

@@ -44,9 +44,12 @@ enum Command {
     /// Run the leader/worker demo: worlds streaming on loopback, one worker
     /// killed or frozen, the others untouched, a replacement re-joining.
     Demo(demo::DemoArgs),
-    /// Run PROGRAM once per rank with RANK, LOCAL_RANK, WORLD_SIZE,
-    /// MASTER_ADDR and MASTER_PORT set; exit with the first failing rank's
-    /// code. Ctrl-C and SIGTERM are forwarded to every rank (exit 130 / 143).
+    /// Run PROGRAM once per rank of this node with torchrun's variables
+    /// (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,
+    /// MASTER_ADDR, MASTER_PORT); across machines, one launcher per node with
+    /// --nnodes, --node-rank and --master-port. Exit with the first failing
+    /// rank's code. Ctrl-C and SIGTERM are forwarded to every rank (exit 130 /
+    /// 143).
     Launch(LaunchArgs),
     /// Run a standalone store server that hosts the stores of many worlds.
     Store(store::StoreArgs),
@@ -66,18 +69,41 @@ enum Command {
     Status(observe::StatusArgs),
 }
 
-/// Flags of `m8d launch`.
+/// Flags of `m8d launch` (torchrun's names; their underscore spellings,
+/// `--nproc_per_node` and so on, are accepted too).
 #[derive(clap::Args, Debug)]
 struct LaunchArgs {
-    /// Number of ranks to start.
-    #[arg(long)]
-    nproc: u32,
-    /// MASTER_ADDR for every rank (where rank 0 hosts the world's store).
-    #[arg(long, default_value = "127.0.0.1")]
+    /// Number of ranks to start on this node (`--nproc` is the same flag).
+    #[arg(
+        long = "nproc-per-node",
+        visible_alias = "nproc",
+        alias = "nproc_per_node",
+        value_name = "P"
+    )]
+    nproc_per_node: u32,
+    /// Number of nodes, each running one `m8d launch` with the same flags
+    /// but its own --node-rank; the world has NNODES * P ranks.
+    #[arg(long, default_value_t = 1)]
+    nnodes: u32,
+    /// This node's index, 0 to NNODES - 1: its ranks are NODE_RANK * P to
+    /// NODE_RANK * P + P - 1. Node 0 runs rank 0, which hosts the world's
+    /// store at MASTER_ADDR:MASTER_PORT.
+    #[arg(long, alias = "node_rank", default_value_t = 0)]
+    node_rank: u32,
+    /// MASTER_ADDR for every rank: an address of node 0 (where rank 0 hosts
+    /// the world's store) that every node reaches.
+    #[arg(long, alias = "master_addr", default_value = "127.0.0.1")]
     master_addr: String,
-    /// MASTER_PORT for every rank (default: a free port).
-    #[arg(long)]
+    /// MASTER_PORT for every rank (default on a single node: a free port;
+    /// required with more than one node).
+    #[arg(long, alias = "master_port")]
     master_port: Option<u16>,
+    /// The address of this node that its ranks listen on and publish to the
+    /// others (MULTIWORLD_LISTEN_HOST). Default: each rank uses the address
+    /// of its interface that reaches MASTER_ADDR; set it on a machine with
+    /// several networks.
+    #[arg(long, value_name = "IP")]
+    node_addr: Option<std::net::IpAddr>,
     /// Seconds ranks get to stop, once asked (SIGTERM after a rank failed,
     /// or the forwarded Ctrl-C / SIGTERM), before SIGKILL.
     #[arg(long, value_parser = args::seconds, allow_negative_numbers = true, default_value = "5")]
@@ -109,26 +135,51 @@ fn init_logging() {
     }
 }
 
+impl LaunchArgs {
+    /// Where this launcher sits among the nodes.
+    fn nodes(&self) -> m8d::launch::Nodes {
+        m8d::launch::Nodes {
+            nnodes: self.nnodes,
+            node_rank: self.node_rank,
+            node_addr: self.node_addr,
+        }
+    }
+}
+
 fn main() -> anyhow::Result<()> {
     init_logging();
     let cli = Cli::parse();
+    if let Command::Launch(args) = &cli.command {
+        // An impossible launch is a usage error (exit 2), like a bad value.
+        if let Err(e) = args.nodes().check(args.nproc_per_node, args.master_port) {
+            use clap::{CommandFactory, error::ErrorKind};
+            let mut cmd = Cli::command();
+            // Built, the subcommand knows its full name for the usage line.
+            cmd.build();
+            if let Some(launch) = cmd.find_subcommand_mut("launch") {
+                launch.error(ErrorKind::ArgumentConflict, &e).exit();
+            }
+            cmd.error(ErrorKind::ArgumentConflict, e).exit();
+        }
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let code = runtime.block_on(async move {
         match cli.command {
             Command::Launch(args) => {
+                let nodes = args.nodes();
                 let mut command = args.command.into_iter();
                 let program = command
                     .next()
                     .ok_or_else(|| anyhow::anyhow!("no program given"))?;
-                let outcome = m8d::launch::launch(m8d::launch::LaunchConfig {
-                    nproc: args.nproc,
+                let config = m8d::launch::LaunchConfig {
+                    nproc: args.nproc_per_node,
                     master_addr: args.master_addr,
                     master_port: args.master_port,
                     program,
                     args: command.collect(),
                     grace: args.grace,
-                })
-                .await?;
+                };
+                let outcome = m8d::launch::launch_nodes(config, nodes).await?;
                 return Ok(outcome.code);
             }
             Command::Demo(args) => demo::run(args).await,

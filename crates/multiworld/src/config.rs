@@ -1,7 +1,11 @@
 //! [`WorldConfig`]: everything needed to join one world, with defaults, and
-//! [`WorldConfig::from_env`] for processes started by a launcher (`m8d
-//! launch`, torchrun and friends) that sets `RANK`, `LOCAL_RANK`,
-//! `WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT`.
+//! [`WorldConfig::from_env`] for processes started by a launcher: `m8d
+//! launch` and torchrun (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`), Slurm's `srun`
+//! (`SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`), Open MPI's `mpirun`
+//! (`OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE`,
+//! `OMPI_COMM_WORLD_LOCAL_RANK`) or a Kubernetes indexed Job
+//! (`JOB_COMPLETION_INDEX`, with `WORLD_SIZE`), each with `MASTER_ADDR` and
+//! `MASTER_PORT` naming the world's store.
 
 use std::{collections::HashMap, net::IpAddr, time::Duration};
 
@@ -42,6 +46,11 @@ pub enum ConfigError {
     /// A required environment variable is not set.
     #[error("environment variable {0} is not set")]
     Missing(&'static str),
+    /// None of the launchers' variables is set, so this process's rank and
+    /// the world's size are unknown; the message names every set of
+    /// variables [`WorldConfig::from_env`] looks for.
+    #[error("no launcher variables found: {LAUNCHERS}")]
+    NoLauncher,
     /// A value is malformed or out of range.
     #[error("invalid {what} '{value}': {why}")]
     Invalid {
@@ -52,6 +61,110 @@ pub enum ConfigError {
         /// What is wrong with it.
         why: String,
     },
+}
+
+/// What [`ConfigError::NoLauncher`] says: every set of variables
+/// [`WorldConfig::from_env`] looks for, in the order it looks.
+const LAUNCHERS: &str = "set RANK and WORLD_SIZE (m8d launch, torchrun), \
+    or SLURM_PROCID and SLURM_NTASKS (Slurm srun), \
+    or OMPI_COMM_WORLD_RANK and OMPI_COMM_WORLD_SIZE (Open MPI mpirun), \
+    or JOB_COMPLETION_INDEX and WORLD_SIZE (Kubernetes indexed Job); \
+    and MASTER_ADDR and MASTER_PORT (where rank 0 hosts the world's store)";
+
+/// One launcher's variables: which one gives the rank, the size and the
+/// local rank (optional, default 0).
+struct LauncherVars {
+    rank: &'static str,
+    size: &'static str,
+    local_rank: Option<&'static str>,
+}
+
+/// The launchers [`WorldConfig::from_env`] understands, in the order it
+/// looks for them: the first whose rank variable is set decides.
+const LAUNCHER_VARS: [LauncherVars; 4] = [
+    // m8d launch, torchrun (and anything that follows their contract).
+    LauncherVars {
+        rank: "RANK",
+        size: "WORLD_SIZE",
+        local_rank: Some("LOCAL_RANK"),
+    },
+    // Slurm: every task `srun` starts.
+    LauncherVars {
+        rank: "SLURM_PROCID",
+        size: "SLURM_NTASKS",
+        local_rank: Some("SLURM_LOCALID"),
+    },
+    // Open MPI's `mpirun`.
+    LauncherVars {
+        rank: "OMPI_COMM_WORLD_RANK",
+        size: "OMPI_COMM_WORLD_SIZE",
+        local_rank: Some("OMPI_COMM_WORLD_LOCAL_RANK"),
+    },
+    // A Kubernetes indexed Job: the pod's completion index is its rank; the
+    // size is the Job's `completions`, which the pod spec passes as
+    // WORLD_SIZE (Kubernetes sets no variable for it). One rank per pod, so
+    // the local rank is LOCAL_RANK if the pod sets it, else 0.
+    LauncherVars {
+        rank: "JOB_COMPLETION_INDEX",
+        size: "WORLD_SIZE",
+        local_rank: Some("LOCAL_RANK"),
+    },
+];
+
+/// This process's place in the world, as its launcher's variables say.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Placement {
+    rank: u32,
+    size: u32,
+    local_rank: u32,
+}
+
+/// Finds this process's rank, the world's size and its local rank in the
+/// first launcher's variables that are set (see [`LAUNCHER_VARS`]). With
+/// none set, `WORLD_SIZE` alone means a torchrun-style launch missing
+/// `RANK`; nothing at all is [`ConfigError::NoLauncher`].
+fn placement(vars: &HashMap<String, String>) -> Result<Placement, ConfigError> {
+    let get = |key: &'static str| vars.get(key).map(|v| v.trim()).filter(|v| !v.is_empty());
+    let number = |key: &'static str| -> Result<u32, ConfigError> {
+        let v = get(key).ok_or(ConfigError::Missing(key))?;
+        v.parse().map_err(|e| ConfigError::Invalid {
+            what: key,
+            value: v.to_string(),
+            why: format!("{e}"),
+        })
+    };
+    let Some(launcher) = LAUNCHER_VARS.iter().find(|l| get(l.rank).is_some()) else {
+        return Err(if get("WORLD_SIZE").is_some() {
+            ConfigError::Missing("RANK")
+        } else {
+            ConfigError::NoLauncher
+        });
+    };
+    let rank = number(launcher.rank)?;
+    let size = number(launcher.size)?;
+    if size == 0 {
+        return Err(ConfigError::Invalid {
+            what: launcher.size,
+            value: "0".into(),
+            why: "the world size must be at least 1".into(),
+        });
+    }
+    if rank >= size {
+        return Err(ConfigError::Invalid {
+            what: launcher.rank,
+            value: rank.to_string(),
+            why: format!("must be below the world size {size} ({})", launcher.size),
+        });
+    }
+    let local_rank = match launcher.local_rank {
+        Some(key) if get(key).is_some() => number(key)?,
+        _ => 0,
+    };
+    Ok(Placement {
+        rank,
+        size,
+        local_rank,
+    })
 }
 
 /// How to join one world. `WorldConfig::new` fills in the defaults.
@@ -150,10 +263,30 @@ impl WorldConfig {
         }
     }
 
-    /// Reads `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` (required),
-    /// `LOCAL_RANK` (default 0), and the optional `MULTIWORLD_BACKEND` (tcp or
-    /// nccl), `MULTIWORLD_LISTEN_HOST` and `MULTIWORLD_SECRET` from the
-    /// process environment.
+    /// Reads this process's place in the world from the process
+    /// environment, as the first of these launchers that set it describes it:
+    ///
+    /// | launcher | rank | size | local rank (default 0) |
+    /// |---|---|---|---|
+    /// | `m8d launch`, torchrun | `RANK` | `WORLD_SIZE` | `LOCAL_RANK` |
+    /// | Slurm `srun` | `SLURM_PROCID` | `SLURM_NTASKS` | `SLURM_LOCALID` |
+    /// | Open MPI `mpirun` | `OMPI_COMM_WORLD_RANK` | `OMPI_COMM_WORLD_SIZE` | `OMPI_COMM_WORLD_LOCAL_RANK` |
+    /// | Kubernetes indexed Job | `JOB_COMPLETION_INDEX` | `WORLD_SIZE` (set it to the Job's `completions`) | `LOCAL_RANK` |
+    ///
+    /// `MASTER_ADDR` and `MASTER_PORT` (where rank 0 hosts the world's
+    /// store) are required with every launcher: only torchrun and `m8d
+    /// launch` set them, so under Slurm, Open MPI and Kubernetes the job sets
+    /// them (`docs/deploy.md` shows how). `MULTIWORLD_STORE_PORT`, when set,
+    /// replaces `MASTER_PORT`; it is required under torchrun when torchrun's
+    /// own store already listens at `MASTER_PORT`
+    /// (`TORCHELASTIC_USE_AGENT_STORE=True`, its default). Optional:
+    /// `MULTIWORLD_BACKEND` (tcp or nccl), `MULTIWORLD_LISTEN_HOST` and
+    /// `MULTIWORLD_SECRET`.
+    ///
+    /// A variable of the chosen launcher that is missing or malformed is
+    /// named in the error ([`ConfigError::Missing`],
+    /// [`ConfigError::Invalid`]); with no launcher's variables at all the
+    /// error ([`ConfigError::NoLauncher`]) names every set looked for.
     pub fn from_env(name: impl AsRef<str>) -> Result<WorldConfig, ConfigError> {
         let vars: HashMap<String, String> = std::env::vars().collect();
         WorldConfig::from_vars(name, &vars)
@@ -166,24 +299,33 @@ impl WorldConfig {
         vars: &HashMap<String, String>,
     ) -> Result<WorldConfig, ConfigError> {
         let get = |key: &'static str| vars.get(key).map(|v| v.trim()).filter(|v| !v.is_empty());
-        let number = |key: &'static str| -> Result<u32, ConfigError> {
-            let v = get(key).ok_or(ConfigError::Missing(key))?;
-            v.parse().map_err(|e| ConfigError::Invalid {
-                what: key,
-                value: v.to_string(),
-                why: format!("{e}"),
-            })
-        };
-        let rank = number("RANK")?;
-        let size = number("WORLD_SIZE")?;
-        let local_rank = match get("LOCAL_RANK") {
-            Some(_) => number("LOCAL_RANK")?,
-            None => 0,
-        };
+        let Placement {
+            rank,
+            size,
+            local_rank,
+        } = placement(vars)?;
         let addr = get("MASTER_ADDR").ok_or(ConfigError::Missing("MASTER_ADDR"))?;
-        let port = get("MASTER_PORT").ok_or(ConfigError::Missing("MASTER_PORT"))?;
+        // torchrun's agent on the first node hosts its own store at
+        // MASTER_PORT and says so: the world's store needs another port.
+        let (port_var, port) = match get("MULTIWORLD_STORE_PORT") {
+            Some(port) => ("MULTIWORLD_STORE_PORT", port),
+            None => {
+                let master_port = get("MASTER_PORT").ok_or(ConfigError::Missing("MASTER_PORT"))?;
+                if get("TORCHELASTIC_USE_AGENT_STORE").is_some_and(|v| v.eq_ignore_ascii_case("true")) {
+                    return Err(ConfigError::Invalid {
+                        what: "MASTER_PORT",
+                        value: master_port.to_string(),
+                        why: "torchrun's own store listens there (TORCHELASTIC_USE_AGENT_STORE=True): \
+                              set MULTIWORLD_STORE_PORT to another port, the same on every node and \
+                              open between them, for the world's store"
+                            .into(),
+                    });
+                }
+                ("MASTER_PORT", master_port)
+            }
+        };
         let port: u16 = port.parse().map_err(|e| ConfigError::Invalid {
-            what: "MASTER_PORT",
+            what: port_var,
             value: port.to_string(),
             why: format!("{e}"),
         })?;
@@ -327,6 +469,222 @@ mod tests {
         let mut v = vars(&BASE);
         v.insert("MULTIWORLD_BACKEND".into(), "mpi".into());
         assert!(WorldConfig::from_vars("w", &v).is_err());
+    }
+
+    /// `MASTER_ADDR` and `MASTER_PORT`, which every launcher needs, plus `pairs`.
+    fn with_master(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+        let mut v = vars(&[("MASTER_ADDR", "10.0.0.1"), ("MASTER_PORT", "29500")]);
+        v.extend(vars(pairs));
+        v
+    }
+
+    fn placed(v: &HashMap<String, String>) -> (u32, u32, u32) {
+        let c = WorldConfig::from_vars("w", v).unwrap();
+        assert_eq!(c.store_addr, "10.0.0.1:29500");
+        (c.rank.0, c.size, c.local_rank)
+    }
+
+    /// Each launcher's variables, as the launcher sets them.
+    const SLURM: [(&str, &str); 3] = [
+        ("SLURM_PROCID", "5"),
+        ("SLURM_NTASKS", "8"),
+        ("SLURM_LOCALID", "1"),
+    ];
+    const OMPI: [(&str, &str); 3] = [
+        ("OMPI_COMM_WORLD_RANK", "2"),
+        ("OMPI_COMM_WORLD_SIZE", "4"),
+        ("OMPI_COMM_WORLD_LOCAL_RANK", "0"),
+    ];
+    const K8S: [(&str, &str); 2] = [("JOB_COMPLETION_INDEX", "3"), ("WORLD_SIZE", "4")];
+
+    #[test]
+    fn reads_every_launchers_variables() {
+        // torchrun / m8d launch (LOCAL_RANK and LOCAL_WORLD_SIZE, GROUP_RANK
+        // are informational).
+        let torchrun = [
+            ("RANK", "3"),
+            ("WORLD_SIZE", "4"),
+            ("LOCAL_RANK", "1"),
+            ("LOCAL_WORLD_SIZE", "2"),
+            ("GROUP_RANK", "1"),
+        ];
+        assert_eq!(placed(&with_master(&torchrun)), (3, 4, 1));
+        assert_eq!(placed(&with_master(&SLURM)), (5, 8, 1));
+        assert_eq!(placed(&with_master(&OMPI)), (2, 4, 0));
+        assert_eq!(placed(&with_master(&K8S)), (3, 4, 0));
+        // A pod running several ranks says so with LOCAL_RANK.
+        let mut v = with_master(&K8S);
+        v.insert("LOCAL_RANK".into(), "1".into());
+        assert_eq!(placed(&v), (3, 4, 1));
+        // The local rank is optional with every launcher.
+        let mut v = with_master(&SLURM);
+        v.remove("SLURM_LOCALID");
+        assert_eq!(placed(&v), (5, 8, 0));
+        let mut v = with_master(&OMPI);
+        v.remove("OMPI_COMM_WORLD_LOCAL_RANK");
+        assert_eq!(placed(&v), (2, 4, 0));
+        // Surrounding blanks are ignored, as for every variable.
+        let v = with_master(&[("SLURM_PROCID", " 1 "), ("SLURM_NTASKS", "2\n")]);
+        assert_eq!(placed(&v), (1, 2, 0));
+    }
+
+    #[test]
+    fn explicit_rank_wins_then_slurm_then_open_mpi_then_kubernetes() {
+        // A launcher started inside another (m8d launch or torchrun under
+        // srun, one per node) sets RANK: its ranks must not read the outer
+        // task's variables.
+        let mut v = with_master(&SLURM);
+        v.extend(with_master(&OMPI));
+        v.extend(with_master(&[("JOB_COMPLETION_INDEX", "0")]));
+        v.extend(vars(&[("RANK", "6"), ("WORLD_SIZE", "16"), ("LOCAL_RANK", "2")]));
+        assert_eq!(placed(&v), (6, 16, 2));
+        v.remove("RANK");
+        // WORLD_SIZE is still set (for the Kubernetes entry): Slurm wins.
+        assert_eq!(placed(&v), (5, 8, 1));
+        v.remove("SLURM_PROCID");
+        assert_eq!(placed(&v), (2, 4, 0));
+        v.remove("OMPI_COMM_WORLD_RANK");
+        assert_eq!(placed(&v), (0, 16, 2));
+        // An empty rank variable counts as unset.
+        let mut v = with_master(&K8S);
+        v.insert("SLURM_PROCID".into(), " ".into());
+        assert_eq!(placed(&v), (3, 4, 0));
+    }
+
+    #[test]
+    fn a_launchers_missing_variable_is_named() {
+        for (launcher, size) in [
+            (&SLURM[..], "SLURM_NTASKS"),
+            (&OMPI[..], "OMPI_COMM_WORLD_SIZE"),
+            (&K8S[..], "WORLD_SIZE"),
+        ] {
+            let mut v = with_master(launcher);
+            v.remove(size);
+            assert_eq!(WorldConfig::from_vars("w", &v), Err(ConfigError::Missing(size)));
+            // MASTER_ADDR and MASTER_PORT are needed with every launcher.
+            for key in ["MASTER_ADDR", "MASTER_PORT"] {
+                let mut v = with_master(launcher);
+                v.remove(key);
+                assert_eq!(WorldConfig::from_vars("w", &v), Err(ConfigError::Missing(key)));
+            }
+        }
+    }
+
+    #[test]
+    fn a_launchers_bad_variable_is_named() {
+        // (a launcher's variables, the one made bad, its bad value)
+        type Case = (
+            &'static [(&'static str, &'static str)],
+            &'static str,
+            &'static str,
+        );
+        let cases: [Case; 9] = [
+            (&SLURM, "SLURM_PROCID", "x"),
+            (&SLURM, "SLURM_NTASKS", "-1"),
+            (&SLURM, "SLURM_LOCALID", "1.5"),
+            (&OMPI, "OMPI_COMM_WORLD_RANK", "two"),
+            (&OMPI, "OMPI_COMM_WORLD_SIZE", "4x"),
+            (&OMPI, "OMPI_COMM_WORLD_LOCAL_RANK", "-3"),
+            (&K8S, "JOB_COMPLETION_INDEX", "a"),
+            (&K8S, "WORLD_SIZE", "99999999999"),
+            (&K8S, "LOCAL_RANK", "z"),
+        ];
+        for (launcher, key, bad) in cases {
+            let mut v = with_master(launcher);
+            v.insert(key.into(), bad.into());
+            let err = WorldConfig::from_vars("w", &v).unwrap_err();
+            assert!(
+                matches!(&err, ConfigError::Invalid { what, value, .. } if *what == key && value == bad),
+                "{key}={bad}: {err:?}"
+            );
+            assert!(err.to_string().contains(key), "{err}");
+        }
+        // A rank at or past the size, and a size of 0, name the launcher's
+        // variables.
+        for (launcher, rank, size) in [
+            (&SLURM[..], "SLURM_PROCID", "SLURM_NTASKS"),
+            (&OMPI[..], "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+            (&K8S[..], "JOB_COMPLETION_INDEX", "WORLD_SIZE"),
+        ] {
+            let mut v = with_master(launcher);
+            v.insert(rank.into(), "4".into());
+            v.insert(size.into(), "4".into());
+            let err = WorldConfig::from_vars("w", &v).unwrap_err().to_string();
+            assert!(err.contains(rank) && err.contains(size), "{err}");
+            assert!(err.contains("below the world size 4"), "{err}");
+            v.insert(rank.into(), "0".into());
+            v.insert(size.into(), "0".into());
+            let err = WorldConfig::from_vars("w", &v).unwrap_err();
+            assert!(
+                matches!(err, ConfigError::Invalid { what, .. } if what == size),
+                "{err:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn no_launcher_names_every_variable_looked_for() {
+        for v in [with_master(&[]), HashMap::new(), vars(&[("LOCAL_RANK", "0")])] {
+            let err = WorldConfig::from_vars("w", &v).unwrap_err();
+            assert_eq!(err, ConfigError::NoLauncher);
+            let text = err.to_string();
+            for key in [
+                "RANK",
+                "WORLD_SIZE",
+                "SLURM_PROCID",
+                "SLURM_NTASKS",
+                "OMPI_COMM_WORLD_RANK",
+                "OMPI_COMM_WORLD_SIZE",
+                "JOB_COMPLETION_INDEX",
+                "MASTER_ADDR",
+                "MASTER_PORT",
+            ] {
+                assert!(text.contains(key), "{key} not named: {text}");
+            }
+        }
+        // WORLD_SIZE alone is a torchrun-style launch that lost RANK.
+        let v = with_master(&[("WORLD_SIZE", "2")]);
+        assert_eq!(WorldConfig::from_vars("w", &v), Err(ConfigError::Missing("RANK")));
+    }
+
+    #[test]
+    fn the_store_port_can_differ_from_torchruns() {
+        // torchrun's agent hosts its own store at MASTER_PORT and says so.
+        let mut v = vars(&BASE);
+        v.insert("TORCHELASTIC_USE_AGENT_STORE".into(), "True".into());
+        let err = WorldConfig::from_vars("w", &v).unwrap_err();
+        assert!(
+            matches!(&err, ConfigError::Invalid { what: "MASTER_PORT", value, .. } if value == "29500"),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("MULTIWORLD_STORE_PORT"), "{err}");
+        v.insert("MULTIWORLD_STORE_PORT".into(), "29600".into());
+        assert_eq!(
+            WorldConfig::from_vars("w", &v).unwrap().store_addr,
+            "127.0.0.1:29600"
+        );
+        // Without torchrun's store, MASTER_PORT is used unless overridden,
+        // and the override does not need MASTER_PORT at all.
+        v.insert("TORCHELASTIC_USE_AGENT_STORE".into(), "False".into());
+        v.remove("MULTIWORLD_STORE_PORT");
+        assert_eq!(
+            WorldConfig::from_vars("w", &v).unwrap().store_addr,
+            "127.0.0.1:29500"
+        );
+        v.remove("MASTER_PORT");
+        v.insert("MULTIWORLD_STORE_PORT".into(), "29601".into());
+        assert_eq!(
+            WorldConfig::from_vars("w", &v).unwrap().store_addr,
+            "127.0.0.1:29601"
+        );
+        v.insert("MULTIWORLD_STORE_PORT".into(), "port".into());
+        assert!(matches!(
+            WorldConfig::from_vars("w", &v),
+            Err(ConfigError::Invalid {
+                what: "MULTIWORLD_STORE_PORT",
+                ..
+            })
+        ));
     }
 
     #[test]
