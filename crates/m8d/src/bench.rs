@@ -574,19 +574,24 @@ async fn failover(args: FailoverArgs) -> anyhow::Result<()> {
     );
     println!("\nfault              detected after   healthy worlds after/before   longest healthy pause");
     let mut rounds = Vec::new();
+    let progress = m8d::progress::bar(2 * args.rounds as u64, "faults");
     for _ in 0..args.rounds {
         for freeze in [false, true] {
             let r = fault_round(&mut fleet, victim, &healthy, window, freeze).await?;
-            println!(
-                "{:<18} {:>11.1} ms {:>24.1} % {:>18.1} ms",
-                r.fault,
-                r.detect_ms,
-                r.healthy_ratio_min * 100.0,
-                r.healthy_max_pause_ms
-            );
+            progress.suspend(|| {
+                println!(
+                    "{:<18} {:>11.1} ms {:>24.1} % {:>18.1} ms",
+                    r.fault,
+                    r.detect_ms,
+                    r.healthy_ratio_min * 100.0,
+                    r.healthy_max_pause_ms
+                )
+            });
+            progress.inc(1);
             rounds.push(r);
         }
     }
+    progress.finish_and_clear();
     let exits = fleet.shutdown().await;
     println!(
         "\ntargets: kill reported ≤ 50 ms; freeze reported ≤ heartbeat timeout (1 s) + 250 ms; \
@@ -626,7 +631,10 @@ async fn p2p(args: P2pArgs) -> anyhow::Result<()> {
         cfg.pingpong_rounds = 2000;
         cfg.repeats = 1;
     }
-    let report = multiworld_bench::p2p::p2p(cfg).await?;
+    let progress = m8d::progress::spinner("p2p: streaming and ping-pong, every size");
+    let report = multiworld_bench::p2p::p2p(cfg).await;
+    progress.finish_and_clear();
+    let report = report?;
     println!("{report}");
     let out = P2pOut {
         stream: report
@@ -865,10 +873,15 @@ async fn worlds(args: WorldsArgs) -> anyhow::Result<()> {
     );
     println!("\n   bytes  workers   K worlds msgs/s   1 world msgs/s   ratio");
     let mut rows = Vec::new();
+    let progress = m8d::progress::bar(
+        (args.bytes.len() * args.workers.len() * args.repeats.max(1)) as u64,
+        "runs",
+    );
     for &bytes in &args.bytes {
         for &k in &args.workers {
             let (mut multis, mut singles) = (Vec::new(), Vec::new());
             for _ in 0..args.repeats.max(1) {
+                progress.inc(1);
                 let mut config = m8d::fleet::FleetConfig::new(&exe, k);
                 config.bytes = bytes;
                 let fleet = m8d::fleet::Fleet::start(config).await?;
@@ -889,17 +902,20 @@ async fn worlds(args: WorldsArgs) -> anyhow::Result<()> {
                 single_world_msgs_s: single,
                 ratio: multi / single.max(1e-9),
             };
-            println!(
-                "{:>8} {:>8} {:>17.0} {:>16.0} {:>7.1} %",
-                bytes,
-                k,
-                multi,
-                single,
-                row.ratio * 100.0
-            );
+            progress.suspend(|| {
+                println!(
+                    "{:>8} {:>8} {:>17.0} {:>16.0} {:>7.1} %",
+                    bytes,
+                    k,
+                    multi,
+                    single,
+                    row.ratio * 100.0
+                )
+            });
             rows.push(row);
         }
     }
+    progress.finish_and_clear();
     println!("\ntarget: K worlds ≥ 97 % of the same traffic over one world");
     write_json(args.json.as_deref(), &rows)?;
     Ok(())
@@ -933,7 +949,10 @@ async fn collectives(args: CollectivesArgs) -> anyhow::Result<()> {
     if !args.ranks.is_empty() {
         cfg.world_sizes = args.ranks.clone();
     }
-    let report = collectives_bench(cfg).await?;
+    let progress = m8d::progress::spinner("collectives: every operation, size and world size");
+    let report = collectives_bench(cfg).await;
+    progress.finish_and_clear();
+    let report = report?;
     println!("{report}");
     println!(
         "targets: all_reduce of 64 MiB f32 ≤ 25 ms over 2 ranks, ≤ 60 ms over 4 ranks (gloo here, bench/gloo_all_reduce.py, 2026-11-22, medians: 48-56 and 104-122 ms)"
@@ -977,7 +996,9 @@ async fn join(args: JoinArgs) -> anyhow::Result<()> {
     let store = leader.serve_store("127.0.0.1:0").await?.to_string();
     let mut times = Vec::with_capacity(args.rounds);
     // Two unmeasured rounds warm up the store connections' code paths.
+    let progress = m8d::progress::bar(args.rounds as u64 + 2, "joins");
     for i in 0..args.rounds + 2 {
+        progress.inc(1);
         let name = format!("join-{i}");
         let started = Instant::now();
         let (a, b) = tokio::join!(
@@ -996,6 +1017,7 @@ async fn join(args: JoinArgs) -> anyhow::Result<()> {
         x?;
         y?;
     }
+    progress.finish_and_clear();
     times.sort_by(f64::total_cmp);
     let at = |q: f64| times[((times.len() - 1) as f64 * q).round() as usize];
     let out = JoinOut {

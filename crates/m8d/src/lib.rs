@@ -5,6 +5,8 @@
 //!   fault injection (SIGKILL, SIGSTOP) and respawn.
 //! - [`launch`]: run a program once per rank with the launcher environment
 //!   (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, ...), output prefixed by rank.
+//! - [`progress`]: progress bars and spinners for long commands, drawn only
+//!   on a terminal.
 //! - [`stream`]: checksummed tensor streams between a leader and its workers
 //!   (what the demo, the failover benchmark and the fault-injection tests
 //!   send), with live counters of messages, bytes, corruption, losses and
@@ -12,4 +14,5 @@
 
 pub mod fleet;
 pub mod launch;
+pub mod progress;
 pub mod stream;

@@ -4,15 +4,24 @@
 //! running) and JSON, `m8d bench join` its quantiles, `m8d bench worlds` both
 //! rates and their ratio, `m8d bench failover` a kill and a freeze with their
 //! detection times, `m8d bench store` round trips, wake-ups and host deaths.
+//! Piped, none of them draws a progress bar or colour.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
 use std::process::Command;
 
 use multiworld_testkit::process;
 
+/// Runs `m8d ARGS` with its output piped, as CI and scripts do: no progress
+/// bar and no colour may reach either stream then.
 fn m8d(args: &[&str]) -> String {
     let out = process::run(Command::new(env!("CARGO_BIN_EXE_m8d")).args(args));
     assert!(out.success(), "m8d {args:?}:\n{}\n{}", out.stdout, out.stderr);
+    for (name, text) in [("stdout", &out.stdout), ("stderr", &out.stderr)] {
+        assert!(
+            !text.contains('\u{1b}') && !text.contains("[00:"),
+            "m8d {args:?} drew a progress bar or colour on a piped {name}:\n{text}"
+        );
+    }
     out.stdout
 }
 

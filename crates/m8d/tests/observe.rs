@@ -254,6 +254,7 @@ async fn a_rank_killed_mid_collective_leaves_a_flight_record_on_every_survivor()
         WorldEvent::Broken { record, .. } => record,
         _ => unreachable!(),
     };
+    eprintln!("rank 0's flight record:\n{}", record.timeline());
     assert_names_the_collective_and_the_lost_peer(&record, "rank 0");
     assert!(
         record

@@ -83,6 +83,31 @@ pub struct FlightRecord {
 }
 
 impl FlightRecord {
+    /// The record with only the last `n` ended operations (and every pending
+    /// one): what the break's log line shows.
+    pub fn tail(&self, n: usize) -> FlightRecord {
+        let ended = self.ops.iter().filter(|o| o.outcome != Outcome::Pending).count();
+        let skip = ended.saturating_sub(n);
+        let mut seen = 0;
+        let ops = self
+            .ops
+            .iter()
+            .filter(|o| {
+                if o.outcome == Outcome::Pending {
+                    return true;
+                }
+                seen += 1;
+                seen > skip
+            })
+            .cloned()
+            .collect();
+        FlightRecord {
+            ops,
+            dropped: self.dropped + skip as u64,
+            ..self.clone()
+        }
+    }
+
     /// The operations still running when the record was taken.
     pub fn pending(&self) -> impl Iterator<Item = &OpRecord> {
         self.ops.iter().filter(|o| o.outcome == Outcome::Pending)
@@ -339,6 +364,9 @@ mod tests {
         assert_eq!(rec.ops[3].outcome, Outcome::Failed("peer 2 lost".into()));
         assert_eq!(rec.ops[3].end_us, Some(12_000));
         assert_eq!(rec.taken_us, 20_000);
+        let tail = rec.tail(1);
+        assert_eq!(tail.ops.iter().map(|o| o.seq).collect::<Vec<_>>(), vec![0, 6]);
+        assert_eq!(tail.dropped, 5);
         r.end(stuck, t0 + Duration::from_millis(30), Outcome::Cancelled);
         assert_eq!(r.snapshot("w", 3, 0, "", t0).pending().count(), 0);
     }

@@ -56,6 +56,8 @@ pub(crate) const BROKEN_KEY: &str = "multiworld/broken";
 
 /// How long a breaking member spends telling the others through the store.
 const ANNOUNCE_TIMEOUT: Duration = Duration::from_millis(500);
+/// Ended operations of a broken world's flight record shown in its log line.
+const LOGGED_OPS: usize = 8;
 /// How long teardown waits for the world's tasks before giving up on them
 /// (they are cancelled; this only bounds a task that ignores cancellation).
 const TEARDOWN_WAIT: Duration = Duration::from_secs(2);
@@ -452,8 +454,9 @@ impl WorldShared {
             world = %self.name,
             generation = self.generation.0,
             pending = ?pending,
-            "flight record at the break:\n{}",
-            record.timeline()
+            "flight record at the break (last operations; the whole record is on the Broken event{}):\n{}",
+            if self.flight_dir.is_some() { " and in the flight recorder directory" } else { "" },
+            record.tail(LOGGED_OPS).timeline()
         );
         self.write_flight_record(&record);
         let _ = self.events.send(WorldEvent::Broken {
