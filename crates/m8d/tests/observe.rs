@@ -117,6 +117,39 @@ async fn the_metrics_endpoint_follows_traffic_a_kill_and_the_removal() {
             > recvs_1
     );
 
+    // `m8d status` shows both worlds live, with rates from two scrapes.
+    let status = tokio::task::spawn_blocking(move || {
+        multiworld_testkit::process::run(Command::new(M8D).args([
+            "status",
+            &addr.to_string(),
+            "--interval",
+            "0.3",
+        ]))
+    })
+    .await
+    .unwrap();
+    assert!(status.success(), "{}", status.stderr);
+    let rows: Vec<&str> = status.stdout.lines().filter(|l| l.starts_with('w')).collect();
+    assert!(
+        status
+            .stdout
+            .starts_with(&format!("worlds of the process at {addr}")),
+        "{}",
+        status.stdout
+    );
+    assert!(
+        rows.iter()
+            .any(|r| r.starts_with("w1 ") && r.contains("ready") && r.contains("B/s")),
+        "{}",
+        status.stdout
+    );
+    assert!(
+        rows.iter().any(|r| r.starts_with("w2 ") && r.contains("ready")),
+        "{}",
+        status.stdout
+    );
+    assert!(status.stdout.contains("breaks: none"), "{}", status.stdout);
+
     // SIGKILL w2's worker: its world breaks (peer_lost), is removed, and its
     // series go; w1's keep growing.
     f.kill(1).unwrap();
@@ -155,6 +188,27 @@ async fn the_metrics_endpoint_follows_traffic_a_kill_and_the_removal() {
         Some(1.0),
         "{third}"
     );
+    let status = tokio::task::spawn_blocking(move || {
+        multiworld_testkit::process::run(Command::new(M8D).args([
+            "status",
+            &addr.to_string(),
+            "--interval",
+            "0.2",
+        ]))
+    })
+    .await
+    .unwrap();
+    assert!(status.stdout.contains("breaks: peer_lost 1"), "{}", status.stdout);
+    assert!(
+        status.stdout.contains("last break: w2 generation"),
+        "{}",
+        status.stdout
+    );
+    assert!(
+        !status.stdout.lines().any(|l| l.starts_with("w2 ")),
+        "{}",
+        status.stdout
+    );
     let bytes_3 = value(&third, "multiworld_received_bytes_total", &w1).unwrap();
     f.wait_flowing(0, 20, Duration::from_secs(10)).await.unwrap();
     assert!(value(&scrape(addr), "multiworld_received_bytes_total", &w1).unwrap() > bytes_3);
@@ -173,23 +227,25 @@ async fn the_metrics_endpoint_follows_traffic_a_kill_and_the_removal() {
     f.shutdown().await;
 }
 
-/// The op the record says the world was in when it broke, and that it names
-/// rank 2 (pending, with the break's reason naming it, or failed naming it).
-fn assert_names_the_collective_and_the_lost_peer(record: &FlightRecord, who: &str) {
+/// The rank a record's break cause names (`"... rank N lost ..."`).
+fn cause_rank(record: &FlightRecord) -> Option<u32> {
+    let after = record.reason.split("rank ").nth(1)?;
+    after.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok()
+}
+
+/// The record shows the all_reduce the survivor was in when the world broke:
+/// still pending at the break, or failed by it.
+fn assert_shows_the_collective(record: &FlightRecord, who: &str) {
     let op = record
         .ops
         .iter()
         .rev()
         .find(|o| o.kind == "all_reduce")
         .unwrap_or_else(|| panic!("{who}: no all_reduce in the record:\n{}", record.timeline()));
-    let names_rank_2 = match &op.outcome {
-        OpOutcome::Pending => record.reason.contains("rank 2"),
-        OpOutcome::Failed(e) => e.contains("rank 2") || record.reason.contains("rank 2"),
-        other => panic!("{who}: the last all_reduce {other:?}:\n{}", record.timeline()),
-    };
     assert!(
-        names_rank_2,
-        "{who}: the record does not name rank 2:\n{}",
+        matches!(op.outcome, OpOutcome::Pending | OpOutcome::Failed(_)),
+        "{who}: the last all_reduce is {:?}:\n{}",
+        op.outcome,
         record.timeline()
     );
 }
@@ -255,7 +311,7 @@ async fn a_rank_killed_mid_collective_leaves_a_flight_record_on_every_survivor()
         _ => unreachable!(),
     };
     eprintln!("rank 0's flight record:\n{}", record.timeline());
-    assert_names_the_collective_and_the_lost_peer(&record, "rank 0");
+    assert_shows_the_collective(&record, "rank 0");
     assert!(
         record
             .ops
@@ -277,7 +333,22 @@ async fn a_rank_killed_mid_collective_leaves_a_flight_record_on_every_survivor()
     let file_1 = dir.join(format!("coll-g{generation}-r1.json"));
     let record_1: FlightRecord = serde_json::from_slice(&std::fs::read(&file_1).unwrap()).unwrap();
     assert_eq!(record_1.rank, 1);
-    assert_names_the_collective_and_the_lost_peer(&record_1, "rank 1");
+    eprintln!("rank 1's flight record:\n{}", record_1.timeline());
+    assert_shows_the_collective(&record_1, "rank 1");
+    // Each record names the peer whose loss broke the world there: rank 2,
+    // the one that never answered, or, when the other survivor broke first
+    // and its teardown closed its connections before rank 2's close was
+    // read (a race on a loaded machine), that survivor — whose own record
+    // then names rank 2. So rank 2 is always named, by one of them at least.
+    let (c0, c1) = (cause_rank(&record), cause_rank(&record_1));
+    assert!(
+        matches!(c0, Some(2 | 1)) && matches!(c1, Some(2 | 0)),
+        "{c0:?} {c1:?}"
+    );
+    assert!(
+        c0 == Some(2) || c1 == Some(2),
+        "neither record names rank 2: {c0:?} {c1:?}"
+    );
 
     // `m8d flight FILE` prints it as a timeline.
     let out = Command::new(M8D).arg("flight").arg(&file_1).output().unwrap();
@@ -287,7 +358,7 @@ async fn a_rank_killed_mid_collective_leaves_a_flight_record_on_every_survivor()
         text.starts_with("world coll generation") && text.contains("all_reduce"),
         "{text}"
     );
-    assert!(text.contains("rank 2"), "{text}");
+    assert_eq!(text, record_1.timeline());
     leader.shutdown().await;
     let _ = std::fs::remove_dir_all(&dir);
 }
