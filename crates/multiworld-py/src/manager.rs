@@ -93,6 +93,29 @@ impl Manager {
         Ok(Manager { inner: Some(inner) })
     }
 
+    /// Every metric of the process and its worlds, in Prometheus' text format.
+    fn metrics_text(&self) -> PyResult<String> {
+        Ok(self.m()?.metrics_text())
+    }
+
+    /// Where the metrics endpoint listens (`MULTIWORLD_METRICS_ADDR`), if served.
+    fn metrics_addr(&self) -> PyResult<Option<String>> {
+        Ok(self.m()?.metrics_addr().map(|a| a.to_string()))
+    }
+
+    /// The flight record of the world `name` now: `(json, timeline)`, or
+    /// `None` if this process is not a member.
+    fn flight_record(&self, name: &str) -> PyResult<Option<(String, String)>> {
+        Ok(match self.m()?.flight_record(name) {
+            Some(r) => Some((
+                serde_json::to_string(&r)
+                    .map_err(|e| pyo3::exceptions::PyRuntimeError::new_err(e.to_string()))?,
+                r.timeline(),
+            )),
+            None => None,
+        })
+    }
+
     /// Hosts a store at `bind` (`"127.0.0.1:0"`: any free port); returns the
     /// address it listens on.
     fn serve_store(&self, py: Python<'_>, bind: &str) -> PyResult<String> {
@@ -236,6 +259,9 @@ pub struct Event {
     rank: Option<u32>,
     /// Human-readable detail (the cause, the reason, how long).
     detail: Option<String>,
+    /// For `"broken"`: the world's flight record as a timeline (what it was
+    /// doing when it broke: its last operations and those pending).
+    flight_record: Option<String>,
 }
 
 impl From<WorldEvent> for Event {
@@ -248,6 +274,7 @@ impl From<WorldEvent> for Event {
             cause: None,
             rank: None,
             detail: None,
+            flight_record: None,
         };
         match ev {
             WorldEvent::Joined { generation, rank, .. } => {
@@ -256,9 +283,13 @@ impl From<WorldEvent> for Event {
                 e.rank = Some(rank.0);
             }
             WorldEvent::Broken {
-                generation, cause, ..
+                generation,
+                cause,
+                record,
+                ..
             } => {
                 e.kind = "broken";
+                e.flight_record = Some(record.timeline());
                 e.generation = Some(generation.0);
                 e.cause = Some(errors::cause_kind(&cause));
                 e.rank = errors::cause_rank(&cause);

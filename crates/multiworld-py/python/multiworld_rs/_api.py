@@ -693,7 +693,36 @@ class WorldManager:
     def events(self, timeout: Optional[float] = None) -> EventStream:
         """Subscribes to this manager's events (``joined``, ``broken``,
         ``removed``, ...) from now on. Iterating the stream stops after
-        ``timeout`` seconds without an event (``None``: waits forever)."""
+        ``timeout`` seconds without an event (``None``: waits forever). A
+        ``broken`` event's ``flight_record`` is the world's timeline at the
+        break (its last operations and those pending)."""
         return EventStream(self._m.events(), _seconds("timeout", timeout))
+
+    # -- operating --------------------------------------------------------------
+    def metrics_text(self) -> str:
+        """Every metric of this process and its worlds now, in Prometheus'
+        text format (what the endpoint serves; see ``docs/operations.md``)."""
+        return self._m.metrics_text()
+
+    @property
+    def metrics_addr(self) -> Optional[str]:
+        """``host:port`` of the metrics endpoint (``GET /metrics``), served
+        when ``MULTIWORLD_METRICS_ADDR`` is set; ``None`` otherwise."""
+        return self._m.metrics_addr()
+
+    def flight_record(self, name: str) -> Optional[dict]:
+        """The flight record of world ``name`` now, as a dict (``world``,
+        ``generation``, ``rank``, ``reason``, ``ops``: each with ``kind``,
+        ``peer``, ``tag``, ``bytes``, ``start_us``, ``end_us``, ``outcome``)
+        plus ``timeline``, the readable rendering; ``None`` if this process
+        is not a member."""
+        got = self._m.flight_record(name)
+        if got is None:
+            return None
+        import json
+
+        record = json.loads(got[0])
+        record["timeline"] = got[1]
+        return record
 
 

@@ -1,0 +1,82 @@
+"""What operators see from Python: the metrics text and endpoint, a world's
+flight record, and the record on a ``broken`` event."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+
+import multiworld_rs as mw
+
+from conftest import both
+
+
+def test_metrics_text_and_flight_record():
+    # The pair's managers belong to the fixture; a manager of our own here.
+    m = mw.WorldManager()
+    store = m.serve_store("127.0.0.1:0")
+    solo = m.join("ops-solo", 0, 1, store)
+    solo.all_reduce(np.ones(4, np.float32))
+    text = m.metrics_text()
+    assert "multiworld_joins_total 1" in text
+    assert 'multiworld_op_duration_seconds_count{world="ops-solo"' in text
+    rec = m.flight_record("ops-solo")
+    assert rec is not None and rec["world"] == "ops-solo" and rec["rank"] == 0
+    assert [o["kind"] for o in rec["ops"]] == ["all_reduce"] and rec["ops"][0]["outcome"] == "done"
+    assert rec["timeline"].startswith("world ops-solo generation")
+    assert m.flight_record("nope") is None
+    assert m.metrics_addr is None  # not served unless asked
+    m.shutdown()
+
+
+def test_a_broken_event_carries_the_flight_record():
+    a, b = mw.WorldManager(), mw.WorldManager()
+    store = a.serve_store("127.0.0.1:0")
+    w0, w1 = both(lambda: a.join("ops-brk", 0, 2, store, timeout=10), lambda: b.join("ops-brk", 1, 2, store, timeout=10))
+    events = a.events(timeout=10)
+    failed = []
+    t = threading.Thread(target=lambda: failed.append(_recv_error(w0)))
+    t.start()
+    time.sleep(0.1)
+    w1.abort()
+    t.join(10)
+    ev = next(e for e in events if e.kind == "broken")
+    assert ev.flight_record is not None
+    pending = [line for line in ev.flight_record.splitlines() if "PENDING" in line]
+    assert len(pending) == 1 and "recv" in pending[0] and "tag 5" in pending[0], ev.flight_record
+    assert failed and isinstance(failed[0], mw.BrokenWorldError)
+    a.shutdown()
+    b.shutdown()
+
+
+def _recv_error(w):
+    try:
+        w.recv(1, 5, dtype="int32", shape=1)
+    except mw.BrokenWorldError as e:
+        return e
+    return None
+
+
+def test_the_metrics_endpoint_from_the_environment():
+    script = textwrap.dedent("""
+        import urllib.request, multiworld_rs as mw
+        m = mw.WorldManager()
+        addr = m.metrics_addr
+        assert addr and not addr.endswith(":0"), addr
+        store = m.serve_store("127.0.0.1:0")
+        m.join("ops-env", 0, 1, store).barrier()
+        with urllib.request.urlopen(f"http://{addr}/metrics", timeout=10) as r:
+            body = r.read().decode()
+            assert r.status == 200 and "openmetrics" in r.headers["Content-Type"], r.headers
+        assert 'multiworld_world_state{world="ops-env"' in body, body
+        m.shutdown()
+        print("OK")
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                         env={**__import__("os").environ, "MULTIWORLD_METRICS_ADDR": "127.0.0.1:0"})
+    assert out.returncode == 0 and "OK" in out.stdout, out.stderr
