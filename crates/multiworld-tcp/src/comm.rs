@@ -121,6 +121,17 @@ struct Counters {
     /// Microseconds after `epoch` at which anything (a header, payload bytes,
     /// a heartbeat) last arrived from the peer.
     heard_us: AtomicU64,
+    /// The last heartbeat sent to the peer (its sequence number, when), and
+    /// the last one received from it: what a heartbeat's echo pairs up.
+    heartbeats: Mutex<HeartbeatEcho>,
+    /// The last heartbeat round trip, in microseconds (0: none measured yet).
+    rtt_us: AtomicU64,
+}
+
+#[derive(Default)]
+struct HeartbeatEcho {
+    sent: Option<(u32, Instant)>,
+    received: Option<(u32, Instant)>,
 }
 
 impl Counters {
@@ -132,6 +143,39 @@ impl Counters {
             messages_received: AtomicU64::new(0),
             epoch,
             heard_us: AtomicU64::new(0),
+            heartbeats: Mutex::new(HeartbeatEcho::default()),
+            rtt_us: AtomicU64::new(0),
+        }
+    }
+
+    fn heartbeats(&self) -> MutexGuard<'_, HeartbeatEcho> {
+        self.heartbeats.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// A heartbeat `seq` goes out at `now`: notes it, and returns the echo of
+    /// the last one received.
+    fn heartbeat_out(&self, seq: u32, now: Instant) -> Option<frame::Echo> {
+        let mut hb = self.heartbeats();
+        hb.sent = Some((seq, now));
+        hb.received.map(|(their, at)| frame::Echo {
+            seq: their,
+            held_us: u32::try_from(now.saturating_duration_since(at).as_micros()).unwrap_or(u32::MAX),
+        })
+    }
+
+    /// Heartbeat `seq` arrived at `now` with `echo`: notes it, and when the
+    /// echo answers the last heartbeat sent, records the round trip.
+    fn heartbeat_in(&self, seq: u32, echo: Option<frame::Echo>, now: Instant) {
+        let mut hb = self.heartbeats();
+        hb.received = Some((seq, now));
+        if let (Some(e), Some((sent_seq, sent_at))) = (echo, hb.sent) {
+            if e.seq == sent_seq {
+                let rtt = now
+                    .saturating_duration_since(sent_at)
+                    .saturating_sub(Duration::from_micros(u64::from(e.held_us)));
+                let us = u64::try_from(rtt.as_micros()).unwrap_or(u64::MAX).max(1);
+                self.rtt_us.store(us, Ordering::Relaxed);
+            }
         }
     }
 
@@ -167,6 +211,9 @@ pub struct PeerLiveness {
     /// Whether the peer left in an orderly way (it closed its communicator
     /// and said goodbye) rather than failing.
     pub departed: bool,
+    /// The last heartbeat round trip to the peer (`None` until one was
+    /// measured: heartbeats echo each other, see `frame::Echo`).
+    pub heartbeat_rtt: Option<Duration>,
 }
 
 /// A completed receive: who sent it and the filled buffer.
@@ -657,6 +704,10 @@ impl Communicator {
                 last_heard: p.counters.last_heard(),
                 lost: p.lost.get().cloned(),
                 departed: p.departed.load(Ordering::Relaxed),
+                heartbeat_rtt: match p.counters.rtt_us.load(Ordering::Relaxed) {
+                    0 => None,
+                    us => Some(Duration::from_micros(us)),
+                },
             })
             .collect()
     }
@@ -1096,7 +1147,7 @@ impl Inner {
             peer.counters.heard();
             match h.kind {
                 FrameKind::Bye => return ReadEnd::Bye,
-                FrameKind::Heartbeat => {}
+                FrameKind::Heartbeat { echo } => peer.counters.heartbeat_in(h.seq, echo, Instant::now()),
                 FrameKind::Data { dtype, tag, len } => {
                     if let Err(cause) = self.on_data(peer, rd, slot, dtype, tag, len).await {
                         return ReadEnd::Failed(cause);
@@ -1275,8 +1326,9 @@ async fn heartbeat_task(inner: Arc<Inner>, every: Duration) {
             let Some(half) = w.half.as_mut() else {
                 continue;
             };
+            let echo = peer.counters.heartbeat_out(seq, Instant::now());
             let header = FrameHeader {
-                kind: FrameKind::Heartbeat,
+                kind: FrameKind::Heartbeat { echo },
                 seq,
                 generation: inner.identity.generation,
             }

@@ -63,10 +63,30 @@ pub enum FrameKind {
     },
     /// The sender is closing the connection in an orderly way; nothing follows.
     Bye,
-    /// The sender is alive; sent on an idle connection every heartbeat
-    /// interval. Carries nothing.
-    Heartbeat,
+    /// The sender is alive; sent every heartbeat interval when the
+    /// connection's writer is free. It may echo the last heartbeat the sender
+    /// received on the other direction, so that the peer can time a round
+    /// trip (see [`Echo`]).
+    Heartbeat {
+        /// The echo, if the sender has received a heartbeat to echo.
+        echo: Option<Echo>,
+    },
 }
+
+/// The echo a heartbeat carries of the last heartbeat its sender received:
+/// that heartbeat's sequence number and how long the sender held it before
+/// this one went out. The peer that sent the echoed heartbeat times the
+/// round trip as `now - sent - held`, whatever the two clocks say.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Echo {
+    /// Sequence number of the echoed heartbeat (on the other direction).
+    pub seq: u32,
+    /// Microseconds between receiving it and sending this one.
+    pub held_us: u32,
+}
+
+/// Marks a heartbeat's length field as carrying an [`Echo`].
+const ECHO_FLAG: u64 = 1 << 63;
 
 /// A decoded frame header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -85,7 +105,7 @@ impl FrameHeader {
     pub fn payload_len(&self) -> u64 {
         match self.kind {
             FrameKind::Data { len, .. } => len,
-            FrameKind::Bye | FrameKind::Heartbeat => 0,
+            FrameKind::Bye | FrameKind::Heartbeat { .. } => 0,
         }
     }
 
@@ -96,7 +116,10 @@ impl FrameHeader {
         let (kind, dtype, tag, len) = match self.kind {
             FrameKind::Data { dtype, tag, len } => (KIND_DATA, dtype.code(), tag.0, len),
             FrameKind::Bye => (KIND_BYE, 0, 0, 0),
-            FrameKind::Heartbeat => (KIND_HEARTBEAT, 0, 0, 0),
+            FrameKind::Heartbeat { echo: None } => (KIND_HEARTBEAT, 0, 0, 0),
+            FrameKind::Heartbeat { echo: Some(e) } => {
+                (KIND_HEARTBEAT, 0, e.seq, ECHO_FLAG | u64::from(e.held_us))
+            }
         };
         b[4] = kind;
         b[5] = dtype;
@@ -207,15 +230,25 @@ pub fn decode(b: &[u8; HEADER_LEN], limits: &FrameLimits) -> Result<FrameHeader,
                 len,
             }
         }
-        KIND_BYE | KIND_HEARTBEAT => {
+        KIND_BYE => {
             if b[5] != 0 || tag != 0 || len != 0 {
                 return Err(FrameError::BadControl);
             }
-            if b[4] == KIND_BYE {
-                FrameKind::Bye
-            } else {
-                FrameKind::Heartbeat
+            FrameKind::Bye
+        }
+        KIND_HEARTBEAT => {
+            if b[5] != 0 {
+                return Err(FrameError::BadControl);
             }
+            let echo = match (tag, len) {
+                (0, 0) => None,
+                (seq, len) if len & ECHO_FLAG != 0 => match u32::try_from(len & !ECHO_FLAG) {
+                    Ok(held_us) => Some(Echo { seq, held_us }),
+                    Err(_) => return Err(FrameError::BadControl),
+                },
+                _ => return Err(FrameError::BadControl),
+            };
+            FrameKind::Heartbeat { echo }
         }
         other => return Err(FrameError::UnknownKind(other)),
     };
@@ -279,7 +312,7 @@ mod tests {
     #[test]
     fn heartbeat_round_trips_and_rejects_payload() {
         let h = FrameHeader {
-            kind: FrameKind::Heartbeat,
+            kind: FrameKind::Heartbeat { echo: None },
             seq: 9,
             generation: Generation(4),
         };
@@ -288,6 +321,34 @@ mod tests {
         assert_eq!(h.payload_len(), 0);
         let mut bad = b;
         bad[24] = 1;
+        assert_eq!(decode(&bad, &FrameLimits::default()), Err(FrameError::BadControl));
+        // An echo round-trips; a length that is neither 0 nor flag + 32 bits
+        // of held time, or a tag without the flag, is refused.
+        for echo in [
+            Echo { seq: 0, held_us: 0 },
+            Echo {
+                seq: u32::MAX,
+                held_us: u32::MAX,
+            },
+        ] {
+            let h = FrameHeader {
+                kind: FrameKind::Heartbeat { echo: Some(echo) },
+                ..h
+            };
+            assert_eq!(decode(&h.encode(), &FrameLimits::default()), Ok(h));
+            assert_eq!(h.payload_len(), 0);
+        }
+        let mut bad = h.encode();
+        bad[8] = 5; // a tag without the flag
+        assert_eq!(decode(&bad, &FrameLimits::default()), Err(FrameError::BadControl));
+        let mut bad = FrameHeader {
+            kind: FrameKind::Heartbeat {
+                echo: Some(Echo { seq: 1, held_us: 2 }),
+            },
+            ..h
+        }
+        .encode();
+        bad[28] = 1; // held time over 32 bits
         assert_eq!(decode(&bad, &FrameLimits::default()), Err(FrameError::BadControl));
     }
 

@@ -31,7 +31,7 @@ use multiworld_types::{Generation, Identity, MAX_WORLD_NAME_LEN, Rank, WorldName
 /// Handshake magic, right after the Hello type byte.
 pub const HANDSHAKE_MAGIC: [u8; 4] = *b"MWHS";
 /// Version of the TCP protocol (handshake and framing).
-pub const PROTOCOL_VERSION: u16 = 1;
+pub const PROTOCOL_VERSION: u16 = 2;
 /// Length of a nonce in bytes.
 pub const NONCE_LEN: usize = 32;
 /// Length of a proof (HMAC-SHA256) in bytes.

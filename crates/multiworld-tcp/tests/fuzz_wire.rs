@@ -241,7 +241,10 @@ fn frame_header(max: u64) -> impl Strategy<Value = FrameHeader> {
     let kind = prop_oneof![
         4 => data,
         1 => Just(FrameKind::Bye),
-        1 => Just(FrameKind::Heartbeat),
+        1 => Just(FrameKind::Heartbeat { echo: None }),
+        1 => (any::<u32>(), any::<u32>()).prop_map(|(seq, held_us)| FrameKind::Heartbeat {
+            echo: Some(frame::Echo { seq, held_us }),
+        }),
     ];
     (kind, any::<u32>(), any::<u64>()).prop_map(|(kind, seq, g)| FrameHeader {
         kind,

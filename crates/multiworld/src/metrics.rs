@@ -339,6 +339,23 @@ impl Collector for WorldsCollector {
             }
         }
         {
+            let mut rtt = encoder.encode_descriptor(
+                "multiworld_heartbeat_rtt_seconds",
+                "The last heartbeat round trip to each peer (heartbeats echo each other)",
+                None,
+                MetricType::Gauge,
+            )?;
+            for (w, _) in &states {
+                for p in w.comm.liveness() {
+                    if let Some(d) = p.heartbeat_rtt {
+                        let [a, b, c] = world_labels(w);
+                        let labels = [a, b, c, ("peer", p.rank.0.to_string())];
+                        ConstGauge::new(d.as_secs_f64()).encode(rtt.encode_family(&labels)?)?;
+                    }
+                }
+            }
+        }
+        {
             let mut ops = encoder.encode_descriptor(
                 "multiworld_op_duration_seconds",
                 "Duration of each world's operations by kind (label op), failed ones included",

@@ -68,7 +68,22 @@ async fn traffic_and_a_break_move_the_metrics_and_the_docs_name_only_real_series
     x.unwrap();
     y.unwrap();
 
-    let live = a.metrics_text();
+    // Heartbeats (every 200 ms by default) echo each other: a round trip
+    // is measured within a few intervals.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let live = loop {
+        let text = a.metrics_text();
+        if text.contains("multiworld_heartbeat_rtt_seconds{") {
+            break text;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no heartbeat round trip measured:\n{text}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let rtt = w0.communicator().liveness()[0].heartbeat_rtt.unwrap();
+    assert!(rtt > Duration::ZERO && rtt < Duration::from_secs(2), "{rtt:?}");
     let line = |text: &str, start: &str| {
         text.lines()
             .find(|l| l.starts_with(start))
