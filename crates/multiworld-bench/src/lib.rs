@@ -13,10 +13,13 @@
 //! |---|---|
 //! | [`p2p`] | streaming and ping-pong between two ranks, with raw-TCP references |
 //! | [`collectives`] | every collective for several world sizes and buffer sizes, with the raw-TCP floor and memory-copy references |
+//! | [`ranks`] | one process per rank through the `multiworld` facade (the `mw-rank-bench` binary, the Rust reference of `python -m multiworld_rs.bench`), with raw-TCP references between processes |
 //!
 //! The ranks of these benchmarks run as threads of one process, each with its
 //! own runtime, which hides some costs that appear between processes; the
-//! `m8d bench worlds` / `failover` / `join` benchmarks run real processes.
+//! [`ranks`] benchmark and the `m8d bench worlds` / `failover` / `join`
+//! benchmarks run real processes.
 
 pub mod collectives;
 pub mod p2p;
+pub mod ranks;

@@ -13,7 +13,12 @@
 //! objects it inherited are leaked, never dropped, in the child (dropping them
 //! would touch the dead runtime).
 
-use std::{future::Future, sync::OnceLock, time::Duration};
+use std::{
+    future::Future,
+    sync::OnceLock,
+    task::{Context, Poll, Waker},
+    time::Duration,
+};
 
 use pyo3::prelude::*;
 
@@ -62,6 +67,12 @@ pub fn runtime() -> PyResult<&'static tokio::runtime::Runtime> {
 /// Runs `fut` to completion on the runtime with the GIL released, checking
 /// for signals (KeyboardInterrupt) every [`SLICE`]. On an exception from a
 /// signal handler, `fut` is dropped (cancelled) and the exception returned.
+///
+/// A future that is ready at once (a send that fits the socket's buffer, a
+/// receive whose message is already here) completes in a first poll, with
+/// the GIL held, without releasing the GIL or entering the runtime's
+/// `block_on`: that poll does no more than the one `block_on` would make
+/// (Rust tasks never call into Python, so holding the GIL cannot block them).
 pub fn wait<F>(py: Python<'_>, fut: F) -> PyResult<F::Output>
 where
     F: Future + Send,
@@ -69,6 +80,14 @@ where
 {
     let rt = runtime()?;
     let mut fut = std::pin::pin!(fut);
+    {
+        // The runtime's context, for the sockets and timers the poll touches;
+        // the no-op waker is replaced by `block_on`'s at the next poll.
+        let _guard = rt.enter();
+        if let Poll::Ready(out) = fut.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
+            return Ok(out);
+        }
+    }
     loop {
         let slice = py.detach(|| rt.block_on(async { tokio::time::timeout(SLICE, fut.as_mut()).await }));
         match slice {

@@ -1,0 +1,62 @@
+//! The one-process-per-rank benchmark runs and prints well-formed results
+//! (quick settings; no timing is checked: a benchmark is not a timed test).
+
+use std::process::Command;
+
+fn positive(v: &serde_json::Value, key: &str) -> bool {
+    v[key].as_f64().is_some_and(|x| x.is_finite() && x > 0.0)
+}
+
+#[test]
+fn every_scenario_runs_and_prints_json_lines() -> anyhow::Result<()> {
+    let out = Command::new(env!("CARGO_BIN_EXE_mw-rank-bench"))
+        .args(["all", "--quick", "--deadline-s", "120"])
+        .output()?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "mw-rank-bench all --quick failed: {stderr}");
+    let lines: Vec<serde_json::Value> = String::from_utf8(out.stdout)?
+        .lines()
+        .map(serde_json::from_str)
+        .collect::<Result<_, _>>()?;
+    let scenarios: Vec<&str> = lines.iter().filter_map(|v| v["scenario"].as_str()).collect();
+    for s in [
+        "tcp_stream",
+        "stream",
+        "tcp_pingpong",
+        "pingpong",
+        "leader",
+        "all_reduce",
+    ] {
+        assert!(scenarios.contains(&s), "no {s} result in {scenarios:?}");
+    }
+    // Leader and all-reduce: 2 and 4 processes each.
+    assert_eq!(scenarios.iter().filter(|s| **s == "leader").count(), 2);
+    assert_eq!(scenarios.iter().filter(|s| **s == "all_reduce").count(), 2);
+    for v in &lines {
+        assert_eq!(v["impl"], "rust", "{v}");
+        assert!(positive(v, "size"), "{v}");
+        let figures: &[&str] = match v["scenario"].as_str() {
+            Some("pingpong" | "tcp_pingpong") => &["half_rtt_us", "half_rtt_us_p99", "rounds"],
+            Some("all_reduce") => &["ms", "ms_min", "gb_per_s", "iters", "procs"],
+            _ => &["gb_per_s", "msgs_per_s", "secs", "messages"],
+        };
+        for f in figures {
+            assert!(positive(v, f), "{f} is not a positive number in {v}");
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn one_scenario_with_explicit_sizes() -> anyhow::Result<()> {
+    let out = Command::new(env!("CARGO_BIN_EXE_mw-rank-bench"))
+        .args(["run", "stream", "--quick", "--sizes", "4096,65536"])
+        .output()?;
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let sizes: Vec<u64> = String::from_utf8(out.stdout)?
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).map(|v| v["size"].as_u64().unwrap_or(0)))
+        .collect::<Result<_, _>>()?;
+    assert_eq!(sizes, [4096, 65536]);
+    Ok(())
+}

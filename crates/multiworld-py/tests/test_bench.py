@@ -1,0 +1,61 @@
+"""``python -m multiworld_rs.bench`` runs and its output is well formed.
+
+A benchmark is not a timed test: this runs the quick settings against the
+built Rust reference binary (mw-rank-bench) and checks only that every row
+parses and has positive figures, never the ratios or the targets."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from multiworld_rs import bench
+
+
+def _binary():
+    try:
+        return bench.find_rust_bin()
+    except bench.BenchError as e:
+        pytest.skip(f"no Rust reference binary: {e}")
+
+
+@pytest.mark.timeout(600)
+def test_quick_bench_runs_and_is_well_formed(tmp_path):
+    binary = _binary()
+    out_json = tmp_path / "bench.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "multiworld_rs.bench", "--quick", "--rust-bin", str(binary),
+         "--json", str(out_json)],
+        capture_output=True, text=True, timeout=540)
+    assert done.returncode == 0, done.stderr
+    data = json.loads(out_json.read_text())
+    rows = data["rows"]
+    kinds = {(r["scenario"], r["detail"].split(", ")[-1]) for r in rows}
+    assert {k[0] for k in kinds} == {"stream", "pingpong", "leader", "all_reduce"}
+    assert ("leader", "threads") in kinds and ("leader", "asyncio") in kinds
+    for r in rows:
+        assert r["rust"] > 0 and r["python"] > 0, r
+        assert isinstance(r["met"], bool) and r["target"], r
+    assert {ref["scenario"] for ref in data["references"]} == {"tcp_stream", "tcp_pingpong"}
+    for m in data["raw"]:
+        assert m["impl"] in ("rust", "python") and m["size"] > 0, m
+    # The printed table: a header, then one line per row, then the references.
+    lines = done.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("scenario"))
+    body = lines[header + 2:header + 2 + len(rows)]
+    assert [line.split()[0] for line in body] == [r["scenario"] for r in rows]
+    assert all(line.rstrip().endswith(("met", "MISSED")) for line in body)
+
+
+def test_missing_binary_is_named_with_how_to_build_it(tmp_path):
+    missing = tmp_path / "nope"
+    done = subprocess.run([sys.executable, "-m", "multiworld_rs.bench", "--rust-bin", str(missing)],
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "MULTIWORLD_BENCH_BIN": ""})
+    assert done.returncode == 2
+    assert "cargo build --release -p multiworld-bench --bin mw-rank-bench" in done.stderr
+    assert str(missing) in done.stderr
