@@ -34,8 +34,9 @@ use crate::{
     config::WorldConfig,
     error::WorldError,
     lifecycle::BreakCause,
+    recorder::OpStart,
     watchdog::PendingOp,
-    world::{World, WorldShared},
+    world::{OpGuard, World, WorldShared},
 };
 
 /// The store key under which rank 0 publishes the NCCL unique id: one byte
@@ -374,14 +375,28 @@ impl NcclWorld {
 
     fn issue(
         &self,
+        kind: &'static str,
         f: impl FnOnce(&NcclComm) -> Result<OpHandle, NcclError>,
     ) -> Result<DeviceOp, WorldError> {
         let w = &self.world.shared;
         w.check()?;
+        // Recorded and timed from the enqueue to the completion `wait` sees.
+        let mut op = w.track(OpStart {
+            kind,
+            peer: None,
+            tag: None,
+            bytes: 0,
+        });
         // May wait in `NcclComm::issue` (its lock, and polling NCCL until the
         // enqueue completes): off the async worker (see `blocking`).
         let comm = &self.dev.comm;
-        let handle = Arc::new(blocking(|| f(comm)).map_err(|e| w.fail_device(e))?);
+        let handle = match blocking(|| f(comm)).map_err(|e| w.fail_device(e)) {
+            Ok(h) => Arc::new(h),
+            Err(e) => {
+                op.finish::<(), _>(&Err(&e));
+                return Err(e);
+            }
+        };
         self.dev
             .pending
             .lock()
@@ -390,12 +405,13 @@ impl NcclWorld {
         Ok(DeviceOp {
             handle,
             world: Arc::clone(w),
+            op,
         })
     }
 
     /// All-reduce in place.
     pub fn all_reduce(&self, buf: &mut DeviceBuffer, op: ReduceOp) -> Result<DeviceOp, WorldError> {
-        self.issue(|c| c.all_reduce_in_place(buf, op))
+        self.issue("device_all_reduce", |c| c.all_reduce_in_place(buf, op))
     }
 
     /// All-reduce out of place: `recv` gets the reduction of every rank's
@@ -406,12 +422,12 @@ impl NcclWorld {
         recv: &mut DeviceBuffer,
         op: ReduceOp,
     ) -> Result<DeviceOp, WorldError> {
-        self.issue(|c| c.all_reduce(send, recv, op))
+        self.issue("device_all_reduce", |c| c.all_reduce(send, recv, op))
     }
 
     /// Broadcast from `root`, in place.
     pub fn broadcast(&self, buf: &mut DeviceBuffer, root: Rank) -> Result<DeviceOp, WorldError> {
-        self.issue(|c| c.broadcast(buf, root.0 as usize))
+        self.issue("device_broadcast", |c| c.broadcast(buf, root.0 as usize))
     }
 
     /// Broadcast from `root` out of place: every rank's `recv` (the root's
@@ -423,12 +439,14 @@ impl NcclWorld {
         recv: &mut DeviceBuffer,
         root: Rank,
     ) -> Result<DeviceOp, WorldError> {
-        self.issue(|c| c.broadcast_into(send, recv, root.0 as usize))
+        self.issue("device_broadcast", |c| {
+            c.broadcast_into(send, recv, root.0 as usize)
+        })
     }
 
     /// Reduce to `root`, in place (only the root's buffer holds the result).
     pub fn reduce(&self, buf: &mut DeviceBuffer, op: ReduceOp, root: Rank) -> Result<DeviceOp, WorldError> {
-        self.issue(|c| c.reduce_in_place(buf, op, root.0 as usize))
+        self.issue("device_reduce", |c| c.reduce_in_place(buf, op, root.0 as usize))
     }
 
     /// Reduce to `root` out of place: the root's `recv` gets the reduction
@@ -441,12 +459,12 @@ impl NcclWorld {
         op: ReduceOp,
         root: Rank,
     ) -> Result<DeviceOp, WorldError> {
-        self.issue(|c| c.reduce(send, recv, op, root.0 as usize))
+        self.issue("device_reduce", |c| c.reduce(send, recv, op, root.0 as usize))
     }
 
     /// All-gather: `recv` holds every rank's `send`, in rank order.
     pub fn all_gather(&self, send: &DeviceBuffer, recv: &mut DeviceBuffer) -> Result<DeviceOp, WorldError> {
-        self.issue(|c| c.all_gather(send, recv))
+        self.issue("device_all_gather", |c| c.all_gather(send, recv))
     }
 
     /// Reduce-scatter: `recv` gets this rank's slice of the reduction of
@@ -457,22 +475,22 @@ impl NcclWorld {
         recv: &mut DeviceBuffer,
         op: ReduceOp,
     ) -> Result<DeviceOp, WorldError> {
-        self.issue(|c| c.reduce_scatter(send, recv, op))
+        self.issue("device_reduce_scatter", |c| c.reduce_scatter(send, recv, op))
     }
 
     /// Sends `buf` to `peer`.
     pub fn send(&self, buf: &DeviceBuffer, peer: Rank) -> Result<DeviceOp, WorldError> {
-        self.issue(|c| c.send(buf, peer.0 as usize))
+        self.issue("device_send", |c| c.send(buf, peer.0 as usize))
     }
 
     /// Receives into `buf` from `peer`.
     pub fn recv(&self, buf: &mut DeviceBuffer, peer: Rank) -> Result<DeviceOp, WorldError> {
-        self.issue(|c| c.recv(buf, peer.0 as usize))
+        self.issue("device_recv", |c| c.recv(buf, peer.0 as usize))
     }
 
     /// All-to-all with equal slices.
     pub fn all_to_all(&self, send: &DeviceBuffer, recv: &mut DeviceBuffer) -> Result<DeviceOp, WorldError> {
-        self.issue(|c| c.all_to_all(send, recv))
+        self.issue("device_all_to_all", |c| c.all_to_all(send, recv))
     }
 
     /// Gather to `root` (`recv` only on the root).
@@ -482,7 +500,7 @@ impl NcclWorld {
         recv: Option<&mut DeviceBuffer>,
         root: Rank,
     ) -> Result<DeviceOp, WorldError> {
-        self.issue(|c| c.gather(send, recv, root.0 as usize))
+        self.issue("device_gather", |c| c.gather(send, recv, root.0 as usize))
     }
 
     /// Scatter from `root` (`send` only on the root).
@@ -492,12 +510,12 @@ impl NcclWorld {
         recv: &mut DeviceBuffer,
         root: Rank,
     ) -> Result<DeviceOp, WorldError> {
-        self.issue(|c| c.scatter(send, recv, root.0 as usize))
+        self.issue("device_scatter", |c| c.scatter(send, recv, root.0 as usize))
     }
 
     /// A barrier on the device (an all-reduce of one element).
     pub fn barrier(&self) -> Result<DeviceOp, WorldError> {
-        self.issue(|c| c.barrier())
+        self.issue("device_barrier", |c| c.barrier())
     }
 }
 
@@ -507,6 +525,9 @@ impl NcclWorld {
 pub struct DeviceOp {
     handle: Arc<OpHandle>,
     world: Arc<WorldShared>,
+    /// The operation's flight record and timing; dropped un-waited, it is
+    /// recorded as cancelled (the device runs it anyway).
+    op: OpGuard,
 }
 
 impl std::fmt::Debug for DeviceOp {
@@ -529,7 +550,13 @@ impl DeviceOp {
     /// Waits for completion without blocking the runtime. Fails with
     /// `WorldError::Broken` as soon as the world breaks (the watchdog breaks
     /// it when the operation passes its deadline).
-    pub async fn wait(self) -> Result<(), WorldError> {
+    pub async fn wait(mut self) -> Result<(), WorldError> {
+        let r = self.completion().await;
+        self.op.finish(&r);
+        r
+    }
+
+    async fn completion(&self) -> Result<(), WorldError> {
         let mut polls = 0u32;
         loop {
             if self.is_completed()? {

@@ -281,7 +281,7 @@ impl WorldShared {
 
     /// Starts tracking an operation: its deadline (when the world has
     /// `op_timeout`), its flight record and its duration. The guard ends it.
-    fn track(self: &Arc<Self>, start: OpStart) -> OpGuard {
+    pub(crate) fn track(self: &Arc<Self>, start: OpStart) -> OpGuard {
         let now = Instant::now();
         let deadline = self.config.op_timeout.map(|after| {
             let key = (
@@ -593,7 +593,7 @@ pub(crate) struct OpGuard {
 
 impl OpGuard {
     /// Notes how the operation ended.
-    fn finish<T, E: std::fmt::Display>(&mut self, r: &Result<T, E>) {
+    pub(crate) fn finish<T, E: std::fmt::Display>(&mut self, r: &Result<T, E>) {
         self.outcome = Some(match r {
             Ok(_) => Outcome::Done,
             Err(e) => Outcome::Failed(e.to_string()),
