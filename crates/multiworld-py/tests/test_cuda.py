@@ -265,3 +265,27 @@ def test_cuda_tensors_in_an_nccl_world_of_two_processes():
     for r, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, f"rank {r} failed:\n{out}"
         assert "ok" in out.split(), out
+
+
+# -- the nccl build on the fake CUDA/NCCL (no GPU) ------------------------------------
+FAKE_SRC = os.path.join(HERE, "..", "..", "multiworld-testkit", "fake", "fake_cuda_nccl.c")
+
+
+@needs_nccl
+def test_the_nccl_path_on_the_fake_cuda_and_nccl(tmp_path):
+    """The NCCL path of World methods (borrowed memory, Work, async, aio,
+    refusals, staging of what NCCL does not offer) in a world of one on the
+    Rust tests' fake CUDA driver and NCCL, compiled here."""
+    import shutil
+
+    cc = shutil.which(os.environ.get("CC", "cc"))
+    if cc is None or not os.path.exists(FAKE_SRC):
+        pytest.skip("needs a C compiler and the test kit's fake_cuda_nccl.c (a checkout)")
+    libs = {}
+    for define, name in (("-DFAKE_NCCL", "libnccl.so.2"), ("-DFAKE_CUDA", "libcuda.so.1")):
+        libs[name] = str(tmp_path / name)
+        subprocess.run([cc, "-shared", "-fPIC", "-O1", define, "-o", libs[name], FAKE_SRC], check=True)
+    env = dict(os.environ, NCCL_LIBRARY=libs["libnccl.so.2"], CUDA_DRIVER_LIBRARY=libs["libcuda.so.1"])
+    p = subprocess.run([sys.executable, os.path.join(HERE, "workers", "fake_nccl_worker.py")],
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, timeout=120)
+    assert p.returncode == 0 and p.stdout.split()[-1:] == ["ok"], p.stdout

@@ -134,7 +134,10 @@ def nccl_run(world: Any, nccl: Any, name: str, args: Dict[str, Any]) -> Any:
             return result
 
         w = Work(native, fin)
-        return w if (async_op or name in ("isend", "irecv")) else w.wait()
+        if async_op or name in ("isend", "irecv"):
+            return w
+        w.wait()
+        return None  # as the host path's blocking forms
 
     if p2p:
         t = a["tensor"]
