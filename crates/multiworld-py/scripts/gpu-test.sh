@@ -44,8 +44,11 @@ build)
     echo "== building the nccl wheel into $out"
     (cd "$crate" && "$maturin" build --release --features nccl --out "$out" 2>&1 | tail -n 5)
     echo "== pytest wheels"
+    # Pure-Python wheels, with the backports pytest needs on CPython 3.10
+    # (tomli, exceptiongroup; unused on newer ones).
     "$venv/bin/python" -m pip download --disable-pip-version-check -q --only-binary=:all: \
-        -d "$out" 'pytest>=7' 'pytest-timeout>=2'
+        --implementation py --python-version 3.10 \
+        -d "$out" 'pytest>=7' 'pytest-timeout>=2' tomli exceptiongroup
     ls -l "$out"
     ;;
 run)
@@ -59,15 +62,23 @@ run)
     py="$venv/bin/python"
     "$py" -m pip install --disable-pip-version-check -q --no-index --find-links "$out" \
         --force-reinstall --no-deps "$(ls "$out"/multiworld_rs-*.whl | head -n 1)"
+    "$py" -c 'import numpy' 2>/dev/null || {
+        echo "numpy is missing from $python's environment (multiworld_rs needs it; install it there)" >&2
+        exit 1
+    }
     "$py" -c 'import pytest, pytest_timeout' 2>/dev/null ||
         "$py" -m pip install --disable-pip-version-check -q --no-index --find-links "$out" pytest pytest-timeout
     echo "== environment"
-    nvidia-smi -L || true
+    nvidia-smi -L 2>/dev/null || echo "(no nvidia-smi)"
     "$py" - <<'PY'
-import torch, multiworld_rs as mw
-print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available(),
-      "devices", torch.cuda.device_count())
+import multiworld_rs as mw
 print("multiworld_rs NCCL_BUILT", mw.NCCL_BUILT)
+try:
+    import torch
+    print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available(),
+          "devices", torch.cuda.device_count())
+except ImportError:
+    print("no torch: the CUDA tests will be skipped")
 try:
     import nvidia.nccl, os
     print("nccl wheel", os.path.join(list(nvidia.nccl.__path__)[0], "lib"))

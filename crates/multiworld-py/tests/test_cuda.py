@@ -12,8 +12,9 @@ Runs everywhere:
 
 Runs only with a CUDA GPU and torch (skipped here, with the reason):
 - TCP worlds with real CUDA tensors (two members in this process, one GPU);
-- NCCL worlds (a build with the nccl feature; two processes, one GPU each:
-  NCCL refuses two ranks on one GPU, so this needs two GPUs).
+- an NCCL world of one on one GPU (a build with the nccl feature);
+- an NCCL world of two processes, one GPU each (NCCL refuses two ranks on
+  one GPU, so this needs two GPUs).
 ``crates/multiworld-py/scripts/gpu-test.sh`` runs them on a GPU machine.
 """
 
@@ -247,6 +248,38 @@ def test_cuda_tensors_in_a_tcp_world(pair):
     o = torch.zeros(4, 3, device=dev).t()
     both(lambda: w1.send(torch.arange(12.0, device=dev).reshape(3, 4) * 2, 0), lambda: w0.recv_into(o, 1))
     assert torch.equal(o, torch.arange(12.0, device=dev).reshape(3, 4) * 2)
+
+
+@needs_torch
+@needs_cuda
+@needs_nccl
+def test_cuda_tensors_in_an_nccl_world_of_one():
+    """Real torch memory through NCCL on one GPU: out-of-place results into
+    poisoned outputs (a world of one: the result is the input), inputs made
+    by kernels just before (torch's stream is synchronised first)."""
+    dev = torch.device("cuda", 0)
+    with mw.WorldManager() as m:
+        store = m.serve_store("127.0.0.1:0")
+        w = m.join(unique("nccl1"), 0, 1, store, backend="nccl", device=dev, timeout=60, op_timeout=60)
+        assert D.nccl_of(w) is not None and D.nccl_of(w).device == 0
+        for _ in range(3):
+            src = torch.randn(1 << 20, device=dev) * 3 + 1  # a kernel just before
+            for op in (w.all_gather_into_tensor, w.reduce_scatter_tensor, w.all_to_all_single):
+                out = torch.full_like(src, -12345.0)
+                assert op(out, src) is None
+                assert torch.equal(out, src), op.__name__
+        t = torch.arange(10, device=dev, dtype=torch.int64) * 7
+        before = t.clone()
+        w.all_reduce(t)
+        w.broadcast(t, 0)
+        w.reduce(t, 0, op="max")
+        assert torch.equal(t, before)
+        out = torch.full((10,), -1, device=dev, dtype=torch.int64)
+        work = w.all_gather_into_tensor(out, t * 1, async_op=True)
+        assert work.wait(60) is out and torch.equal(out, before)
+        with pytest.raises(ValueError, match="no tags"):
+            w.send(t, 0, tag=1)
+        w.finish(30)
 
 
 NCCL_WORKER = os.path.join(HERE, "workers", "cuda_nccl_worker.py")
