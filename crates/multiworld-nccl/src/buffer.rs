@@ -7,6 +7,12 @@
 //! operation still reads it is freed only after that operation. A buffer can
 //! only be used with the communicator that allocated it (checked).
 //!
+//! A buffer can also *borrow* device memory it does not own
+//! ([`DeviceBuffer::borrowed`], e.g. a torch CUDA tensor's storage): it is
+//! used exactly like an owned one but never freed; keeping the memory alive
+//! and unused by other work until the operations on it complete is the
+//! borrower's job.
+//!
 //! Host copies go through staging memory owned by the world (pinned, in
 //! chunks; or, without pinned memory, a vector owned by the copy): the
 //! caller's slice is only touched by plain `memcpy` while we hold it, so even
@@ -18,6 +24,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::comm::NcclComm;
 use crate::cuda::WorldDevice;
 use crate::error::NcclError;
 use crate::ffi::CuDevicePtr;
@@ -27,10 +34,14 @@ use multiworld_types::DType;
 /// Device memory of one world: `len` elements of `dtype` on that world's
 /// device. Created by [`NcclComm::alloc`](crate::NcclComm::alloc) or
 /// [`NcclComm::upload`](crate::NcclComm::upload); zero-initialised. Dropping
-/// it frees the memory in stream order (never blocking).
+/// it frees the memory in stream order (never blocking). A buffer made by
+/// [`DeviceBuffer::borrowed`] views memory owned by someone else and frees
+/// nothing.
 pub struct DeviceBuffer {
     dev: Arc<WorldDevice>,
     ptr: CuDevicePtr,
+    /// Whether dropping the buffer frees `ptr` (false for borrowed memory).
+    owned: bool,
     dtype: DType,
     len: usize,
     /// The tensor's shape: its product is always `len` (`[len]` by default).
@@ -43,6 +54,7 @@ impl std::fmt::Debug for DeviceBuffer {
             .field("dtype", &self.dtype)
             .field("shape", &self.shape)
             .field("device", &self.dev.ordinal())
+            .field("owned", &self.owned)
             .finish()
     }
 }
@@ -56,10 +68,64 @@ impl DeviceBuffer {
         Ok(DeviceBuffer {
             dev: Arc::clone(dev),
             ptr,
+            owned: true,
             dtype,
             len,
             shape: vec![len],
         })
+    }
+
+    /// A buffer of `comm`'s world over `len` elements of `dtype` at device
+    /// address `ptr`, memory this crate does not own (for example a torch
+    /// CUDA tensor's `data_ptr()`: torch allocates in the device's primary
+    /// context, the context every world uses). It is used like any buffer of
+    /// that world (operations, host copies) and **never freed**: dropping it
+    /// leaves the memory alone. Refuses a null `ptr` for a non-empty buffer
+    /// and a size that overflows.
+    ///
+    /// # Safety
+    ///
+    /// For as long as the buffer, or any operation or copy issued on it, is
+    /// alive or in flight (an [`OpHandle`](crate::OpHandle) completes when the
+    /// operation does), the caller guarantees that:
+    /// - `ptr..ptr + len * dtype.size()` is device memory on `comm`'s device
+    ///   ([`NcclComm::device`]), valid in that device's primary context;
+    /// - the memory stays allocated (is not freed or reused by its owner);
+    /// - no other work writes it (or, for buffers an operation writes, reads
+    ///   it) concurrently: work on other streams must be finished before an
+    ///   operation is issued (e.g. synchronise torch's stream first) and
+    ///   must not start before that operation has completed.
+    ///
+    /// If the world is quarantined (its abort did not return), a kernel may
+    /// still write the memory indefinitely: the owner must then never free
+    /// it either.
+    pub unsafe fn borrowed(
+        comm: &NcclComm,
+        ptr: u64,
+        dtype: DType,
+        len: usize,
+    ) -> Result<DeviceBuffer, NcclError> {
+        len.checked_mul(dtype.size())
+            .ok_or_else(|| NcclError::invalid(format!("{len} x {dtype} overflows usize")))?;
+        if ptr == 0 && len != 0 {
+            return Err(NcclError::invalid(format!(
+                "a borrowed buffer of {len} x {dtype} at a null device address"
+            )));
+        }
+        Ok(DeviceBuffer {
+            dev: Arc::clone(&comm.shared.dev),
+            ptr,
+            owned: false,
+            dtype,
+            len,
+            shape: vec![len],
+        })
+    }
+
+    /// Whether the buffer owns its memory (false for
+    /// [`borrowed`](Self::borrowed) ones, which are never freed).
+    pub fn is_owned(&self) -> bool {
+        self.owned
     }
 
     /// Element type.
@@ -245,6 +311,9 @@ impl DeviceBuffer {
 
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
-        self.dev.free(self.ptr);
+        // Borrowed memory belongs to someone else: never freed here.
+        if self.owned {
+            self.dev.free(self.ptr);
+        }
     }
 }

@@ -18,7 +18,9 @@
 //!   all_gather, reduce_scatter, all_to_all, gather, scatter, barrier).
 //! - `handle` — [`OpHandle`]: per-operation completion event and deadline.
 //! - `buffer` — [`DeviceBuffer`]: device memory owned by one world, with
-//!   deadline-bounded host copies (staged through pinned memory).
+//!   deadline-bounded host copies (staged through pinned memory), or
+//!   borrowed from its owner (`DeviceBuffer::borrowed`, e.g. a torch CUDA
+//!   tensor's memory; never freed).
 //! - `context` — [`DeviceContext`]: a world's stream, memory pool and pinned
 //!   staging without an NCCL communicator (device tensors over TCP); needs
 //!   only a [`CudaDriver`].

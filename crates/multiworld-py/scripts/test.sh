@@ -9,6 +9,8 @@
 # ml_dtypes come from the package registry when missing. The extension is
 # built with `maturin develop` (debug; MW_PY_RELEASE=1 for an optimized
 # build) into $CARGO_TARGET_DIR (default: the repository's target/).
+# MW_PY_FEATURES=nccl builds the NCCL-capable extension (it builds without
+# CUDA or NCCL installed; tests that need a GPU skip without one).
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -33,6 +35,7 @@ echo "== building multiworld_rs"
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$root/target}"
 release=()
 if [ "${MW_PY_RELEASE:-0}" = 1 ]; then release=(--release); fi
+if [ -n "${MW_PY_FEATURES:-}" ]; then release+=(--features "$MW_PY_FEATURES"); fi
 (cd "$crate" && VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH" \
     "$venv/bin/maturin" develop --quiet ${release[@]+"${release[@]}"} 2>&1 | tail -n 20) || {
     echo "maturin develop failed" >&2

@@ -10,7 +10,10 @@
 //! | `manager` | `Manager`, `EventStream`, `Event` |
 //! | `world` | `World` (p2p, collectives, object collectives, sub-groups), `Work` (handles) |
 //! | `notify` | `Notifier`: wake-ups of an asyncio loop when background operations end |
+//! | `device` | (feature `nccl`) `Nccl`: an NCCL world's operations on torch CUDA tensors' memory, borrowed in place |
 
+#[cfg(feature = "nccl")]
+mod device;
 mod errors;
 mod manager;
 mod notify;
@@ -29,4 +32,25 @@ mod _native {
     use crate::notify::Notifier;
     #[pymodule_export]
     use crate::world::{Work, World};
+
+    use pyo3::prelude::*;
+
+    /// Whether this build has the `nccl` feature (`backend="nccl"` worlds
+    /// and CUDA tensors through NCCL).
+    #[pyfunction]
+    fn nccl_built() -> bool {
+        cfg!(feature = "nccl")
+    }
+
+    /// Adds what only the `nccl` build has: `Nccl` and `nccl_world`.
+    #[pymodule_init]
+    fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
+        #[cfg(feature = "nccl")]
+        {
+            m.add_class::<crate::device::Nccl>()?;
+            m.add_function(wrap_pyfunction!(crate::device::nccl_world, m)?)?;
+        }
+        let _ = m;
+        Ok(())
+    }
 }

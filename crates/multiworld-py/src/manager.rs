@@ -38,6 +38,8 @@ pub struct JoinOptions {
     host_store: Option<bool>,
     heartbeat_interval: Option<f64>,
     heartbeat_timeout: Option<f64>,
+    /// The CUDA device of an NCCL world (`WorldConfig::local_rank`).
+    device: Option<u32>,
 }
 
 impl JoinOptions {
@@ -62,6 +64,9 @@ impl JoinOptions {
             wd.heartbeat_timeout = t;
         }
         config.watchdog = wd;
+        if let Some(d) = self.device {
+            config.local_rank = d;
+        }
         Ok(())
     }
 }

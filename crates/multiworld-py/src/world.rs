@@ -42,7 +42,7 @@ impl Drop for World {
 }
 
 /// A reduce op by its torch name (`"sum"`, `"avg"`, `"band"`, ...).
-fn reduce_op(name: &str) -> PyResult<ReduceOp> {
+pub(crate) fn reduce_op(name: &str) -> PyResult<ReduceOp> {
     let name = name.to_ascii_lowercase();
     let name = match name.as_str() {
         "prod" => "product",
@@ -74,13 +74,20 @@ impl World {
         }
     }
 
-    fn w(&self) -> PyResult<&multiworld::World> {
+    pub(crate) fn w(&self) -> PyResult<&multiworld::World> {
         self.inner
             .as_ref()
             .ok_or_else(|| PyRuntimeError::new_err("the world handle was released"))
     }
 
-    fn generation_of(&self) -> Option<u64> {
+    /// Whether this is a sub-group's handle (its collectives run on the
+    /// group, over the world's TCP mesh).
+    #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+    pub(crate) fn is_group(&self) -> bool {
+        self.group.is_some()
+    }
+
+    pub(crate) fn generation_of(&self) -> Option<u64> {
         self.inner.as_ref().map(|w| w.generation().0)
     }
 
@@ -114,22 +121,38 @@ impl World {
         fut: impl Future<Output = Result<Done, WorldError>> + Send + 'static,
         cancel_on_drop: bool,
     ) -> PyResult<Work> {
-        let completion = Completion::default();
-        let guard = completion.guard();
-        let task = runtime::runtime()?.spawn(async move {
-            let _fire_when_done = guard;
-            fut.await
-        });
-        Ok(Work {
-            completion,
-            abort: task.abort_handle(),
-            pending: tokio::sync::Mutex::new(Some(task)),
+        spawn_work(
+            self.w()?.name().to_string(),
+            self.generation_of(),
+            fut,
             cancel_on_drop,
-            outcome: Mutex::new(None),
-            generation: self.generation_of(),
-            world: self.w()?.name().to_string(),
-        })
+        )
     }
+}
+
+/// Starts `fut` as a task of the runtime and returns its handle, a `Work`
+/// of world `world` (generation `generation`, for the errors it raises).
+pub(crate) fn spawn_work(
+    world: String,
+    generation: Option<u64>,
+    fut: impl Future<Output = Result<Done, WorldError>> + Send + 'static,
+    cancel_on_drop: bool,
+) -> PyResult<Work> {
+    let completion = Completion::default();
+    let guard = completion.guard();
+    let task = runtime::runtime()?.spawn(async move {
+        let _fire_when_done = guard;
+        fut.await
+    });
+    Ok(Work {
+        completion,
+        abort: task.abort_handle(),
+        pending: tokio::sync::Mutex::new(Some(task)),
+        cancel_on_drop,
+        outcome: Mutex::new(None),
+        generation,
+        world,
+    })
 }
 
 impl World {

@@ -14,11 +14,16 @@ while every other world keeps running.
     >>> w.all_reduce(t, mw.ReduceOp.SUM)
     >>> m.shutdown()
 
+Torch CUDA tensors work in World methods: through NCCL in worlds joined with
+``backend="nccl"`` (a build with the ``nccl`` feature: :data:`NCCL_BUILT`),
+staged through host memory otherwise.
+
 See ``docs/python.md`` for the API, the tensor and GIL rules and the error
 mapping.
 """
 
 from . import errors
+from ._device import NCCL_BUILT
 from ._api import Event, EventStream, Group, ReduceOp, Work, World, WorldInfo, WorldManager
 from ._tensors import DTYPES
 from .errors import (
@@ -38,7 +43,7 @@ from .errors import (
 )
 
 __all__ = [
-    "WorldManager", "World", "Group", "Work", "Event", "EventStream", "WorldInfo", "ReduceOp", "DTYPES",
+    "WorldManager", "World", "Group", "Work", "Event", "EventStream", "WorldInfo", "ReduceOp", "DTYPES", "NCCL_BUILT",
     "errors", "MultiworldError", "BrokenWorldError", "WorldTimeoutError", "MismatchError",
     "InvalidArgumentError", "ConfigError", "NotJoinedError", "AlreadyJoinedError", "JoinError",
     "TransportError", "DeviceError", "ShutDownError", "ForkedProcessError",

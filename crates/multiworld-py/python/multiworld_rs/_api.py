@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import collections
 import enum
+import os
+import sys
 
 import pickle
 import time
@@ -11,12 +13,21 @@ from typing import Any, Iterator, List, NamedTuple, Optional, Sequence, Tuple, U
 
 import numpy as np
 
+from . import _device as D
 from . import _native
 from . import _tensors as T
 
 __all__ = ["ReduceOp", "WorldManager", "World", "Group", "Work", "Event", "EventStream", "WorldInfo"]
 
 Event = _native.Event
+
+
+def _torch_current_device() -> Optional[int]:
+    """torch's current CUDA device if torch is imported and has CUDA."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        return int(torch.cuda.current_device())
+    return None
 
 
 class ReduceOp(str, enum.Enum):
@@ -211,16 +222,25 @@ class World:
     collectives. Made by :meth:`WorldManager.join`.
 
     Tensors are numpy arrays (CPU torch tensors and ``__dlpack__`` objects are
-    accepted through numpy, see :mod:`multiworld_rs` docs). Collectives follow
+    accepted through numpy, see :mod:`multiworld_rs` docs). Torch CUDA tensors
+    are accepted too: through NCCL in an NCCL world, staged through host
+    memory otherwise (see docs/python.md, "Device tensors"). Collectives follow
     ``torch.distributed``: same argument order, results written in place into
     the caller's arrays. Every member must call the same collectives in the
     same order. Every blocking call releases the GIL and can be interrupted
     with Ctrl-C."""
 
-    __slots__ = ("_w", "__weakref__")
+    __slots__ = ("_w", "_nccl", "__weakref__")
 
     def __init__(self, native: Any) -> None:
         self._w = native
+        #: The native NCCL side: None (not looked up yet), False (none).
+        self._nccl: Any = None
+
+    def _device(self, name: str, args: dict) -> Any:
+        """The device path of a method given a torch CUDA tensor: NCCL on an
+        NCCL world, host staging otherwise (see ``_device.py``)."""
+        return D.run(self, name, args)
 
     def __repr__(self) -> str:
         return repr(self._w)
@@ -267,8 +287,11 @@ class World:
         is handed to the connection. A C-contiguous array is sent from its
         own memory (no copy; do not modify it from another thread meanwhile);
         any other array is copied first."""
-        flat, dtype, _ = T.send_view(tensor)
-        self._w.send(flat, dtype, _u32("dst", dst), _u32("tag", tag))
+        try:
+            flat, dtype, _ = T.send_view(tensor)
+            self._w.send(flat, dtype, _u32("dst", dst), _u32("tag", tag))
+        except T.DeviceTensor:
+            return self._device("send", {"tensor": tensor, "dst": dst, "tag": tag})
 
     def recv(self, src: Optional[int] = None, tag: int = 0, *, dtype: Any, shape: Any) -> np.ndarray:
         """Receives a message of ``dtype`` and ``shape`` from ``src`` (``None``:
@@ -289,17 +312,23 @@ class World:
         """Receives into the caller's array (its dtype and size must match the
         message's, else :class:`~multiworld_rs.errors.MismatchError` naming
         both, and the array is untouched); returns the sender's rank."""
-        arr, (dtype, shp) = T.out_spec(tensor, "tensor")
-        got, flat = self._w.recv(_opt_rank("src", src), _u32("tag", tag), dtype, list(shp))
-        T.write(arr, flat)
-        return got
+        try:
+            arr, (dtype, shp) = T.out_spec(tensor, "tensor")
+            got, flat = self._w.recv(_opt_rank("src", src), _u32("tag", tag), dtype, list(shp))
+            T.write(arr, flat)
+            return got
+        except T.DeviceTensor:
+            return self._device("recv_into", {"tensor": tensor, "src": src, "tag": tag})
 
     def isend(self, tensor: Any, dst: int, tag: int = 0) -> Work:
         """Starts sending a copy of ``tensor`` (the caller may reuse its array
         at once); ``wait()`` returns ``None``. Dropping the handle does not
         cancel the send."""
-        flat, dtype, shp = T.send_view(tensor)
-        return Work(self._w.isend((flat, dtype, list(shp)), _u32("dst", dst), _u32("tag", tag)))
+        try:
+            flat, dtype, shp = T.send_view(tensor)
+            return Work(self._w.isend((flat, dtype, list(shp)), _u32("dst", dst), _u32("tag", tag)))
+        except T.DeviceTensor:
+            return self._device("isend", {"tensor": tensor, "dst": dst, "tag": tag})
 
     def irecv(self, tensor: Any = None, src: Optional[int] = None, tag: int = 0, *,
               dtype: Any = None, shape: Any = None) -> Work:
@@ -308,27 +337,31 @@ class World:
         ``dtype`` and ``shape`` and ``wait()`` returns a new array. The
         sender's rank is ``work.source`` after ``wait()``. Dropping the handle
         before completion cancels the receive."""
-        if tensor is not None:
-            arr, (dname, shp) = T.out_spec(tensor, "tensor")
-            d = arr.dtype
-        else:
-            if dtype is None or shape is None:
-                raise TypeError("irecv needs either tensor or both dtype and shape")
-            arr, d, shp = None, T.np_dtype(dtype), _shape(shape)
-            dname = d.name
-        native = self._w.irecv(_opt_rank("src", src), _u32("tag", tag), (dname, list(shp)))
-        work = Work(native)
+        try:
+            if tensor is not None:
+                arr, (dname, shp) = T.out_spec(tensor, "tensor")
+                d = arr.dtype
+            else:
+                if dtype is None or shape is None:
+                    raise TypeError("irecv needs either tensor or both dtype and shape")
+                arr, d, shp = None, T.np_dtype(dtype), _shape(shape)
+                dname = d.name
+            native = self._w.irecv(_opt_rank("src", src), _u32("tag", tag), (dname, list(shp)))
+            work = Work(native)
 
-        def finish(raw: Any) -> np.ndarray:
-            got, flat = raw
-            work.source = got  # type: ignore[attr-defined]
-            if arr is not None:
-                T.write(arr, flat)
-                return tensor
-            return T.from_flat(flat, d, shp)
+            def finish(raw: Any) -> np.ndarray:
+                got, flat = raw
+                work.source = got  # type: ignore[attr-defined]
+                if arr is not None:
+                    T.write(arr, flat)
+                    return tensor
+                return T.from_flat(flat, d, shp)
 
-        work._finish = finish
-        return work
+            work._finish = finish
+            return work
+        except T.DeviceTensor:
+            return self._device("irecv", {
+                "tensor": tensor, "src": src, "tag": tag, "dtype": dtype, "shape": shape})
 
     # -- collectives --------------------------------------------------------
     # Each takes ``async_op``: False runs the call and writes its result in
@@ -343,101 +376,140 @@ class World:
 
     def broadcast(self, tensor: Any, src: int, async_op: bool = False) -> Optional[Work]:
         """Copies rank ``src``'s ``tensor`` into every member's ``tensor``."""
-        arr, _ = T.out_spec(tensor)
-        return self._run("broadcast", (T.send_view(arr), _u32("src", src)),
-                         _writer(arr, tensor), async_op)
+        try:
+            arr, _ = T.out_spec(tensor)
+            return self._run("broadcast", (T.send_view(arr), _u32("src", src)),
+                             _writer(arr, tensor), async_op)
+        except T.DeviceTensor:
+            return self._device("broadcast", {"tensor": tensor, "src": src, "async_op": async_op})
 
     def all_reduce(self, tensor: Any, op: Any = ReduceOp.SUM, async_op: bool = False) -> Optional[Work]:
         """Reduces ``tensor`` over every member with ``op``; every member gets
         the result in ``tensor``."""
-        arr, _ = T.out_spec(tensor)
-        return self._run("all_reduce", (T.send_view(arr), _op(op)), _writer(arr, tensor), async_op)
+        try:
+            arr, _ = T.out_spec(tensor)
+            return self._run("all_reduce", (T.send_view(arr), _op(op)), _writer(arr, tensor), async_op)
+        except T.DeviceTensor:
+            return self._device("all_reduce", {"tensor": tensor, "op": op, "async_op": async_op})
 
     def reduce(self, tensor: Any, dst: int, op: Any = ReduceOp.SUM, async_op: bool = False) -> Optional[Work]:
         """Reduces ``tensor`` over every member with ``op`` into rank
         ``dst``'s ``tensor`` (the others' are left as they were)."""
-        arr, _ = T.out_spec(tensor)
-        dst = _u32("dst", dst)
-        mine = self.rank == dst
+        try:
+            arr, _ = T.out_spec(tensor)
+            dst = _u32("dst", dst)
+            mine = self.rank == dst
 
-        def finish(flat: np.ndarray) -> Any:
-            if mine:
-                T.write(arr, flat)
-            return tensor
+            def finish(flat: np.ndarray) -> Any:
+                if mine:
+                    T.write(arr, flat)
+                return tensor
 
-        return self._run("reduce", (T.send_view(arr), dst, _op(op)), finish, async_op)
+            return self._run("reduce", (T.send_view(arr), dst, _op(op)), finish, async_op)
+        except T.DeviceTensor:
+            return self._device("reduce", {
+                "tensor": tensor, "dst": dst, "op": op, "async_op": async_op})
 
     def all_gather(self, tensor_list: List[Any], tensor: Any, async_op: bool = False) -> Optional[Work]:
         """Gathers every member's ``tensor`` into ``tensor_list`` (one array
         per member, in rank order; sizes may differ by member)."""
-        outs = [T.out_spec(t, f"tensor_list[{i}]") for i, t in enumerate(tensor_list)]
-        return self._run("all_gather", ([s for _, s in outs], T.send_view(tensor)),
-                         _list_writer(outs, tensor_list), async_op)
+        try:
+            outs = [T.out_spec(t, f"tensor_list[{i}]") for i, t in enumerate(tensor_list)]
+            return self._run("all_gather", ([s for _, s in outs], T.send_view(tensor)),
+                             _list_writer(outs, tensor_list), async_op)
+        except T.DeviceTensor:
+            return self._device("all_gather", {
+                "tensor_list": tensor_list, "tensor": tensor, "async_op": async_op})
 
     def all_gather_into_tensor(self, output_tensor: Any, input_tensor: Any,
                                async_op: bool = False) -> Optional[Work]:
         """Gathers every member's ``input_tensor`` into ``output_tensor``
         (``size`` times as many elements), concatenated in rank order."""
-        arr, spec = T.out_spec(output_tensor, "output_tensor")
-        view = T.send_view(input_tensor, "input_tensor")
-        return self._run("all_gather_into_tensor", (spec, view), _writer(arr, output_tensor), async_op)
+        try:
+            arr, spec = T.out_spec(output_tensor, "output_tensor")
+            view = T.send_view(input_tensor, "input_tensor")
+            return self._run("all_gather_into_tensor", (spec, view), _writer(arr, output_tensor), async_op)
+        except T.DeviceTensor:
+            return self._device("all_gather_into_tensor", {
+                "output_tensor": output_tensor, "input_tensor": input_tensor, "async_op": async_op})
 
     def gather(self, tensor: Any, gather_list: Optional[List[Any]] = None, dst: int = 0,
                async_op: bool = False) -> Optional[Work]:
         """Gathers every member's ``tensor`` into rank ``dst``'s
         ``gather_list`` (required there, ignored elsewhere)."""
-        dst = _u32("dst", dst)
-        outs = None
-        if self.rank == dst:
-            if gather_list is None:
-                raise ValueError("gather: gather_list is required on the destination rank")
-            outs = [T.out_spec(t, f"gather_list[{i}]") for i, t in enumerate(gather_list)]
+        try:
+            dst = _u32("dst", dst)
+            outs = None
+            if self.rank == dst:
+                if gather_list is None:
+                    raise ValueError("gather: gather_list is required on the destination rank")
+                outs = [T.out_spec(t, f"gather_list[{i}]") for i, t in enumerate(gather_list)]
 
-        def finish(flats: Optional[List[np.ndarray]]) -> Any:
-            if outs is not None and flats is not None:
-                for (arr, _), flat in zip(outs, flats):
-                    T.write(arr, flat)
-            return gather_list
+            def finish(flats: Optional[List[np.ndarray]]) -> Any:
+                if outs is not None and flats is not None:
+                    for (arr, _), flat in zip(outs, flats):
+                        T.write(arr, flat)
+                return gather_list
 
-        return self._run("gather", (T.send_view(tensor), None if outs is None else [s for _, s in outs], dst),
-                         finish, async_op)
+            return self._run("gather", (T.send_view(tensor), None if outs is None else [s for _, s in outs], dst),
+                             finish, async_op)
+        except T.DeviceTensor:
+            return self._device("gather", {
+                "tensor": tensor, "gather_list": gather_list, "dst": dst, "async_op": async_op})
 
     def scatter(self, tensor: Any, scatter_list: Optional[List[Any]] = None, src: int = 0,
                 async_op: bool = False) -> Optional[Work]:
         """Sends ``scatter_list[i]`` of rank ``src`` into rank i's ``tensor``
         (``scatter_list`` required on ``src``, ignored elsewhere)."""
-        src = _u32("src", src)
-        arr, spec = T.out_spec(tensor)
-        ins = None
-        if self.rank == src:
-            if scatter_list is None:
-                raise ValueError("scatter: scatter_list is required on the source rank")
-            ins = [T.send_view(t, f"scatter_list[{i}]") for i, t in enumerate(scatter_list)]
-        return self._run("scatter", (spec, ins, src), _writer(arr, tensor), async_op)
+        try:
+            src = _u32("src", src)
+            arr, spec = T.out_spec(tensor)
+            ins = None
+            if self.rank == src:
+                if scatter_list is None:
+                    raise ValueError("scatter: scatter_list is required on the source rank")
+                ins = [T.send_view(t, f"scatter_list[{i}]") for i, t in enumerate(scatter_list)]
+            return self._run("scatter", (spec, ins, src), _writer(arr, tensor), async_op)
+        except T.DeviceTensor:
+            return self._device("scatter", {
+                "tensor": tensor, "scatter_list": scatter_list, "src": src, "async_op": async_op})
 
     def reduce_scatter(self, output: Any, input_list: List[Any], op: Any = ReduceOp.SUM,
                        async_op: bool = False) -> Optional[Work]:
         """Reduces ``input_list[i]`` over every member into rank i's ``output``."""
-        arr, spec = T.out_spec(output, "output")
-        ins = [T.send_view(t, f"input_list[{i}]") for i, t in enumerate(input_list)]
-        return self._run("reduce_scatter", (spec, ins, _op(op)), _writer(arr, output), async_op)
+        try:
+            arr, spec = T.out_spec(output, "output")
+            ins = [T.send_view(t, f"input_list[{i}]") for i, t in enumerate(input_list)]
+            return self._run("reduce_scatter", (spec, ins, _op(op)), _writer(arr, output), async_op)
+        except T.DeviceTensor:
+            return self._device("reduce_scatter", {
+                "output": output, "input_list": input_list, "op": op, "async_op": async_op})
 
     def reduce_scatter_tensor(self, output: Any, input: Any, op: Any = ReduceOp.SUM,
                               async_op: bool = False) -> Optional[Work]:
         """Reduces ``input`` (``size`` segments) over every member; rank i gets
         segment i in ``output``."""
-        arr, spec = T.out_spec(output, "output")
-        return self._run("reduce_scatter_tensor", (spec, T.send_view(input, "input"), _op(op)),
-                         _writer(arr, output), async_op)
+        try:
+            arr, spec = T.out_spec(output, "output")
+            return self._run("reduce_scatter_tensor", (spec, T.send_view(input, "input"), _op(op)),
+                             _writer(arr, output), async_op)
+        except T.DeviceTensor:
+            return self._device("reduce_scatter_tensor", {
+                "output": output, "input": input, "op": op, "async_op": async_op})
 
     def all_to_all(self, output_tensor_list: List[Any], input_tensor_list: List[Any],
                    async_op: bool = False) -> Optional[Work]:
         """Sends ``input_tensor_list[i]`` to rank i, which receives it in its
         ``output_tensor_list[me]``."""
-        outs = [T.out_spec(t, f"output_tensor_list[{i}]") for i, t in enumerate(output_tensor_list)]
-        ins = [T.send_view(t, f"input_tensor_list[{i}]") for i, t in enumerate(input_tensor_list)]
-        return self._run("all_to_all", ([s for _, s in outs], ins),
-                         _list_writer(outs, output_tensor_list), async_op)
+        try:
+            outs = [T.out_spec(t, f"output_tensor_list[{i}]") for i, t in enumerate(output_tensor_list)]
+            ins = [T.send_view(t, f"input_tensor_list[{i}]") for i, t in enumerate(input_tensor_list)]
+            return self._run("all_to_all", ([s for _, s in outs], ins),
+                             _list_writer(outs, output_tensor_list), async_op)
+        except T.DeviceTensor:
+            return self._device("all_to_all", {
+                "output_tensor_list": output_tensor_list, "input_tensor_list": input_tensor_list,
+                "async_op": async_op})
 
     def all_to_all_single(self, output: Any, input: Any,
                           output_split_sizes: Optional[Sequence[int]] = None,
@@ -446,19 +518,24 @@ class World:
         """All-to-all of one tensor split along its first dimension: rank i
         gets ``input_split_sizes[i]`` rows (even splits when ``None``), and
         ``output`` receives ``output_split_sizes[j]`` rows from rank j."""
-        arr, spec = T.out_spec(output, "output")
-        flat_in, dname, in_shape = T.send_view(input, "input")
+        try:
+            arr, spec = T.out_spec(output, "output")
+            flat_in, dname, in_shape = T.send_view(input, "input")
 
-        def elements(splits: Optional[Sequence[int]], shape: Tuple[int, ...], what: str) -> Optional[List[int]]:
-            if splits is None:
-                return None
-            row = int(np.prod(shape[1:])) if len(shape) > 1 else 1
-            return [_u32(what, s) * row for s in splits]
+            def elements(splits: Optional[Sequence[int]], shape: Tuple[int, ...], what: str) -> Optional[List[int]]:
+                if splits is None:
+                    return None
+                row = int(np.prod(shape[1:])) if len(shape) > 1 else 1
+                return [_u32(what, s) * row for s in splits]
 
-        args = (spec, (flat_in, dname, list(in_shape)),
-                elements(output_split_sizes, arr.shape, "output_split_sizes"),
-                elements(input_split_sizes, in_shape, "input_split_sizes"))
-        return self._run("all_to_all_single", args, _writer(arr, output), async_op)
+            args = (spec, (flat_in, dname, list(in_shape)),
+                    elements(output_split_sizes, arr.shape, "output_split_sizes"),
+                    elements(input_split_sizes, in_shape, "input_split_sizes"))
+            return self._run("all_to_all_single", args, _writer(arr, output), async_op)
+        except T.DeviceTensor:
+            return self._device("all_to_all_single", {
+                "output": output, "input": input, "output_split_sizes": output_split_sizes,
+                "input_split_sizes": input_split_sizes, "async_op": async_op})
 
     def barrier(self, async_op: bool = False) -> Optional[Work]:
         """Waits until every member has called it."""
@@ -618,14 +695,23 @@ class WorldManager:
     @staticmethod
     def _options(secret: Union[str, bytes, None], timeout: float, op_timeout: Optional[float],
                  backend: Optional[str], host_store: Optional[bool], heartbeat_interval: Optional[float],
-                 heartbeat_timeout: Optional[float]) -> dict:
+                 heartbeat_timeout: Optional[float], device: Any = None) -> dict:
         if isinstance(secret, str):
             secret = secret.encode()
         if secret is not None and not isinstance(secret, (bytes, bytearray)):
             raise TypeError(f"secret must be str or bytes, got {type(secret).__name__}")
         if backend is not None and not isinstance(backend, str):
             raise TypeError(f"backend must be a string, got {backend!r}")
+        effective = backend if backend is not None else os.environ.get("MULTIWORLD_BACKEND", "")
+        if effective.strip().lower() == "nccl" and not D.NCCL_BUILT:
+            from .errors import ConfigError
+
+            raise ConfigError("backend 'nccl' needs a multiworld_rs built with the nccl feature "
+                              "(maturin build --release --features nccl); this build has none "
+                              "(multiworld_rs.NCCL_BUILT is False)")
+        index = D.device_index(device)
         return {
+            "device": None if index is None else _u32("device", index),
             "secret": None if secret is None else bytes(secret),
             "timeout": _seconds("timeout", timeout),
             "op_timeout": _seconds("op_timeout", op_timeout),
@@ -639,7 +725,7 @@ class WorldManager:
              secret: Union[str, bytes, None] = None, timeout: float = 30.0,
              op_timeout: Optional[float] = None, backend: str = "tcp",
              host_store: Optional[bool] = None, heartbeat_interval: Optional[float] = None,
-             heartbeat_timeout: Optional[float] = None) -> World:
+             heartbeat_timeout: Optional[float] = None, device: Any = None) -> World:
         """Joins world ``name`` as ``rank`` of ``size`` through the store at
         ``store`` (``host:port``; rank 0 hosts it unless ``host_store`` says
         otherwise). Blocks until every member has joined (at most ``timeout``
@@ -649,27 +735,33 @@ class WorldManager:
         same). ``op_timeout``: deadline of every operation; one still pending
         then breaks the world (cause ``"op_deadline"``). ``heartbeat_interval``
         / ``heartbeat_timeout`` (seconds; defaults 0.2 / 1.0): how fast a
-        frozen member is detected (cause ``"heartbeat_timeout"``)."""
+        frozen member is detected (cause ``"heartbeat_timeout"``).
+        ``device``: an NCCL world's CUDA device (an int, ``"cuda:N"`` or a
+        ``torch.device``); by default torch's current device when torch is
+        imported and has CUDA, else device 0."""
         if not isinstance(name, str):
             raise TypeError(f"name must be a string, got {name!r}")
         if not isinstance(store, str):
             raise TypeError(f"store must be a 'host:port' string, got {store!r}")
+        if device is None and backend == "nccl":
+            device = _torch_current_device()
         opts = self._options(secret, timeout, op_timeout, backend, host_store,
-                             heartbeat_interval, heartbeat_timeout)
+                             heartbeat_interval, heartbeat_timeout, device)
         return World(self._m.join(name, _u32("rank", rank), _u32("size", size), store, opts))
 
     def join_from_env(self, name: str = "world", *, secret: Union[str, bytes, None] = None,
                       timeout: float = 30.0, op_timeout: Optional[float] = None,
                       backend: Optional[str] = None, host_store: Optional[bool] = None,
                       heartbeat_interval: Optional[float] = None,
-                      heartbeat_timeout: Optional[float] = None) -> World:
+                      heartbeat_timeout: Optional[float] = None, device: Any = None) -> World:
         """Joins world ``name`` as a launcher describes it: ``RANK``,
         ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` (required),
         ``MULTIWORLD_SECRET`` and ``MULTIWORLD_BACKEND`` (optional; explicit
         ``secret``/``backend`` arguments win; the backend defaults to tcp). A missing or bad variable raises
-        :class:`~multiworld_rs.errors.ConfigError` naming it."""
+        :class:`~multiworld_rs.errors.ConfigError` naming it. An NCCL world's
+        device is ``device`` if given, else ``LOCAL_RANK`` (default 0)."""
         opts = self._options(secret, timeout, op_timeout, backend, host_store,
-                             heartbeat_interval, heartbeat_timeout)
+                             heartbeat_interval, heartbeat_timeout, device)
         return World(self._m.join_env(name, opts))
 
     def world(self, name: str) -> Optional[World]:

@@ -64,16 +64,42 @@ def np_dtype(dtype: Any) -> np.dtype:
     return d
 
 
+class DeviceTensor(TypeError):
+    """Raised by :func:`as_array` for a torch CUDA tensor: the World methods
+    catch it and take the device path (NCCL, or host staging); anything else
+    sees a TypeError."""
+
+    def __init__(self, tensor: Any, what: str) -> None:
+        super().__init__(f"{what}: a CUDA tensor ({tensor.device}) is only accepted by World methods")
+        self.tensor = tensor
+
+
+def device_kind(obj: Any) -> str:
+    """Where a tensor's data lives, as the World methods decide it:
+    ``"host"`` (numpy arrays, CPU torch tensors, other host objects),
+    ``"cuda"`` (a torch CUDA tensor: NCCL or host staging) or
+    ``"other"`` (any other torch device, e.g. ``"meta"``: refused)."""
+    if type(obj).__module__.startswith("torch"):
+        dev = getattr(obj, "device", None)
+        if dev is not None and dev.type != "cpu":
+            return "cuda" if dev.type == "cuda" else "other"
+    return "host"
+
+
 def as_array(obj: Any, what: str = "tensor") -> np.ndarray:
     """A numpy array over ``obj`` without a copy where possible: numpy arrays
     as they are, torch CPU tensors through ``.numpy()`` (shares memory),
     objects with ``__dlpack__`` through ``np.from_dlpack``; anything else is
-    refused with a TypeError naming its type."""
+    refused with a TypeError naming its type. A torch CUDA tensor raises
+    :class:`DeviceTensor` (a TypeError) for the World methods to catch."""
     if isinstance(obj, np.ndarray):
         return obj
     if type(obj).__module__.startswith("torch"):
         if getattr(obj, "device", None) is not None and obj.device.type != "cpu":
-            raise TypeError(f"{what}: only CPU tensors are supported, got one on {obj.device}")
+            if obj.device.type == "cuda":
+                raise DeviceTensor(obj, what)
+            raise TypeError(f"{what}: only CPU tensors are supported (and CUDA tensors, by World "
+                            f"methods), got one on {obj.device}")
         if str(obj.dtype) == "torch.bfloat16":
             import torch  # only reached when torch is installed
 

@@ -1,0 +1,253 @@
+"""Torch CUDA tensors in World methods (see docs/python.md, "Device tensors").
+
+The World methods run their host path first; a CUDA tensor among their
+arguments raises :class:`~multiworld_rs._tensors.DeviceTensor` there (before
+anything is sent), and the method hands its arguments to :func:`run`:
+
+- **NCCL worlds** (``backend="nccl"``, the ``nccl`` build): p2p and the
+  collectives NCCL has run on the tensors' own device memory (no copy: the
+  runtime borrows it), after torch's current stream is synchronised; the
+  call (or the async ``Work``) completes when the NCCL operation has.
+- **Everything else** (TCP worlds, sub-groups, the list forms NCCL lacks):
+  host staging. CUDA inputs are copied to the host (``.cpu()``), CUDA
+  outputs get a host array, the host path runs, and the results are copied
+  back with ``tensor.copy_()`` when the call (or ``Work.wait()``) returns.
+
+Nothing here runs unless a CUDA tensor was passed: the host path pays only
+for a ``try`` block.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+from . import _native
+from . import _tensors as T
+
+#: Whether this build of the native module has the ``nccl`` feature.
+NCCL_BUILT: bool = bool(_native.nccl_built())
+
+#: Per method: the arguments it writes (copied back after host staging).
+OUTPUTS: Dict[str, Tuple[str, ...]] = {
+    "send": (), "isend": (),
+    "recv_into": ("tensor",), "irecv": ("tensor",),
+    "broadcast": ("tensor",), "all_reduce": ("tensor",), "reduce": ("tensor",),
+    "all_gather": ("tensor_list",), "all_gather_into_tensor": ("output_tensor",),
+    "gather": ("gather_list",), "scatter": ("tensor",),
+    "reduce_scatter": ("output",), "reduce_scatter_tensor": ("output",),
+    "all_to_all": ("output_tensor_list",), "all_to_all_single": ("output",),
+}
+
+#: Outputs that are also inputs (their data goes in, the result comes back).
+IN_PLACE = {("broadcast", "tensor"), ("all_reduce", "tensor"), ("reduce", "tensor")}
+
+
+def is_cuda(t: Any) -> bool:
+    """Whether ``t`` is a torch CUDA tensor."""
+    return T.device_kind(t) == "cuda"
+
+
+# -- host staging ---------------------------------------------------------------
+def _stage(value: Any, out: bool, keep_data: bool, copies: List[Tuple[Any, Any]]) -> Any:
+    """The host stand-in of one argument (a tensor, a list of them, or
+    anything else, returned as is); CUDA outputs are recorded in ``copies``."""
+    if isinstance(value, list):
+        return [_stage(v, out, keep_data, copies) for v in value]
+    if not is_cuda(value):
+        return value
+    if out and not keep_data:
+        host = value.new_empty(value.shape, device="cpu")  # written by the operation
+    else:
+        host = value.detach().cpu()  # waits for torch's stream, like any D2H copy
+    if out:
+        copies.append((value, host))
+    return host
+
+
+def staged(world: Any, name: str, args: Dict[str, Any]) -> Any:
+    """Runs method ``name`` of ``world`` on host copies of its CUDA tensors
+    and copies its outputs back (at once, or in ``Work.wait()``)."""
+    outs = OUTPUTS[name]
+    if name == "gather" and world.rank != args["dst"]:
+        outs = ()  # gather_list is ignored off the destination: leave it alone
+    copies: List[Tuple[Any, Any]] = []
+    host = {k: _stage(v, k in outs, (name, k) in IN_PLACE, copies) for k, v in args.items()}
+    by_id = {id(host[k]): args[k] for k in outs}
+
+    def back(result: Any) -> Any:
+        for dev, h in copies:
+            dev.detach().copy_(h)  # in place, outside autograd (as torch.distributed)
+        return by_id.get(id(result), result)
+
+    result = getattr(world, name)(**host)
+    from ._api import Work  # here: _api imports this module
+
+    if isinstance(result, Work):
+        before = result._finish
+        result._finish = lambda raw: back(before(raw) if before is not None else raw)
+        return result
+    return back(result)
+
+
+# -- NCCL worlds ------------------------------------------------------------------
+def _mem(t: Any, nccl: Any, what: str, out: bool) -> Tuple[Tuple[int, str, int], Any]:
+    """``((data_ptr, dtype name, numel), tensor)`` of a CUDA tensor for the
+    NCCL world ``nccl``: on its device, a supported dtype; an output must be
+    contiguous (an input is made contiguous, a copy)."""
+    if not is_cuda(t):
+        raise TypeError(f"{what}: an NCCL world's operation takes CUDA tensors for all its "
+                        f"tensors, or host tensors for all (got {type(t).__name__} on "
+                        f"{getattr(t, 'device', 'the host')})")
+    if t.device.index != nccl.device:
+        raise ValueError(f"{what} is on {t.device} but this NCCL world uses cuda:{nccl.device}")
+    name = str(t.dtype).replace("torch.", "")
+    if name not in T.DTYPES:
+        raise TypeError(f"{what}: unsupported dtype {t.dtype} (supported: {', '.join(T.DTYPES)})")
+    if not t.is_contiguous():
+        if out:
+            raise ValueError(f"{what} must be contiguous in an NCCL world (it is written in place)")
+        t = t.contiguous()
+    return (int(t.data_ptr()), name, int(t.numel())), t
+
+
+def _sync(t: Any) -> None:
+    """Waits for torch's current stream on ``t``'s device: the tensors'
+    producers are done before NCCL (on its own stream) reads them."""
+    import torch
+
+    torch.cuda.current_stream(t.device).synchronize()
+
+
+def nccl_run(world: Any, nccl: Any, name: str, args: Dict[str, Any]) -> Any:
+    """Runs method ``name`` on the NCCL world ``nccl``; ``NotImplemented``
+    for what NCCL does not offer here (then the caller stages over TCP)."""
+    from ._api import Work, _op, _opt_rank, _u32
+
+    a = args
+    async_op = bool(a.get("async_op", False))
+    p2p = name in ("send", "isend", "recv_into", "irecv")
+
+    def finish(native: Any, result: Any, on_done: Any = None) -> Any:
+        def fin(_raw: Any) -> Any:
+            if on_done is not None:
+                on_done()
+            return result
+
+        w = Work(native, fin)
+        if async_op or name in ("isend", "irecv"):
+            return w
+        w.wait()
+        return None  # as the host path's blocking forms
+
+    if p2p:
+        t = a["tensor"]
+        if _u32("tag", a["tag"]) != 0:
+            raise ValueError(f"{name}: NCCL point-to-point has no tags (tag must be 0; host tensors "
+                             "travel over the world's TCP mesh with tags)")
+        out = name in ("recv_into", "irecv")
+        mem, t2 = _mem(t, nccl, "tensor", out)
+        _sync(t)
+        if out:
+            src = _opt_rank("src", a["src"])
+            if src is None:
+                raise ValueError(f"{name}: an NCCL receive needs src (NCCL cannot receive from any rank)")
+            native = nccl.recv(mem, src, [t])
+            if name == "recv_into":
+                Work(native).wait()
+                return src
+            w = Work(native)
+            w.source = src  # type: ignore[attr-defined]
+            w._finish = lambda _raw: t
+            return w
+        native = nccl.send(mem, _u32("dst", a["dst"]), [t, t2])
+        return finish(native, None)
+
+    if name in ("broadcast", "all_reduce", "reduce"):
+        t = a["tensor"]
+        mem, _ = _mem(t, nccl, "tensor", True)
+        _sync(t)
+        if name == "broadcast":
+            native = nccl.broadcast(mem, _u32("src", a["src"]), [t])
+        elif name == "all_reduce":
+            native = nccl.all_reduce(mem, _op(a["op"]), [t])
+        else:
+            native = nccl.reduce(mem, _u32("dst", a["dst"]), _op(a["op"]), [t])
+        return finish(native, t)
+
+    pairs = {
+        "all_gather_into_tensor": ("input_tensor", "output_tensor"),
+        "reduce_scatter_tensor": ("input", "output"),
+        "all_to_all_single": ("input", "output"),
+    }
+    if name in pairs:
+        if name == "all_to_all_single" and (a["output_split_sizes"] is not None
+                                            or a["input_split_sizes"] is not None):
+            return NotImplemented  # uneven splits: staged
+        i_name, o_name = pairs[name]
+        src, dst = a[i_name], a[o_name]
+        smem, s2 = _mem(src, nccl, i_name, False)
+        dmem, _ = _mem(dst, nccl, o_name, True)
+        _sync(dst)
+        keep = [src, s2, dst]
+        if name == "all_gather_into_tensor":
+            native = nccl.all_gather(smem, dmem, keep)
+        elif name == "reduce_scatter_tensor":
+            native = nccl.reduce_scatter(smem, dmem, _op(a["op"]), keep)
+        else:
+            native = nccl.all_to_all(smem, dmem, keep)
+        return finish(native, dst)
+    return NotImplemented
+
+
+def nccl_of(world: Any) -> Optional[Any]:
+    """The native NCCL side of ``world`` (cached on it), or ``None``: a TCP
+    world, a sub-group, or a build without ``nccl``."""
+    n = world._nccl
+    if n is False:
+        return None
+    if n is None:
+        n = _native.nccl_world(world._w) if NCCL_BUILT else None
+        world._nccl = False if n is None else n
+    return n
+
+
+def run(world: Any, name: str, args: Dict[str, Any]) -> Any:
+    """The device path of World method ``name`` (see the module docs)."""
+    nccl = nccl_of(world)
+    if nccl is not None:
+        r = nccl_run(world, nccl, name, args)
+        if r is not NotImplemented:
+            return r
+    return staged(world, name, args)
+
+
+def device_index(device: Any) -> Optional[int]:
+    """A CUDA device ordinal from ``device``: an int, ``"cuda:N"``, a
+    ``torch.device`` (``cuda`` without an index: torch's current device), or
+    ``None``."""
+    if device is None:
+        return None
+    if isinstance(device, bool):
+        raise TypeError(f"device must be a CUDA device (int, 'cuda:N' or torch.device), got {device!r}")
+    if isinstance(device, int):
+        if device < 0:
+            raise ValueError(f"device must be a non-negative CUDA ordinal, got {device}")
+        return device
+    kind, index = None, None
+    if isinstance(device, str):
+        kind, _, rest = device.partition(":")
+        if rest:
+            if not rest.isdigit():
+                raise ValueError(f"device must look like 'cuda:N', got {device!r}")
+            index = int(rest)
+    elif type(device).__module__.startswith("torch"):
+        kind, index = device.type, device.index
+    else:
+        raise TypeError(f"device must be a CUDA device (int, 'cuda:N' or torch.device), got {device!r}")
+    if kind != "cuda":
+        raise ValueError(f"device must be a CUDA device, got {device!r}")
+    if index is None:
+        import torch
+
+        index = torch.cuda.current_device()
+    return int(index)

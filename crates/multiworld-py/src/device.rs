@@ -1,0 +1,248 @@
+//! `Nccl` (the `nccl` feature): the device operations of an NCCL world on
+//! the caller's own device memory — torch CUDA tensors, passed from Python
+//! as `(data_ptr, dtype name, element count)` — without a copy.
+//!
+//! Each tensor becomes a [`DeviceBuffer::borrowed`] of the world's
+//! communicator: the runtime's NCCL operations read and write the tensor's
+//! memory in place and never free it. What makes that sound:
+//! - **Alive**: every method takes `keep`, the Python objects that own the
+//!   memory (the tensors); the operation's task holds them until the
+//!   operation has completed. A `Work` that is cancelled or dropped, or a
+//!   caller interrupted by Ctrl-C, does not end that task early (it runs
+//!   detached). If the operation fails (the world broke, its deadline
+//!   passed), a kernel may still touch the memory until the communicator's
+//!   abort has returned — or forever, if it is quarantined — so `keep` is
+//!   leaked on purpose: those tensors are never freed.
+//! - **Ordered**: the Python side synchronises torch's current stream before
+//!   calling (the tensors' producers are done), and the operation's `Work`
+//!   completes only when the operation has completed on the world's stream,
+//!   so torch's later kernels (issued after `wait()`) see the result.
+//! - **Right device and size**: the Python side passes only contiguous
+//!   tensors on the world's device; lengths and dtypes are checked by the
+//!   communicator like those of owned buffers.
+
+#![allow(unsafe_code)]
+
+use multiworld::nccl::DeviceBuffer;
+use multiworld::{DeviceOp, NcclWorld, Rank, WorldError, WorldName};
+use pyo3::prelude::*;
+
+use crate::{
+    errors, runtime, tensor,
+    world::{Done, Work, World, reduce_op, spawn_work},
+};
+
+/// A tensor's device memory as Python describes it: device address, dtype
+/// name (`"float32"`, ...) and number of elements.
+type Mem = (u64, String, usize);
+
+/// The NCCL side of an NCCL world (see the module docs). Made by
+/// `nccl_world`.
+#[pyclass(module = "multiworld_rs._native", frozen)]
+pub struct Nccl {
+    inner: Option<NcclWorld>,
+    name: WorldName,
+    generation: u64,
+}
+
+impl Drop for Nccl {
+    fn drop(&mut self) {
+        if let Some(n) = self.inner.take() {
+            runtime::release(n);
+        }
+    }
+}
+
+/// The NCCL side of `world`: `None` for a world joined with the TCP backend
+/// and for a sub-group (whose collectives run over the world's TCP mesh).
+/// Raises the world's error if it is broken or gone.
+#[pyfunction]
+pub fn nccl_world(py: Python<'_>, world: PyRef<'_, World>) -> PyResult<Option<Nccl>> {
+    if world.is_group() {
+        return Ok(None);
+    }
+    let w = world.w()?;
+    match w.nccl() {
+        Ok(n) => Ok(Some(Nccl {
+            inner: Some(n),
+            name: w.name().clone(),
+            generation: w.generation().0,
+        })),
+        Err(WorldError::InvalidArgument { .. }) => Ok(None),
+        Err(e) => Err(errors::world(py, e, world.generation_of())),
+    }
+}
+
+impl Nccl {
+    fn n(&self) -> PyResult<&NcclWorld> {
+        self.inner
+            .as_ref()
+            .ok_or_else(|| pyo3::exceptions::PyRuntimeError::new_err("the NCCL world handle was released"))
+    }
+
+    /// Borrows `mems` as buffers of this world, issues `issue` on them (the
+    /// GIL released: the enqueue may wait for NCCL) and returns a `Work`
+    /// that completes with the operation; `keep` stays alive until then.
+    fn run(
+        &self,
+        py: Python<'_>,
+        keep: Vec<Py<PyAny>>,
+        mems: Vec<Mem>,
+        issue: impl FnOnce(&NcclWorld, &mut [DeviceBuffer]) -> Result<DeviceOp, WorldError> + Send,
+    ) -> PyResult<Work> {
+        let n = self.n()?;
+        let mut bufs = Vec::with_capacity(mems.len());
+        for (ptr, dtype, len) in mems {
+            let dtype = tensor::dtype(&dtype)?;
+            // SAFETY: the Python side passes the `data_ptr()` of a contiguous
+            // CUDA tensor of `len` elements of `dtype` on this world's device
+            // (torch allocates in the device's primary context, which the
+            // world's communicator uses), and that tensor is in `keep`, which
+            // the task below holds until the operation has completed (or
+            // leaks if it failed). Torch's stream was synchronised before
+            // this call, and nothing else runs on these tensors until the
+            // returned Work has completed (documented caller rule).
+            let buf = unsafe { DeviceBuffer::borrowed(n.comm(), ptr, dtype, len) }
+                .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
+            bufs.push(buf);
+        }
+        let op = py
+            .detach(|| runtime::enter(|| issue(n, &mut bufs)))?
+            .map_err(|e| errors::world(py, e, Some(self.generation)))?;
+        let name = self.name.clone();
+        // A detached task: cancelling or dropping the Work (or interrupting a
+        // wait) does not end it, so `keep` outlives the operation.
+        let waiter = runtime::runtime()?.spawn(async move {
+            let done = op.wait().await;
+            drop(bufs);
+            match done {
+                Ok(()) => drop(keep),
+                // The device may still write these tensors until the abort
+                // returns (or forever, if the world is quarantined).
+                Err(_) => std::mem::forget(keep),
+            }
+            done
+        });
+        spawn_work(
+            self.name.to_string(),
+            Some(self.generation),
+            async move {
+                match waiter.await {
+                    Ok(done) => done.map(|()| Done::Unit),
+                    Err(e) => Err(WorldError::Device {
+                        world: name,
+                        detail: format!("the device operation's task failed: {e}"),
+                    }),
+                }
+            },
+            false,
+        )
+    }
+}
+
+/// The buffers an operation was given did not match what it takes (not
+/// reachable from the methods below, which pass their own; an error rather
+/// than a panic all the same).
+fn buffers(world: &WorldName, want: usize, got: usize) -> WorldError {
+    WorldError::InvalidArgument {
+        world: world.clone(),
+        detail: format!("expected {want} device buffers, got {got}"),
+    }
+}
+
+impl Nccl {
+    /// [`run`](Self::run) on one buffer.
+    fn run1(
+        &self,
+        py: Python<'_>,
+        keep: Vec<Py<PyAny>>,
+        buf: Mem,
+        issue: impl FnOnce(&NcclWorld, &mut DeviceBuffer) -> Result<DeviceOp, WorldError> + Send,
+    ) -> PyResult<Work> {
+        let name = self.name.clone();
+        self.run(py, keep, vec![buf], move |n, b| match b {
+            [b] => issue(n, b),
+            _ => Err(buffers(&name, 1, b.len())),
+        })
+    }
+
+    /// [`run`](Self::run) on a send and a receive buffer.
+    fn run2(
+        &self,
+        py: Python<'_>,
+        keep: Vec<Py<PyAny>>,
+        send: Mem,
+        recv: Mem,
+        issue: impl FnOnce(&NcclWorld, &DeviceBuffer, &mut DeviceBuffer) -> Result<DeviceOp, WorldError> + Send,
+    ) -> PyResult<Work> {
+        let name = self.name.clone();
+        self.run(py, keep, vec![send, recv], move |n, b| match b {
+            [s, r] => issue(n, s, r),
+            _ => Err(buffers(&name, 2, b.len())),
+        })
+    }
+}
+
+#[pymethods]
+impl Nccl {
+    /// The CUDA device ordinal of the world's communicator.
+    #[getter]
+    fn device(&self) -> PyResult<usize> {
+        Ok(self.n()?.comm().device())
+    }
+
+    /// In-place all-reduce of `buf`.
+    fn all_reduce(&self, py: Python<'_>, buf: Mem, op: &str, keep: Vec<Py<PyAny>>) -> PyResult<Work> {
+        let op = reduce_op(op)?;
+        self.run1(py, keep, buf, move |n, b| n.all_reduce(b, op))
+    }
+
+    /// In-place broadcast of `root`'s `buf`.
+    fn broadcast(&self, py: Python<'_>, buf: Mem, root: u32, keep: Vec<Py<PyAny>>) -> PyResult<Work> {
+        self.run1(py, keep, buf, move |n, b| n.broadcast(b, Rank(root)))
+    }
+
+    /// In-place reduce into `root`'s `buf`.
+    fn reduce(&self, py: Python<'_>, buf: Mem, root: u32, op: &str, keep: Vec<Py<PyAny>>) -> PyResult<Work> {
+        let op = reduce_op(op)?;
+        self.run1(py, keep, buf, move |n, b| n.reduce(b, op, Rank(root)))
+    }
+
+    /// All-gather of every rank's `send` into `recv` (rank order).
+    fn all_gather(&self, py: Python<'_>, send: Mem, recv: Mem, keep: Vec<Py<PyAny>>) -> PyResult<Work> {
+        self.run2(py, keep, send, recv, |n, s, r| n.all_gather(s, r))
+    }
+
+    /// Reduce-scatter of every rank's `send`; this rank's slice into `recv`.
+    fn reduce_scatter(
+        &self,
+        py: Python<'_>,
+        send: Mem,
+        recv: Mem,
+        op: &str,
+        keep: Vec<Py<PyAny>>,
+    ) -> PyResult<Work> {
+        let op = reduce_op(op)?;
+        self.run2(py, keep, send, recv, move |n, s, r| n.reduce_scatter(s, r, op))
+    }
+
+    /// All-to-all with equal slices of `send` and `recv`.
+    fn all_to_all(&self, py: Python<'_>, send: Mem, recv: Mem, keep: Vec<Py<PyAny>>) -> PyResult<Work> {
+        self.run2(py, keep, send, recv, |n, s, r| n.all_to_all(s, r))
+    }
+
+    /// Sends `buf` to `peer`.
+    fn send(&self, py: Python<'_>, buf: Mem, peer: u32, keep: Vec<Py<PyAny>>) -> PyResult<Work> {
+        self.run1(py, keep, buf, move |n, b| n.send(b, Rank(peer)))
+    }
+
+    /// Receives into `buf` from `peer`.
+    fn recv(&self, py: Python<'_>, buf: Mem, peer: u32, keep: Vec<Py<PyAny>>) -> PyResult<Work> {
+        self.run1(py, keep, buf, move |n, b| n.recv(b, Rank(peer)))
+    }
+
+    /// A barrier on the device (an all-reduce of one element).
+    fn barrier(&self, py: Python<'_>) -> PyResult<Work> {
+        self.run(py, Vec::new(), Vec::new(), |n, _| n.barrier())
+    }
+}

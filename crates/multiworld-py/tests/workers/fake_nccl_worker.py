@@ -1,0 +1,163 @@
+"""The NCCL path of the nccl build without a GPU (test_cuda.py): a world of
+one joined with backend="nccl" on the test kit's fake CUDA driver and NCCL
+(NCCL_LIBRARY / CUDA_DRIVER_LIBRARY point at them; their "device memory" is
+host memory), driven with stand-in CUDA tensors over numpy arrays whose
+data_ptr() is the array's address. Prints "ok" when every check passed.
+
+The fake completes collectives of a world of one only, so results are
+checked out of place (into poisoned outputs) where that tells a written
+result from an untouched buffer; values combined across ranks are the GPU
+test's (cuda_nccl_worker.py)."""
+
+import sys
+
+import numpy as np
+
+import multiworld_rs as mw
+from multiworld_rs import _device as D
+from multiworld_rs import aio
+
+POISON = -12345.0
+
+
+class Dev:
+    type = "cuda"
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __str__(self) -> str:
+        return f"cuda:{self.index}"
+
+
+class DType:
+    def __init__(self, np_dtype: np.dtype) -> None:
+        self.np = np.dtype(np_dtype)
+
+    def __str__(self) -> str:
+        return "torch." + self.np.name
+
+
+class Fake:
+    """A CUDA tensor as the package sees one (module "torch...")."""
+
+    def __init__(self, a, dtype=np.float32, index: int = 0) -> None:
+        self.a = np.asarray(a, dtype=dtype)
+        self.device = Dev(index)
+        self.dtype = DType(self.a.dtype)
+
+    shape = property(lambda self: self.a.shape)
+
+    def data_ptr(self) -> int:
+        return self.a.ctypes.data
+
+    def numel(self) -> int:
+        return self.a.size
+
+    def is_contiguous(self) -> bool:
+        return self.a.flags.c_contiguous
+
+    def contiguous(self) -> "Fake":
+        return Fake(np.ascontiguousarray(self.a), self.a.dtype, self.device.index)
+
+    def detach(self) -> "Fake":
+        return self
+
+    def cpu(self) -> np.ndarray:
+        return self.a.copy()
+
+    def new_empty(self, shape, device):
+        return np.empty(shape, self.a.dtype)
+
+    def copy_(self, host) -> "Fake":
+        np.copyto(self.a, host)
+        return self
+
+
+Fake.__module__ = "torch.fake"
+syncs = []
+D._sync = lambda t: syncs.append(t)  # no torch here: record the synchronisation instead
+
+
+def refused(exc, f) -> None:
+    try:
+        f()
+    except exc:
+        return
+    raise AssertionError(f"{f} was not refused with {exc.__name__}")
+
+
+assert mw.NCCL_BUILT
+
+with mw.WorldManager() as m:
+    store = m.serve_store("127.0.0.1:0")
+    w = m.join("fake-nccl", 0, 1, store, backend="nccl", device=0, timeout=20, op_timeout=20)
+    n = D.nccl_of(w)
+    assert n is not None and n.device == 0 and D.nccl_of(w) is n
+
+    # In-place collectives of a world of one: the input is the result.
+    t = Fake([1.5, -2.0, 3.25])
+    assert w.all_reduce(t) is None and t.a.tolist() == [1.5, -2.0, 3.25], t.a
+    assert syncs and syncs[-1] is t
+    w.broadcast(t, 0)
+    w.reduce(t, 0, op=mw.ReduceOp.MAX)
+    assert t.a.tolist() == [1.5, -2.0, 3.25]
+
+    # Out of place into poisoned outputs: the device wrote them.
+    src = Fake(np.arange(6) * 0.5 - 1.0)
+    out = Fake(np.full(6, POISON))
+    w.all_gather_into_tensor(out, src)
+    assert out.a.tolist() == src.a.tolist()
+    out = Fake(np.full(6, POISON))
+    w.reduce_scatter_tensor(out, src)
+    assert out.a.tolist() == src.a.tolist()
+    out = Fake(np.full(6, POISON))
+    w.all_to_all_single(out, src)
+    assert out.a.tolist() == src.a.tolist()
+    # int64 and a non-contiguous input (made contiguous).
+    ints = Fake(np.arange(12).reshape(3, 4).T, np.int64)
+    assert not ints.is_contiguous()
+    got = Fake(np.zeros((4, 3)), np.int64)
+    w.all_gather_into_tensor(got, ints)
+    assert got.a.tolist() == np.arange(12).reshape(3, 4).T.tolist()
+
+    # async_op: the Work completes with the operation and returns the tensor.
+    out = Fake(np.full(6, POISON))
+    work = w.all_gather_into_tensor(out, src, async_op=True)
+    assert work.wait(20) is out and out.a.tolist() == src.a.tolist()
+    assert work.is_completed()
+
+    # asyncio.
+    import asyncio
+
+    out = Fake(np.full(6, POISON))
+    asyncio.run(aio.AsyncWorld(w).all_to_all_single(out, src))
+    assert out.a.tolist() == src.a.tolist()
+
+    # Not offered over NCCL: staged over the world's TCP mesh.
+    lst = [Fake(np.full(6, POISON))]
+    w.all_gather(lst, src)
+    assert lst[0].a.tolist() == src.a.tolist()
+    g = w.new_group([0])
+    assert D.nccl_of(g) is None
+    t2 = Fake([4.0])
+    g.all_reduce(t2)
+    assert t2.a.tolist() == [4.0]
+
+    # Refusals, before anything is issued.
+    refused(ValueError, lambda: w.send(Fake([1.0]), 0, tag=2))
+    refused(ValueError, lambda: w.recv_into(Fake([1.0]), None))
+    refused(ValueError, lambda: w.all_reduce(Fake([1.0], index=1)))
+    refused(ValueError, lambda: w.all_reduce(Fake(np.zeros((2, 2)).T)))  # a non-contiguous output
+    refused(TypeError, lambda: w.all_gather_into_tensor(np.zeros(2, np.float32), Fake([1.0, 2.0])))
+    refused(mw.InvalidArgumentError, lambda: w.all_gather_into_tensor(Fake(np.zeros(5)), src))
+    refused(mw.DeviceError, lambda: w.all_reduce(Fake([1, 2], np.int16), "sum"))  # no int16 in NCCL
+    refused(TypeError, lambda: w.all_reduce(Fake([1.0], np.complex64)))
+
+    # Host tensors in an NCCL world still travel over TCP.
+    h = np.array([2.0], np.float32)
+    w.all_reduce(h)
+    assert h.tolist() == [2.0]
+    w.barrier()
+    w.finish(20)
+print("ok", flush=True)
