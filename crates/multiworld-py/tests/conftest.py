@@ -44,6 +44,26 @@ def spawn(script: str, *args: Any, **kw: Any) -> subprocess.Popen:
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
+def run_ranks(script: str, size: int, timeout: float = 120.0) -> None:
+    """Runs tests/workers/<script> as ranks 0..size of one world (rank 0
+    hosts the store on a free port) and asserts every rank printed OK and
+    exited 0; kills whatever is left."""
+    store = f"127.0.0.1:{free_port()}"
+    procs = [spawn(script, r, size, store) for r in range(size)]
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            results.append((p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    for r, (code, out, err) in enumerate(results):
+        assert code == 0 and "OK" in out, f"rank {r} (exit {code}):\n{out}\n{err}"
+
+
 def fd_count() -> int:
     return len(os.listdir("/proc/self/fd"))
 
