@@ -48,12 +48,17 @@ pub(crate) struct ConnSettings {
 struct Live {
     send: SendRequest<Bytes>,
     gone: CancellationToken,
+    /// Which dial made it (the first is 0).
+    id: u64,
 }
 
 struct Inner {
     addr: Arc<str>,
     settings: ConnSettings,
     current: Mutex<Option<Live>>,
+    /// Held while dialing again, so that callers finding the connection
+    /// gone together make one new connection, not one each.
+    dialing: tokio::sync::Mutex<u64>,
 }
 
 /// A client connection to a store server, usable as tonic's transport.
@@ -66,12 +71,13 @@ pub(crate) struct Conn {
 impl Conn {
     /// Dials `addr` (`host:port`) and performs the HTTP/2 handshake.
     pub(crate) async fn connect(addr: Arc<str>, settings: ConnSettings) -> Result<Conn, String> {
-        let live = dial(&addr, &settings).await?;
+        let live = dial(&addr, &settings, 0).await?;
         Ok(Conn {
             inner: Arc::new(Inner {
                 addr,
                 settings,
                 current: Mutex::new(Some(live)),
+                dialing: tokio::sync::Mutex::new(0),
             }),
         })
     }
@@ -88,16 +94,29 @@ impl Conn {
     /// one if that connection has gone (one attempt; the call's own deadline
     /// bounds it).
     async fn ready(&self) -> Result<SendRequest<Bytes>, Status> {
+        let seen = self.current();
+        if let Some(live) = &seen
+            && !live.gone.is_cancelled()
+            && let Ok(send) = live.send.clone().ready().await
+        {
+            return Ok(send);
+        }
+        let mut dials = self.inner.dialing.lock().await;
+        // Another caller may have dialed while this one waited: use its
+        // connection if it is not the one found gone.
         if let Some(live) = self.current()
+            && seen.as_ref().is_none_or(|s| s.id != live.id)
             && !live.gone.is_cancelled()
             && let Ok(send) = live.send.ready().await
         {
             return Ok(send);
         }
-        let live = dial(&self.inner.addr, &self.inner.settings)
+        *dials += 1;
+        let live = dial(&self.inner.addr, &self.inner.settings, *dials)
             .await
             .map_err(Status::unavailable)?;
         *self.inner.current.lock().unwrap_or_else(|e| e.into_inner()) = Some(live.clone());
+        drop(dials);
         live.send.ready().await.map_err(h2_status)
     }
 
@@ -147,7 +166,7 @@ fn h2_status(e: h2::Error) -> Status {
     Status::from_error(Box::new(e))
 }
 
-async fn dial(addr: &str, settings: &ConnSettings) -> Result<Live, String> {
+async fn dial(addr: &str, settings: &ConnSettings, id: u64) -> Result<Live, String> {
     let tcp = TcpStream::connect(addr)
         .await
         .map_err(|e| format!("connect: {e}"))?;
@@ -163,7 +182,7 @@ async fn dial(addr: &str, settings: &ConnSettings) -> Result<Live, String> {
     let pings = connection.ping_pong();
     let gone = CancellationToken::new();
     tokio::spawn(drive(connection, pings, gone.clone(), settings.clone()));
-    Ok(Live { send, gone })
+    Ok(Live { send, gone, id })
 }
 
 /// Drives the connection and its keepalive pings; when either ends, the

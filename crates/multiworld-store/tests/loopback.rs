@@ -624,6 +624,22 @@ async fn a_client_whose_idle_connection_the_server_closed_dials_again() {
     .await;
     assert_eq!(&w.get("k", Duration::from_secs(5)).await.unwrap()[..], b"v");
     w.set("k2", "v2").await.unwrap();
+    // Closed again; eight calls finding it gone together make one new
+    // connection between them, not one each.
+    eventually(Duration::from_secs(5), "idle connection closed again", || {
+        s.stats().connections == 0
+    })
+    .await;
+    let calls: Vec<_> = (0..8)
+        .map(|_| {
+            let w = w.clone();
+            tokio::spawn(async move { w.get("k2", Duration::from_secs(5)).await })
+        })
+        .collect();
+    for c in calls {
+        assert_eq!(&c.await.unwrap().unwrap()[..], b"v2");
+    }
+    assert_eq!(s.stats().connections, 1);
 }
 
 /// Forwards bytes between a client and `to` until `frozen` is set; then it
