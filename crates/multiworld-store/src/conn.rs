@@ -29,11 +29,14 @@ use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Status, body::Body, codegen::Service};
 
-/// Flow-control windows and header bound of the client's side, as hyper's
-/// client (the old stack) advertised them.
+/// Flow-control windows, header bound and send limits of the client's side,
+/// as hyper's client (the old stack) set them.
 const STREAM_WINDOW: u32 = 2 << 20;
 const CONNECTION_WINDOW: u32 = 5 << 20;
 const MAX_HEADER_LIST: u32 = 16 << 10;
+const MAX_SEND_BUFFER: usize = 1 << 20;
+/// Streams opened before the server's SETTINGS state its own limit.
+const INITIAL_MAX_SEND_STREAMS: usize = 100;
 
 /// The settings a connection is made with.
 #[derive(Debug, Clone)]
@@ -176,6 +179,8 @@ async fn dial(addr: &str, settings: &ConnSettings, id: u64) -> Result<Live, Stri
         .initial_window_size(STREAM_WINDOW)
         .initial_connection_window_size(CONNECTION_WINDOW)
         .max_header_list_size(MAX_HEADER_LIST)
+        .max_send_buffer_size(MAX_SEND_BUFFER)
+        .initial_max_send_streams(INITIAL_MAX_SEND_STREAMS)
         .handshake::<_, Bytes>(tcp)
         .await
         .map_err(|e| format!("HTTP/2 handshake: {e}"))?;
