@@ -19,7 +19,7 @@ fn median(mut v: Vec<Duration>) -> f64 {
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = std::env::args().skip(1);
     let addr = args.next().ok_or("usage: store_rtt ADDR [ITERATIONS]")?;
-    let n: usize = args.next().map(|s| s.parse()).transpose()?.unwrap_or(2000);
+    let n: usize = args.next().map(|s| s.parse()).transpose()?.unwrap_or(2000).max(1);
     let client = StoreClient::connect(&addr, ClientConfig::default()).await?;
     let w = client
         .open(
