@@ -20,18 +20,18 @@ use multiworld_proto::store::v1::{self as pb, store_client};
 use tonic::{
     Request, Response, Status,
     metadata::{Ascii, MetadataValue},
-    transport::{Channel, Endpoint},
 };
 
 use multiworld_types::Secret;
 
 use crate::{
     auth::{AUTH_METADATA, StoreProof, WORLD_METADATA, encode_world},
+    conn::{Conn, ConnSettings},
     error::{Limit, StoreError},
     table::CasOutcome,
 };
 
-type Rpc = store_client::StoreClient<Channel>;
+type Rpc = store_client::StoreClient<Conn>;
 
 /// How a client connects and how long it waits. `Default` gives the
 /// documented defaults.
@@ -117,25 +117,27 @@ impl StoreClient {
     pub async fn connect(addr: &str, config: ClientConfig) -> Result<StoreClient, StoreError> {
         let started = Instant::now();
         let deadline = started + config.connect_timeout;
-        let endpoint = Endpoint::from_shared(format!("http://{addr}"))
-            .map_err(|e| StoreError::InvalidArgument(format!("bad store address '{addr}': {e}")))?
-            .tcp_nodelay(true)
-            .http2_keep_alive_interval(config.keepalive_interval)
-            .keep_alive_timeout(config.keepalive_timeout)
-            .keep_alive_while_idle(true);
+        let origin = http::Uri::try_from(format!("http://{addr}"))
+            .map_err(|e| StoreError::InvalidArgument(format!("bad store address '{addr}': {e}")))?;
+        let settings = ConnSettings {
+            keepalive_interval: config.keepalive_interval,
+            keepalive_timeout: config.keepalive_timeout,
+        };
+        let shared_addr: Arc<str> = Arc::from(addr);
         let mut pause = config.backoff_initial;
         let mut attempts = 0u32;
         loop {
             attempts += 1;
             let remaining = deadline.saturating_duration_since(Instant::now());
-            let last_error = match try_connect(&endpoint, remaining.min(Duration::from_secs(2))).await {
-                Ok(channel) => {
-                    let rpc = store_client::StoreClient::new(channel)
+            let attempt = try_connect(&shared_addr, &settings, remaining.min(Duration::from_secs(2)));
+            let last_error = match attempt.await {
+                Ok(conn) => {
+                    let rpc = store_client::StoreClient::with_origin(conn, origin.clone())
                         .max_decoding_message_size(config.max_message_bytes)
                         .max_encoding_message_size(config.max_message_bytes);
                     let client = StoreClient {
                         rpc,
-                        addr: Arc::from(addr),
+                        addr: Arc::clone(&shared_addr),
                         config: Arc::new(config.clone()),
                     };
                     match client.ping().await {
@@ -244,18 +246,10 @@ impl StoreClient {
     }
 }
 
-async fn try_connect(endpoint: &Endpoint, limit: Duration) -> Result<Channel, String> {
-    match tokio::time::timeout(limit.max(Duration::from_millis(1)), endpoint.connect()).await {
-        Ok(Ok(channel)) => Ok(channel),
-        Ok(Err(e)) => {
-            let mut text = e.to_string();
-            let mut source = std::error::Error::source(&e);
-            while let Some(s) = source {
-                text = format!("{text}: {s}");
-                source = s.source();
-            }
-            Err(text)
-        }
+async fn try_connect(addr: &Arc<str>, settings: &ConnSettings, limit: Duration) -> Result<Conn, String> {
+    let attempt = Conn::connect(Arc::clone(addr), settings.clone());
+    match tokio::time::timeout(limit.max(Duration::from_millis(1)), attempt).await {
+        Ok(result) => result,
         Err(_) => Err(format!("connect attempt took longer than {limit:?}")),
     }
 }

@@ -20,6 +20,8 @@
 //! - `gate` (private): the pure decision about a request from its headers
 //!   alone (admit, pre-authentication bounds, or refuse without reading the
 //!   body), and the rate limit on refusal log lines.
+//! - `conn` (private): the client's HTTP/2 connection on `h2` directly
+//!   (one write per request, no task hand-off before it), keepalive, redial.
 //! - `client`: [`StoreClient`] (one connection, retrying with backoff) and
 //!   [`WorldStore`] (one world's store over it).
 //! - `error`: [`StoreError`] and its mapping to gRPC statuses.
@@ -48,6 +50,7 @@
 
 mod auth;
 mod client;
+mod conn;
 mod error;
 mod front;
 mod gate;

@@ -605,3 +605,114 @@ async fn shutting_the_server_down_fails_waiters_and_later_calls() {
         "{err}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_whose_idle_connection_the_server_closed_dials_again() {
+    let s = server(ServerConfig {
+        idle_timeout: Duration::from_millis(300),
+        ..ServerConfig::default()
+    })
+    .await;
+    s.open_world("w", WorldOptions::default()).unwrap();
+    let w = world(s.local_addr(), "w").await;
+    w.set("k", "v").await.unwrap();
+    // Keepalive pings do not count as requests: the server closes the idle
+    // connection, and the next call must go out on a new one.
+    eventually(Duration::from_secs(5), "idle connection closed", || {
+        s.stats().connections == 0
+    })
+    .await;
+    assert_eq!(&w.get("k", Duration::from_secs(5)).await.unwrap()[..], b"v");
+    w.set("k2", "v2").await.unwrap();
+    // Closed again; eight calls finding it gone together make one new
+    // connection between them, not one each.
+    eventually(Duration::from_secs(5), "idle connection closed again", || {
+        s.stats().connections == 0
+    })
+    .await;
+    let calls: Vec<_> = (0..8)
+        .map(|_| {
+            let w = w.clone();
+            tokio::spawn(async move { w.get("k2", Duration::from_secs(5)).await })
+        })
+        .collect();
+    for c in calls {
+        assert_eq!(&c.await.unwrap().unwrap()[..], b"v2");
+    }
+    assert_eq!(s.stats().connections, 1);
+}
+
+/// Forwards bytes between a client and `to` until `frozen` is set; then it
+/// keeps both sockets open and forwards nothing (a frozen host).
+async fn freezable_proxy(
+    to: SocketAddr,
+    frozen: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> SocketAddr {
+    use std::sync::atomic::Ordering;
+    let listener = tokio::net::TcpListener::bind(LOOPBACK).await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((inbound, _)) = listener.accept().await {
+            let outbound = tokio::net::TcpStream::connect(to).await.unwrap();
+            let (ri, wi) = inbound.into_split();
+            let (ro, wo) = outbound.into_split();
+            for (mut r, mut w, frozen) in [
+                (
+                    Box::new(ri) as Box<dyn tokio::io::AsyncRead + Unpin + Send>,
+                    Box::new(wo) as Box<dyn tokio::io::AsyncWrite + Unpin + Send>,
+                    frozen.clone(),
+                ),
+                (Box::new(ro), Box::new(wi), frozen.clone()),
+            ] {
+                tokio::spawn(async move {
+                    let mut buf = [0u8; 16 << 10];
+                    loop {
+                        let n = match r.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => n,
+                        };
+                        if frozen.load(Ordering::Acquire) {
+                            // Hold the sockets open; forward nothing more.
+                            std::future::pending::<()>().await;
+                        }
+                        if w.write_all(&buf[..n]).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        }
+    });
+    addr
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_server_fails_a_waiting_call_through_keepalive() {
+    let s = server(ServerConfig::default()).await;
+    s.open_world("w", WorldOptions::default()).unwrap();
+    let frozen = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let proxy = freezable_proxy(s.local_addr(), frozen.clone()).await;
+    let config = ClientConfig {
+        keepalive_interval: Duration::from_millis(200),
+        keepalive_timeout: Duration::from_millis(400),
+        ..quick()
+    };
+    let w = StoreClient::connect(&proxy.to_string(), config)
+        .await
+        .unwrap()
+        .open("w", OpenOptions::default())
+        .await
+        .unwrap();
+    w.set("k", "v").await.unwrap();
+    frozen.store(true, std::sync::atomic::Ordering::Release);
+    let started = Instant::now();
+    let err = w.get("never", Duration::from_secs(30)).await.unwrap_err();
+    assert!(matches!(err, StoreError::Unavailable { .. }), "{err}");
+    // Pings every 200 ms, each unanswered for at most 400 ms: well under the
+    // 30 s wait (generous for a busy machine).
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+}
