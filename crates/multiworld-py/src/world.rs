@@ -9,7 +9,7 @@
 use std::{future::Future, sync::Mutex, time::Duration};
 
 use multiworld::{CollectiveHandle, CommError, Group, Rank, ReduceOp, Tag, Tensor, WorldError, WorldState};
-use numpy::PyReadonlyArray1;
+use numpy::{PyReadonlyArray1, PyReadwriteArray1};
 use pyo3::{
     exceptions::{PyRuntimeError, PyValueError},
     prelude::*,
@@ -31,7 +31,14 @@ pub struct World {
     inner: Option<multiworld::World>,
     /// A sub-group's collectives (`None`: the whole world's).
     group: Option<Group>,
+    /// The buffer `recv_into` and `all_reduce_into` reuse between calls, so
+    /// that a loop over same-sized messages allocates (and page-faults)
+    /// once, not every call.
+    scratch: Mutex<Option<Tensor>>,
 }
+
+/// The largest buffer kept between calls (a bigger one is dropped after use).
+const MAX_SCRATCH_BYTES: usize = 256 << 20;
 
 impl Drop for World {
     fn drop(&mut self) {
@@ -63,6 +70,29 @@ impl World {
         World {
             inner: Some(inner),
             group: None,
+            scratch: Mutex::new(None),
+        }
+    }
+
+    /// The kept buffer if it has `dtype` and as many elements as `shape`
+    /// (reshaped), else a new zeroed one.
+    fn scratch(&self, dtype: multiworld::DType, shape: Vec<usize>) -> PyResult<Tensor> {
+        let kept = self.scratch.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let n: usize = shape.iter().product();
+        match kept {
+            Some(mut t) if t.dtype() == dtype && t.numel() == n => {
+                t.reshape(shape)
+                    .map_err(|e| PyValueError::new_err(e.to_string()))?;
+                Ok(t)
+            }
+            _ => Tensor::zeros(dtype, shape).map_err(|e| PyValueError::new_err(e.to_string())),
+        }
+    }
+
+    /// Keeps `t` for the next call (unless it is very large).
+    fn keep(&self, t: Tensor) {
+        if t.nbytes() <= MAX_SCRATCH_BYTES {
+            *self.scratch.lock().unwrap_or_else(|e| e.into_inner()) = Some(t);
         }
     }
 
@@ -420,6 +450,87 @@ impl World {
         Ok((from, tensor::to_numpy(py, t)?.unbind()))
     }
 
+    /// Receives a message of `dtype` and `shape` from `src` (`None`: any)
+    /// straight into the caller's C-contiguous array `out` (its bytes, as
+    /// `uint8`): through a buffer kept between calls, copied into `out` with
+    /// the GIL released; `out` is untouched when the receive fails. Returns
+    /// the sender.
+    fn recv_into(
+        &self,
+        py: Python<'_>,
+        mut out: PyReadwriteArray1<'_, u8>,
+        dtype: &str,
+        shape: Vec<usize>,
+        src: Option<u32>,
+        tag: u32,
+    ) -> PyResult<u32> {
+        let dst = out
+            .as_slice_mut()
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let mut t = self.scratch(tensor::dtype(dtype)?, shape)?;
+        if dst.len() != t.nbytes() {
+            return Err(PyValueError::new_err(format!(
+                "recv_into: the array has {} bytes, {dtype} of that shape {}",
+                dst.len(),
+                t.nbytes()
+            )));
+        }
+        let w = self.w()?;
+        let got = match src {
+            Some(r) => self.op(py, async { w.recv(Rank(r), Tag(tag), &mut t).await.map(|()| r) }),
+            None => self.op(py, async { w.recv_any(Tag(tag), &mut t).await.map(|r| r.0) }),
+        };
+        if got.is_ok() {
+            let bytes = t.as_bytes();
+            py.detach(|| dst.copy_from_slice(bytes));
+        }
+        self.keep(t);
+        got
+    }
+
+    /// All-reduce of the caller's C-contiguous array `out` (its bytes, as
+    /// `uint8`) in place: copied into a buffer kept between calls, reduced,
+    /// copied back (both copies with the GIL released). On failure `out` is
+    /// untouched.
+    fn all_reduce_into(
+        &self,
+        py: Python<'_>,
+        mut out: PyReadwriteArray1<'_, u8>,
+        dtype: &str,
+        shape: Vec<usize>,
+        op: &str,
+    ) -> PyResult<()> {
+        let op = reduce_op(op)?;
+        let buf = out
+            .as_slice_mut()
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let mut t = self.scratch(tensor::dtype(dtype)?, shape)?;
+        if buf.len() != t.nbytes() {
+            return Err(PyValueError::new_err(format!(
+                "all_reduce: the array has {} bytes, {dtype} of that shape {}",
+                buf.len(),
+                t.nbytes()
+            )));
+        }
+        {
+            let dst = t.bytes_mut();
+            py.detach(|| dst.copy_from_slice(buf));
+        }
+        if !t.validate_after_write() {
+            return Err(PyValueError::new_err(
+                "all_reduce: a bool array holds a byte other than 0 or 1",
+            ));
+        }
+        let g = self.g()?;
+        let r = self.coll(py, g.all_reduce(&mut t, op));
+        if r.is_ok() {
+            let bytes = t.as_bytes();
+            py.detach(|| buf.copy_from_slice(bytes));
+        }
+        self.keep(t);
+        r
+    }
+
     /// Starts a send of a copy of `data`; the handle yields `None`.
     fn isend(&self, data: Input<'_>, dst: u32, tag: u32) -> PyResult<Work> {
         let t = data.tensor()?;
@@ -721,6 +832,7 @@ impl World {
         Ok(World {
             inner: Some(self.w()?.clone()),
             group: Some(sub),
+            scratch: Mutex::new(None),
         })
     }
 

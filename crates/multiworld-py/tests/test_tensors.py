@@ -134,3 +134,29 @@ def test_torch_cpu_tensors(pair):
     out = torch.zeros(6)
     both(lambda: w1.send(t, 0), lambda: w0.recv_into(out, 1))
     assert torch.equal(out, t)
+
+
+def test_recv_into_and_all_reduce_reuse_a_buffer_across_sizes_and_dtypes(pair):
+    """The direct paths keep one buffer between calls: every size and dtype
+    change still gives exact results, a failed receive leaves the array
+    untouched, and non-contiguous arrays take the copying path."""
+    w0, w1 = pair
+    for n, dtype in [(8, np.float32), (8, np.float32), (3, np.int64), (1000, np.float32), (5, np.bool_)]:
+        x = (np.arange(n) % 2).astype(dtype) if dtype == np.bool_ else np.arange(n, dtype=dtype)
+        out = np.zeros(n, dtype)
+        _, src = both(lambda: w1.send(x, 0), lambda: w0.recv_into(out, 1))
+        assert src == 1 and (out == x).all()
+        a, b = x.copy(), x.copy()
+        both(lambda: w0.all_reduce(a, "max"), lambda: w1.all_reduce(b, "max"))
+        assert (a == x).all() and (b == x).all()
+    keep = np.full(4, 7, np.int32)
+    with pytest.raises(mw.MismatchError):
+        both(lambda: w1.send(np.ones(5, np.int32), 0), lambda: w0.recv_into(keep, 1))
+    assert (keep == 7).all()
+    strided = np.zeros((4, 2), np.float64)[:, 0]  # not contiguous
+    both(lambda: w1.send(np.arange(4.0), 0), lambda: w0.recv_into(strided, 1))
+    assert (strided == np.arange(4.0)).all()
+    base = np.arange(8.0).reshape(4, 2)
+    s0, s1 = base[:, 0].copy(), base.copy()[:, 0]  # contiguous, and a strided view
+    both(lambda: w0.all_reduce(s0), lambda: w1.all_reduce(s1))
+    assert (s0 == 2 * base[:, 0]).all() and (s1 == 2 * base[:, 0]).all()

@@ -314,6 +314,9 @@ class World:
         both, and the array is untouched); returns the sender's rank."""
         try:
             arr, (dtype, shp) = T.out_spec(tensor, "tensor")
+            raw = T.writable_bytes(arr)
+            if raw is not None:  # straight into the array, through a reused buffer
+                return self._w.recv_into(raw, dtype, list(shp), _opt_rank("src", src), _u32("tag", tag))
             got, flat = self._w.recv(_opt_rank("src", src), _u32("tag", tag), dtype, list(shp))
             T.write(arr, flat)
             return got
@@ -387,7 +390,11 @@ class World:
         """Reduces ``tensor`` over every member with ``op``; every member gets
         the result in ``tensor``."""
         try:
-            arr, _ = T.out_spec(tensor)
+            arr, (dtype, shp) = T.out_spec(tensor)
+            raw = None if async_op else T.writable_bytes(arr)
+            if raw is not None:  # in place, through a reused buffer
+                self._w.all_reduce_into(raw, dtype, list(shp), _op(op))
+                return None
             return self._run("all_reduce", (T.send_view(arr), _op(op)), _writer(arr, tensor), async_op)
         except T.DeviceTensor:
             return self._device("all_reduce", {"tensor": tensor, "op": op, "async_op": async_op})

@@ -9,7 +9,7 @@ non-contiguous or non-native-byte-order array is copied before a send).
 
 from __future__ import annotations
 
-from typing import Any, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -154,6 +154,16 @@ def out_spec(obj: Any, what: str = "output") -> Tuple[np.ndarray, Tuple[str, Tup
     if not arr.flags.writeable:
         raise ValueError(f"{what} is read-only: an output array must be writeable")
     return arr, (name, arr.shape)
+
+
+def writable_bytes(arr: np.ndarray) -> Optional[np.ndarray]:
+    """A flat ``uint8`` view of ``arr``'s own memory when the runtime can
+    write its result there directly (C-contiguous, native byte order,
+    writeable); ``None`` otherwise (the caller then copies through
+    :func:`write`)."""
+    if arr.flags.c_contiguous and arr.flags.writeable and arr.dtype.isnative:
+        return arr.reshape(-1).view(np.uint8)
+    return None
 
 
 def from_flat(flat: np.ndarray, dtype: np.dtype, shape: Sequence[int]) -> np.ndarray:
