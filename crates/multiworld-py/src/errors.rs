@@ -54,16 +54,6 @@ pub fn new(py: Python<'_>, name: &str, message: String, fields: &[(&str, Py<PyAn
     build().unwrap_or_else(|e| e)
 }
 
-/// The short name of a break cause, as Python sees it (`"peer_lost"`, ...).
-pub fn cause_kind(cause: &BreakCause) -> &'static str {
-    cause.kind()
-}
-
-/// The rank a break cause is about, if any.
-pub fn cause_rank(cause: &BreakCause) -> Option<u32> {
-    cause.rank().map(|r| r.0)
-}
-
 fn obj<'py>(py: Python<'py>, v: impl IntoPyObject<'py>) -> Py<PyAny> {
     // Strings, integers, floats and None always convert.
     v.into_bound_py_any(py)
@@ -82,8 +72,8 @@ pub fn world(py: Python<'_>, err: WorldError, generation: Option<u64>) -> PyErr 
             &[
                 ("world", obj(py, world.as_str())),
                 ("generation", obj(py, generation)),
-                ("cause", obj(py, cause_kind(&cause))),
-                ("rank", obj(py, cause_rank(&cause))),
+                ("cause", obj(py, cause.kind())),
+                ("rank", obj(py, cause.rank().map(|r| r.0))),
                 ("detail", obj(py, cause.to_string())),
             ],
         ),

@@ -173,7 +173,7 @@ impl Manager {
             .into_iter()
             .map(|i| {
                 let cause = match &i.state {
-                    WorldState::Broken(c) => Some(errors::cause_kind(c)),
+                    WorldState::Broken(c) => Some(c.kind()),
                     _ => None,
                 };
                 (
@@ -296,8 +296,8 @@ impl From<WorldEvent> for Event {
                 e.kind = "broken";
                 e.flight_record = Some(record.timeline());
                 e.generation = Some(generation.0);
-                e.cause = Some(errors::cause_kind(&cause));
-                e.rank = errors::cause_rank(&cause);
+                e.cause = Some(cause.kind());
+                e.rank = cause.rank().map(|r| r.0);
                 e.detail = Some(cause.to_string());
             }
             WorldEvent::Quarantined {

@@ -65,25 +65,25 @@ pub fn outputs(list: &[Output]) -> PyResult<Vec<Tensor>> {
     list.iter().map(Output::tensor).collect()
 }
 
+/// The tensor's elements (its own `Vec`, no copy).
+fn vec_of<T: multiworld::Element>(t: Tensor) -> PyResult<Vec<T>> {
+    t.into_vec::<T>()
+        .map_err(|t| invalid(format!("internal: tensor holds {}", t.dtype())))
+}
+
 fn give<'py, T: numpy::Element + multiworld::Element>(
     py: Python<'py>,
     t: Tensor,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let v = t
-        .into_vec::<T>()
-        .map_err(|t| invalid(format!("internal: tensor holds {}", t.dtype())))?;
-    Ok(PyArray1::from_vec(py, v).into_any())
+    Ok(PyArray1::from_vec(py, vec_of::<T>(t)?).into_any())
 }
 
 fn give_u16<'py, T: multiworld::Element + bytemuck::Pod>(
     py: Python<'py>,
     t: Tensor,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let v = t
-        .into_vec::<T>()
-        .map_err(|t| invalid(format!("internal: tensor holds {}", t.dtype())))?;
     // Same size and alignment (2 bytes): reinterprets the allocation, no copy.
-    let v: Vec<u16> = bytemuck::allocation::cast_vec(v);
+    let v: Vec<u16> = bytemuck::allocation::cast_vec(vec_of::<T>(t)?);
     Ok(PyArray1::from_vec(py, v).into_any())
 }
 

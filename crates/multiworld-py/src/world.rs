@@ -96,6 +96,16 @@ impl World {
         }
     }
 
+    /// Receives from `src` (`None`: any member) on `tag` into `t`; returns
+    /// the sender.
+    fn receive(&self, py: Python<'_>, src: Option<u32>, tag: u32, t: &mut Tensor) -> PyResult<u32> {
+        let w = self.w()?;
+        match src {
+            Some(r) => self.op(py, async { w.recv(Rank(r), Tag(tag), t).await.map(|()| r) }),
+            None => self.op(py, async { w.recv_any(Tag(tag), t).await.map(|r| r.0) }),
+        }
+    }
+
     /// The group the collectives run on (cheap: shared state).
     fn g(&self) -> PyResult<Group> {
         match &self.group {
@@ -408,7 +418,7 @@ impl World {
     fn state(&self) -> PyResult<(&'static str, Option<&'static str>)> {
         let s = self.w()?.state();
         let cause = match &s {
-            WorldState::Broken(c) => Some(errors::cause_kind(c)),
+            WorldState::Broken(c) => Some(c.kind()),
             _ => None,
         };
         Ok((s.label(), cause))
@@ -442,11 +452,7 @@ impl World {
         shape: Vec<usize>,
     ) -> PyResult<(u32, Py<PyAny>)> {
         let mut t = Output(dtype.to_string(), shape).tensor()?;
-        let w = self.w()?;
-        let from = match src {
-            Some(r) => self.op(py, async { w.recv(Rank(r), Tag(tag), &mut t).await.map(|()| r) })?,
-            None => self.op(py, async { w.recv_any(Tag(tag), &mut t).await.map(|r| r.0) })?,
-        };
+        let from = self.receive(py, src, tag, &mut t)?;
         Ok((from, tensor::to_numpy(py, t)?.unbind()))
     }
 
@@ -475,11 +481,7 @@ impl World {
                 t.nbytes()
             )));
         }
-        let w = self.w()?;
-        let got = match src {
-            Some(r) => self.op(py, async { w.recv(Rank(r), Tag(tag), &mut t).await.map(|()| r) }),
-            None => self.op(py, async { w.recv_any(Tag(tag), &mut t).await.map(|r| r.0) }),
-        };
+        let got = self.receive(py, src, tag, &mut t);
         if got.is_ok() {
             let bytes = t.as_bytes();
             py.detach(|| dst.copy_from_slice(bytes));

@@ -7,8 +7,6 @@
 //! the process) and restores the limit before it ends.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::io::Write;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use multiworld_tcp::handshake::{HELLO_FIXED_LEN, MSG_REJECT};
@@ -20,19 +18,6 @@ use tokio::net::TcpStream;
 
 /// How long the listener is kept out of descriptors.
 const WINDOW: Duration = Duration::from_secs(1);
-
-#[derive(Clone, Default)]
-struct Capture(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Capture {
-    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(b);
-        Ok(b.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
 
 /// CPU time (user + system) this process has used.
 fn cpu() -> Duration {
@@ -106,22 +91,8 @@ async fn starve_the_listener() -> Outcome {
 
 #[test]
 fn accept_failures_back_off_log_once_per_second_and_recover() {
-    let capture = Capture::default();
-    let sink = capture.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_writer(move || sink.clone())
-        .with_ansi(false)
-        .without_time()
-        .with_max_level(tracing::Level::DEBUG)
-        .finish();
-    let out = tracing::subscriber::with_default(subscriber, || {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        rt.block_on(starve_the_listener())
-    });
-    let text = String::from_utf8(capture.0.lock().unwrap().clone()).unwrap();
+    let (out, capture) = multiworld_testkit::logs::with_captured_logs(|_| starve_the_listener());
+    let text = capture.text();
     let failures: Vec<&str> = text.lines().filter(|l| l.contains("accept failed")).collect();
     let warns: Vec<&str> = text
         .lines()

@@ -9,14 +9,13 @@
 //! line per second).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::io::Write;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use multiworld_tcp::handshake::HELLO_FIXED_LEN;
 use multiworld_tcp::mesh::addr_key;
 use multiworld_tcp::{Communicator, Generation, MemoryRendezvous, Rank, Rendezvous};
+use multiworld_testkit::logs::{LogCapture, with_captured_logs};
 use multiworld_testkit::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -30,20 +29,6 @@ const AT_ONCE: usize = 25;
 const PACE: Duration = Duration::from_millis(8);
 /// The quiet spell between the waves: longer than the 1 s log interval.
 const QUIET: Duration = Duration::from_millis(1500);
-
-/// A `tracing` writer into a shared buffer.
-#[derive(Clone, Default)]
-struct Capture(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Capture {
-    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(b);
-        Ok(b.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
 
 /// One stranger: connects, sends a Hello-sized run of garbage, and waits until
 /// the listener has refused and closed the connection.
@@ -69,12 +54,6 @@ struct Outcome {
     total: Duration,
 }
 
-impl Capture {
-    fn text(&self) -> String {
-        String::from_utf8(self.0.lock().unwrap().clone()).unwrap()
-    }
-}
-
 /// The WARN lines about refusals, and the refusals they account for: one for
 /// each naming its peer, plus each line's count of refusals held back.
 fn warn_lines(text: &str) -> (Vec<String>, u64) {
@@ -88,7 +67,7 @@ fn warn_lines(text: &str) -> (Vec<String>, u64) {
     (warns, named + held)
 }
 
-async fn flood_then_join(capture: Capture) -> Outcome {
+async fn flood_then_join(capture: LogCapture) -> Outcome {
     let rdv = MemoryRendezvous::new();
     let join = |r: u32| {
         let rdv = rdv.clone();
@@ -164,25 +143,7 @@ fn field(line: &str, name: &str) -> Option<u64> {
 
 #[test]
 fn a_flood_of_refused_strangers_writes_one_warn_line_per_second() {
-    let capture = Capture::default();
-    let sink = capture.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_writer(move || sink.clone())
-        .with_ansi(false)
-        .without_time()
-        .with_max_level(tracing::Level::DEBUG)
-        .finish();
-    let sink = capture.clone();
-    let out = tracing::subscriber::with_default(subscriber, || {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        let out = rt.block_on(flood_then_join(sink));
-        // Inside the subscriber: tasks still held by the runtime log as they drop.
-        drop(rt);
-        out
-    });
+    let (out, capture) = with_captured_logs(flood_then_join);
     let text = capture.text();
     let debugs = text
         .lines()

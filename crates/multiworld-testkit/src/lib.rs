@@ -9,6 +9,7 @@
 //! |---|---|
 //! | crate root | joining in-process worlds ([`mesh`], [`pair`]), a file-based rendezvous for ranks in several processes ([`FileRendezvous`]), test data patterns, [`eventually`] |
 //! | [`coll`] | in-process worlds of collective groups, one closure per rank with a hang guard, exact per-rank inputs and the sequential reference they are checked against |
+//! | [`logs`] | capturing what the code under test logs ([`logs::with_captured_logs`]) |
 //! | [`memory`] | worlds built in memory (the transport's `memory` feature): communicators and collective groups over pipes, no sockets |
 //! | [`process`] | child processes: the one kill-on-drop guard ([`process::Guard`]: a process group of its own, SIGKILLed and reaped on drop), runs to completion with a deadline and captured output ([`process::run`]), re-executing the test binary as a peer ([`process::self_test_command`]), pids a child reported ([`process::KillOnPanic`], [`process::gone`]) |
 //! | `facade` (feature `facade`) | helpers that need the facade `multiworld`: `next_event_for`, the next world event about one world |
@@ -30,6 +31,7 @@ pub mod coll;
 pub mod facade;
 #[cfg(feature = "nccl")]
 pub mod fake_nccl;
+pub mod logs;
 pub mod memory;
 pub mod process;
 pub mod proxy;

@@ -26,7 +26,7 @@ use bytes::Bytes;
 use http_body_util::Full;
 use prometheus_client::{
     collector::Collector,
-    encoding::{DescriptorEncoder, EncodeLabelSet, EncodeLabelValue, EncodeMetric},
+    encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric},
     metrics::{
         MetricType,
         counter::{ConstCounter, Counter},
@@ -53,23 +53,10 @@ fn latency_histogram() -> Histogram {
     Histogram::new(latency_buckets())
 }
 
-/// The label of a break's cause.
+/// The label of a break's cause (`BreakCause::kind`).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub(crate) struct CauseLabel {
-    pub(crate) cause: CauseKind,
-}
-
-/// A break cause's kind, as a label value.
-#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
-pub(crate) struct CauseKind(pub(crate) &'static str);
-
-impl EncodeLabelValue for CauseKind {
-    fn encode(
-        &self,
-        encoder: &mut prometheus_client::encoding::LabelValueEncoder,
-    ) -> Result<(), std::fmt::Error> {
-        EncodeLabelValue::encode(&self.0, encoder)
-    }
+    pub(crate) cause: &'static str,
 }
 
 /// The process-level metrics of one manager, and the registry that encodes
@@ -225,14 +212,41 @@ struct WorldsCollector {
     worlds: Weak<Registry>,
 }
 
-type WorldLabels = [(&'static str, String); 3];
+/// What one scrape reads of one world, once: its state, labels, and each
+/// peer's traffic counters and liveness.
+struct Seen {
+    w: Arc<WorldShared>,
+    state: WorldState,
+    labels: [(&'static str, String); 3],
+    traffic: Vec<multiworld_tcp::PeerStats>,
+    liveness: Vec<multiworld_tcp::PeerLiveness>,
+}
 
-fn world_labels(w: &WorldShared) -> WorldLabels {
-    [
-        ("world", w.name.to_string()),
-        ("generation", w.generation.0.to_string()),
-        ("rank", w.rank.0.to_string()),
-    ]
+impl Seen {
+    fn of(w: Arc<WorldShared>) -> Seen {
+        let traffic = (0..w.size)
+            .map(multiworld_types::Rank)
+            .filter(|&r| r != w.rank)
+            .filter_map(|r| w.comm.peer_stats(r))
+            .collect();
+        Seen {
+            state: w.state(),
+            labels: [
+                ("world", w.name.to_string()),
+                ("generation", w.generation.0.to_string()),
+                ("rank", w.rank.0.to_string()),
+            ],
+            traffic,
+            liveness: w.comm.liveness(),
+            w,
+        }
+    }
+
+    /// The world's labels and one more.
+    fn with(&self, key: &'static str, value: String) -> [(&'static str, String); 4] {
+        let [a, b, c] = self.labels.clone();
+        [a, b, c, (key, value)]
+    }
 }
 
 impl Collector for WorldsCollector {
@@ -249,13 +263,7 @@ impl Collector for WorldsCollector {
             }
         }
         members.sort_by(|a, b| a.name.as_str().cmp(b.name.as_str()));
-        let states: Vec<(Arc<WorldShared>, WorldState)> = members
-            .into_iter()
-            .map(|w| {
-                let s = w.state();
-                (w, s)
-            })
-            .collect();
+        let seen: Vec<Seen> = members.into_iter().map(Seen::of).collect();
 
         {
             let mut by_state = encoder.encode_descriptor(
@@ -268,7 +276,7 @@ impl Collector for WorldsCollector {
                 let n = if label == "joining" {
                     joining
                 } else {
-                    states.iter().filter(|(_, s)| s.label() == label).count() as i64
+                    seen.iter().filter(|s| s.state.label() == label).count() as i64
                 };
                 ConstGauge::new(n).encode(by_state.encode_family(&[("state", label)])?)?;
             }
@@ -280,13 +288,13 @@ impl Collector for WorldsCollector {
                 None,
                 MetricType::Gauge,
             )?;
-            for (w, s) in &states {
-                let cause = match s {
+            for s in &seen {
+                let cause = match &s.state {
                     WorldState::Broken(c) => c.kind().to_string(),
                     _ => String::new(),
                 };
-                let [a, b, c] = world_labels(w);
-                let labels = [a, b, c, ("state", s.label().to_string()), ("cause", cause)];
+                let [a, b, c] = s.labels.clone();
+                let labels = [a, b, c, ("state", s.state.label().to_string()), ("cause", cause)];
                 ConstGauge::new(1i64).encode(state.encode_family(&labels)?)?;
             }
         }
@@ -311,13 +319,10 @@ impl Collector for WorldsCollector {
         ];
         for (name, help, pick) in traffic {
             let mut fam = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
-            for (w, _) in &states {
-                for peer in (0..w.size).map(multiworld_types::Rank).filter(|&r| r != w.rank) {
-                    if let Some(stats) = w.comm.peer_stats(peer) {
-                        let [a, b, c] = world_labels(w);
-                        let labels = [a, b, c, ("peer", peer.0.to_string())];
-                        ConstCounter::new(pick(&stats)).encode(fam.encode_family(&labels)?)?;
-                    }
+            for s in &seen {
+                for p in &s.traffic {
+                    let labels = s.with("peer", p.rank.0.to_string());
+                    ConstCounter::new(pick(p)).encode(fam.encode_family(&labels)?)?;
                 }
             }
         }
@@ -329,10 +334,9 @@ impl Collector for WorldsCollector {
                 None,
                 MetricType::Gauge,
             )?;
-            for (w, _) in &states {
-                for p in w.comm.liveness() {
-                    let [a, b, c] = world_labels(w);
-                    let labels = [a, b, c, ("peer", p.rank.0.to_string())];
+            for s in &seen {
+                for p in &s.liveness {
+                    let labels = s.with("peer", p.rank.0.to_string());
                     let ago = now.saturating_duration_since(p.last_heard).as_secs_f64();
                     ConstGauge::new(ago).encode(heard.encode_family(&labels)?)?;
                 }
@@ -345,11 +349,10 @@ impl Collector for WorldsCollector {
                 None,
                 MetricType::Gauge,
             )?;
-            for (w, _) in &states {
-                for p in w.comm.liveness() {
+            for s in &seen {
+                for p in &s.liveness {
                     if let Some(d) = p.heartbeat_rtt {
-                        let [a, b, c] = world_labels(w);
-                        let labels = [a, b, c, ("peer", p.rank.0.to_string())];
+                        let labels = s.with("peer", p.rank.0.to_string());
                         ConstGauge::new(d.as_secs_f64()).encode(rtt.encode_family(&labels)?)?;
                     }
                 }
@@ -362,10 +365,9 @@ impl Collector for WorldsCollector {
                 None,
                 MetricType::Histogram,
             )?;
-            for (w, _) in &states {
-                w.latencies.each(|kind, h| {
-                    let [a, b, c] = world_labels(w);
-                    let labels = [a, b, c, ("op", kind.to_string())];
+            for s in &seen {
+                s.w.latencies.each(|kind, h| {
+                    let labels = s.with("op", kind.to_string());
                     h.encode(ops.encode_family(&labels)?)
                 })?;
             }

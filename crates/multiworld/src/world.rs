@@ -41,7 +41,7 @@ use crate::{
     error::WorldError,
     events::WorldEvent,
     lifecycle::{BreakCause, Lifecycle, Transition, WorldState},
-    metrics::{CauseKind, CauseLabel, Metrics, OpLatencies},
+    metrics::{CauseLabel, Metrics, OpLatencies},
     recorder::{FlightRecord, FlightRecorder, OpStart, Outcome},
     watchdog::{Observations, PeerObservation, ReasonLog, Verdict, decide},
 };
@@ -426,9 +426,7 @@ impl WorldShared {
             .observe(broke_at.elapsed().as_secs_f64());
         self.metrics
             .breaks
-            .get_or_create(&CauseLabel {
-                cause: CauseKind(cause.kind()),
-            })
+            .get_or_create(&CauseLabel { cause: cause.kind() })
             .inc();
         *self
             .metrics
