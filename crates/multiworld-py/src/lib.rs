@@ -7,6 +7,7 @@
 //! | `runtime` | the process-wide Tokio runtime, GIL-free waits in slices (Ctrl-C), the fork guard |
 //! | `errors` | runtime errors → the Python exception classes of `multiworld_rs.errors` |
 //! | `tensor` | numpy bytes ↔ tensors: borrowed views for sends, owned `Vec`s handed to numpy |
+//! | `lent` | a caller's array lent to the runtime for one blocking call (receives and in-place collectives write into it; no copy) |
 //! | `manager` | `Manager`, `EventStream`, `Event` |
 //! | `world` | `World` (p2p, collectives, object collectives, sub-groups), `Work` (handles) |
 //! | `notify` | `Notifier`: wake-ups of an asyncio loop when background operations end |
@@ -15,6 +16,7 @@
 #[cfg(feature = "nccl")]
 mod device;
 mod errors;
+mod lent;
 mod manager;
 mod notify;
 mod runtime;
@@ -40,6 +42,17 @@ mod _native {
     #[pyfunction]
     fn nccl_built() -> bool {
         cfg!(feature = "nccl")
+    }
+
+    /// Sets how many seconds every blocking call polls its operation before
+    /// its thread parks (`None`: leave it); returns the setting in effect.
+    #[pyfunction]
+    #[pyo3(signature = (seconds=None))]
+    fn spin(seconds: Option<f64>) -> PyResult<f64> {
+        if let Some(d) = crate::runtime::seconds("spin", seconds)? {
+            crate::runtime::set_spin(d);
+        }
+        Ok(crate::runtime::spin().as_secs_f64())
     }
 
     /// Adds what only the `nccl` build has: `Nccl` and `nccl_world`.

@@ -4,8 +4,10 @@
 //! GIL, drives the future on the runtime in slices of [`SLICE`], and between
 //! slices lets Python run its signal handlers, so Ctrl-C interrupts a waiting
 //! call on the main thread within one slice (the future is then dropped; see
-//! `docs/python.md` for what that means for each operation). Rust tasks never
-//! call into Python.
+//! `docs/python.md` for what that means for each operation). Before it parks,
+//! a call may poll its operation for a short while ([`set_spin`], off by
+//! default), which saves the wake-up of a parked thread when the result is
+//! close. Rust tasks never call into Python.
 //!
 //! The runtime remembers the pid that created it. A child made by `fork()`
 //! inherits the memory of the runtime but none of its threads, so any use of
@@ -15,7 +17,10 @@
 
 use std::{
     future::Future,
-    sync::OnceLock,
+    sync::{
+        OnceLock,
+        atomic::{AtomicU64, Ordering},
+    },
     task::{Context, Poll, Waker},
     time::Duration,
 };
@@ -88,6 +93,25 @@ where
             return Ok(out);
         }
     }
+    let spin = spin_budget();
+    if !spin.is_zero() {
+        let done = py.detach(|| {
+            let _guard = rt.enter();
+            let until = std::time::Instant::now() + spin;
+            loop {
+                if let Poll::Ready(out) = fut.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
+                    return Some(out);
+                }
+                if std::time::Instant::now() >= until {
+                    return None;
+                }
+                std::thread::yield_now();
+            }
+        });
+        if let Some(out) = done {
+            return Ok(out);
+        }
+    }
     loop {
         let slice = py.detach(|| rt.block_on(async { tokio::time::timeout(SLICE, fut.as_mut()).await }));
         match slice {
@@ -95,6 +119,43 @@ where
             Err(_) => py.check_signals()?,
         }
     }
+}
+
+/// Nanoseconds a blocking call polls before it parks (see [`set_spin`]);
+/// `u64::MAX`: not read from the environment yet.
+static SPIN_NS: AtomicU64 = AtomicU64::new(u64::MAX);
+
+/// How long a blocking call polls its operation, with the GIL released,
+/// before its thread parks: `MULTIWORLD_PY_SPIN_US` (microseconds) until
+/// [`set_spin`] says otherwise; zero by default.
+fn spin_budget() -> Duration {
+    let ns = SPIN_NS.load(Ordering::Relaxed);
+    if ns != u64::MAX {
+        return Duration::from_nanos(ns);
+    }
+    let from_env = std::env::var("MULTIWORLD_PY_SPIN_US")
+        .ok()
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .map_or(Duration::ZERO, Duration::from_micros);
+    set_spin(from_env);
+    from_env
+}
+
+/// Sets how long every blocking call of the process polls its operation
+/// before parking its thread. A result that arrives meanwhile is taken
+/// without the wake-up of a parked thread (a few microseconds each on a
+/// busy machine), at the price of that much CPU per blocking wait (the
+/// polling thread yields to runnable threads between polls).
+pub fn set_spin(spin: Duration) {
+    let ns = u64::try_from(spin.as_nanos())
+        .unwrap_or(u64::MAX - 1)
+        .min(u64::MAX - 1);
+    SPIN_NS.store(ns, Ordering::Relaxed);
+}
+
+/// The current [`set_spin`] setting.
+pub fn spin() -> Duration {
+    spin_budget()
 }
 
 /// Like [`wait`], but gives up after `timeout` (`None`: never), returning

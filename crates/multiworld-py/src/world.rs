@@ -4,11 +4,15 @@
 //!
 //! Every method takes arrays as the Python layer prepares them (see
 //! `tensor.rs`) and returns flat numpy arrays that the Python layer reshapes
-//! and, for in-place operations, copies into the caller's arrays.
+//! and, for in-place operations, copies into the caller's arrays; the
+//! blocking `recv_into`, `all_reduce_into` and `broadcast_into` instead work
+//! on the caller's array itself, lent for the call (`lent.rs`).
 
 use std::{future::Future, sync::Mutex, time::Duration};
 
-use multiworld::{CollectiveHandle, CommError, Group, Rank, ReduceOp, Tag, Tensor, WorldError, WorldState};
+use multiworld::{
+    CollectiveHandle, CommError, Group, Rank, ReduceOp, Tag, Tensor, TensorView, WorldError, WorldState,
+};
 use numpy::{PyReadonlyArray1, PyReadwriteArray1};
 use pyo3::{
     exceptions::{PyRuntimeError, PyValueError},
@@ -19,6 +23,7 @@ use tokio::task::JoinHandle;
 
 use crate::{
     errors,
+    lent::{self, Loan},
     notify::{Completion, Notifier},
     runtime,
     tensor::{self, Input, Output},
@@ -31,14 +36,7 @@ pub struct World {
     inner: Option<multiworld::World>,
     /// A sub-group's collectives (`None`: the whole world's).
     group: Option<Group>,
-    /// The buffer `recv_into` and `all_reduce_into` reuse between calls, so
-    /// that a loop over same-sized messages allocates (and page-faults)
-    /// once, not every call.
-    scratch: Mutex<Option<Tensor>>,
 }
-
-/// The largest buffer kept between calls (a bigger one is dropped after use).
-const MAX_SCRATCH_BYTES: usize = 256 << 20;
 
 impl Drop for World {
     fn drop(&mut self) {
@@ -46,6 +44,15 @@ impl Drop for World {
             runtime::release(w);
         }
     }
+}
+
+/// A rank or tag given from Python: an int (or numpy integer) in `0..2**32`,
+/// not a `bool`; `None` otherwise (the general path words the error).
+fn index(v: &Bound<'_, PyAny>) -> Option<u32> {
+    if v.is_instance_of::<pyo3::types::PyBool>() {
+        return None;
+    }
+    v.extract::<u32>().ok()
 }
 
 /// A reduce op by its torch name (`"sum"`, `"avg"`, `"band"`, ...).
@@ -70,29 +77,6 @@ impl World {
         World {
             inner: Some(inner),
             group: None,
-            scratch: Mutex::new(None),
-        }
-    }
-
-    /// The kept buffer if it has `dtype` and as many elements as `shape`
-    /// (reshaped), else a new zeroed one.
-    fn scratch(&self, dtype: multiworld::DType, shape: Vec<usize>) -> PyResult<Tensor> {
-        let kept = self.scratch.lock().unwrap_or_else(|e| e.into_inner()).take();
-        let n: usize = shape.iter().product();
-        match kept {
-            Some(mut t) if t.dtype() == dtype && t.numel() == n => {
-                t.reshape(shape)
-                    .map_err(|e| PyValueError::new_err(e.to_string()))?;
-                Ok(t)
-            }
-            _ => Tensor::zeros(dtype, shape).map_err(|e| PyValueError::new_err(e.to_string())),
-        }
-    }
-
-    /// Keeps `t` for the next call (unless it is very large).
-    fn keep(&self, t: Tensor) {
-        if t.nbytes() <= MAX_SCRATCH_BYTES {
-            *self.scratch.lock().unwrap_or_else(|e| e.into_inner()) = Some(t);
         }
     }
 
@@ -424,6 +408,58 @@ impl World {
         Ok((s.label(), cause))
     }
 
+    /// `World.send`'s fast path: a plain numpy array (`lent::plain`) sent
+    /// from its own memory, every argument checked here. Returns false,
+    /// sending nothing, for any other argument (the Python layer then takes
+    /// its general path, which also words the errors).
+    fn send_plain(
+        &self,
+        py: Python<'_>,
+        obj: &Bound<'_, PyAny>,
+        dst: &Bound<'_, PyAny>,
+        tag: &Bound<'_, PyAny>,
+    ) -> PyResult<bool> {
+        let (Some(dst), Some(tag), Some(a)) = (index(dst), index(tag), lent::plain(obj)) else {
+            return Ok(false);
+        };
+        let Ok(view) = TensorView::from_bytes(a.dtype, a.bytes()) else {
+            return Ok(false);
+        };
+        let w = self.w()?;
+        self.op(py, w.send(Rank(dst), Tag(tag), view))?;
+        Ok(true)
+    }
+
+    /// `World.recv_into`'s fast path: a plain, writeable numpy array
+    /// (`lent::plain`) lent for the receive. Returns the sender, or `None`
+    /// (nothing received) for any other argument, which the Python layer
+    /// takes its general way.
+    fn recv_into_plain(
+        &self,
+        py: Python<'_>,
+        obj: &Bound<'_, PyAny>,
+        src: Option<&Bound<'_, PyAny>>,
+        tag: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<u32>> {
+        let src = match src {
+            None => None,
+            Some(s) if s.is_none() => None,
+            Some(s) => match index(s) {
+                Some(r) => Some(r),
+                None => return Ok(None),
+            },
+        };
+        let (Some(tag), Some(a)) = (index(tag), lent::plain(obj)) else {
+            return Ok(None);
+        };
+        let Some(mut loan) = a.lend() else {
+            return Ok(None);
+        };
+        let got = self.receive(py, src, tag, &mut loan.tensor);
+        loan.settle(py);
+        got.map(Some)
+    }
+
     /// Sends a flat byte view of `dtype` elements to `dst` (no copy).
     fn send(
         &self,
@@ -458,9 +494,9 @@ impl World {
 
     /// Receives a message of `dtype` and `shape` from `src` (`None`: any)
     /// straight into the caller's C-contiguous array `out` (its bytes, as
-    /// `uint8`): through a buffer kept between calls, copied into `out` with
-    /// the GIL released; `out` is untouched when the receive fails. Returns
-    /// the sender.
+    /// `uint8`), which is lent to the runtime for the call (no copy; see
+    /// `lent.rs`). On a mismatch `out` is untouched; on other failures it may
+    /// hold part of the message. Returns the sender.
     fn recv_into(
         &self,
         py: Python<'_>,
@@ -470,30 +506,15 @@ impl World {
         src: Option<u32>,
         tag: u32,
     ) -> PyResult<u32> {
-        let dst = out
-            .as_slice_mut()
-            .map_err(|e| PyValueError::new_err(e.to_string()))?;
-        let mut t = self.scratch(tensor::dtype(dtype)?, shape)?;
-        if dst.len() != t.nbytes() {
-            return Err(PyValueError::new_err(format!(
-                "recv_into: the array has {} bytes, {dtype} of that shape {}",
-                dst.len(),
-                t.nbytes()
-            )));
-        }
-        let got = self.receive(py, src, tag, &mut t);
-        if got.is_ok() {
-            let bytes = t.as_bytes();
-            py.detach(|| dst.copy_from_slice(bytes));
-        }
-        self.keep(t);
+        let mut loan = Loan::new(&mut out, tensor::dtype(dtype)?, shape, "recv_into")?;
+        let got = self.receive(py, src, tag, &mut loan.tensor);
+        loan.settle(py);
         got
     }
 
     /// All-reduce of the caller's C-contiguous array `out` (its bytes, as
-    /// `uint8`) in place: copied into a buffer kept between calls, reduced,
-    /// copied back (both copies with the GIL released). On failure `out` is
-    /// untouched.
+    /// `uint8`) in place, the array lent to the runtime for the call (no
+    /// copy). On failure `out` may hold partial results.
     fn all_reduce_into(
         &self,
         py: Python<'_>,
@@ -503,33 +524,28 @@ impl World {
         op: &str,
     ) -> PyResult<()> {
         let op = reduce_op(op)?;
-        let buf = out
-            .as_slice_mut()
-            .map_err(|e| PyValueError::new_err(e.to_string()))?;
-        let mut t = self.scratch(tensor::dtype(dtype)?, shape)?;
-        if buf.len() != t.nbytes() {
-            return Err(PyValueError::new_err(format!(
-                "all_reduce: the array has {} bytes, {dtype} of that shape {}",
-                buf.len(),
-                t.nbytes()
-            )));
-        }
-        {
-            let dst = t.bytes_mut();
-            py.detach(|| dst.copy_from_slice(buf));
-        }
-        if !t.validate_after_write() {
-            return Err(PyValueError::new_err(
-                "all_reduce: a bool array holds a byte other than 0 or 1",
-            ));
-        }
+        let mut loan = Loan::new(&mut out, tensor::dtype(dtype)?, shape, "all_reduce")?;
         let g = self.g()?;
-        let r = self.coll(py, g.all_reduce(&mut t, op));
-        if r.is_ok() {
-            let bytes = t.as_bytes();
-            py.detach(|| buf.copy_from_slice(bytes));
-        }
-        self.keep(t);
+        let r = self.coll(py, g.all_reduce(&mut loan.tensor, op));
+        loan.settle(py);
+        r
+    }
+
+    /// Broadcast from `root` into the caller's C-contiguous array `out` (its
+    /// bytes, as `uint8`) in place, the array lent to the runtime for the
+    /// call (no copy). On failure `out` may hold part of the root's data.
+    fn broadcast_into(
+        &self,
+        py: Python<'_>,
+        mut out: PyReadwriteArray1<'_, u8>,
+        dtype: &str,
+        shape: Vec<usize>,
+        root: u32,
+    ) -> PyResult<()> {
+        let mut loan = Loan::new(&mut out, tensor::dtype(dtype)?, shape, "broadcast")?;
+        let g = self.g()?;
+        let r = self.coll(py, g.broadcast(&mut loan.tensor, Rank(root)));
+        loan.settle(py);
         r
     }
 
@@ -834,7 +850,6 @@ impl World {
         Ok(World {
             inner: Some(self.w()?.clone()),
             group: Some(sub),
-            scratch: Mutex::new(None),
         })
     }
 

@@ -253,3 +253,72 @@ def test_forked_child_gets_a_clear_error():
     """)
     assert r.returncode == 0, r.stderr
     assert "CHILD 0" in r.stdout, r.stdout + r.stderr
+
+
+def test_an_interrupted_recv_into_never_writes_the_array_after_it_returns():
+    # recv_into lends the caller's array to the runtime (no copy). Ctrl-C in
+    # the middle of a large message: the transport finishes reading that
+    # message (it goes to the next receive), so the call must not return
+    # while the runtime still writes the array. The interrupt fires once
+    # rank 0 has read the first bytes of a 512 MiB message; when the
+    # KeyboardInterrupt reaches the caller the message must be read (the
+    # array holds it), the array must not change any more, and the next
+    # receive gets the whole message (nothing lost).
+    r = run_py("""
+        import faulthandler, signal
+        faulthandler.dump_traceback_later(100, exit=True)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        import os, re, threading, time
+        import numpy as np
+        import multiworld_rs as mw
+        a, b = mw.WorldManager(), mw.WorldManager()
+        store = a.serve_store("127.0.0.1:0")
+        out = {}
+        t = threading.Thread(target=lambda: out.setdefault(1, b.join("lend", 1, 2, store)))
+        t.start()
+        w = a.join("lend", 0, 2, store)
+        t.join()
+        msg = np.arange(64 << 20, dtype=np.int64)  # 512 MiB
+        pat = re.compile(r'multiworld_received_bytes_total\\{[^}]*world="lend"[^}]*peer="1"[^}]*\\} (\\d+)')
+
+        def received():
+            m = pat.search(a.metrics_text())
+            return int(m.group(1)) if m else 0
+
+        mid = 0
+        for attempt in range(3):
+            base = received()
+            def fire():
+                while received() == base:
+                    time.sleep(0.0002)
+                os.kill(os.getpid(), signal.SIGINT)
+            threading.Thread(target=lambda: out[1].send(msg, 0)).start()
+            firing = threading.Thread(target=fire)
+            firing.start()
+            first = np.zeros_like(msg)
+            try:
+                w.recv_into(first, 1)
+                try:  # complete before the interrupt: it fires here; again
+                    firing.join()
+                    time.sleep(0.2)
+                except KeyboardInterrupt:
+                    pass
+            except KeyboardInterrupt:
+                # The runtime finished with the array before the call
+                # returned: the whole message is read, and in it.
+                last, at_return = first[-1], received() - base
+                snap = first.copy()
+                firing.join()
+                second = np.zeros_like(msg)
+                w.recv_into(second, 1)
+                assert np.array_equal(second, msg), "the interrupted message was lost"
+                assert np.array_equal(first, snap), "the array changed after recv_into returned"
+                assert at_return >= msg.nbytes, (at_return, msg.nbytes)
+                assert last == msg[-1], last
+                mid += 1
+                break
+        print(f"MID {mid}")
+        a.shutdown(); b.shutdown()
+    """, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "MID 1" in r.stdout, r.stdout + r.stderr

@@ -1,5 +1,5 @@
 """What operators see from Python: the metrics text and endpoint, a world's
-flight record, and the record on a ``broken`` event."""
+flight record, the record on a ``broken`` event; and the wait-spin setting."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
 import multiworld_rs as mw
 
@@ -80,3 +81,30 @@ def test_the_metrics_endpoint_from_the_environment():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
                          env={**__import__("os").environ, "MULTIWORLD_METRICS_ADDR": "127.0.0.1:0"})
     assert out.returncode == 0 and "OK" in out.stdout, out.stderr
+
+
+def test_wait_spin_setting(pair):
+    w0, w1 = pair
+    before = mw.wait_spin()
+    try:
+        assert mw.wait_spin(50e-6) == pytest.approx(50e-6)
+        assert mw.wait_spin() == pytest.approx(50e-6)
+        # Calls work the same while spinning: results that arrive within the
+        # spin and long after it.
+        for delay in (0.0, 0.05):
+            x = np.arange(4, dtype=np.float32)
+            out = np.zeros(4, np.float32)
+
+            def late_send():
+                time.sleep(delay)
+                w1.send(x, 0)
+
+            both(late_send, lambda: w0.recv_into(out, 1))
+            assert (out == x).all()
+        with pytest.raises(ValueError, match="spin"):
+            mw.wait_spin(-1.0)
+        with pytest.raises(ValueError, match="spin"):
+            mw.wait_spin(float("nan"))
+        assert mw.wait_spin(0) == 0.0
+    finally:
+        mw.wait_spin(before)

@@ -136,10 +136,11 @@ def test_torch_cpu_tensors(pair):
     assert torch.equal(out, t)
 
 
-def test_recv_into_and_all_reduce_reuse_a_buffer_across_sizes_and_dtypes(pair):
-    """The direct paths keep one buffer between calls: every size and dtype
-    change still gives exact results, a failed receive leaves the array
-    untouched, and non-contiguous arrays take the copying path."""
+def test_recv_into_and_in_place_collectives_write_the_array_itself(pair):
+    """recv_into, all_reduce and broadcast lend a C-contiguous array to the
+    runtime for the call: every size and dtype gives exact results, a
+    mismatched receive leaves the array untouched, and non-contiguous
+    arrays take the copying path."""
     w0, w1 = pair
     for n, dtype in [(8, np.float32), (8, np.float32), (3, np.int64), (1000, np.float32), (5, np.bool_)]:
         x = (np.arange(n) % 2).astype(dtype) if dtype == np.bool_ else np.arange(n, dtype=dtype)
@@ -160,3 +161,43 @@ def test_recv_into_and_all_reduce_reuse_a_buffer_across_sizes_and_dtypes(pair):
     s0, s1 = base[:, 0].copy(), base.copy()[:, 0]  # contiguous, and a strided view
     both(lambda: w0.all_reduce(s0), lambda: w1.all_reduce(s1))
     assert (s0 == 2 * base[:, 0]).all() and (s1 == 2 * base[:, 0]).all()
+    for dtype in (np.float16, np.uint64, np.bool_):
+        root, other = np.ones(6, dtype), np.zeros(6, dtype)
+        both(lambda: w0.broadcast(root, 0), lambda: w1.broadcast(other, 0))
+        assert (other == root).all() and other.dtype == dtype
+
+
+def test_native_fast_paths_agree_with_the_general_ones(pair):
+    """Plain numpy arrays go through send/recv_into natively; everything
+    else (and every bad argument) through the Python layer, with the same
+    results and the same errors."""
+    w0, w1 = pair
+    x = np.arange(12, dtype=np.int32).reshape(3, 4)
+    # numpy integers as ranks and tags; src=None receives from anyone.
+    out = np.zeros((3, 4), np.int32)
+    _, src = both(lambda: w1.send(x, np.int64(0), tag=np.uint8(5)), lambda: w0.recv_into(out, None, 5))
+    assert src == 1 and (out == x).all()
+    # A byte-swapped array is converted (general path); so is a 0-d one.
+    be = np.arange(5, dtype=">f8")
+    got = np.zeros(5)
+    both(lambda: w1.send(be, 0), lambda: w0.recv_into(got, 1))
+    assert (got == np.arange(5.0)).all()
+    scalar = np.zeros((), np.float32)
+    both(lambda: w1.send(np.float32(1.5), 0), lambda: w0.recv_into(scalar, 1))
+    assert scalar == 1.5
+    empty = np.zeros((0, 2), np.int8)
+    both(lambda: w1.send(np.zeros((0, 2), np.int8), 0), lambda: w0.recv_into(empty, 1))
+    # Bad arguments raise the general path's errors, before anything is sent.
+    with pytest.raises(TypeError, match="dst must be an int"):
+        w1.send(x, True)
+    with pytest.raises(ValueError, match="tag must be in"):
+        w1.send(x, 0, tag=-1)
+    with pytest.raises(TypeError, match="src must be an int"):
+        w0.recv_into(out, 1.0)
+    ro = np.zeros(4, np.int32)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        w0.recv_into(ro, 1)
+    # Nothing above left a message behind: the next one is the right one.
+    _, src = both(lambda: w1.send(np.full(4, 9, np.int32), 0), lambda: w0.recv_into(out.reshape(-1)[:4], 1))
+    assert src == 1 and (out.reshape(-1)[:4] == 9).all()

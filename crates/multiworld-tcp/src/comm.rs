@@ -1036,7 +1036,9 @@ impl Inner {
                         Err(done) => {
                             data = match spare {
                                 Some(v) => StashData::Bytes(v),
-                                None => StashData::Tensor(done.buf),
+                                // Kept past its receive: the data must not stay in
+                                // memory its lender expects back.
+                                None => StashData::Tensor(done.buf.into_owned()),
                             };
                         }
                     }
@@ -1230,8 +1232,10 @@ impl Inner {
                         buf: p.buf,
                         result: Ok(from),
                     }) {
-                        // Cancelled while arriving: keep it for the next receive.
-                        self.deliver_or_stash(from, tag, dtype, StashData::Tensor(done.buf), false);
+                        // Cancelled while arriving: keep it for the next receive
+                        // (a copy if the buffer was lent: the loan ends here).
+                        let buf = done.buf.into_owned();
+                        self.deliver_or_stash(from, tag, dtype, StashData::Tensor(buf), false);
                     }
                 }
             }

@@ -8,7 +8,7 @@
 //! |---|---|
 //! | `id` | [`Rank`], [`Tag`], [`Generation`], [`WorldName`], [`Source`], [`Identity`], [`Secret`] |
 //! | `tags` | the tag partition: user tags, the collectives' reserved range, the runtime's own tags |
-//! | `tensor` | [`DType`], [`Element`], [`Tensor`], [`TensorView`]: typed host memory, zero-copy from/to `Vec<T>` and slices |
+//! | `tensor` | [`DType`], [`Element`], [`Tensor`], [`TensorView`], [`ExternalMemory`]: typed host memory, zero-copy from/to `Vec<T>`, slices and lent memory |
 //! | `reduce` | [`ReduceOp`], which dtype each is defined for, and the element kernels ([`Kernel`], [`with_type!`]) |
 //! | `error` | [`InvalidArgument`], the one error of this crate |
 
@@ -31,4 +31,4 @@ pub use tags::{
     GROUP_ID_BITS, INTERNAL_TAG_BIT, MAX_GROUP_ID, Phase, RUNTIME_GROUP_ID, SEQ_BITS, check_user_tag,
     collective_tag, is_internal_tag, runtime_tag,
 };
-pub use tensor::{DType, Element, Tensor, TensorView, valid_bool_bytes};
+pub use tensor::{DType, Element, ExternalMemory, Tensor, TensorView, valid_bool_bytes};

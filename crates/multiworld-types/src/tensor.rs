@@ -5,6 +5,8 @@
 //! 0 or 1: bytes received from the network are validated before a `bool` tensor is
 //! handed back, so a `&[bool]` view never sees an invalid value. [`TensorView`] is
 //! a borrowed, read-only view of any tensor or slice, which is what sends take.
+//! A tensor can also work on memory it does not own ([`ExternalMemory`], e.g. a
+//! Python array's buffer), so results land in the caller's memory.
 
 use std::fmt;
 
@@ -148,11 +150,12 @@ pub fn valid_bool_bytes(bytes: &[u8]) -> bool {
 mod storage {
     use half::{bf16, f16};
 
-    use super::DType;
+    use super::{DType, ExternalMemory};
 
-    /// Typed contiguous storage. `Bool` holds bytes that are always 0 or 1 (an
-    /// invariant kept by every constructor and by the receive path, which validates).
-    #[derive(Clone, PartialEq)]
+    /// Typed contiguous storage: owned (`Vec`s), or memory the tensor does not
+    /// own (`External`, of any dtype). `Bool` holds bytes that are always 0 or 1
+    /// (an invariant kept by every constructor and by the receive path, which
+    /// validates).
     pub enum Storage {
         F16(Vec<f16>),
         BF16(Vec<bf16>),
@@ -167,10 +170,19 @@ mod storage {
         U32(Vec<u32>),
         U64(Vec<u64>),
         Bool(Vec<u8>),
+        /// Memory lent by the tensor's creator; its length is a whole number
+        /// of elements and its address aligned to the element size (checked by
+        /// `Tensor::from_external`).
+        External {
+            dtype: DType,
+            mem: Box<dyn ExternalMemory>,
+        },
     }
 
+    /// `$e` with `$v` bound to the `Vec` of an owned storage, `$x` with
+    /// `$mem` bound to the memory of an external one.
     macro_rules! each {
-        ($s:expr, $v:ident => $e:expr) => {
+        ($s:expr, $v:ident => $e:expr, $mem:ident => $x:expr) => {
             match $s {
                 Storage::F16($v) => $e,
                 Storage::BF16($v) => $e,
@@ -185,6 +197,7 @@ mod storage {
                 Storage::U32($v) => $e,
                 Storage::U64($v) => $e,
                 Storage::Bool($v) => $e,
+                Storage::External { mem: $mem, .. } => $x,
             }
         };
     }
@@ -223,21 +236,83 @@ mod storage {
                 Storage::U32(_) => DType::U32,
                 Storage::U64(_) => DType::U64,
                 Storage::Bool(_) => DType::Bool,
+                Storage::External { dtype, .. } => *dtype,
             }
         }
 
         pub fn len(&self) -> usize {
-            each!(self, v => v.len())
+            each!(self, v => v.len(), mem => mem.bytes().len() / self.dtype().size())
         }
 
         pub fn bytes(&self) -> &[u8] {
-            each!(self, v => bytemuck::cast_slice(v.as_slice()))
+            each!(self, v => bytemuck::cast_slice(v.as_slice()), mem => mem.bytes())
         }
 
         /// Raw mutable bytes. For `Bool` the caller must restore the 0/1 invariant
         /// before the storage is observed as `bool` again.
         pub fn bytes_mut(&mut self) -> &mut [u8] {
-            each!(self, v => bytemuck::cast_slice_mut(v.as_mut_slice()))
+            each!(self, v => bytemuck::cast_slice_mut(v.as_mut_slice()), mem => mem.bytes_mut())
+        }
+
+        pub fn is_external(&self) -> bool {
+            matches!(self, Storage::External { .. })
+        }
+
+        /// An owned copy of external storage (owned storage is cloned).
+        fn to_owned_storage(&self) -> Storage {
+            match self {
+                Storage::External { dtype, mem } => {
+                    let mut s = Storage::zeros(*dtype, self.len());
+                    s.bytes_mut().copy_from_slice(mem.bytes());
+                    s
+                }
+                Storage::F16(v) => Storage::F16(v.clone()),
+                Storage::BF16(v) => Storage::BF16(v.clone()),
+                Storage::F32(v) => Storage::F32(v.clone()),
+                Storage::F64(v) => Storage::F64(v.clone()),
+                Storage::I8(v) => Storage::I8(v.clone()),
+                Storage::I16(v) => Storage::I16(v.clone()),
+                Storage::I32(v) => Storage::I32(v.clone()),
+                Storage::I64(v) => Storage::I64(v.clone()),
+                Storage::U8(v) => Storage::U8(v.clone()),
+                Storage::U16(v) => Storage::U16(v.clone()),
+                Storage::U32(v) => Storage::U32(v.clone()),
+                Storage::U64(v) => Storage::U64(v.clone()),
+                Storage::Bool(v) => Storage::Bool(v.clone()),
+            }
+        }
+    }
+
+    impl Clone for Storage {
+        /// A clone of external storage owns a copy of its data.
+        fn clone(&self) -> Self {
+            self.to_owned_storage()
+        }
+    }
+
+    impl PartialEq for Storage {
+        /// Same dtype and equal elements (floats compare as numbers, so NaN is
+        /// never equal), wherever the data lives.
+        fn eq(&self, other: &Self) -> bool {
+            match (self, other) {
+                (Storage::F16(a), Storage::F16(b)) => a == b,
+                (Storage::BF16(a), Storage::BF16(b)) => a == b,
+                (Storage::F32(a), Storage::F32(b)) => a == b,
+                (Storage::F64(a), Storage::F64(b)) => a == b,
+                (Storage::I8(a), Storage::I8(b)) => a == b,
+                (Storage::I16(a), Storage::I16(b)) => a == b,
+                (Storage::I32(a), Storage::I32(b)) => a == b,
+                (Storage::I64(a), Storage::I64(b)) => a == b,
+                (Storage::U8(a), Storage::U8(b)) => a == b,
+                (Storage::U16(a), Storage::U16(b)) => a == b,
+                (Storage::U32(a), Storage::U32(b)) => a == b,
+                (Storage::U64(a), Storage::U64(b)) => a == b,
+                (Storage::Bool(a), Storage::Bool(b)) => a == b,
+                (a, b) if a.is_external() || b.is_external() => {
+                    a.dtype() == b.dtype() && a.to_owned_storage() == b.to_owned_storage()
+                }
+                _ => false,
+            }
         }
     }
 }
@@ -278,18 +353,30 @@ macro_rules! pod_element {
             fn slice(s: &Storage) -> Option<&[Self]> {
                 match s {
                     Storage::$variant(v) => Some(v),
+                    Storage::External {
+                        dtype: DType::$variant,
+                        mem,
+                    } => bytemuck::try_cast_slice(mem.bytes()).ok(),
                     _ => None,
                 }
             }
             fn slice_mut(s: &mut Storage) -> Option<&mut [Self]> {
                 match s {
                     Storage::$variant(v) => Some(v),
+                    Storage::External {
+                        dtype: DType::$variant,
+                        mem,
+                    } => bytemuck::try_cast_slice_mut(mem.bytes_mut()).ok(),
                     _ => None,
                 }
             }
             fn into_vec(s: Storage) -> std::result::Result<Vec<Self>, Storage> {
                 match s {
                     Storage::$variant(v) => Ok(v),
+                    Storage::External {
+                        dtype: DType::$variant,
+                        mem,
+                    } => Ok(bytemuck::pod_collect_to_vec(mem.bytes())),
                     other => Err(other),
                 }
             }
@@ -325,12 +412,20 @@ impl Element for bool {
             // Validates every byte (cheap next to any use of the data); cannot fail
             // while the 0/1 invariant holds.
             Storage::Bool(v) => bytemuck::checked::try_cast_slice(v).ok(),
+            Storage::External {
+                dtype: DType::Bool,
+                mem,
+            } => bytemuck::checked::try_cast_slice(mem.bytes()).ok(),
             _ => None,
         }
     }
     fn slice_mut(s: &mut Storage) -> Option<&mut [Self]> {
         match s {
             Storage::Bool(v) => bytemuck::checked::try_cast_slice_mut(v).ok(),
+            Storage::External {
+                dtype: DType::Bool,
+                mem,
+            } => bytemuck::checked::try_cast_slice_mut(mem.bytes_mut()).ok(),
             _ => None,
         }
     }
@@ -338,12 +433,31 @@ impl Element for bool {
         match s {
             // Safe Rust cannot reinterpret Vec<u8> as Vec<bool>: this one copies.
             Storage::Bool(v) => Ok(v.into_iter().map(|b| b != 0).collect()),
+            Storage::External {
+                dtype: DType::Bool,
+                mem,
+            } => Ok(mem.bytes().iter().map(|&b| b != 0).collect()),
             other => Err(other),
         }
     }
     fn as_bytes(v: &[Self]) -> &[u8] {
         bytemuck::cast_slice(v)
     }
+}
+
+/// Host memory a [`Tensor`] works on without owning it (see
+/// [`Tensor::from_external`]): for example a Python array's buffer, so that a
+/// receive or a collective writes its result where the caller wants it, with
+/// no copy. Dropping the value ends the loan; whoever lends the memory can
+/// watch for that drop to know the runtime no longer touches it.
+///
+/// Both methods must return the same region (address and length) at every
+/// call, and nothing else may write it while the value lives.
+pub trait ExternalMemory: Send + Sync + 'static {
+    /// The memory, read-only.
+    fn bytes(&self) -> &[u8];
+    /// The memory, writable.
+    fn bytes_mut(&mut self) -> &mut [u8];
 }
 
 /// An n-dimensional array of one dtype over contiguous host memory (row-major).
@@ -428,6 +542,54 @@ impl Tensor {
         Ok(t)
     }
 
+    /// A tensor over memory it does not own (no copy): everything written to
+    /// the tensor lands in `mem`, and dropping the tensor drops `mem`. Fails
+    /// if the memory's length is not the shape's byte size, if its address is
+    /// not aligned to the element size, or if a `bool` byte is not 0 or 1.
+    /// Cloning such a tensor, or taking its data with [`Tensor::into_vec`],
+    /// copies; [`Tensor::take_storage_from`] copies into it.
+    pub fn from_external(
+        dtype: DType,
+        shape: impl Into<Vec<usize>>,
+        mem: Box<dyn ExternalMemory>,
+    ) -> Result<Self> {
+        let shape = shape.into();
+        let n = numel_of(&shape)?;
+        let bytes = mem.bytes();
+        if Some(bytes.len()) != n.checked_mul(dtype.size()) {
+            return Err(Error::new(format!(
+                "{} bytes do not fit {shape:?} of {dtype}",
+                bytes.len()
+            )));
+        }
+        if bytes.as_ptr().align_offset(dtype.size()) != 0 {
+            return Err(Error::new(format!(
+                "memory at {:p} is not aligned for {dtype} ({} bytes)",
+                bytes.as_ptr(),
+                dtype.size()
+            )));
+        }
+        if dtype == DType::Bool && !valid_bool_bytes(bytes) {
+            return Err(Error::new("bool bytes must be 0 or 1"));
+        }
+        Ok(Tensor {
+            shape,
+            storage: Storage::External { dtype, mem },
+        })
+    }
+
+    /// Whether the data lives in memory lent through [`Tensor::from_external`].
+    pub fn is_external(&self) -> bool {
+        self.storage.is_external()
+    }
+
+    /// This tensor with data it owns: itself, or for a tensor over external
+    /// memory a copy (which ends the loan). For whoever keeps a tensor beyond
+    /// the call it was lent for.
+    pub fn into_owned(self) -> Tensor {
+        if self.is_external() { self.clone() } else { self }
+    }
+
     /// Element type.
     pub fn dtype(&self) -> DType {
         self.storage.dtype()
@@ -480,7 +642,7 @@ impl Tensor {
     }
 
     /// Gives the data back as a `Vec<T>` (no copy, except for `bool`, whose bytes are
-    /// re-collected); on a dtype mismatch the tensor is returned unchanged.
+    /// re-collected, and for external memory, which is copied); on a dtype mismatch the tensor is returned unchanged.
     pub fn into_vec<T: Element>(self) -> std::result::Result<Vec<T>, Tensor> {
         let Tensor { shape, storage } = self;
         T::into_vec(storage).map_err(|storage| Tensor { shape, storage })
@@ -510,22 +672,29 @@ impl Tensor {
     /// Restores the `bool` invariant after raw bytes were written: returns false (and
     /// zeroes the data, so the tensor is still valid) if any byte was not 0 or 1.
     pub fn validate_after_write(&mut self) -> bool {
-        if let Storage::Bool(v) = &mut self.storage {
-            if !valid_bool_bytes(v) {
-                v.fill(0);
+        if self.dtype() == DType::Bool {
+            let bytes = self.storage.bytes_mut();
+            if !valid_bool_bytes(bytes) {
+                bytes.fill(0);
                 return false;
             }
         }
         true
     }
 
-    /// Moves `other`'s data into `self`, keeping `self`'s shape (no copy). Refused,
-    /// giving `other` back, unless both have the same dtype and number of elements.
+    /// Moves `other`'s data into `self`, keeping `self`'s shape (no copy; if
+    /// `self` is over external memory, the data is copied into that memory, so
+    /// it stays where its lender expects it). Refused, giving `other` back,
+    /// unless both have the same dtype and number of elements.
     pub fn take_storage_from(&mut self, other: Tensor) -> std::result::Result<(), Tensor> {
         if other.dtype() != self.dtype() || other.storage.len() != self.storage.len() {
             return Err(other);
         }
-        self.storage = other.storage;
+        if self.storage.is_external() {
+            self.storage.bytes_mut().copy_from_slice(other.storage.bytes());
+        } else {
+            self.storage = other.storage;
+        }
         Ok(())
     }
 
@@ -727,5 +896,118 @@ mod tests {
         assert_eq!(TensorView::from(&t).as_bytes(), &[1]);
         let arr = [1i8, 2];
         assert_eq!(TensorView::from(&arr).dtype(), DType::I8);
+    }
+
+    /// Lent memory for the tests: a `u64` allocation (so 8-aligned), a window
+    /// of it, and a flag set when the loan ends.
+    struct Lent {
+        buf: Vec<u64>,
+        at: usize,
+        len: usize,
+        dropped: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    }
+
+    impl ExternalMemory for Lent {
+        fn bytes(&self) -> &[u8] {
+            &bytemuck::cast_slice(&self.buf)[self.at..self.at + self.len]
+        }
+        fn bytes_mut(&mut self) -> &mut [u8] {
+            &mut bytemuck::cast_slice_mut(&mut self.buf)[self.at..self.at + self.len]
+        }
+    }
+
+    impl Drop for Lent {
+        fn drop(&mut self) {
+            self.dropped.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    fn lent(
+        at: usize,
+        len: usize,
+    ) -> (
+        Box<dyn ExternalMemory>,
+        std::sync::Arc<std::sync::atomic::AtomicBool>,
+    ) {
+        let dropped = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let mem = Lent {
+            buf: vec![0; (at + len).div_ceil(8)],
+            at,
+            len,
+            dropped: dropped.clone(),
+        };
+        (Box::new(mem), dropped)
+    }
+
+    #[test]
+    fn external_memory_is_written_in_place_and_released_on_drop() {
+        let (mem, dropped) = lent(0, 16);
+        let addr = mem.bytes().as_ptr() as usize;
+        let mut t = Tensor::from_external(DType::F32, [2, 2], mem).unwrap();
+        assert!(t.is_external());
+        assert_eq!((t.dtype(), t.numel(), t.nbytes()), (DType::F32, 4, 16));
+        assert_eq!(t.as_bytes().as_ptr() as usize, addr, "no copy");
+        t.as_mut_slice::<f32>()
+            .unwrap()
+            .copy_from_slice(&[1.0, 2.0, 3.0, 4.0]);
+        assert_eq!(t.as_slice::<f32>().unwrap(), &[1.0, 2.0, 3.0, 4.0]);
+        assert!(t.as_slice::<i32>().is_err());
+        // Another tensor's data is copied into the lent memory, not swapped in.
+        t.take_storage_from(Tensor::from(vec![5.0f32, 6.0, 7.0, 8.0]))
+            .unwrap();
+        assert!(t.is_external());
+        assert_eq!(t.as_bytes().as_ptr() as usize, addr);
+        assert_eq!(t.as_slice::<f32>().unwrap(), &[5.0, 6.0, 7.0, 8.0]);
+        assert!(t.take_storage_from(Tensor::from(vec![1.0f64; 2])).is_err());
+        // Clones and Vecs own copies; equality looks at the elements only.
+        let c = t.clone();
+        assert!(!c.is_external());
+        assert_eq!(c, t);
+        assert_ne!(c.as_bytes().as_ptr() as usize, addr);
+        assert!(!dropped.load(std::sync::atomic::Ordering::SeqCst));
+        let (mem, dropped2) = lent(0, 4);
+        let kept = Tensor::from_external(DType::I32, [1], mem).unwrap().into_owned();
+        assert!(!kept.is_external() && dropped2.load(std::sync::atomic::Ordering::SeqCst));
+        assert_eq!(t.into_vec::<f32>().unwrap(), vec![5.0, 6.0, 7.0, 8.0]);
+        assert!(
+            dropped.load(std::sync::atomic::Ordering::SeqCst),
+            "the loan ends with the tensor"
+        );
+    }
+
+    #[test]
+    fn external_memory_is_checked() {
+        let (mem, dropped) = lent(0, 12);
+        assert!(
+            Tensor::from_external(DType::F32, [4], mem).is_err(),
+            "12 bytes are not 4 f32"
+        );
+        assert!(
+            dropped.load(std::sync::atomic::Ordering::SeqCst),
+            "a refused loan ends at once"
+        );
+        let (mem, _) = lent(2, 8);
+        let e = Tensor::from_external(DType::F32, [2], mem).unwrap_err();
+        assert!(e.to_string().contains("not aligned"), "{e}");
+        let (mem, _) = lent(2, 8);
+        assert!(
+            Tensor::from_external(DType::U16, [4], mem).is_ok(),
+            "2-aligned is enough for u16"
+        );
+        let (mut mem, _) = lent(0, 3);
+        mem.bytes_mut().copy_from_slice(&[1, 2, 0]);
+        assert!(Tensor::from_external(DType::Bool, [3], mem).is_err());
+        let (mut mem, _) = lent(0, 3);
+        mem.bytes_mut().copy_from_slice(&[1, 0, 1]);
+        let mut t = Tensor::from_external(DType::Bool, [3], mem).unwrap();
+        assert_eq!(t.as_slice::<bool>().unwrap(), &[true, false, true]);
+        t.bytes_mut()[1] = 9;
+        assert!(!t.validate_after_write());
+        assert_eq!(
+            t.as_bytes(),
+            &[0, 0, 0],
+            "an invalid write is zeroed in the lent memory"
+        );
+        assert_eq!(t.into_vec::<bool>().unwrap(), vec![false; 3]);
     }
 }

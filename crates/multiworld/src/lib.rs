@@ -95,7 +95,8 @@ pub use multiworld_collectives::{CollectiveHandle, Group};
 pub use multiworld_tcp::Error as CommError;
 pub use multiworld_tcp::Received;
 pub use multiworld_types::{
-    DType, Element, Generation, Rank, ReduceOp, Secret, Tag, Tensor, TensorView, WorldName, bf16, f16,
+    DType, Element, ExternalMemory, Generation, Rank, ReduceOp, Secret, Tag, Tensor, TensorView, WorldName,
+    bf16, f16,
 };
 pub use recorder::{FlightRecord, OpRecord, Outcome as OpOutcome};
 pub use watchdog::WatchdogConfig;

@@ -287,6 +287,8 @@ class World:
         is handed to the connection. A C-contiguous array is sent from its
         own memory (no copy; do not modify it from another thread meanwhile);
         any other array is copied first."""
+        if self._w.send_plain(tensor, dst, tag):  # a plain numpy array, all checked natively
+            return None
         try:
             flat, dtype, _ = T.send_view(tensor)
             self._w.send(flat, dtype, _u32("dst", dst), _u32("tag", tag))
@@ -311,11 +313,17 @@ class World:
     def recv_into(self, tensor: Any, src: Optional[int] = None, tag: int = 0) -> int:
         """Receives into the caller's array (its dtype and size must match the
         message's, else :class:`~multiworld_rs.errors.MismatchError` naming
-        both, and the array is untouched); returns the sender's rank."""
+        both, and the array is untouched); returns the sender's rank. A
+        C-contiguous writeable array is written in place, with no copy; if the
+        receive fails otherwise (the world broke, a timeout, Ctrl-C), the
+        array may hold part of the message."""
+        got = self._w.recv_into_plain(tensor, src, tag)  # a plain numpy array, lent natively
+        if got is not None:
+            return got
         try:
             arr, (dtype, shp) = T.out_spec(tensor, "tensor")
             raw = T.writable_bytes(arr)
-            if raw is not None:  # straight into the array, through a reused buffer
+            if raw is not None:  # straight into the array's memory, lent for the call
                 return self._w.recv_into(raw, dtype, list(shp), _opt_rank("src", src), _u32("tag", tag))
             got, flat = self._w.recv(_opt_rank("src", src), _u32("tag", tag), dtype, list(shp))
             T.write(arr, flat)
@@ -380,7 +388,11 @@ class World:
     def broadcast(self, tensor: Any, src: int, async_op: bool = False) -> Optional[Work]:
         """Copies rank ``src``'s ``tensor`` into every member's ``tensor``."""
         try:
-            arr, _ = T.out_spec(tensor)
+            arr, (dtype, shp) = T.out_spec(tensor)
+            raw = None if async_op else T.writable_bytes(arr)
+            if raw is not None:  # in place, the array's memory lent for the call
+                self._w.broadcast_into(raw, dtype, list(shp), _u32("src", src))
+                return None
             return self._run("broadcast", (T.send_view(arr), _u32("src", src)),
                              _writer(arr, tensor), async_op)
         except T.DeviceTensor:
@@ -392,7 +404,7 @@ class World:
         try:
             arr, (dtype, shp) = T.out_spec(tensor)
             raw = None if async_op else T.writable_bytes(arr)
-            if raw is not None:  # in place, through a reused buffer
+            if raw is not None:  # in place, the array's memory lent for the call
                 self._w.all_reduce_into(raw, dtype, list(shp), _op(op))
                 return None
             return self._run("all_reduce", (T.send_view(arr), _op(op)), _writer(arr, tensor), async_op)
