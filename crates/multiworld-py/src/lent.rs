@@ -29,16 +29,22 @@ use numpy::{
 use pyo3::{exceptions::PyValueError, prelude::*};
 
 /// The array's memory as the runtime sees it. Dropping it (with the tensor
-/// that holds it) closes the channel that [`Loan::settle`] waits on.
+/// that holds it) closes the channel that [`Loan::settle`] waits on, or, for
+/// a background operation's loan, lets go of the array.
 struct Memory {
     ptr: *mut u8,
     len: usize,
-    _held: mpsc::Sender<()>,
+    _held: Option<mpsc::Sender<()>>,
+    /// The array, for a loan that outlives the call that made it (dropped
+    /// with the GIL held when the operation's outcome is taken; otherwise
+    /// pyo3 defers the decrement to the next thread that holds the GIL).
+    _array: Option<Py<PyAny>>,
 }
 
 // SAFETY: `ptr` points into a numpy array that outlives this value (the
-// lender holds the array borrowed until `settle` has seen the value dropped),
-// and only the one tensor that owns this value reads or writes it.
+// lender holds the array borrowed until `settle` has seen the value dropped,
+// or the value holds a reference to the array), and only the one tensor that
+// owns this value reads or writes it.
 unsafe impl Send for Memory {}
 // SAFETY: shared access only reads (`bytes`); writes need `&mut`.
 unsafe impl Sync for Memory {}
@@ -84,7 +90,12 @@ impl Loan {
     /// untouched until [`Loan::settle`] returns (the callers hold the array).
     fn of(ptr: *mut u8, len: usize, dtype: DType, shape: Vec<usize>) -> Result<Loan, String> {
         let (tx, held) = mpsc::channel();
-        let mem = Memory { ptr, len, _held: tx };
+        let mem = Memory {
+            ptr,
+            len,
+            _held: Some(tx),
+            _array: None,
+        };
         let tensor = Tensor::from_external(dtype, shape, Box::new(mem)).map_err(|e| e.to_string())?;
         Ok(Loan { tensor, held })
     }
@@ -175,11 +186,32 @@ impl<'a> Plain<'a> {
     /// The array lent for one blocking call; `None` if it is read-only or
     /// not lendable (misaligned, or a `bool` byte other than 0 or 1).
     pub fn lend(&self) -> Option<Loan> {
-        // SAFETY: as in `plain`.
-        let flags = unsafe { (*self.array.as_array_ptr()).fields.flags };
-        if flags & NPY_ARRAY_WRITEABLE == 0 {
+        if !self.writeable() {
             return None;
         }
         Loan::of(self.ptr, self.len, self.dtype, self.shape()).ok()
+    }
+
+    /// The array lent to a background operation (`irecv`): the tensor holds
+    /// a reference to it, so it lives as long as the operation uses it; the
+    /// caller must not use the array until the operation has ended (as with
+    /// any `irecv`). `None` as for [`Plain::lend`].
+    pub fn lend_to_task(&self) -> Option<Tensor> {
+        if !self.writeable() {
+            return None;
+        }
+        let mem = Memory {
+            ptr: self.ptr,
+            len: self.len,
+            _held: None,
+            _array: Some(self.array.clone().into_any().unbind()),
+        };
+        Tensor::from_external(self.dtype, self.shape(), Box::new(mem)).ok()
+    }
+
+    fn writeable(&self) -> bool {
+        // SAFETY: as in `plain`.
+        let flags = unsafe { (*self.array.as_array_ptr()).fields.flags };
+        flags & NPY_ARRAY_WRITEABLE != 0
     }
 }

@@ -179,7 +179,48 @@ pub(crate) fn spawn_work(
     })
 }
 
+/// A collective that works on one tensor in place.
+enum InPlace {
+    AllReduce(ReduceOp),
+    Broadcast(Rank),
+}
+
+/// Aborts a task when dropped (a no-op once it has finished).
+struct AbortOnDrop(tokio::task::AbortHandle);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 impl World {
+    /// Runs an in-place collective on a lent array as a task of the runtime,
+    /// so that its steps run on the threads that handle its sockets instead
+    /// of waking this thread at each step, and waits for it. If the wait is
+    /// interrupted (Ctrl-C), the task is aborted, as dropping the call's
+    /// future would; either way the loan is settled before returning.
+    fn in_place(&self, py: Python<'_>, mut loan: Loan, what: InPlace) -> PyResult<()> {
+        let g = self.g()?;
+        let mut t = std::mem::take(&mut loan.tensor);
+        let task = runtime::enter(|| {
+            tokio::spawn(async move {
+                match what {
+                    InPlace::AllReduce(op) => g.all_reduce(&mut t, op).await,
+                    InPlace::Broadcast(root) => g.broadcast(&mut t, root).await,
+                }
+            })
+        })?;
+        let abort = AbortOnDrop(task.abort_handle());
+        let r = self.coll(py, async move {
+            task.await
+                .unwrap_or_else(|e| Err(CommError::invalid(format!("the collective's task failed: {e}"))))
+        });
+        drop(abort);
+        loan.settle(py);
+        r
+    }
+
     /// Starts a collective's handle form on this world's group as a `Work`.
     fn start<T: Send + 'static>(
         &self,
@@ -211,6 +252,9 @@ pub enum Done {
     Unit,
     /// A receive: the sender and the message.
     Received(u32, Tensor),
+    /// A receive into a lent array: the sender (the tensor over the array
+    /// is dropped, ending the loan, with the GIL held).
+    ReceivedInto(u32, Tensor),
     /// One tensor (a collective's output).
     Tensor(Tensor),
     /// One tensor per member (all_gather, all_to_all).
@@ -229,6 +273,10 @@ impl Done {
     fn into_py(self, py: Python<'_>) -> PyResult<Py<PyAny>> {
         Ok(match self {
             Done::Unit => py.None(),
+            Done::ReceivedInto(src, lent) => {
+                drop(lent);
+                src.into_pyobject(py)?.into_any().unbind()
+            }
             Done::Received(src, t) => (src, tensor::to_numpy(py, t)?)
                 .into_pyobject(py)?
                 .into_any()
@@ -524,11 +572,8 @@ impl World {
         op: &str,
     ) -> PyResult<()> {
         let op = reduce_op(op)?;
-        let mut loan = Loan::new(&mut out, tensor::dtype(dtype)?, shape, "all_reduce")?;
-        let g = self.g()?;
-        let r = self.coll(py, g.all_reduce(&mut loan.tensor, op));
-        loan.settle(py);
-        r
+        let loan = Loan::new(&mut out, tensor::dtype(dtype)?, shape, "all_reduce")?;
+        self.in_place(py, loan, InPlace::AllReduce(op))
     }
 
     /// Broadcast from `root` into the caller's C-contiguous array `out` (its
@@ -542,11 +587,8 @@ impl World {
         shape: Vec<usize>,
         root: u32,
     ) -> PyResult<()> {
-        let mut loan = Loan::new(&mut out, tensor::dtype(dtype)?, shape, "broadcast")?;
-        let g = self.g()?;
-        let r = self.coll(py, g.broadcast(&mut loan.tensor, Rank(root)));
-        loan.settle(py);
-        r
+        let loan = Loan::new(&mut out, tensor::dtype(dtype)?, shape, "broadcast")?;
+        self.in_place(py, loan, InPlace::Broadcast(Rank(root)))
     }
 
     /// Starts a send of a copy of `data`; the handle yields `None`.
@@ -555,6 +597,40 @@ impl World {
         let w = self.w()?;
         let pending = runtime::enter(|| w.isend(Rank(dst), Tag(tag), t))?;
         self.work(async move { pending.wait().await.map(|_| Done::Unit) }, false)
+    }
+
+    /// `World.irecv`'s fast path for a plain, writeable numpy array
+    /// (`lent::plain`): the receive writes the array itself (no buffer, no
+    /// copy); the handle yields the sender. `None` (nothing posted) for any
+    /// other argument, which the Python layer takes its general way.
+    /// Dropping the handle before it completes cancels the receive.
+    fn irecv_plain(
+        &self,
+        obj: &Bound<'_, PyAny>,
+        src: Option<&Bound<'_, PyAny>>,
+        tag: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<Work>> {
+        let src = match src {
+            None => None,
+            Some(s) if s.is_none() => None,
+            Some(s) => match index(s) {
+                Some(r) => Some(r),
+                None => return Ok(None),
+            },
+        };
+        let Some(tag) = index(tag) else {
+            return Ok(None);
+        };
+        let Some(t) = lent::plain(obj).and_then(|a| a.lend_to_task()) else {
+            return Ok(None);
+        };
+        let w = self.w()?;
+        let pending = runtime::enter(|| w.irecv(src.map(Rank), Tag(tag), t))?;
+        let work = self.work(
+            async move { pending.wait().await.map(|r| Done::ReceivedInto(r.src.0, r.tensor)) },
+            true,
+        )?;
+        Ok(Some(work))
     }
 
     /// Starts a receive; the handle yields `(src, flat array)`. Dropping the

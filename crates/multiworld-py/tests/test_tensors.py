@@ -201,3 +201,36 @@ def test_native_fast_paths_agree_with_the_general_ones(pair):
     # Nothing above left a message behind: the next one is the right one.
     _, src = both(lambda: w1.send(np.full(4, 9, np.int32), 0), lambda: w0.recv_into(out.reshape(-1)[:4], 1))
     assert src == 1 and (out.reshape(-1)[:4] == 9).all()
+
+
+def test_irecv_writes_the_array_itself_and_holds_it_until_done(pair):
+    import gc
+    import sys
+
+    w0, w1 = pair
+    out = np.zeros(1 << 16, np.float32)
+    before = sys.getrefcount(out)
+    work = w0.irecv(out, 1)
+    assert sys.getrefcount(out) > before  # the runtime holds the array meanwhile
+    x = np.arange(1 << 16, dtype=np.float32)
+    w1.send(x, 0)
+    assert work.wait(10) is out and work.source == 1 and (out == x).all()
+    del work
+    gc.collect()
+    assert sys.getrefcount(out) == before  # the loan ended with the operation
+    # Dropped before its message arrives: the receive is withdrawn, the
+    # array is not written, and the message goes to the next receive.
+    lost = np.zeros(4, np.int64)
+    work = w0.irecv(lost, 1, tag=7)
+    del work
+    gc.collect()
+    w1.send(np.arange(4, dtype=np.int64), 0, tag=7)
+    got = w0.recv(1, 7, dtype=np.int64, shape=4)
+    assert (got == np.arange(4)).all() and not lost.any()
+    # A mismatch fails the handle and leaves the array as it was.
+    keep = np.full(3, 5, np.int16)
+    work = w0.irecv(keep, 1, tag=8)
+    w1.send(np.zeros(4, np.int16), 0, tag=8)
+    with pytest.raises(mw.MismatchError):
+        work.wait(10)
+    assert (keep == 5).all()
