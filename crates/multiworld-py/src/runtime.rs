@@ -158,6 +158,19 @@ pub fn spin() -> Duration {
     spin_budget()
 }
 
+/// Polls `fut` once, in the runtime's context, without waiting: its output
+/// if it is ready at once, else `None` (and `fut` is dropped, which cancels
+/// it). For the asyncio API's shortcut when a result is already there.
+pub fn now<F: Future>(fut: F) -> PyResult<Option<F::Output>> {
+    let rt = runtime()?;
+    let _guard = rt.enter();
+    let fut = std::pin::pin!(fut);
+    Ok(match fut.poll(&mut Context::from_waker(Waker::noop())) {
+        Poll::Ready(out) => Some(out),
+        Poll::Pending => None,
+    })
+}
+
 /// Like [`wait`], but gives up after `timeout` (`None`: never), returning
 /// `Ok(None)`.
 pub fn wait_for<F>(py: Python<'_>, fut: F, timeout: Option<Duration>) -> PyResult<Option<F::Output>>

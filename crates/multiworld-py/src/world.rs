@@ -185,38 +185,17 @@ enum InPlace {
     Broadcast(Rank),
 }
 
-/// Aborts a task when dropped (a no-op once it has finished).
-struct AbortOnDrop(tokio::task::AbortHandle);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
-
 impl World {
-    /// Runs an in-place collective on a lent array as a task of the runtime,
-    /// so that its steps run on the threads that handle its sockets instead
-    /// of waking this thread at each step, and waits for it. If the wait is
-    /// interrupted (Ctrl-C), the task is aborted, as dropping the call's
-    /// future would; either way the loan is settled before returning.
+    /// Runs an in-place collective on a lent array and settles the loan.
+    /// The call's future is polled on this thread (measured: faster here
+    /// than as a task of the runtime, for 1 and 64 MiB over 2 and 4
+    /// processes).
     fn in_place(&self, py: Python<'_>, mut loan: Loan, what: InPlace) -> PyResult<()> {
         let g = self.g()?;
-        let mut t = std::mem::take(&mut loan.tensor);
-        let task = runtime::enter(|| {
-            tokio::spawn(async move {
-                match what {
-                    InPlace::AllReduce(op) => g.all_reduce(&mut t, op).await,
-                    InPlace::Broadcast(root) => g.broadcast(&mut t, root).await,
-                }
-            })
-        })?;
-        let abort = AbortOnDrop(task.abort_handle());
-        let r = self.coll(py, async move {
-            task.await
-                .unwrap_or_else(|e| Err(CommError::invalid(format!("the collective's task failed: {e}"))))
-        });
-        drop(abort);
+        let r = match what {
+            InPlace::AllReduce(op) => self.coll(py, g.all_reduce(&mut loan.tensor, op)),
+            InPlace::Broadcast(root) => self.coll(py, g.broadcast(&mut loan.tensor, root)),
+        };
         loan.settle(py);
         r
     }
@@ -599,6 +578,49 @@ impl World {
         self.work(async move { pending.wait().await.map(|_| Done::Unit) }, false)
     }
 
+    /// The asyncio API's shortcut: a receive into a plain, writeable numpy
+    /// array that completes only if its message is already here. Returns the
+    /// sender; `None` if the message is not here yet (the receive is
+    /// withdrawn; should its message have started arriving in between, this
+    /// returns once it has arrived, and it goes to the next receive) or the
+    /// argument is not a plain array. Errors (a broken world, a mismatch)
+    /// raise as from `recv_into`.
+    fn recv_into_now(
+        &self,
+        py: Python<'_>,
+        obj: &Bound<'_, PyAny>,
+        src: Option<&Bound<'_, PyAny>>,
+        tag: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<u32>> {
+        let src = match src {
+            None => None,
+            Some(s) if s.is_none() => None,
+            Some(s) => match index(s) {
+                Some(r) => Some(r),
+                None => return Ok(None),
+            },
+        };
+        let (Some(tag), Some(a)) = (index(tag), lent::plain(obj)) else {
+            return Ok(None);
+        };
+        let Some(mut loan) = a.lend() else {
+            return Ok(None);
+        };
+        let w = self.w()?;
+        let t = &mut loan.tensor;
+        let got = match src {
+            Some(r) => runtime::now(async move { w.recv(Rank(r), Tag(tag), t).await.map(|()| r) }),
+            None => runtime::now(async move { w.recv_any(Tag(tag), t).await.map(|r| r.0) }),
+        };
+        loan.settle(py);
+        match got? {
+            None => Ok(None),
+            Some(r) => r
+                .map(Some)
+                .map_err(|e| errors::world(py, e, self.generation_of())),
+        }
+    }
+
     /// `World.irecv`'s fast path for a plain, writeable numpy array
     /// (`lent::plain`): the receive writes the array itself (no buffer, no
     /// copy); the handle yields the sender. `None` (nothing posted) for any
@@ -627,7 +649,12 @@ impl World {
         let w = self.w()?;
         let pending = runtime::enter(|| w.irecv(src.map(Rank), Tag(tag), t))?;
         let work = self.work(
-            async move { pending.wait().await.map(|r| Done::ReceivedInto(r.src.0, r.tensor)) },
+            async move {
+                pending
+                    .wait()
+                    .await
+                    .map(|r| Done::ReceivedInto(r.src.0, r.tensor))
+            },
             true,
         )?;
         Ok(Some(work))

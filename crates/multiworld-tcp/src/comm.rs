@@ -1007,12 +1007,29 @@ impl Inner {
     /// Hands a fully read message to the earliest matching posted receive, or
     /// keeps it for a later one. `reserved`: its bytes are already counted in
     /// `held`.
-    fn deliver_or_stash(&self, from: Rank, tag: Tag, dtype: DType, mut data: StashData, reserved: bool) {
+    fn deliver_or_stash(&self, from: Rank, tag: Tag, dtype: DType, data: StashData, reserved: bool) {
+        self.deliver(from, tag, dtype, data, reserved, false);
+    }
+
+    /// Puts back a message that was handed to a receive whose handle was
+    /// dropped before it took the message (a cancellation that lost the race
+    /// with the delivery): it goes to the earliest matching posted receive,
+    /// or is kept ahead of the messages from `from` on `tag` kept since.
+    fn give_back(&self, from: Rank, tag: Tag, buf: Tensor) {
+        let dtype = buf.dtype();
+        self.deliver(from, tag, dtype, StashData::Tensor(buf.into_owned()), false, true);
+    }
+
+    fn deliver(&self, from: Rank, tag: Tag, dtype: DType, mut data: StashData, reserved: bool, front: bool) {
         let len = data.bytes().len();
         loop {
             let mut m = self.lock();
             let Some(mut p) = m.take_posted(from, tag) else {
-                m.stash(from, tag, dtype, data, reserved);
+                if front {
+                    m.stash_front(from, tag, dtype, data);
+                } else {
+                    m.stash(from, tag, dtype, data, reserved);
+                }
                 return;
             };
             drop(m);
@@ -1709,7 +1726,20 @@ impl Drop for RecvHandle {
     fn drop(&mut self) {
         // Drops the buffer if the receive had not started; if it had, the reader
         // finds the channel closed and keeps the message for the next receive.
-        let _ = self.cancel();
+        if self.cancel().is_some() {
+            return;
+        }
+        // Or the message was already handed over but not taken: put it back, so
+        // that dropping a receive never loses a message.
+        if let RecvState::Waiting { rx, .. } = &mut self.state {
+            if let Ok(RecvDone {
+                buf,
+                result: Ok(from),
+            }) = rx.try_recv()
+            {
+                self.inner.give_back(from, self.tag, buf);
+            }
+        }
     }
 }
 

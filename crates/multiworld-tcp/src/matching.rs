@@ -227,17 +227,37 @@ impl Matching {
     /// Keeps a fully read message for a later receive. `reserved`: its bytes
     /// are already held (it was read ahead); otherwise they are counted now.
     pub(crate) fn stash(&mut self, from: Rank, tag: Tag, dtype: DType, data: StashData, reserved: bool) {
-        if !reserved {
-            if let Some(h) = self.held.get_mut(from.index()) {
-                *h = h.saturating_add(data.bytes().len());
-            }
-        }
+        self.hold(from, &data, reserved);
         let arrival = self.next_arrival;
         self.next_arrival += 1;
         self.unexpected
             .entry((from, tag))
             .or_default()
             .push_back(Stashed { arrival, dtype, data });
+    }
+
+    /// Keeps a message ahead of every message from `from` on `tag` kept so
+    /// far: one that was handed to a receive that was then dropped before
+    /// taking it (the messages stashed since arrived after it).
+    pub(crate) fn stash_front(&mut self, from: Rank, tag: Tag, dtype: DType, data: StashData) {
+        self.hold(from, &data, false);
+        let q = self.unexpected.entry((from, tag)).or_default();
+        let arrival = match q.front() {
+            Some(s) => s.arrival,
+            None => {
+                self.next_arrival += 1;
+                self.next_arrival - 1
+            }
+        };
+        q.push_front(Stashed { arrival, dtype, data });
+    }
+
+    fn hold(&mut self, from: Rank, data: &StashData, reserved: bool) {
+        if !reserved {
+            if let Some(h) = self.held.get_mut(from.index()) {
+                *h = h.saturating_add(data.bytes().len());
+            }
+        }
     }
 
     /// Where the payload of a message of `len` bytes from `from` on `tag`

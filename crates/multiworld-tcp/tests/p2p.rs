@@ -424,3 +424,36 @@ async fn a_per_call_receive_deadline_gives_the_buffer_back() {
     assert!(!matches!(failed.error, Error::Timeout { .. }), "{}", failed.error);
     assert_eq!(failed.buffer.as_bytes().as_ptr(), ptr);
 }
+
+/// A receive handle dropped after its message was handed over, but before it
+/// was taken (a cancellation losing the race with the delivery), puts the
+/// message back ahead of the ones that arrived after it: nothing is lost and
+/// the order holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_receive_that_already_got_its_message_gives_it_back() {
+    let (a, b) = pair("give-back").await;
+    for round in 0..3u32 {
+        let h = b.irecv(Rank(0), Tag(9), Tensor::zeros(DType::U32, [2]).unwrap());
+        a.send(Rank(1), Tag(9), &[round, 1]).await.unwrap();
+        let t0 = std::time::Instant::now();
+        while !h.is_completed() {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "the message never reached the receive"
+            );
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        // A later message arrives (and is kept) before the handle is dropped:
+        // the marker behind it on the same connection says it was read.
+        a.send(Rank(1), Tag(9), &[round, 2]).await.unwrap();
+        a.send(Rank(1), Tag(8), &[0u8]).await.unwrap();
+        let mut marker = Tensor::zeros(DType::U8, [1]).unwrap();
+        b.recv(Rank(0), Tag(8), &mut marker).await.unwrap();
+        drop(h);
+        for want in [[round, 1], [round, 2]] {
+            let mut buf = Tensor::zeros(DType::U32, [2]).unwrap();
+            b.recv(Rank(0), Tag(9), &mut buf).await.unwrap();
+            assert_eq!(buf.as_slice::<u32>().unwrap(), &want, "round {round}");
+        }
+    }
+}
