@@ -19,7 +19,7 @@
 // Raw parts of the array's memory, valid for the loan (see `Memory`).
 #![allow(unsafe_code)]
 
-use std::sync::mpsc;
+use std::sync::{Mutex, MutexGuard, PoisonError, mpsc};
 
 use multiworld::{DType, ExternalMemory, Tensor};
 use numpy::{
@@ -29,22 +29,55 @@ use numpy::{
 use pyo3::{exceptions::PyValueError, prelude::*};
 
 /// The array's memory as the runtime sees it. Dropping it (with the tensor
-/// that holds it) closes the channel that [`Loan::settle`] waits on, or, for
-/// a background operation's loan, lets go of the array.
+/// that holds it) ends the loan: its range leaves the registry of lent
+/// memory, and the channel that [`Loan::settle`] waits on closes.
 struct Memory {
     ptr: *mut u8,
     len: usize,
-    _held: Option<mpsc::Sender<()>>,
-    /// The array, for a loan that outlives the call that made it (dropped
-    /// with the GIL held when the operation's outcome is taken; otherwise
-    /// pyo3 defers the decrement to the next thread that holds the GIL).
-    _array: Option<Py<PyAny>>,
+    _held: mpsc::Sender<()>,
+}
+
+impl Drop for Memory {
+    fn drop(&mut self) {
+        let mut lent = registry();
+        if let Some(i) = lent.iter().position(|&r| r == (self.ptr as usize, self.len)) {
+            lent.swap_remove(i);
+        }
+    }
+}
+
+/// The byte ranges lent right now (start, length): a second loan of
+/// overlapping memory, or a send reading it, is refused instead of racing.
+static LENT: Mutex<Vec<(usize, usize)>> = Mutex::new(Vec::new());
+
+fn registry() -> MutexGuard<'static, Vec<(usize, usize)>> {
+    // Never held across anything that can panic.
+    LENT.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn overlaps(lent: &[(usize, usize)], start: usize, len: usize) -> bool {
+    lent.iter()
+        .any(|&(s, l)| start < s.saturating_add(l.max(1)) && s < start.saturating_add(len.max(1)))
+}
+
+/// Refuses `bytes` (about to be read by a send) while any of it is lent.
+pub fn check_not_lent(bytes: &[u8], what: &str) -> PyResult<()> {
+    if overlaps(&registry(), bytes.as_ptr() as usize, bytes.len()) {
+        return Err(in_use(what));
+    }
+    Ok(())
+}
+
+fn in_use(what: &str) -> PyErr {
+    PyValueError::new_err(format!(
+        "{what}: the array is in use by another call right now (a receive or an in-place collective writes it)"
+    ))
 }
 
 // SAFETY: `ptr` points into a numpy array that outlives this value (the
-// lender holds the array borrowed until `settle` has seen the value dropped,
-// or the value holds a reference to the array), and only the one tensor that
-// owns this value reads or writes it.
+// lender holds the array until `settle` has seen the value dropped), and only
+// the one tensor that owns this value reads or writes it (the registry
+// refuses a second loan of the same memory).
 unsafe impl Send for Memory {}
 // SAFETY: shared access only reads (`bytes`); writes need `&mut`.
 unsafe impl Sync for Memory {}
@@ -59,6 +92,14 @@ impl ExternalMemory for Memory {
         // SAFETY: as above; `&mut self` makes this the only access.
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
     }
+}
+
+/// Why memory could not be lent.
+enum Lend {
+    /// Part of it is lent to another call.
+    InUse,
+    /// `Tensor::from_external` refused it (misaligned, a bad `bool` byte).
+    Refused(String),
 }
 
 /// An array lent as a tensor for one call.
@@ -82,21 +123,27 @@ impl Loan {
         let bytes = array
             .as_slice_mut()
             .map_err(|e| PyValueError::new_err(format!("{what}: {e}")))?;
-        Loan::of(bytes.as_mut_ptr(), bytes.len(), dtype, shape)
-            .map_err(|e| PyValueError::new_err(format!("{what}: {e}")))
+        Loan::of(bytes.as_mut_ptr(), bytes.len(), dtype, shape).map_err(|e| match e {
+            Lend::InUse => in_use(what),
+            Lend::Refused(e) => PyValueError::new_err(format!("{what}: {e}")),
+        })
     }
 
     /// The loan of `len` bytes at `ptr`, which must stay valid and otherwise
     /// untouched until [`Loan::settle`] returns (the callers hold the array).
-    fn of(ptr: *mut u8, len: usize, dtype: DType, shape: Vec<usize>) -> Result<Loan, String> {
+    fn of(ptr: *mut u8, len: usize, dtype: DType, shape: Vec<usize>) -> Result<Loan, Lend> {
         let (tx, held) = mpsc::channel();
-        let mem = Memory {
-            ptr,
-            len,
-            _held: Some(tx),
-            _array: None,
-        };
-        let tensor = Tensor::from_external(dtype, shape, Box::new(mem)).map_err(|e| e.to_string())?;
+        {
+            let mut lent = registry();
+            if overlaps(&lent, ptr as usize, len) {
+                return Err(Lend::InUse);
+            }
+            lent.push((ptr as usize, len));
+        }
+        let mem = Memory { ptr, len, _held: tx };
+        // A refused loan drops `mem`, which leaves the registry.
+        let tensor =
+            Tensor::from_external(dtype, shape, Box::new(mem)).map_err(|e| Lend::Refused(e.to_string()))?;
         Ok(Loan { tensor, held })
     }
 
@@ -129,6 +176,11 @@ pub struct Plain<'a> {
 /// `obj` as a [`Plain`] array, or `None` for anything else (the Python
 /// layer then converts it, and words any error).
 pub fn plain<'a>(obj: &'a Bound<'a, PyAny>) -> Option<Plain<'a>> {
+    // Exactly `numpy.ndarray`: subclasses (masked arrays, matrices) may
+    // mean more than their memory, so they take the general path.
+    if !obj.is_exact_instance_of::<PyUntypedArray>() {
+        return None;
+    }
     let array = obj.cast::<PyUntypedArray>().ok()?;
     if !array.is_c_contiguous() {
         return None;
@@ -183,30 +235,18 @@ impl<'a> Plain<'a> {
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }
 
-    /// The array lent for one blocking call; `None` if it is read-only or
-    /// not lendable (misaligned, or a `bool` byte other than 0 or 1).
-    pub fn lend(&self) -> Option<Loan> {
+    /// The array lent for one blocking call; `Ok(None)` if it is read-only
+    /// or not lendable (misaligned, or a `bool` byte other than 0 or 1: the
+    /// general path copies), `ValueError` if another call holds it.
+    pub fn lend(&self, what: &str) -> PyResult<Option<Loan>> {
         if !self.writeable() {
-            return None;
+            return Ok(None);
         }
-        Loan::of(self.ptr, self.len, self.dtype, self.shape()).ok()
-    }
-
-    /// The array lent to a background operation (`irecv`): the tensor holds
-    /// a reference to it, so it lives as long as the operation uses it; the
-    /// caller must not use the array until the operation has ended (as with
-    /// any `irecv`). `None` as for [`Plain::lend`].
-    pub fn lend_to_task(&self) -> Option<Tensor> {
-        if !self.writeable() {
-            return None;
+        match Loan::of(self.ptr, self.len, self.dtype, self.shape()) {
+            Ok(l) => Ok(Some(l)),
+            Err(Lend::InUse) => Err(in_use(what)),
+            Err(Lend::Refused(_)) => Ok(None),
         }
-        let mem = Memory {
-            ptr: self.ptr,
-            len: self.len,
-            _held: None,
-            _array: Some(self.array.clone().into_any().unbind()),
-        };
-        Tensor::from_external(self.dtype, self.shape(), Box::new(mem)).ok()
     }
 
     fn writeable(&self) -> bool {

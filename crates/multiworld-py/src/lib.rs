@@ -44,12 +44,20 @@ mod _native {
         cfg!(feature = "nccl")
     }
 
-    /// Sets how many seconds every blocking call polls its operation before
-    /// its thread parks (`None`: leave it); returns the setting in effect.
+    /// Sets how many seconds (at most 0.05) every blocking call polls its
+    /// operation before its thread parks (`None`: leave it); returns the
+    /// setting in effect.
     #[pyfunction]
     #[pyo3(signature = (seconds=None))]
     fn spin(seconds: Option<f64>) -> PyResult<f64> {
         if let Some(d) = crate::runtime::seconds("spin", seconds)? {
+            if d > crate::runtime::SLICE {
+                return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                    "spin must be at most {} seconds (Ctrl-C is checked between spins), got {}",
+                    crate::runtime::SLICE.as_secs_f64(),
+                    d.as_secs_f64()
+                )));
+            }
             crate::runtime::set_spin(d);
         }
         Ok(crate::runtime::spin().as_secs_f64())

@@ -136,7 +136,8 @@ fn spin_budget() -> Duration {
     let from_env = std::env::var("MULTIWORLD_PY_SPIN_US")
         .ok()
         .and_then(|v| v.trim().parse::<u64>().ok())
-        .map_or(Duration::ZERO, Duration::from_micros);
+        .map_or(Duration::ZERO, Duration::from_micros)
+        .min(SLICE);
     set_spin(from_env);
     from_env
 }
@@ -156,19 +157,6 @@ pub fn set_spin(spin: Duration) {
 /// The current [`set_spin`] setting.
 pub fn spin() -> Duration {
     spin_budget()
-}
-
-/// Polls `fut` once, in the runtime's context, without waiting: its output
-/// if it is ready at once, else `None` (and `fut` is dropped, which cancels
-/// it). For the asyncio API's shortcut when a result is already there.
-pub fn now<F: Future>(fut: F) -> PyResult<Option<F::Output>> {
-    let rt = runtime()?;
-    let _guard = rt.enter();
-    let fut = std::pin::pin!(fut);
-    Ok(match fut.poll(&mut Context::from_waker(Waker::noop())) {
-        Poll::Ready(out) => Some(out),
-        Poll::Pending => None,
-    })
 }
 
 /// Like [`wait`], but gives up after `timeout` (`None`: never), returning

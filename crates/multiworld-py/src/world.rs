@@ -46,10 +46,11 @@ impl Drop for World {
     }
 }
 
-/// A rank or tag given from Python: an int (or numpy integer) in `0..2**32`,
-/// not a `bool`; `None` otherwise (the general path words the error).
+/// A rank or tag given from Python as a plain `int` in `0..2**32`; `None`
+/// for anything else (a `bool`, a numpy integer, an out-of-range value),
+/// which the general path takes and, where wrong, words the error.
 fn index(v: &Bound<'_, PyAny>) -> Option<u32> {
-    if v.is_instance_of::<pyo3::types::PyBool>() {
+    if !v.is_exact_instance_of::<pyo3::types::PyInt>() {
         return None;
     }
     v.extract::<u32>().ok()
@@ -231,9 +232,6 @@ pub enum Done {
     Unit,
     /// A receive: the sender and the message.
     Received(u32, Tensor),
-    /// A receive into a lent array: the sender (the tensor over the array
-    /// is dropped, ending the loan, with the GIL held).
-    ReceivedInto(u32, Tensor),
     /// One tensor (a collective's output).
     Tensor(Tensor),
     /// One tensor per member (all_gather, all_to_all).
@@ -252,10 +250,6 @@ impl Done {
     fn into_py(self, py: Python<'_>) -> PyResult<Py<PyAny>> {
         Ok(match self {
             Done::Unit => py.None(),
-            Done::ReceivedInto(src, lent) => {
-                drop(lent);
-                src.into_pyobject(py)?.into_any().unbind()
-            }
             Done::Received(src, t) => (src, tensor::to_numpy(py, t)?)
                 .into_pyobject(py)?
                 .into_any()
@@ -452,6 +446,7 @@ impl World {
         let Ok(view) = TensorView::from_bytes(a.dtype, a.bytes()) else {
             return Ok(false);
         };
+        lent::check_not_lent(view.as_bytes(), "send")?;
         let w = self.w()?;
         self.op(py, w.send(Rank(dst), Tag(tag), view))?;
         Ok(true)
@@ -479,7 +474,7 @@ impl World {
         let (Some(tag), Some(a)) = (index(tag), lent::plain(obj)) else {
             return Ok(None);
         };
-        let Some(mut loan) = a.lend() else {
+        let Some(mut loan) = a.lend("recv_into")? else {
             return Ok(None);
         };
         let got = self.receive(py, src, tag, &mut loan.tensor);
@@ -499,6 +494,7 @@ impl World {
         let bytes = data
             .as_slice()
             .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        lent::check_not_lent(bytes, "send")?;
         let view = tensor::view(bytes, tensor::dtype(dtype)?)?;
         let w = self.w()?;
         self.op(py, w.send(Rank(dst), Tag(tag), view))
@@ -579,12 +575,10 @@ impl World {
     }
 
     /// The asyncio API's shortcut: a receive into a plain, writeable numpy
-    /// array that completes only if its message is already here. Returns the
-    /// sender; `None` if the message is not here yet (the receive is
-    /// withdrawn; should its message have started arriving in between, this
-    /// returns once it has arrived, and it goes to the next receive) or the
-    /// argument is not a plain array. Errors (a broken world, a mismatch)
-    /// raise as from `recv_into`.
+    /// array of a message that has already arrived (nothing is posted and
+    /// nothing waits). Returns the sender; `None` if no such message is here
+    /// or the argument is not a plain array. Errors (a broken world, a
+    /// mismatch) raise as from `recv_into`.
     fn recv_into_now(
         &self,
         py: Python<'_>,
@@ -603,61 +597,18 @@ impl World {
         let (Some(tag), Some(a)) = (index(tag), lent::plain(obj)) else {
             return Ok(None);
         };
-        let Some(mut loan) = a.lend() else {
+        let Some(mut loan) = a.lend("recv_into")? else {
             return Ok(None);
         };
         let w = self.w()?;
-        let t = &mut loan.tensor;
-        let got = match src {
-            Some(r) => runtime::now(async move { w.recv(Rank(r), Tag(tag), t).await.map(|()| r) }),
-            None => runtime::now(async move { w.recv_any(Tag(tag), t).await.map(|r| r.0) }),
-        };
+        let got = runtime::enter(|| w.try_recv(src.map(Rank), Tag(tag), &mut loan.tensor))?;
         loan.settle(py);
-        match got? {
+        match got {
             None => Ok(None),
             Some(r) => r
-                .map(Some)
+                .map(|r| Some(r.0))
                 .map_err(|e| errors::world(py, e, self.generation_of())),
         }
-    }
-
-    /// `World.irecv`'s fast path for a plain, writeable numpy array
-    /// (`lent::plain`): the receive writes the array itself (no buffer, no
-    /// copy); the handle yields the sender. `None` (nothing posted) for any
-    /// other argument, which the Python layer takes its general way.
-    /// Dropping the handle before it completes cancels the receive.
-    fn irecv_plain(
-        &self,
-        obj: &Bound<'_, PyAny>,
-        src: Option<&Bound<'_, PyAny>>,
-        tag: &Bound<'_, PyAny>,
-    ) -> PyResult<Option<Work>> {
-        let src = match src {
-            None => None,
-            Some(s) if s.is_none() => None,
-            Some(s) => match index(s) {
-                Some(r) => Some(r),
-                None => return Ok(None),
-            },
-        };
-        let Some(tag) = index(tag) else {
-            return Ok(None);
-        };
-        let Some(t) = lent::plain(obj).and_then(|a| a.lend_to_task()) else {
-            return Ok(None);
-        };
-        let w = self.w()?;
-        let pending = runtime::enter(|| w.irecv(src.map(Rank), Tag(tag), t))?;
-        let work = self.work(
-            async move {
-                pending
-                    .wait()
-                    .await
-                    .map(|r| Done::ReceivedInto(r.src.0, r.tensor))
-            },
-            true,
-        )?;
-        Ok(Some(work))
     }
 
     /// Starts a receive; the handle yields `(src, flat array)`. Dropping the

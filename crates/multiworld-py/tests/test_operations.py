@@ -108,3 +108,8 @@ def test_wait_spin_setting(pair):
         assert mw.wait_spin(0) == 0.0
     finally:
         mw.wait_spin(before)
+
+
+def test_wait_spin_is_bounded():
+    with pytest.raises(ValueError, match="at most 0.05"):
+        mw.wait_spin(1.0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -187,6 +189,12 @@ def test_native_fast_paths_agree_with_the_general_ones(pair):
     assert scalar == 1.5
     empty = np.zeros((0, 2), np.int8)
     both(lambda: w1.send(np.zeros((0, 2), np.int8), 0), lambda: w0.recv_into(empty, 1))
+    # A misaligned array (a float64 view one byte into a buffer) is copied into.
+    raw = bytearray(8 * 3 + 1)
+    odd = np.frombuffer(raw, dtype=np.float64, offset=1)
+    assert not odd.flags.aligned
+    both(lambda: w1.send(odd * 0 + 2.5, 0), lambda: w0.recv_into(odd, 1))
+    assert (odd == 2.5).all()
     # Bad arguments raise the general path's errors, before anything is sent.
     with pytest.raises(TypeError, match="dst must be an int"):
         w1.send(x, True)
@@ -203,34 +211,42 @@ def test_native_fast_paths_agree_with_the_general_ones(pair):
     assert src == 1 and (out.reshape(-1)[:4] == 9).all()
 
 
-def test_irecv_writes_the_array_itself_and_holds_it_until_done(pair):
-    import gc
-    import sys
+def test_a_lent_array_is_refused_to_a_second_call_until_it_is_given_back(pair):
+    import threading
 
     w0, w1 = pair
-    out = np.zeros(1 << 16, np.float32)
-    before = sys.getrefcount(out)
-    work = w0.irecv(out, 1)
-    assert sys.getrefcount(out) > before  # the runtime holds the array meanwhile
-    x = np.arange(1 << 16, dtype=np.float32)
-    w1.send(x, 0)
-    assert work.wait(10) is out and work.source == 1 and (out == x).all()
-    del work
-    gc.collect()
-    assert sys.getrefcount(out) == before  # the loan ended with the operation
-    # Dropped before its message arrives: the receive is withdrawn, the
-    # array is not written, and the message goes to the next receive.
-    lost = np.zeros(4, np.int64)
-    work = w0.irecv(lost, 1, tag=7)
-    del work
-    gc.collect()
-    w1.send(np.arange(4, dtype=np.int64), 0, tag=7)
-    got = w0.recv(1, 7, dtype=np.int64, shape=4)
-    assert (got == np.arange(4)).all() and not lost.any()
-    # A mismatch fails the handle and leaves the array as it was.
-    keep = np.full(3, 5, np.int16)
-    work = w0.irecv(keep, 1, tag=8)
-    w1.send(np.zeros(4, np.int16), 0, tag=8)
-    with pytest.raises(mw.MismatchError):
-        work.wait(10)
-    assert (keep == 5).all()
+    arr = np.zeros(1024, np.float32)
+    got = []
+    t = threading.Thread(target=lambda: got.append(w0.recv_into(arr, 1, tag=5)))
+    t.start()
+    deadline = time.monotonic() + 10
+    # Wait until the receive holds the array: a probe for an (absent)
+    # message on another tag is then refused its loan.
+    while True:
+        try:
+            w0._w.recv_into_now(arr, 1, 6)
+        except ValueError as e:
+            assert "in use by another call" in str(e)
+            break
+        assert time.monotonic() < deadline, "the receive never took the array"
+        time.sleep(0.001)
+    with pytest.raises(ValueError, match="in use by another call"):
+        w0.all_reduce(arr)
+    with pytest.raises(ValueError, match="in use by another call"):
+        w0.send(arr, 1, tag=7)
+    with pytest.raises(ValueError, match="in use by another call"):
+        w0.send(arr[10:20], 1, tag=7)  # any overlap
+    w1.send(np.ones(1024, np.float32), 0, tag=5)
+    t.join(10)
+    assert got == [1] and (arr == 1).all()
+    # Given back: usable again by any call.
+    both(lambda: w1.send(np.full(1024, 3, np.float32), 0), lambda: w0.recv_into(arr, 1))
+    assert (arr == 3).all()
+
+
+def test_bool_arrays_with_any_bytes_can_be_received_into(pair):
+    w0, w1 = pair
+    junk = np.frombuffer(bytearray([7, 0, 255, 1]), dtype=np.bool_).copy()  # bytes numpy allows
+    x = np.array([True, False, True, False])
+    both(lambda: w1.send(x, 0), lambda: w0.recv_into(junk, 1))
+    assert (junk == x).all() and junk.view(np.uint8).tolist() == [1, 0, 1, 0]

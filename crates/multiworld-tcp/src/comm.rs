@@ -574,6 +574,14 @@ impl Communicator {
         self.recv_into(Source::Any, tag, buf, "recv_any").await
     }
 
+    /// Takes a message from `src` on `tag` that has already arrived (kept for
+    /// a later receive) into `buf`, without waiting and without posting a
+    /// receive: `None` when none is here. Otherwise the outcome of a receive
+    /// (a mismatch consumes the message, as in [`Communicator::recv`]).
+    pub fn try_recv(&self, src: impl Into<Source>, tag: Tag, buf: &mut Tensor) -> Option<Result<Rank>> {
+        self.inner.try_take(src.into(), tag, buf)
+    }
+
     /// Posts a receive into `buf` (owned) now and returns a handle. Receives match
     /// messages in the order they were posted. Dropping the handle cancels the
     /// receive: a message that arrives later goes to the next matching receive (if
@@ -903,6 +911,29 @@ impl Inner {
                 Err(self.peer_error(peer))
             }
         }
+    }
+
+    fn try_take(&self, src: Source, tag: Tag, buf: &mut Tensor) -> Option<Result<Rank>> {
+        if let Source::Rank(r) = src {
+            if let Err(e) = self.check_rank(r, "source") {
+                return Some(Err(e));
+            }
+        }
+        let mut m = self.lock();
+        if let Some(e) = self.aborted_error() {
+            return Some(Err(e));
+        }
+        let (from, st) = m.take_stash(src, tag)?;
+        drop(m);
+        Some(match fill(buf, from, tag, st.dtype, st.data) {
+            Filled::Done { spare } => {
+                if let Some(v) = spare {
+                    self.lock().recycle(v, self.cfg.eager_limit);
+                }
+                Ok(from)
+            }
+            Filled::Mismatch { err, .. } => Err(err),
+        })
     }
 
     fn post_recv(&self, src: Source, tag: Tag, mut buf: Tensor) -> Posting {
@@ -1731,14 +1762,17 @@ impl Drop for RecvHandle {
         }
         // Or the message was already handed over but not taken: put it back, so
         // that dropping a receive never loses a message.
-        if let RecvState::Waiting { rx, .. } = &mut self.state {
-            if let Ok(RecvDone {
-                buf,
-                result: Ok(from),
-            }) = rx.try_recv()
-            {
-                self.inner.give_back(from, self.tag, buf);
-            }
+        let done = match std::mem::replace(&mut self.state, RecvState::Taken) {
+            RecvState::Waiting { mut rx, .. } => rx.try_recv().ok(),
+            RecvState::Ready(d) => Some(d),
+            RecvState::Taken => None,
+        };
+        if let Some(RecvDone {
+            buf,
+            result: Ok(from),
+        }) = done
+        {
+            self.inner.give_back(from, self.tag, buf);
         }
     }
 }

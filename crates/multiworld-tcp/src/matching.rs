@@ -241,14 +241,11 @@ impl Matching {
     /// taking it (the messages stashed since arrived after it).
     pub(crate) fn stash_front(&mut self, from: Rank, tag: Tag, dtype: DType, data: StashData) {
         self.hold(from, &data, false);
+        // It arrived before anything kept since: with no message of its own
+        // queue left to compare with, it counts as the oldest of all (an
+        // any-source receive takes it first).
         let q = self.unexpected.entry((from, tag)).or_default();
-        let arrival = match q.front() {
-            Some(s) => s.arrival,
-            None => {
-                self.next_arrival += 1;
-                self.next_arrival - 1
-            }
-        };
+        let arrival = q.front().map_or(0, |s| s.arrival);
         q.push_front(Stashed { arrival, dtype, data });
     }
 

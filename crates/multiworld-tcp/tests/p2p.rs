@@ -457,3 +457,38 @@ async fn a_dropped_receive_that_already_got_its_message_gives_it_back() {
         }
     }
 }
+
+/// `try_recv` takes only a message already here, never waits or posts; a
+/// receive posted onto a kept message and dropped unread gives it back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn try_recv_takes_only_what_is_here_and_dropped_ready_receives_give_back() {
+    let (a, b) = pair("try-recv").await;
+    let mut buf = Tensor::zeros(DType::U32, [2]).unwrap();
+    assert!(
+        b.try_recv(Rank(0), Tag(3), &mut buf).is_none(),
+        "nothing here yet"
+    );
+    a.send(Rank(1), Tag(3), &[7u32, 8]).await.unwrap();
+    a.send(Rank(1), Tag(3), &[9u32, 10]).await.unwrap();
+    a.send(Rank(1), Tag(2), &[0u8]).await.unwrap(); // marker: both above were read
+    let mut marker = Tensor::zeros(DType::U8, [1]).unwrap();
+    b.recv(Rank(0), Tag(2), &mut marker).await.unwrap();
+    // Posted onto the kept message (done at once), dropped before it is looked at.
+    drop(b.irecv(Rank(0), Tag(3), Tensor::zeros(DType::U32, [2]).unwrap()));
+    assert_eq!(
+        b.try_recv(Source::Any, Tag(3), &mut buf).unwrap().unwrap(),
+        Rank(0)
+    );
+    assert_eq!(buf.as_slice::<u32>().unwrap(), &[7, 8], "given back first");
+    let mut wrong = Tensor::zeros(DType::U32, [3]).unwrap();
+    let e = b.try_recv(Rank(0), Tag(3), &mut wrong).unwrap().unwrap_err();
+    assert!(matches!(e, Error::Mismatch { .. }), "{e}");
+    assert!(
+        b.try_recv(Rank(0), Tag(3), &mut buf).is_none(),
+        "the mismatched one was consumed"
+    );
+    assert!(
+        b.try_recv(Rank(5), Tag(3), &mut buf).unwrap().is_err(),
+        "no such rank"
+    );
+}

@@ -933,6 +933,35 @@ impl World {
         r
     }
 
+    /// Takes a message from `src` (`None`: any member) on `tag` into `buf`
+    /// only if it has already arrived: `None` (nothing recorded, nothing
+    /// posted) when none is here; otherwise the receive's outcome, recorded
+    /// like any receive. For callers that must not wait (an event loop).
+    pub fn try_recv(
+        &self,
+        src: Option<Rank>,
+        tag: Tag,
+        buf: &mut Tensor,
+    ) -> Option<Result<Rank, WorldError>> {
+        if let Err(e) = self.shared.check().and_then(|()| self.shared.check_tag(tag)) {
+            return Some(Err(e));
+        }
+        let bytes = buf.nbytes() as u64;
+        let r = match src {
+            Some(r) => self.shared.comm.try_recv(r, tag, buf),
+            None => self.shared.comm.try_recv(multiworld_tcp::Source::Any, tag, buf),
+        }?
+        .map_err(|e| self.shared.fail(e));
+        let mut op = self.shared.track(OpStart {
+            kind: if src.is_some() { "recv" } else { "recv_any" },
+            peer: src.map(|r| r.0),
+            tag: Some(tag.0),
+            bytes,
+        });
+        op.finish(&r);
+        Some(r)
+    }
+
     /// [`recv`](Self::recv) (or, with `src` `None`, [`recv_any`](Self::recv_any))
     /// with a deadline of its own: when no message has arrived after `after`,
     /// the receive is withdrawn and fails with `WorldError::Timeout`, the

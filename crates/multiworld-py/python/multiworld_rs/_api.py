@@ -347,20 +347,7 @@ class World:
         ``tensor``, ``wait()`` fills it and returns it; otherwise give
         ``dtype`` and ``shape`` and ``wait()`` returns a new array. The
         sender's rank is ``work.source`` after ``wait()``. Dropping the handle
-        before completion cancels the receive. A C-contiguous writeable
-        ``tensor`` is written in place by the runtime (no copy): do not use it
-        until ``wait()`` returns."""
-        if tensor is not None:
-            native = self._w.irecv_plain(tensor, src, tag)  # a plain numpy array, lent natively
-            if native is not None:
-                work = Work(native)
-
-                def finish_lent(got: int) -> Any:
-                    work.source = got  # type: ignore[attr-defined]
-                    return tensor
-
-                work._finish = finish_lent
-                return work
+        before completion cancels the receive."""
         try:
             if tensor is not None:
                 arr, (dname, shp) = T.out_spec(tensor, "tensor")

@@ -158,10 +158,13 @@ def out_spec(obj: Any, what: str = "output") -> Tuple[np.ndarray, Tuple[str, Tup
 
 def writable_bytes(arr: np.ndarray) -> Optional[np.ndarray]:
     """A flat ``uint8`` view of ``arr``'s own memory when the runtime can
-    write its result there directly (C-contiguous, native byte order,
-    writeable); ``None`` otherwise (the caller then copies through
+    write its result there directly (C-contiguous, aligned, native byte
+    order, writeable, not bool); ``None`` otherwise (the caller then copies through
     :func:`write`)."""
-    if arr.flags.c_contiguous and arr.flags.writeable and arr.dtype.isnative:
+    # bool arrays copy: the runtime would have to check every byte of one it
+    # writes into (numpy allows bytes other than 0 and 1 in np.empty ones).
+    if (arr.flags.c_contiguous and arr.flags.writeable and arr.flags.aligned and arr.dtype.isnative
+            and arr.dtype != np.bool_):
         return arr.reshape(-1).view(np.uint8)
     return None
 

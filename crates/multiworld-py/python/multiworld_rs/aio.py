@@ -173,12 +173,14 @@ class AsyncWorld:
         """Receives into ``tensor``; returns the sender's rank. A message
         already here is taken at once, without a round through the event
         loop (at most :data:`_BURST` in a row, then the loop gets a turn)."""
+        if self._in_a_row >= _BURST:
+            # Before taking a message, not after: a cancellation during this
+            # turn must not drop one already taken.
+            self._in_a_row = 0
+            await asyncio.sleep(0)
         got = self.sync._w.recv_into_now(tensor, src, tag)
         if got is not None:
             self._in_a_row += 1
-            if self._in_a_row >= _BURST:
-                self._in_a_row = 0
-                await asyncio.sleep(0)
             return got
         self._in_a_row = 0
         work = self.sync.irecv(tensor, src, tag)
