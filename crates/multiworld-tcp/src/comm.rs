@@ -1763,7 +1763,13 @@ impl Drop for RecvHandle {
         // Or the message was already handed over but not taken: put it back, so
         // that dropping a receive never loses a message.
         let done = match std::mem::replace(&mut self.state, RecvState::Taken) {
-            RecvState::Waiting { mut rx, .. } => rx.try_recv().ok(),
+            // Closed first, so the reader either handed the message over before
+            // (taken here) or finds the channel closed and keeps it: no window
+            // in which a message sent now would be dropped with the channel.
+            RecvState::Waiting { mut rx, .. } => {
+                rx.close();
+                rx.try_recv().ok()
+            }
             RecvState::Ready(d) => Some(d),
             RecvState::Taken => None,
         };

@@ -492,3 +492,49 @@ async fn try_recv_takes_only_what_is_here_and_dropped_ready_receives_give_back()
         "no such rank"
     );
 }
+
+/// Receives posted and dropped at once while messages stream in (a poll
+/// that found nothing, a cancelled wait) never lose a message or change the
+/// order: each dropped receive either never got its message (which goes to
+/// the next receive) or gives it back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn receives_dropped_while_messages_stream_in_lose_nothing() {
+    use std::future::Future;
+    use std::task::{Context, Poll, Waker};
+    let (a, b) = pair("drop-stream").await;
+    let a = Arc::new(a);
+    const N: u32 = 100_000;
+    let sender = {
+        let a = Arc::clone(&a);
+        tokio::spawn(async move {
+            for i in 0..N {
+                a.send(Rank(1), Tag(1), &[i]).await.unwrap();
+            }
+        })
+    };
+    let mut next = 0u32;
+    let mut buf = Tensor::zeros(DType::U32, [1]).unwrap();
+    while next < N {
+        // Posted, polled once, dropped: the pattern of a non-blocking probe.
+        let got = {
+            let fut = b.recv(Rank(0), Tag(1), &mut buf);
+            let mut fut = std::pin::pin!(fut);
+            matches!(
+                fut.as_mut().poll(&mut Context::from_waker(Waker::noop())),
+                Poll::Ready(Ok(()))
+            )
+        };
+        if !got {
+            if buf.numel() != 1 {
+                buf = Tensor::zeros(DType::U32, [1]).unwrap();
+            }
+            if next % 7 != 0 {
+                continue;
+            }
+            b.recv(Rank(0), Tag(1), &mut buf).await.unwrap();
+        }
+        assert_eq!(buf.as_slice::<u32>().unwrap(), &[next], "lost or reordered");
+        next += 1;
+    }
+    sender.await.unwrap();
+}
