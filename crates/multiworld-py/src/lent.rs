@@ -11,6 +11,10 @@
 //! until it lets go. That wait is bounded by the message arriving or the
 //! world failing (a silent peer is caught by the watchdog), never by Python.
 //!
+//! A background receive (`irecv`) gets a loan that holds a reference to the
+//! array; its task ends only once the runtime has let go of the array
+//! ([`Released`]), and cancelling its handle waits for that too.
+//!
 //! While the call runs, the array stays alive and exclusively borrowed on
 //! the Rust side (the caller holds its `PyReadwriteArray` across the call,
 //! `settle` included); other Python threads that write the same array
@@ -20,6 +24,8 @@
 #![allow(unsafe_code)]
 
 use std::sync::{Mutex, MutexGuard, PoisonError, mpsc};
+
+use tokio::sync::watch;
 
 use multiworld::{DType, ExternalMemory, Tensor};
 use numpy::{
@@ -34,7 +40,33 @@ use pyo3::{exceptions::PyValueError, prelude::*};
 struct Memory {
     ptr: *mut u8,
     len: usize,
-    _held: mpsc::Sender<()>,
+    _held: Held,
+}
+
+/// What ends with a loan (dropped with its `Memory`).
+// Held for their drops, never read.
+#[allow(dead_code)]
+enum Held {
+    /// A blocking call's: the channel [`Loan::settle`] waits on.
+    Call(mpsc::Sender<()>),
+    /// A background operation's: the channel [`Released`] waits on, and
+    /// the array itself, kept alive for as long as the runtime may use it
+    /// (its reference dropped where the loan ends; without the GIL, pyo3
+    /// defers the decrement to the next thread that holds it).
+    Task(watch::Sender<()>, Py<PyAny>),
+}
+
+/// Resolves when a background operation's loan has ended: the runtime no
+/// longer touches the array.
+#[derive(Clone)]
+pub struct Released(watch::Receiver<()>);
+
+impl Released {
+    /// Waits until the loan has ended (at once if it has).
+    pub async fn wait(mut self) {
+        // Nothing is ever sent: `changed` fails once the sender is dropped.
+        while self.0.changed().await.is_ok() {}
+    }
 }
 
 impl Drop for Memory {
@@ -75,9 +107,10 @@ fn in_use(what: &str) -> PyErr {
 }
 
 // SAFETY: `ptr` points into a numpy array that outlives this value (the
-// lender holds the array until `settle` has seen the value dropped), and only
-// the one tensor that owns this value reads or writes it (the registry
-// refuses a second loan of the same memory).
+// lender holds the array until `settle` has seen the value dropped, or the
+// value holds a reference to the array), and only the one tensor that owns
+// this value reads or writes it (the registry refuses a second loan of the
+// same memory).
 unsafe impl Send for Memory {}
 // SAFETY: shared access only reads (`bytes`); writes need `&mut`.
 unsafe impl Sync for Memory {}
@@ -92,6 +125,16 @@ impl ExternalMemory for Memory {
         // SAFETY: as above; `&mut self` makes this the only access.
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
     }
+}
+
+/// Registers `len` bytes at `ptr` as lent; `Lend::InUse` if any is already.
+fn register(ptr: *mut u8, len: usize) -> Result<(), Lend> {
+    let mut lent = registry();
+    if overlaps(&lent, ptr as usize, len) {
+        return Err(Lend::InUse);
+    }
+    lent.push((ptr as usize, len));
+    Ok(())
 }
 
 /// Why memory could not be lent.
@@ -133,14 +176,12 @@ impl Loan {
     /// untouched until [`Loan::settle`] returns (the callers hold the array).
     fn of(ptr: *mut u8, len: usize, dtype: DType, shape: Vec<usize>) -> Result<Loan, Lend> {
         let (tx, held) = mpsc::channel();
-        {
-            let mut lent = registry();
-            if overlaps(&lent, ptr as usize, len) {
-                return Err(Lend::InUse);
-            }
-            lent.push((ptr as usize, len));
-        }
-        let mem = Memory { ptr, len, _held: tx };
+        register(ptr, len)?;
+        let mem = Memory {
+            ptr,
+            len,
+            _held: Held::Call(tx),
+        };
         // A refused loan drops `mem`, which leaves the registry.
         let tensor =
             Tensor::from_external(dtype, shape, Box::new(mem)).map_err(|e| Lend::Refused(e.to_string()))?;
@@ -247,6 +288,29 @@ impl<'a> Plain<'a> {
             Err(Lend::InUse) => Err(in_use(what)),
             Err(Lend::Refused(_)) => Ok(None),
         }
+    }
+
+    /// The array lent to a background operation (`irecv`): the tensor holds
+    /// a reference to the array, and [`Released`] resolves once the runtime
+    /// has let go of it. `Ok(None)` and errors as for [`Plain::lend`].
+    pub fn lend_to_task(&self, what: &str) -> PyResult<Option<(Tensor, Released)>> {
+        if !self.writeable() {
+            return Ok(None);
+        }
+        match register(self.ptr, self.len) {
+            Ok(()) => {}
+            Err(_) => return Err(in_use(what)),
+        }
+        let (tx, rx) = watch::channel(());
+        let mem = Memory {
+            ptr: self.ptr,
+            len: self.len,
+            _held: Held::Task(tx, self.array.clone().into_any().unbind()),
+        };
+        // A refused loan drops `mem`, which leaves the registry.
+        Ok(Tensor::from_external(self.dtype, self.shape(), Box::new(mem))
+            .ok()
+            .map(|t| (t, Released(rx))))
     }
 
     fn writeable(&self) -> bool {

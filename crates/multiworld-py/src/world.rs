@@ -23,7 +23,7 @@ use tokio::task::JoinHandle;
 
 use crate::{
     errors,
-    lent::{self, Loan},
+    lent::{self, Loan, Released},
     notify::{Completion, Notifier},
     runtime,
     tensor::{self, Input, Output},
@@ -173,6 +173,7 @@ pub(crate) fn spawn_work(
         completion,
         abort: task.abort_handle(),
         pending: tokio::sync::Mutex::new(Some(task)),
+        lent: None,
         cancel_on_drop,
         outcome: Mutex::new(None),
         generation,
@@ -232,6 +233,8 @@ pub enum Done {
     Unit,
     /// A receive: the sender and the message.
     Received(u32, Tensor),
+    /// A receive into a lent array: the sender.
+    Source(u32),
     /// One tensor (a collective's output).
     Tensor(Tensor),
     /// One tensor per member (all_gather, all_to_all).
@@ -250,6 +253,7 @@ impl Done {
     fn into_py(self, py: Python<'_>) -> PyResult<Py<PyAny>> {
         Ok(match self {
             Done::Unit => py.None(),
+            Done::Source(src) => src.into_pyobject(py)?.into_any().unbind(),
             Done::Received(src, t) => (src, tensor::to_numpy(py, t)?)
                 .into_pyobject(py)?
                 .into_any()
@@ -279,6 +283,9 @@ pub struct Work {
     completion: Completion,
     pending: tokio::sync::Mutex<Option<JoinHandle<Result<Done, WorldError>>>>,
     abort: tokio::task::AbortHandle,
+    /// For a receive into a lent array: resolves once the runtime has let
+    /// go of it (`cancel` waits for it).
+    lent: Option<Released>,
     cancel_on_drop: bool,
     /// The outcome once waited for (returned again by later waits). Locked
     /// only with the GIL held and never across a wait.
@@ -320,9 +327,15 @@ impl Work {
     }
 
     /// Cancels the operation if it is still running (a later `wait` raises
-    /// `RuntimeError`). A send cut off mid-frame breaks its world.
-    fn cancel(&self) {
+    /// `RuntimeError`). A send cut off mid-frame breaks its world. For a
+    /// receive into a lent array, returns once the runtime has let go of the
+    /// array (at once, unless its message was arriving: then once it has).
+    fn cancel(&self, py: Python<'_>) -> PyResult<()> {
         self.abort.abort();
+        if let Some(r) = &self.lent {
+            runtime::wait(py, r.clone().wait())?;
+        }
+        Ok(())
     }
 
     /// Asks for `token` to reach `notifier` when the operation ends (at once
@@ -609,6 +622,48 @@ impl World {
                 .map(|r| Some(r.0))
                 .map_err(|e| errors::world(py, e, self.generation_of())),
         }
+    }
+
+    /// `World.irecv`'s fast path for a plain, writeable numpy array
+    /// (`lent::plain`): the receive writes the array itself (no buffer, no
+    /// copy); the handle yields the sender, and only once the runtime has
+    /// let go of the array (also after a failure). `None` (nothing posted)
+    /// for any other argument, which the Python layer takes its general way.
+    /// Dropping the handle withdraws the receive; `cancel` also waits until
+    /// the array is let go.
+    fn irecv_plain(
+        &self,
+        obj: &Bound<'_, PyAny>,
+        src: Option<&Bound<'_, PyAny>>,
+        tag: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<Work>> {
+        let src = match src {
+            None => None,
+            Some(s) if s.is_none() => None,
+            Some(s) => match index(s) {
+                Some(r) => Some(r),
+                None => return Ok(None),
+            },
+        };
+        let (Some(tag), Some(a)) = (index(tag), lent::plain(obj)) else {
+            return Ok(None);
+        };
+        let Some((t, released)) = a.lend_to_task("irecv")? else {
+            return Ok(None);
+        };
+        let w = self.w()?;
+        let pending = runtime::enter(|| w.irecv(src.map(Rank), Tag(tag), t))?;
+        let ended = released.clone();
+        let mut work = self.work(
+            async move {
+                let r = pending.wait().await.map(|r| r.src.0);
+                ended.wait().await;
+                r.map(Done::Source)
+            },
+            true,
+        )?;
+        work.lent = Some(released);
+        Ok(Some(work))
     }
 
     /// Starts a receive; the handle yields `(src, flat array)`. Dropping the

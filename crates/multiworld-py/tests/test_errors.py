@@ -322,3 +322,52 @@ def test_an_interrupted_recv_into_never_writes_the_array_after_it_returns():
     """, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "MID 1" in r.stdout, r.stdout + r.stderr
+
+
+def test_a_lent_irecv_cancelled_mid_message_lets_go_only_once_the_message_is_in():
+    # irecv into a plain array lends it to the operation. Cancelled while a
+    # 256 MiB message is arriving into it, cancel() returns only once the
+    # runtime has let go of the array: the message was read to its end (into
+    # the array), the array no longer changes, and the next receive gets the
+    # message (nothing lost).
+    import re
+    import threading
+
+    a, b = mw.WorldManager(), mw.WorldManager()
+    store = a.serve_store("127.0.0.1:0")
+    name = unique("lend-cancel")
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault(1, b.join(name, 1, 2, store, timeout=10)))
+    t.start()
+    w = a.join(name, 0, 2, store, timeout=10)
+    t.join()
+    try:
+        msg = np.arange(32 << 20, dtype=np.int64)  # 256 MiB
+        pat = re.compile(r'multiworld_received_bytes_total\{[^}]*world="%s"[^}]*peer="1"[^}]*\} (\d+)' % name)
+
+        def received():
+            m = pat.search(a.metrics_text())
+            return int(m.group(1)) if m else 0
+
+        first = np.zeros_like(msg)
+        work = w.irecv(first, 1)
+        sender = threading.Thread(target=lambda: out[1].send(msg, 0))
+        sender.start()
+        deadline = time.monotonic() + 30
+        while received() == 0:
+            assert time.monotonic() < deadline, "the message never started arriving"
+            time.sleep(0.0002)
+        work._w.cancel()
+        last, at_return = first[-1], received()
+        snap = first.copy()
+        sender.join(30)
+        if at_return < msg.nbytes:
+            pytest.fail(f"cancel returned after {at_return} of {msg.nbytes} bytes")
+        assert last == msg[-1]
+        second = np.zeros_like(msg)
+        assert w.recv_into(second, 1) == 1
+        assert np.array_equal(second, msg), "the message was lost"
+        assert np.array_equal(first, snap), "the array changed after cancel returned"
+    finally:
+        a.shutdown()
+        b.shutdown()

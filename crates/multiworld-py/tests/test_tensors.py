@@ -250,3 +250,37 @@ def test_bool_arrays_with_any_bytes_can_be_received_into(pair):
     x = np.array([True, False, True, False])
     both(lambda: w1.send(x, 0), lambda: w0.recv_into(junk, 1))
     assert (junk == x).all() and junk.view(np.uint8).tolist() == [1, 0, 1, 0]
+
+
+def test_irecv_into_a_plain_array_lends_it_until_the_operation_ends(pair):
+    import sys
+
+    w0, w1 = pair
+    out = np.zeros(1 << 16, np.float32)
+    before = sys.getrefcount(out)
+    work = w0.irecv(out, 1)
+    assert sys.getrefcount(out) > before  # the runtime holds the array meanwhile
+    with pytest.raises(ValueError, match="in use by another call"):
+        w0.recv_into(out, 1, tag=3)
+    with pytest.raises(ValueError, match="in use by another call"):
+        w0.send(out, 1, tag=3)
+    x = np.arange(1 << 16, dtype=np.float32)
+    w1.send(x, 0)
+    assert work.wait(10) is out and work.source == 1 and (out == x).all()
+    assert work.wait() is out  # again: the same result
+    # Withdrawn before its message: the array is let go (usable at once),
+    # not written, and the message goes to the next receive.
+    keep = np.full(4, 5, np.int64)
+    work = w0.irecv(keep, 1, tag=7)
+    work._w.cancel()
+    both(lambda: w1.send(np.arange(4, dtype=np.int64), 0, tag=7), lambda: w0.recv_into(keep, 1, tag=7))
+    assert (keep == np.arange(4)).all()
+    # A mismatch fails the handle, leaves the array as it was and lets it go.
+    keep = np.full(3, 5, np.int16)
+    work = w0.irecv(keep, 1, tag=8)
+    w1.send(np.zeros(4, np.int16), 0, tag=8)
+    with pytest.raises(mw.MismatchError):
+        work.wait(10)
+    assert (keep == 5).all()
+    both(lambda: w1.send(np.ones(3, np.int16), 0), lambda: w0.recv_into(keep, 1))
+    assert (keep == 1).all()

@@ -196,6 +196,25 @@ class Work:
         return self._result
 
 
+class _LentRecv(Work):
+    """An ``irecv`` into a lent plain array: ``wait()`` sets ``source`` and
+    returns the array (no reference cycle: nothing here refers back to the
+    handle, so dropping it withdraws the receive at once)."""
+
+    def __init__(self, native: Any, tensor: Any) -> None:
+        super().__init__(native)
+        self._tensor = tensor
+
+    def wait(self, timeout: Optional[float] = None) -> Any:
+        src = self._w.wait(_seconds("timeout", timeout))
+        if not self._done:
+            self.source = src
+            # A finisher (set by the device path) gets the array, not the rank.
+            self._result = self._finish(self._tensor) if self._finish is not None else self._tensor
+            self._done = True
+        return self._result
+
+
 def _writer(arr: np.ndarray, tensor: Any) -> Any:
     """A finisher that writes a flat result into ``arr`` and returns ``tensor``."""
 
@@ -347,7 +366,14 @@ class World:
         ``tensor``, ``wait()`` fills it and returns it; otherwise give
         ``dtype`` and ``shape`` and ``wait()`` returns a new array. The
         sender's rank is ``work.source`` after ``wait()``. Dropping the handle
-        before completion cancels the receive."""
+        before completion cancels the receive. A plain numpy ``tensor``
+        (C-contiguous, writeable) is written by the runtime itself, no copy:
+        do not use it until ``wait()`` returns (after a failure too: it
+        returns once the runtime has let go of the array)."""
+        if tensor is not None:
+            native = self._w.irecv_plain(tensor, src, tag)  # a plain numpy array, lent natively
+            if native is not None:
+                return _LentRecv(native, tensor)
         try:
             if tensor is not None:
                 arr, (dname, shp) = T.out_spec(tensor, "tensor")
