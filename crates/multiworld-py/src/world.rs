@@ -56,6 +56,20 @@ fn index(v: &Bound<'_, PyAny>) -> Option<u32> {
     v.extract::<u32>().ok()
 }
 
+/// The arguments of a receive's fast path: the source (`None`: any), the
+/// tag and the plain array; `None` if any of them needs the general path.
+fn plain_recv<'a>(
+    obj: &'a Bound<'a, PyAny>,
+    src: Option<&Bound<'_, PyAny>>,
+    tag: &Bound<'_, PyAny>,
+) -> Option<(Option<u32>, u32, lent::Plain<'a>)> {
+    let src = match src {
+        Some(s) if !s.is_none() => Some(index(s)?),
+        _ => None,
+    };
+    Some((src, index(tag)?, lent::plain(obj)?))
+}
+
 /// A reduce op by its torch name (`"sum"`, `"avg"`, `"band"`, ...).
 pub(crate) fn reduce_op(name: &str) -> PyResult<ReduceOp> {
     let name = name.to_ascii_lowercase();
@@ -476,15 +490,7 @@ impl World {
         src: Option<&Bound<'_, PyAny>>,
         tag: &Bound<'_, PyAny>,
     ) -> PyResult<Option<u32>> {
-        let src = match src {
-            None => None,
-            Some(s) if s.is_none() => None,
-            Some(s) => match index(s) {
-                Some(r) => Some(r),
-                None => return Ok(None),
-            },
-        };
-        let (Some(tag), Some(a)) = (index(tag), lent::plain(obj)) else {
+        let Some((src, tag, a)) = plain_recv(obj, src, tag) else {
             return Ok(None);
         };
         let Some(mut loan) = a.lend("recv_into")? else {
@@ -599,15 +605,7 @@ impl World {
         src: Option<&Bound<'_, PyAny>>,
         tag: &Bound<'_, PyAny>,
     ) -> PyResult<Option<u32>> {
-        let src = match src {
-            None => None,
-            Some(s) if s.is_none() => None,
-            Some(s) => match index(s) {
-                Some(r) => Some(r),
-                None => return Ok(None),
-            },
-        };
-        let (Some(tag), Some(a)) = (index(tag), lent::plain(obj)) else {
+        let Some((src, tag, a)) = plain_recv(obj, src, tag) else {
             return Ok(None);
         };
         let Some(mut loan) = a.lend("recv_into")? else {
@@ -637,15 +635,7 @@ impl World {
         src: Option<&Bound<'_, PyAny>>,
         tag: &Bound<'_, PyAny>,
     ) -> PyResult<Option<Work>> {
-        let src = match src {
-            None => None,
-            Some(s) if s.is_none() => None,
-            Some(s) => match index(s) {
-                Some(r) => Some(r),
-                None => return Ok(None),
-            },
-        };
-        let (Some(tag), Some(a)) = (index(tag), lent::plain(obj)) else {
+        let Some((src, tag, a)) = plain_recv(obj, src, tag) else {
             return Ok(None);
         };
         let Some((t, released)) = a.lend_to_task("irecv")? else {
