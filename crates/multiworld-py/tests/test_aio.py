@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -205,3 +206,47 @@ def test_messages_already_here_are_taken_at_once_and_the_loop_still_turns():
         await b.shutdown()
 
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_receives_cancelled_by_timeouts_while_messages_stream_lose_nothing():
+    # A leader's pattern: wait_for(recv, short timeout) in a loop while a
+    # worker streams. A cancellation that races with the message's arrival
+    # must either withdraw the receive (the message goes to the next one) or
+    # deliver the message: none is lost, the order holds.
+    async def main():
+        a, b, w0, w1 = await pair()
+        n = 3000
+
+        def stream():
+            for i in range(n):
+                w1.sync.send(np.full(2, i, np.int64), 0, 5)
+                if i % 10 == 0:
+                    time.sleep(0.003)  # now and then the receiver waits, and times out
+
+        sender = threading.Thread(target=stream)
+        sender.start()
+        got, timeouts = [], 0
+        lent = np.zeros(2, np.int64)
+        seen, last = 0, time.monotonic()
+        while len(got) < n:
+            if len(got) != seen:
+                seen, last = len(got), time.monotonic()
+            assert time.monotonic() - last < 10, f"message {len(got)} never came: lost"
+            try:
+                if len(got) % 2:
+                    arr = await asyncio.wait_for(w0.recv(1, 5, dtype=np.int64, shape=2), 0.001)
+                    got.append(int(arr[0]))
+                else:
+                    await asyncio.wait_for(w0.recv_into(lent, 1, 5), 0.001)
+                    got.append(int(lent[0]))
+            except asyncio.TimeoutError:
+                timeouts += 1
+        sender.join()
+        assert got == list(range(n)), "lost or reordered"
+        await asyncio.gather(w0.finish(10), w1.finish(10))
+        await a.shutdown()
+        await b.shutdown()
+        return timeouts
+
+    timeouts = asyncio.run(asyncio.wait_for(main(), 120))
+    assert timeouts > 0, "no receive was ever cancelled: the test proved nothing"

@@ -9,7 +9,9 @@ loop is never blocked, and Rust never calls into Python.
 
 Cancelling a task that awaits a receive (``recv``, ``recv_into``,
 ``recv_any``) withdraws the receive: a message that arrives later goes to
-the next receive. A send or a collective that has started cannot be cut off
+the next receive. A receive whose message had already arrived when the
+cancellation came returns it instead of raising (the cancellation lost the
+race; nothing is dropped). A send or a collective that has started cannot be cut off
 without breaking its world, so cancelling its task only stops the waiting;
 the operation finishes in the background (its error, if any, is dropped).
 
@@ -102,7 +104,21 @@ async def _wait(work: Work, withdraw_on_cancel: bool = False) -> Any:
     except asyncio.CancelledError:
         bridge.forget(token)
         if withdraw_on_cancel:
+            # Withdraws the receive (for a lent array: returns once the
+            # runtime has let go of it). If the message had already been
+            # received, the cancellation lost the race: deliver the message
+            # rather than drop it, and take the cancellation back.
             work._w.cancel()
+            try:
+                # Returns at once: the task has ended (received) or the abort
+                # ends it within microseconds (it then raises).
+                result = work.wait()
+            except Exception:
+                raise asyncio.CancelledError from None
+            task = asyncio.current_task()
+            if task is not None and hasattr(task, "uncancel"):
+                task.uncancel()
+            return result
         raise
 
 
