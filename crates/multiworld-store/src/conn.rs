@@ -133,10 +133,17 @@ impl Conn {
         let (response, mut stream) = send
             .send_request(http::Request::from_parts(parts, ()), eos)
             .map_err(h2_status)?;
-        if !eos {
-            stream.send_data(body, true).map_err(h2_status)?;
-        }
-        let (parts, recv) = response.await.map_err(h2_status)?.into_parts();
+        // The server may answer before it has read the body (a refusal, e.g.
+        // a wrong secret, sent as trailers only) and close the stream: the
+        // body then cannot be sent ("inactive stream"), and the answer is
+        // what counts. The send error is reported only if no answer comes.
+        let sent = if eos { Ok(()) } else { stream.send_data(body, true) };
+        let answer = match (response.await, sent) {
+            (Ok(answer), _) => answer,
+            (Err(e), Ok(())) => return Err(h2_status(e)),
+            (Err(_), Err(e)) => return Err(h2_status(e)),
+        };
+        let (parts, recv) = answer.into_parts();
         Ok(http::Response::from_parts(
             parts,
             Body::new(RecvBody {

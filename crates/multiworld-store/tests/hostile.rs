@@ -849,3 +849,45 @@ async fn measure_attacks() {
         ),
     );
 }
+
+/// The gate refuses on the request's headers alone, so the server may answer
+/// (and close the stream) before the client has handed over the body: the
+/// client must report the server's answer (unauthenticated), never the
+/// failed body send ("inactive stream"). Many refusals in a row, to meet
+/// that race.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_answered_before_the_body_is_sent_are_reported_as_refusals() {
+    let config = ServerConfig {
+        allow_remote_create: true,
+        remote_create_secret: Some(Secret::new(SECRET)),
+        ..ServerConfig::default()
+    };
+    let s = server(config).await;
+    s.open_world("exists", secure()).unwrap();
+    let addr = s.local_addr().to_string();
+    let c = StoreClient::connect(&addr, ClientConfig::default())
+        .await
+        .unwrap();
+    let opts = || OpenOptions {
+        timeout: Duration::from_millis(100),
+        ..OpenOptions::default()
+    };
+    for i in 0..1000 {
+        let err = c.open("exists", opts()).await.unwrap_err();
+        assert!(
+            matches!(err, StoreError::Unauthenticated { .. }),
+            "call {i}: {err}"
+        );
+    }
+    // The first call on a fresh connection, as a command-line client makes it.
+    for i in 0..200 {
+        let fresh = StoreClient::connect(&addr, ClientConfig::default())
+            .await
+            .unwrap();
+        let err = fresh.open("exists", opts()).await.unwrap_err();
+        assert!(
+            matches!(err, StoreError::Unauthenticated { .. }),
+            "fresh call {i}: {err}"
+        );
+    }
+}
