@@ -127,14 +127,40 @@ impl ExternalMemory for Memory {
     }
 }
 
-/// Registers `len` bytes at `ptr` as lent; `Lend::InUse` if any is already.
-fn register(ptr: *mut u8, len: usize) -> Result<(), Lend> {
-    let mut lent = registry();
-    if overlaps(&lent, ptr as usize, len) {
-        return Err(Lend::InUse);
+/// A tensor of `dtype` and `shape` over `len` bytes at `ptr`, registered
+/// as lent until `held` is dropped with it; `Lend::InUse` if any of the
+/// bytes is lent already.
+fn lend_tensor(
+    ptr: *mut u8,
+    len: usize,
+    dtype: DType,
+    shape: Vec<usize>,
+    held: Held,
+) -> Result<Tensor, Lend> {
+    {
+        let mut lent = registry();
+        if overlaps(&lent, ptr as usize, len) {
+            return Err(Lend::InUse);
+        }
+        lent.push((ptr as usize, len));
     }
-    lent.push((ptr as usize, len));
-    Ok(())
+    let mem = Memory {
+        ptr,
+        len,
+        _held: held,
+    };
+    // A refused loan drops `mem`, which leaves the registry.
+    Tensor::from_external(dtype, shape, Box::new(mem)).map_err(|e| Lend::Refused(e.to_string()))
+}
+
+/// A fast path's view of a loan: the value, `None` for memory the general
+/// path must take (it copies), `ValueError` if another call holds it.
+fn fast<T>(r: Result<T, Lend>, what: &str) -> PyResult<Option<T>> {
+    match r {
+        Ok(v) => Ok(Some(v)),
+        Err(Lend::InUse) => Err(in_use(what)),
+        Err(Lend::Refused(_)) => Ok(None),
+    }
 }
 
 /// Why memory could not be lent.
@@ -176,15 +202,7 @@ impl Loan {
     /// untouched until [`Loan::settle`] returns (the callers hold the array).
     fn of(ptr: *mut u8, len: usize, dtype: DType, shape: Vec<usize>) -> Result<Loan, Lend> {
         let (tx, held) = mpsc::channel();
-        register(ptr, len)?;
-        let mem = Memory {
-            ptr,
-            len,
-            _held: Held::Call(tx),
-        };
-        // A refused loan drops `mem`, which leaves the registry.
-        let tensor =
-            Tensor::from_external(dtype, shape, Box::new(mem)).map_err(|e| Lend::Refused(e.to_string()))?;
+        let tensor = lend_tensor(ptr, len, dtype, shape, Held::Call(tx))?;
         Ok(Loan { tensor, held })
     }
 
@@ -283,11 +301,7 @@ impl<'a> Plain<'a> {
         if !self.writeable() {
             return Ok(None);
         }
-        match Loan::of(self.ptr, self.len, self.dtype, self.shape()) {
-            Ok(l) => Ok(Some(l)),
-            Err(Lend::InUse) => Err(in_use(what)),
-            Err(Lend::Refused(_)) => Ok(None),
-        }
+        fast(Loan::of(self.ptr, self.len, self.dtype, self.shape()), what)
     }
 
     /// The array lent to a background operation (`irecv`): the tensor holds
@@ -297,20 +311,10 @@ impl<'a> Plain<'a> {
         if !self.writeable() {
             return Ok(None);
         }
-        match register(self.ptr, self.len) {
-            Ok(()) => {}
-            Err(_) => return Err(in_use(what)),
-        }
         let (tx, rx) = watch::channel(());
-        let mem = Memory {
-            ptr: self.ptr,
-            len: self.len,
-            _held: Held::Task(tx, self.array.clone().into_any().unbind()),
-        };
-        // A refused loan drops `mem`, which leaves the registry.
-        Ok(Tensor::from_external(self.dtype, self.shape(), Box::new(mem))
-            .ok()
-            .map(|t| (t, Released(rx))))
+        let held = Held::Task(tx, self.array.clone().into_any().unbind());
+        let lent = lend_tensor(self.ptr, self.len, self.dtype, self.shape(), held);
+        fast(lent.map(|t| (t, Released(rx))), what)
     }
 
     fn writeable(&self) -> bool {

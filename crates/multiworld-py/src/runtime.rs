@@ -93,7 +93,7 @@ where
             return Ok(out);
         }
     }
-    let spin = spin_budget();
+    let spin = spin();
     if !spin.is_zero() {
         let done = py.detach(|| {
             let _guard = rt.enter();
@@ -128,7 +128,7 @@ static SPIN_NS: AtomicU64 = AtomicU64::new(u64::MAX);
 /// How long a blocking call polls its operation, with the GIL released,
 /// before its thread parks: `MULTIWORLD_PY_SPIN_US` (microseconds) until
 /// [`set_spin`] says otherwise; zero by default.
-fn spin_budget() -> Duration {
+pub fn spin() -> Duration {
     let ns = SPIN_NS.load(Ordering::Relaxed);
     if ns != u64::MAX {
         return Duration::from_nanos(ns);
@@ -152,11 +152,6 @@ pub fn set_spin(spin: Duration) {
         .unwrap_or(u64::MAX - 1)
         .min(u64::MAX - 1);
     SPIN_NS.store(ns, Ordering::Relaxed);
-}
-
-/// The current [`set_spin`] setting.
-pub fn spin() -> Duration {
-    spin_budget()
 }
 
 /// Like [`wait`], but gives up after `timeout` (`None`: never), returning

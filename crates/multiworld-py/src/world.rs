@@ -70,6 +70,18 @@ fn plain_recv<'a>(
     Some((src, index(tag)?, lent::plain(obj)?))
 }
 
+/// [`plain_recv`] with the array lent for one blocking receive.
+fn plain_loan(
+    obj: &Bound<'_, PyAny>,
+    src: Option<&Bound<'_, PyAny>>,
+    tag: &Bound<'_, PyAny>,
+) -> PyResult<Option<(Option<u32>, u32, Loan)>> {
+    let Some((src, tag, a)) = plain_recv(obj, src, tag) else {
+        return Ok(None);
+    };
+    Ok(a.lend("recv_into")?.map(|loan| (src, tag, loan)))
+}
+
 /// A reduce op by its torch name (`"sum"`, `"avg"`, `"band"`, ...).
 pub(crate) fn reduce_op(name: &str) -> PyResult<ReduceOp> {
     let name = name.to_ascii_lowercase();
@@ -490,10 +502,7 @@ impl World {
         src: Option<&Bound<'_, PyAny>>,
         tag: &Bound<'_, PyAny>,
     ) -> PyResult<Option<u32>> {
-        let Some((src, tag, a)) = plain_recv(obj, src, tag) else {
-            return Ok(None);
-        };
-        let Some(mut loan) = a.lend("recv_into")? else {
+        let Some((src, tag, mut loan)) = plain_loan(obj, src, tag)? else {
             return Ok(None);
         };
         let got = self.receive(py, src, tag, &mut loan.tensor);
@@ -605,10 +614,7 @@ impl World {
         src: Option<&Bound<'_, PyAny>>,
         tag: &Bound<'_, PyAny>,
     ) -> PyResult<Option<u32>> {
-        let Some((src, tag, a)) = plain_recv(obj, src, tag) else {
-            return Ok(None);
-        };
-        let Some(mut loan) = a.lend("recv_into")? else {
+        let Some((src, tag, mut loan)) = plain_loan(obj, src, tag)? else {
             return Ok(None);
         };
         let w = self.w()?;

@@ -503,8 +503,9 @@ async fn waiters_are_bounded_per_world_and_per_server() {
 
 // Item 5: enumeration of world names, and the log flood.
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stranger_cannot_tell_a_secret_world_from_a_missing_one() {
+/// A server whose remote creation needs the secret, hosting the secret
+/// world "exists".
+async fn guarded_server_with_a_secret_world() -> StoreServer {
     let config = ServerConfig {
         allow_remote_create: true,
         remote_create_secret: Some(Secret::new(SECRET)),
@@ -512,6 +513,12 @@ async fn a_stranger_cannot_tell_a_secret_world_from_a_missing_one() {
     };
     let s = server(config).await;
     s.open_world("exists", secure()).unwrap();
+    s
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stranger_cannot_tell_a_secret_world_from_a_missing_one() {
+    let s = guarded_server_with_a_secret_world().await;
     let addr = s.local_addr();
     let c = StoreClient::connect(&addr.to_string(), ClientConfig::default())
         .await
@@ -857,13 +864,7 @@ async fn measure_attacks() {
 /// that race.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refusals_answered_before_the_body_is_sent_are_reported_as_refusals() {
-    let config = ServerConfig {
-        allow_remote_create: true,
-        remote_create_secret: Some(Secret::new(SECRET)),
-        ..ServerConfig::default()
-    };
-    let s = server(config).await;
-    s.open_world("exists", secure()).unwrap();
+    let s = guarded_server_with_a_secret_world().await;
     let addr = s.local_addr().to_string();
     let c = StoreClient::connect(&addr, ClientConfig::default())
         .await

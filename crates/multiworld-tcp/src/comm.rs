@@ -46,7 +46,7 @@ use crate::mesh;
 use crate::rendezvous::Rendezvous;
 use multiworld_types::{DType, Tensor, TensorView, valid_bool_bytes};
 
-use crate::matching::{Matching, Posted, RecvDone, Route, StashData};
+use crate::matching::{Matching, Posted, RecvDone, Route, StashData, Stashed};
 use multiworld_types::{Generation, Identity, Rank, Source, Tag, WorldName};
 
 /// Capacity of each connection's read buffer. Headers and small messages come in
@@ -925,7 +925,14 @@ impl Inner {
         }
         let (from, st) = m.take_stash(src, tag)?;
         drop(m);
-        Some(match fill(buf, from, tag, st.dtype, st.data) {
+        Some(self.consume(buf, from, tag, st))
+    }
+
+    /// Fills `buf` with a message taken from the stash (the lock released),
+    /// recycling its buffer. A mismatch consumes the message either way,
+    /// like a mismatch on the wire.
+    fn consume(&self, buf: &mut Tensor, from: Rank, tag: Tag, st: Stashed) -> Result<Rank> {
+        match fill(buf, from, tag, st.dtype, st.data) {
             Filled::Done { spare } => {
                 if let Some(v) = spare {
                     self.lock().recycle(v, self.cfg.eager_limit);
@@ -933,7 +940,7 @@ impl Inner {
                 Ok(from)
             }
             Filled::Mismatch { err, .. } => Err(err),
-        })
+        }
     }
 
     fn post_recv(&self, src: Source, tag: Tag, mut buf: Tensor) -> Posting {
@@ -951,16 +958,7 @@ impl Inner {
         }
         if let Some((from, st)) = m.take_stash(src, tag) {
             drop(m);
-            let result = match fill(&mut buf, from, tag, st.dtype, st.data) {
-                Filled::Done { spare } => {
-                    if let Some(v) = spare {
-                        self.lock().recycle(v, self.cfg.eager_limit);
-                    }
-                    Ok(from)
-                }
-                // The message is consumed either way, like a mismatch on the wire.
-                Filled::Mismatch { err, .. } => Err(err),
-            };
+            let result = self.consume(&mut buf, from, tag, st);
             return Posting::Done(RecvDone { buf, result });
         }
         let lost = match src {
