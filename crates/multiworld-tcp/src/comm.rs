@@ -59,6 +59,10 @@ const GROW_STEP: usize = 64 << 10;
 /// checks whether the peer closed or reset the connection. Bounds failure
 /// detection in that state.
 const CLOSED_POLL: Duration = Duration::from_millis(10);
+/// How long [`Communicator::close`] waits for its peers to answer its goodbye
+/// before it cuts the rest off with a reset. An answering peer takes well
+/// under a millisecond on one host.
+pub const CLOSE_LIMIT: Duration = Duration::from_secs(1);
 
 /// Something that happened to the world's connections, for a watchdog.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -636,33 +640,33 @@ impl Communicator {
         self.inner.abort_with(reason);
     }
 
-    /// Says goodbye to every peer (after sends already queued), then aborts with
-    /// reason "closed" and waits for the tasks to finish. Peers see
-    /// [`HealthEvent::PeerLost`] with an "orderly close" cause.
+    /// Says goodbye to every peer, then aborts with reason "closed" and waits
+    /// for the tasks to finish. Peers see [`HealthEvent::PeerLost`] with an
+    /// "orderly close" cause.
+    ///
+    /// The goodbye is a handshake, so that no reset ever overtakes it: after
+    /// its goodbye (a `Bye` frame, then the end of its write side) this side
+    /// keeps reading (and dropping what arrives) until each peer has answered
+    /// with its own goodbye or end of stream, and only then lets its sockets
+    /// go. Closing a socket with unread bytes in it would send a reset, and a
+    /// reset can reach the peer before it has read the goodbye, which then
+    /// takes the close for a failure. Operations still pending, and any
+    /// started once the close has begun, fail with [`Error::Aborted`].
+    ///
+    /// Bounded: a peer that does not answer within [`CLOSE_LIMIT`] (frozen,
+    /// or a send of ours still stuck on its full socket) is cut off with a
+    /// reset, as [`Communicator::abort`] does.
     pub async fn close(&self) {
         let inner = &self.inner;
-        let byes = inner.peers.iter().flatten().map(|peer| async move {
-            let w = tokio::select! {
-                biased;
-                _ = peer.token.cancelled() => return,
-                w = peer.writer.lock() => w,
-            };
-            let mut w = w;
-            let seq = w.seq;
-            if let Some(half) = w.half.as_mut() {
-                let hdr = FrameHeader {
-                    kind: FrameKind::Bye,
-                    seq,
-                    generation: inner.identity.generation,
-                }
-                .encode();
-                let _ = tokio::time::timeout(Duration::from_secs(1), half.write_all(&hdr)).await;
-            }
-        });
-        for bye in byes {
-            bye.await;
-        }
         inner.closing.store(true, Ordering::Relaxed);
+        let farewells = inner.peers.iter().flatten().map(|peer| inner.farewell(peer));
+        if tokio::time::timeout(CLOSE_LIMIT, futures::future::join_all(farewells))
+            .await
+            .is_err()
+        {
+            // Whoever has not answered gets the abortive close.
+            inner.closing.store(false, Ordering::Relaxed);
+        }
         inner.abort_with("closed");
         inner.tracker.wait().await;
     }
@@ -773,10 +777,18 @@ impl Inner {
         self.peers.get(rank.index())?.as_ref()
     }
 
+    /// The error every operation gets once the communicator was aborted, or
+    /// once [`Communicator::close`] has begun.
     fn aborted_error(&self) -> Option<Error> {
-        self.aborted.get().map(|r| Error::Aborted {
-            reason: Arc::clone(r),
-        })
+        match self.aborted.get() {
+            Some(r) => Some(Error::Aborted {
+                reason: Arc::clone(r),
+            }),
+            None if self.closing.load(Ordering::Relaxed) => Some(Error::Aborted {
+                reason: Arc::from("closed"),
+            }),
+            None => None,
+        }
     }
 
     /// The error for an operation with `peer` that found the connection unusable.
@@ -992,6 +1004,36 @@ impl Inner {
         Posting::Waiting { id, rx }
     }
 
+    /// One peer's part of [`Communicator::close`]: the goodbye (after any send
+    /// already writing), the end of the write side, then the wait for the
+    /// peer's answer, which ends this side's reader (its goodbye, end of
+    /// stream or reset). Nothing is written after the goodbye: the write half
+    /// leaves the writer, so no heartbeat follows it.
+    async fn farewell(&self, peer: &Peer) {
+        let mut w = tokio::select! {
+            biased;
+            _ = peer.token.cancelled() => return,
+            w = peer.writer.lock() => w,
+        };
+        let seq = w.seq;
+        if let Some(half) = w.half.as_mut() {
+            let bye = FrameHeader {
+                kind: FrameKind::Bye,
+                seq,
+                generation: self.identity.generation,
+            }
+            .encode();
+            if half.write_all(&bye).await.is_ok() {
+                // Dropped with `closing` set: a FIN, after the goodbye.
+                w.half = None;
+            }
+        }
+        drop(w);
+        // A reader holding back a message it has no room for goes on to drop it.
+        peer.wake.notify_waiters();
+        peer.token.cancelled().await;
+    }
+
     /// Closes a connection's write half now, or, if a send holds the writer,
     /// as soon as that send lets go of it, whichever way it does (finishing,
     /// failing, or its future being dropped without being polled again), so
@@ -1129,7 +1171,11 @@ impl Inner {
                 result: Err(err.clone()),
             });
         }
-        if self.aborted.get().is_none() {
+        if self.closing.load(Ordering::Relaxed) {
+            // The answer to our own goodbye (or the peer going meanwhile):
+            // this side is leaving, nothing to report.
+            debug!(local = %self.identity, peer = %rank, %cause, "connection ended while closing");
+        } else if self.aborted.get().is_none() {
             // A goodbye is not a failure: the owner decides whether it breaks
             // anything (a world that is finishing expects it).
             if peer.departed.load(Ordering::Relaxed) {
@@ -1226,6 +1272,14 @@ impl Inner {
         // actually arrive (not with the declared length), whatever the budget.
         let mut draining = false;
         let stash = loop {
+            if self.closing.load(Ordering::Relaxed) {
+                // Our goodbye is out and every receive is about to fail: what
+                // still comes is read only to reach the peer's answer.
+                discard(rd, len as u64, &peer.counters)
+                    .await
+                    .map_err(|e| format!("discarding a message while closing: {}", describe_io(&e)))?;
+                return Ok(());
+            }
             let woken = peer.wake.notified();
             match self.lock().route(from, tag, len, eager, budget, draining) {
                 Route::Receive(p) => {

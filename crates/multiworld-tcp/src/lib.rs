@@ -66,7 +66,8 @@ pub mod mesh;
 mod mesh;
 
 pub use comm::{
-    Communicator, Health, HealthEvent, PeerLiveness, PeerStats, Received, RecvFailed, RecvHandle, SendHandle,
+    CLOSE_LIMIT, Communicator, Health, HealthEvent, PeerLiveness, PeerStats, Received, RecvFailed,
+    RecvHandle, SendHandle,
 };
 pub use config::{CommConfig, DEFAULT_HELLO_TIMEOUT, DEFAULT_RECV_SPIN};
 pub use error::{Error, MessageDesc, Result, Side};
