@@ -23,3 +23,13 @@
 pub mod collectives;
 pub mod p2p;
 pub mod ranks;
+
+/// A zeroed byte buffer for the raw socket references, laid out like the
+/// runtime's own large tensors ([`multiworld::Tensor::zeros`]: 64-byte
+/// aligned from [`multiworld_types::ALIGNED_FROM`] bytes), so that the
+/// reference and the runtime pay the kernel's copies alike.
+pub fn raw_buffer(len: usize) -> multiworld::Tensor {
+    multiworld::Tensor::zeros(multiworld::DType::U8, [len])
+        // One dimension of `len` bytes: its size cannot overflow.
+        .unwrap_or_default()
+}

@@ -426,25 +426,25 @@ fn raw_stream(size: usize, n: usize) -> Result<f64> {
     let (mut tx, mut rx) = raw_pair()?;
     let warm = n.min(8);
     let sender = std::thread::spawn(move || -> Result<()> {
-        let buf = vec![0u8; size];
+        let buf = crate::raw_buffer(size);
         for _ in 0..warm {
-            tx.write_all(&buf).map_err(io("raw write"))?;
+            tx.write_all(buf.as_bytes()).map_err(io("raw write"))?;
         }
         let mut t = [0u8; 1];
         tx.read_exact(&mut t).map_err(io("raw read"))?;
         for _ in 0..n {
-            tx.write_all(&buf).map_err(io("raw write"))?;
+            tx.write_all(buf.as_bytes()).map_err(io("raw write"))?;
         }
         Ok(())
     });
-    let mut buf = vec![0u8; size];
+    let mut buf = crate::raw_buffer(size);
     for _ in 0..warm {
-        rx.read_exact(&mut buf).map_err(io("raw read"))?;
+        rx.read_exact(buf.bytes_mut()).map_err(io("raw read"))?;
     }
     rx.write_all(&[1]).map_err(io("raw write"))?;
     let start = Instant::now();
     for _ in 0..n {
-        rx.read_exact(&mut buf).map_err(io("raw read"))?;
+        rx.read_exact(buf.bytes_mut()).map_err(io("raw read"))?;
     }
     let t = start.elapsed();
     join_thread(sender)?;
@@ -457,21 +457,21 @@ fn raw_pingpong(bytes: usize, rounds: usize) -> Result<f64> {
     let (mut a, mut b) = raw_pair()?;
     let warm = rounds.min(200);
     let echo = std::thread::spawn(move || -> Result<()> {
-        let mut buf = vec![0u8; bytes];
+        let mut buf = crate::raw_buffer(bytes);
         for _ in 0..warm + rounds {
-            b.read_exact(&mut buf).map_err(io("raw read"))?;
-            b.write_all(&buf).map_err(io("raw write"))?;
+            b.read_exact(buf.bytes_mut()).map_err(io("raw read"))?;
+            b.write_all(buf.as_bytes()).map_err(io("raw write"))?;
         }
         Ok(())
     });
-    let mut buf = vec![0u8; bytes];
+    let mut buf = crate::raw_buffer(bytes);
     let mut start = Instant::now();
     for i in 0..warm + rounds {
         if i == warm {
             start = Instant::now();
         }
-        a.write_all(&buf).map_err(io("raw write"))?;
-        a.read_exact(&mut buf).map_err(io("raw read"))?;
+        a.write_all(buf.as_bytes()).map_err(io("raw write"))?;
+        a.read_exact(buf.bytes_mut()).map_err(io("raw read"))?;
     }
     let t = start.elapsed();
     join_thread(echo)?;
@@ -492,24 +492,24 @@ fn raw_tokio_pingpong(cfg: &P2pBenchConfig) -> Result<f64> {
     let echo = std::thread::spawn(move || -> Result<f64> {
         kind.build()?.block_on(async move {
             let mut b = tokio::net::TcpStream::from_std(b).map_err(io("raw tokio"))?;
-            let mut buf = vec![0u8; bytes];
+            let mut buf = crate::raw_buffer(bytes);
             for _ in 0..warm + rounds {
-                b.read_exact(&mut buf).await.map_err(io("raw read"))?;
-                b.write_all(&buf).await.map_err(io("raw write"))?;
+                b.read_exact(buf.bytes_mut()).await.map_err(io("raw read"))?;
+                b.write_all(buf.as_bytes()).await.map_err(io("raw write"))?;
             }
             Ok(0.0)
         })
     });
     let us = kind.build()?.block_on(async move {
         let mut a = tokio::net::TcpStream::from_std(a).map_err(io("raw tokio"))?;
-        let mut buf = vec![0u8; bytes];
+        let mut buf = crate::raw_buffer(bytes);
         let mut start = Instant::now();
         for i in 0..warm + rounds {
             if i == warm {
                 start = Instant::now();
             }
-            a.write_all(&buf).await.map_err(io("raw write"))?;
-            a.read_exact(&mut buf).await.map_err(io("raw read"))?;
+            a.write_all(buf.as_bytes()).await.map_err(io("raw write"))?;
+            a.read_exact(buf.bytes_mut()).await.map_err(io("raw read"))?;
         }
         Ok::<_, Error>(half_rtt_us(rounds, start.elapsed()))
     })?;

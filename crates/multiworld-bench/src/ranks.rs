@@ -626,26 +626,26 @@ fn tcp_stream(a: &RankArgs) -> Result<Option<Value>> {
         a.load.warmup(a.load.messages(a.size, 1)),
     );
     let mut s = tcp_pair(a)?;
-    let mut buf = vec![0u8; a.size];
+    let mut buf = crate::raw_buffer(a.size);
     let mut go = [0u8; 1];
     if a.rank == 1 {
         for _ in 0..warm {
-            s.write_all(&buf).map_err(err)?;
+            s.write_all(buf.as_bytes()).map_err(err)?;
         }
         s.read_exact(&mut go).map_err(err)?;
         for _ in 0..count {
-            s.write_all(&buf).map_err(err)?;
+            s.write_all(buf.as_bytes()).map_err(err)?;
         }
         s.read_exact(&mut go).map_err(err)?;
         return Ok(None);
     }
     for _ in 0..warm {
-        s.read_exact(&mut buf).map_err(err)?;
+        s.read_exact(buf.bytes_mut()).map_err(err)?;
     }
     let t0 = Instant::now();
     s.write_all(&go).map_err(err)?;
     for _ in 0..count {
-        s.read_exact(&mut buf).map_err(err)?;
+        s.read_exact(buf.bytes_mut()).map_err(err)?;
     }
     let secs = t0.elapsed().as_secs_f64();
     s.write_all(&go).map_err(err)?;
@@ -656,19 +656,19 @@ fn tcp_pingpong(a: &RankArgs) -> Result<Option<Value>> {
     let rounds = a.load.rounds;
     let warm = a.load.warmup(rounds);
     let mut s = tcp_pair(a)?;
-    let mut buf = vec![0u8; a.size];
+    let mut buf = crate::raw_buffer(a.size);
     if a.rank == 1 {
         for _ in 0..warm + rounds {
-            s.read_exact(&mut buf).map_err(err)?;
-            s.write_all(&buf).map_err(err)?;
+            s.read_exact(buf.bytes_mut()).map_err(err)?;
+            s.write_all(buf.as_bytes()).map_err(err)?;
         }
         return Ok(None);
     }
     let mut rtts = Vec::with_capacity(rounds);
     for i in 0..warm + rounds {
         let t0 = Instant::now();
-        s.write_all(&buf).map_err(err)?;
-        s.read_exact(&mut buf).map_err(err)?;
+        s.write_all(buf.as_bytes()).map_err(err)?;
+        s.read_exact(buf.bytes_mut()).map_err(err)?;
         if i >= warm {
             rtts.push(t0.elapsed().as_secs_f64());
         }

@@ -49,9 +49,10 @@ impl Input<'_> {
 pub struct Output(pub String, pub Vec<usize>);
 
 impl Output {
-    /// A zeroed tensor of this dtype and shape.
+    /// A zeroed tensor of this dtype and shape, in a `Vec` that becomes the
+    /// numpy array's memory without a copy ([`to_numpy`]).
     pub fn tensor(&self) -> PyResult<Tensor> {
-        Tensor::zeros(dtype(&self.0)?, self.1.clone()).map_err(invalid)
+        Tensor::zeros_in_vec(dtype(&self.0)?, self.1.clone()).map_err(invalid)
     }
 }
 

@@ -31,4 +31,6 @@ pub use tags::{
     GROUP_ID_BITS, INTERNAL_TAG_BIT, MAX_GROUP_ID, Phase, RUNTIME_GROUP_ID, SEQ_BITS, check_user_tag,
     collective_tag, is_internal_tag, runtime_tag,
 };
-pub use tensor::{DType, Element, ExternalMemory, Tensor, TensorView, valid_bool_bytes};
+pub use tensor::{
+    ALIGNED_FROM, ALIGNMENT, DType, Element, ExternalMemory, Tensor, TensorView, valid_bool_bytes,
+};
