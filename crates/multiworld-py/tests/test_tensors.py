@@ -284,3 +284,30 @@ def test_irecv_into_a_plain_array_lends_it_until_the_operation_ends(pair):
     assert (keep == 5).all()
     both(lambda: w1.send(np.ones(3, np.int16), 0), lambda: w0.recv_into(keep, 1))
     assert (keep == 1).all()
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_aligned_arrays_start_on_64_bytes_and_are_received_into_in_place(pair, name):
+    """zeros/empty give C-contiguous arrays on a 64-byte boundary (numpy puts
+    large arrays 16 bytes into a page, where socket copies are slow); they
+    are lent to the runtime like any plain array."""
+    w0, w1 = pair
+    for shape in [(0,), 5, (3, 7), (1 << 20,)]:
+        z = mw.zeros(shape, name)
+        e = mw.empty(shape, name)
+        for a in (z, e):
+            assert a.size == 0 or a.ctypes.data % mw.ALIGNMENT == 0
+            assert a.flags.c_contiguous and type(a) is np.ndarray
+            assert a.dtype == T.np_dtype(name)
+            assert a.shape == ((shape,) if isinstance(shape, int) else shape)
+        assert not z.astype(bool).any()
+    x = np.resize(sample(name), 1 << 18)
+    out = mw.zeros(x.shape, name)
+    where = out.ctypes.data
+    _, src = both(lambda: w1.send(x, 0), lambda: w0.recv_into(out, 1))
+    assert src == 1 and out.ctypes.data == where
+    assert out.tobytes() == x.tobytes()
+    with pytest.raises(ValueError):
+        mw.zeros((2, -1))
+    with pytest.raises(TypeError):
+        mw.empty(3, "complex64")

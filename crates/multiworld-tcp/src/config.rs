@@ -65,7 +65,7 @@ pub struct CommConfig {
     pub limits: FrameLimits,
     /// Largest message that is read off the socket even when no matching receive is
     /// posted yet (it is then buffered). Larger messages wait in the socket until a
-    /// receive is posted, so they land directly in the caller's buffer. Default 64 KiB.
+    /// receive is posted, so they land directly in the caller's buffer. Default 16 KiB.
     pub eager_limit: usize,
     /// Per-peer cap on bytes held for messages that arrived before their receive.
     /// When it is reached the peer's socket is not read (TCP backpressure). Default 64 MiB.

@@ -107,6 +107,13 @@ def _say(obj: Dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
+def _zeros(n: int) -> Any:
+    """float32 zeros laid out like the Rust ranks' buffers (64-byte aligned,
+    see ``multiworld_rs.zeros``), so both sides pay the kernel's copies alike."""
+    from ._tensors import zeros
+    return zeros(n, "float32")
+
+
 def _streamed(scenario: str, size: int, senders: int, count: int, secs: float) -> Dict[str, Any]:
     total = count * senders
     return {"scenario": scenario, "size": size, "senders": senders, "messages": total,
@@ -122,7 +129,7 @@ def _median_p99(v: List[float]) -> tuple:
 def _send_stream(w: Any, size: int, warm: int, count: int) -> None:
     import numpy as np
 
-    data = np.zeros(size // 4, dtype=np.float32)
+    data = _zeros(size // 4)
     go = np.zeros(1, dtype=np.float32)
     for _ in range(warm):
         w.send(data, 0, _DATA)
@@ -141,7 +148,7 @@ def _rank_stream(m: Any, a: argparse.Namespace, addr: str, load: Load) -> Option
         _send_stream(w, a.size, warm, count)
         w.finish(_FINISH)
         return None
-    buf = np.zeros(a.size // 4, dtype=np.float32)
+    buf = _zeros(a.size // 4)
     for _ in range(warm):
         w.recv_into(buf, 1, _DATA)
     t0 = time.perf_counter()
@@ -159,7 +166,7 @@ def _rank_pingpong(m: Any, a: argparse.Namespace, addr: str, load: Load) -> Opti
     rounds = load.rounds
     warm = load.warmup(rounds)
     w = m.join("pingpong", a.rank, 2, addr)
-    buf = np.zeros(a.size // 4, dtype=np.float32)
+    buf = _zeros(a.size // 4)
     send, recv_into = w.send, w.recv_into
     if a.rank == 1:
         for _ in range(warm + rounds):
@@ -167,7 +174,7 @@ def _rank_pingpong(m: Any, a: argparse.Namespace, addr: str, load: Load) -> Opti
             send(buf, 0, _DATA)
         w.finish(_FINISH)
         return None
-    data = np.zeros(a.size // 4, dtype=np.float32)
+    data = _zeros(a.size // 4)
     rtts = []
     clock = time.perf_counter
     for i in range(warm + rounds):
@@ -193,7 +200,7 @@ def _rank_leader(m: Any, a: argparse.Namespace, addr: str, load: Load) -> Option
         w.finish(_FINISH)
         return None
     worlds = [m.join(f"leader-{i}", 0, 2, addr) for i in range(1, a.n + 1)]
-    bufs = [np.zeros(a.size // 4, dtype=np.float32) for _ in worlds]
+    bufs = [_zeros(a.size // 4) for _ in worlds]
     for w, buf in zip(worlds, bufs):
         for _ in range(warm):
             w.recv_into(buf, 1, _DATA)
@@ -252,7 +259,7 @@ def _rank_all_reduce(m: Any, a: argparse.Namespace, addr: str, load: Load) -> Op
 
     iters = load.iters(a.size)
     w = m.join("all-reduce", a.rank, a.n, addr)
-    t = np.zeros(a.size // 4, dtype=np.float32)
+    t = _zeros(a.size // 4)
     times = []
     for i in range(2 + iters):
         t0 = time.perf_counter()
