@@ -7,12 +7,13 @@
 //! - inputs of collectives and of `isend` become owned [`Tensor`]s (one copy:
 //!   the runtime's tensors own their memory);
 //! - a received or computed [`Tensor`] becomes a numpy array that takes over
-//!   its `Vec` (no copy, except `bool`, whose bytes are re-collected once);
+//!   its memory (no copy): the aligned bytes of a large tensor, viewed as its
+//!   dtype, or the `Vec` of a small one (`bool` re-collected once);
 //!   `float16`/`bfloat16` travel as `uint16` and are viewed back in Python.
 
 use multiworld::{DType, Tensor, TensorView, bf16, f16};
 use numpy::{PyArray1, PyReadonlyArray1};
-use pyo3::{exceptions::PyValueError, prelude::*};
+use pyo3::{exceptions::PyValueError, prelude::*, types::PySlice};
 
 /// The dtype of a torch/numpy dtype name (`"float32"`, `"bool"`, `"bfloat16"`, ...).
 pub fn dtype(name: &str) -> PyResult<DType> {
@@ -49,10 +50,11 @@ impl Input<'_> {
 pub struct Output(pub String, pub Vec<usize>);
 
 impl Output {
-    /// A zeroed tensor of this dtype and shape, in a `Vec` that becomes the
-    /// numpy array's memory without a copy ([`to_numpy`]).
+    /// A zeroed tensor of this dtype and shape (64-byte aligned from
+    /// `ALIGNED_FROM` bytes, like every tensor the runtime allocates; numpy
+    /// takes either kind over without a copy, see [`to_numpy`]).
     pub fn tensor(&self) -> PyResult<Tensor> {
-        Tensor::zeros_in_vec(dtype(&self.0)?, self.1.clone()).map_err(invalid)
+        Tensor::zeros(dtype(&self.0)?, self.1.clone()).map_err(invalid)
     }
 }
 
@@ -88,10 +90,36 @@ fn give_u16<'py, T: multiworld::Element + bytemuck::Pod>(
     Ok(PyArray1::from_vec(py, v).into_any())
 }
 
-/// A flat numpy array over the tensor's memory (no copy, except `bool`).
-/// `float16` and `bfloat16` come back as `uint16`; the Python layer views and
-/// reshapes.
+/// A flat numpy array over the tensor's memory (no copy, except a small
+/// `bool` tensor). `float16` and `bfloat16` come back as `uint16`; the Python
+/// layer views and reshapes.
 pub fn to_numpy<'py>(py: Python<'py>, t: Tensor) -> PyResult<Bound<'py, PyAny>> {
+    let dt = t.dtype();
+    let t = match t.into_aligned_parts() {
+        // Aligned memory: numpy owns the whole allocation; the result is a
+        // view of the aligned range as the tensor's dtype (the view keeps
+        // the allocation alive through its base).
+        Ok((buf, range)) => {
+            let all = PyArray1::from_vec(py, buf);
+            let data = all.get_item(PySlice::new(py, range.start as isize, range.end as isize, 1))?;
+            let as_dtype = match dt {
+                DType::F16 | DType::BF16 => numpy::dtype::<u16>(py),
+                DType::F32 => numpy::dtype::<f32>(py),
+                DType::F64 => numpy::dtype::<f64>(py),
+                DType::I8 => numpy::dtype::<i8>(py),
+                DType::I16 => numpy::dtype::<i16>(py),
+                DType::I32 => numpy::dtype::<i32>(py),
+                DType::I64 => numpy::dtype::<i64>(py),
+                DType::U8 => numpy::dtype::<u8>(py),
+                DType::U16 => numpy::dtype::<u16>(py),
+                DType::U32 => numpy::dtype::<u32>(py),
+                DType::U64 => numpy::dtype::<u64>(py),
+                DType::Bool => numpy::dtype::<bool>(py),
+            };
+            return data.call_method1("view", (as_dtype,));
+        }
+        Err(t) => t,
+    };
     match t.dtype() {
         DType::F16 => give_u16::<f16>(py, t),
         DType::BF16 => give_u16::<bf16>(py, t),

@@ -311,3 +311,24 @@ def test_aligned_arrays_start_on_64_bytes_and_are_received_into_in_place(pair, n
         mw.zeros((2, -1))
     with pytest.raises(TypeError):
         mw.empty(3, "complex64")
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_large_results_come_back_aligned_without_a_copy(pair, name):
+    """A large received or reduced result is the runtime's aligned buffer,
+    handed to numpy as is: 64-byte aligned, exact, of the asked dtype and
+    shape, writable, and alive after the call's other objects are gone."""
+    w0, w1 = pair
+    x = np.resize(sample(name), (64, 1 << 10))
+    _, got = both(lambda: w1.send(x, 0), lambda: w0.recv(1, dtype=name, shape=x.shape))
+    assert got.ctypes.data % mw.ALIGNMENT == 0
+    assert got.dtype == x.dtype and got.shape == x.shape and got.tobytes() == x.tobytes()
+    got[0, 0] = got[0, 1]  # writable, like any returned array
+    small = np.resize(sample(name), 3)
+    _, s = both(lambda: w1.send(small, 0), lambda: w0.recv(1, dtype=name, shape=(3,)))
+    assert s.tobytes() == small.tobytes()
+    if name != "bool":
+        a, b = both(lambda: w0.all_reduce(x, "max", async_op=True).wait(),
+                    lambda: w1.all_reduce(x, "max", async_op=True).wait())
+        for r in (a, b):
+            assert r is not None and r.tobytes() == x.tobytes() and r.dtype == x.dtype

@@ -411,6 +411,12 @@ impl AlignedBytes {
     pub fn bytes_mut(&mut self) -> &mut [u8] {
         &mut self.buf[self.at..self.at + self.len]
     }
+
+    /// The whole allocation and the range of it that holds the bytes.
+    pub fn into_parts(self) -> (Vec<u8>, std::ops::Range<usize>) {
+        let range = self.at..self.at + self.len;
+        (self.buf, range)
+    }
 }
 
 impl Clone for AlignedBytes {
@@ -639,7 +645,8 @@ impl Tensor {
 
     /// A tensor of zeros (or `false`). From [`ALIGNED_FROM`] bytes on its
     /// data is 64-byte aligned (sockets copy into and out of such memory
-    /// faster; see [`ALIGNED_FROM`]), which [`Tensor::into_vec`] then copies.
+    /// faster; see [`ALIGNED_FROM`]), which [`Tensor::into_vec`] then copies
+    /// (`Tensor::from_vec` keeps the caller's `Vec`).
     pub fn zeros(dtype: DType, shape: impl Into<Vec<usize>>) -> Result<Self> {
         let shape = shape.into();
         let n = numel_of(&shape)?;
@@ -648,22 +655,6 @@ impl Tensor {
         Ok(Tensor {
             shape,
             storage: Storage::zeros(dtype, n),
-        })
-    }
-
-    /// A tensor of zeros held in a typed `Vec` whatever its size, so that
-    /// [`Tensor::into_vec`] gives that `Vec` back without a copy: for
-    /// callers that hand the result on as a `Vec` (the Python package gives
-    /// it to numpy). [`Tensor::zeros`] is faster to receive into from
-    /// [`ALIGNED_FROM`] bytes on.
-    pub fn zeros_in_vec(dtype: DType, shape: impl Into<Vec<usize>>) -> Result<Self> {
-        let shape = shape.into();
-        let n = numel_of(&shape)?;
-        n.checked_mul(dtype.size())
-            .ok_or_else(|| Error::new(format!("shape {shape:?} overflows usize bytes")))?;
-        Ok(Tensor {
-            shape,
-            storage: Storage::zeros_vec(dtype, n),
         })
     }
 
@@ -792,6 +783,22 @@ impl Tensor {
     pub fn into_vec<T: Element>(self) -> std::result::Result<Vec<T>, Tensor> {
         let Tensor { shape, storage } = self;
         T::into_vec(storage).map_err(|storage| Tensor { shape, storage })
+    }
+
+    /// For a tensor whose data is the aligned memory of a large
+    /// [`Tensor::zeros`]: that memory without a copy, as the whole
+    /// allocation and the range of it that holds the data (64-byte aligned),
+    /// for whoever hands the data on as bytes (the Python package gives it to
+    /// numpy and views the range). Any other tensor comes back unchanged.
+    #[doc(hidden)]
+    pub fn into_aligned_parts(self) -> std::result::Result<(Vec<u8>, std::ops::Range<usize>), Tensor> {
+        match self.storage {
+            Storage::Aligned { mem, .. } => Ok(mem.into_parts()),
+            storage => Err(Tensor {
+                shape: self.shape,
+                storage,
+            }),
+        }
     }
 
     /// The data as bytes in native (on every supported target: little-endian) order.
@@ -1081,6 +1088,20 @@ mod tests {
         let mut b = Tensor::zeros(DType::Bool, [ALIGNED_FROM]).unwrap();
         b.as_mut_slice::<bool>().unwrap()[5] = true;
         assert_eq!(b.into_vec::<bool>().unwrap().iter().filter(|&&x| x).count(), 1);
+        // Handing the aligned memory on as bytes: no copy, the range aligned.
+        let mut t = Tensor::zeros(DType::U16, [ALIGNED_FROM]).unwrap();
+        t.as_mut_slice::<u16>().unwrap()[1] = 7;
+        let at = t.as_bytes().as_ptr() as usize;
+        let (buf, range) = t.into_aligned_parts().unwrap();
+        assert_eq!(buf[range.clone()].as_ptr() as usize, at);
+        assert_eq!(range.len(), 2 * ALIGNED_FROM);
+        assert_eq!(&buf[range.start + 2..range.start + 4], &7u16.to_ne_bytes());
+        assert!(
+            Tensor::zeros(DType::U16, [4])
+                .unwrap()
+                .into_aligned_parts()
+                .is_err()
+        );
         // Swapping storage with an aligned tensor keeps it aligned.
         let mut dst = Tensor::zeros(DType::U8, [ALIGNED_FROM]).unwrap();
         dst.take_storage_from(Tensor::zeros(DType::U8, [ALIGNED_FROM]).unwrap())
