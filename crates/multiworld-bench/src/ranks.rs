@@ -59,6 +59,20 @@ pub enum Scenario {
     TcpStream,
     /// `pingpong` over a raw TCP socket (physical reference).
     TcpPingpong,
+    /// Broadcast of a float32 tensor of `size` bytes from rank 0.
+    Broadcast,
+    /// Reduce (sum) of a float32 tensor of `size` bytes to rank 0.
+    Reduce,
+    /// All-gather of every rank's `size` bytes into one tensor of `procs × size`.
+    AllGather,
+    /// Reduce-scatter (sum) of `size` bytes per rank: each keeps `size / procs`.
+    ReduceScatter,
+    /// All-to-all of `size` bytes per rank (`size / procs` to each).
+    AllToAll,
+    /// Gather of every rank's `size` bytes to rank 0.
+    Gather,
+    /// Scatter of `size` bytes to each rank from rank 0.
+    Scatter,
 }
 
 impl Scenario {
@@ -71,14 +85,36 @@ impl Scenario {
             Scenario::AllReduce => "all_reduce",
             Scenario::TcpStream => "tcp_stream",
             Scenario::TcpPingpong => "tcp_pingpong",
+            Scenario::Broadcast => "broadcast",
+            Scenario::Reduce => "reduce",
+            Scenario::AllGather => "all_gather",
+            Scenario::ReduceScatter => "reduce_scatter",
+            Scenario::AllToAll => "all_to_all",
+            Scenario::Gather => "gather",
+            Scenario::Scatter => "scatter",
         }
+    }
+
+    /// Whether this is a collective over every process (`--n` of them).
+    pub fn is_collective(self) -> bool {
+        matches!(
+            self,
+            Scenario::AllReduce
+                | Scenario::Broadcast
+                | Scenario::Reduce
+                | Scenario::AllGather
+                | Scenario::ReduceScatter
+                | Scenario::AllToAll
+                | Scenario::Gather
+                | Scenario::Scatter
+        )
     }
 
     /// How many processes run it, given the `workers`/`procs` setting.
     pub fn processes(self, n: u32) -> u32 {
         match self {
             Scenario::Leader => n + 1,
-            Scenario::AllReduce => n,
+            s if s.is_collective() => n,
             _ => 2,
         }
     }
@@ -187,8 +223,8 @@ pub struct RunArgs {
 pub fn default_sizes(scenario: Scenario, quick: bool) -> Vec<usize> {
     match (scenario, quick) {
         (Scenario::Pingpong | Scenario::TcpPingpong, _) => vec![4],
-        (Scenario::AllReduce, false) => vec![1 << 20, 64 << 20],
-        (Scenario::AllReduce, true) => vec![1 << 20],
+        (s, false) if s.is_collective() => vec![1 << 20, 64 << 20],
+        (s, true) if s.is_collective() => vec![1 << 20],
         (_, false) => vec![64 << 10, 1 << 20],
         (_, true) => vec![64 << 10],
     }
@@ -228,7 +264,7 @@ pub fn run(args: &RunArgs, mut emit: impl FnMut(Value)) -> Result<()> {
         args.sizes.clone()
     };
     let ns: Vec<u32> = match args.scenario {
-        Scenario::Leader | Scenario::AllReduce => args.n.clone(),
+        s if s == Scenario::Leader || s.is_collective() => args.n.clone(),
         _ => vec![2],
     };
     let exe = std::env::current_exe().map_err(|e| err(format!("cannot find this binary: {e}")))?;
@@ -256,14 +292,12 @@ pub fn run(args: &RunArgs, mut emit: impl FnMut(Value)) -> Result<()> {
 fn rank_command(exe: &std::path::Path, a: &RankArgs, rank: u32, addr: &str) -> Command {
     let mut c = Command::new(exe);
     c.arg("rank")
-        .arg(match a.scenario {
-            Scenario::Stream => "stream",
-            Scenario::Pingpong => "pingpong",
-            Scenario::Leader => "leader",
-            Scenario::AllReduce => "all-reduce",
-            Scenario::TcpStream => "tcp-stream",
-            Scenario::TcpPingpong => "tcp-pingpong",
-        })
+        .arg(
+            clap::ValueEnum::to_possible_value(&a.scenario)
+                // Every variant has a name (none is skipped).
+                .map(|v| v.get_name().to_string())
+                .unwrap_or_default(),
+        )
         .args(["--rank", &rank.to_string(), "--n", &a.n.to_string()])
         .args(["--size", &a.size.to_string(), "--addr", addr])
         .args(["--deadline-s", &a.deadline_s.to_string()])
@@ -408,6 +442,7 @@ async fn world_rank(a: &RankArgs) -> Result<Option<Value>> {
         Scenario::Pingpong => pingpong(&m, a, &addr).await,
         Scenario::Leader => leader(&m, a, &addr).await,
         Scenario::AllReduce => all_reduce(&m, a, &addr).await,
+        s if s.is_collective() => collective(&m, a, &addr).await,
         _ => Err(err("not a world scenario")),
     };
     m.shutdown().await;
@@ -591,6 +626,50 @@ async fn all_reduce(m: &WorldManager, a: &RankArgs, addr: &str) -> Result<Option
     }
     w.finish(FINISH).await.map_err(err)?;
     Ok((a.rank == 0).then(|| reduced(a.size, a.n, &mut times)))
+}
+
+/// One of the other collectives (see [`Scenario`] for what `size` means
+/// for each), timed like `all-reduce`: two untimed calls, then `iters`.
+async fn collective(m: &WorldManager, a: &RankArgs, addr: &str) -> Result<Option<Value>> {
+    let iters = a.load.iters(a.size);
+    let n = a.n as usize;
+    let w = join(m, a.scenario.name(), a.rank, a.n, addr).await?;
+    let g = w.collectives();
+    let root = Rank(0);
+    let is_root = a.rank == 0;
+    let elems = elements(a.size);
+    let part = (elems / n).max(1);
+    let mut t = buffer(a.size)?;
+    let zeros = |k: usize| Tensor::zeros(DType::F32, [k]).map_err(err);
+    let (mut big, mut small) = (zeros(n * elems)?, zeros(part)?);
+    let (even_in, mut even_out) = (zeros(part * n)?, zeros(part * n)?);
+    let mut list = (0..n).map(|_| zeros(elems)).collect::<Result<Vec<_>>>()?;
+    let mut times = Vec::with_capacity(iters);
+    for i in 0..2 + iters {
+        let t0 = Instant::now();
+        let r = match a.scenario {
+            Scenario::Broadcast => g.broadcast(&mut t, root).await,
+            Scenario::Reduce => g.reduce(&mut t, root, ReduceOp::Sum).await,
+            Scenario::AllGather => g.all_gather_into_tensor(&mut big, &t).await,
+            Scenario::ReduceScatter => g.reduce_scatter_tensor(&mut small, &even_in, ReduceOp::Sum).await,
+            Scenario::AllToAll => g.all_to_all_single(&mut even_out, &even_in, None, None).await,
+            Scenario::Gather => g.gather(&t, is_root.then_some(&mut list[..]), root).await,
+            Scenario::Scatter => g.scatter(&mut t, is_root.then_some(&list[..]), root).await,
+            _ => return Err(err("not a collective")),
+        };
+        r.map_err(err)?;
+        if i >= 2 {
+            times.push(t0.elapsed().as_secs_f64());
+        }
+    }
+    w.finish(FINISH).await.map_err(err)?;
+    Ok(is_root.then(|| {
+        let mut v = reduced(a.size, a.n, &mut times);
+        if let Value::Object(o) = &mut v {
+            o.insert("scenario".into(), json!(a.scenario.name()));
+        }
+        v
+    }))
 }
 
 fn reduced(size: usize, procs: u32, times: &mut [f64]) -> Value {

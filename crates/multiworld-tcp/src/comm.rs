@@ -304,8 +304,13 @@ struct Inner {
     matching: Mutex<Matching>,
     health_tx: broadcast::Sender<HealthEvent>,
     aborted: OnceLock<Arc<str>>,
-    /// Set by [`Communicator::close`]: sockets then close with FIN, not RST.
+    /// Set by [`Communicator::close`] (and never cleared): operations fail
+    /// with `Aborted("closed")`, connections ending are not reported, and
+    /// sockets close with FIN, not RST, unless `cut_off`.
     closing: AtomicBool,
+    /// Set when a close gave up waiting for its peers: the sockets still
+    /// open close with RST, as in an abort.
+    cut_off: AtomicBool,
     rejected: Arc<AtomicU64>,
 }
 
@@ -445,6 +450,7 @@ impl Communicator {
             health_tx,
             aborted: OnceLock::new(),
             closing: AtomicBool::new(false),
+            cut_off: AtomicBool::new(false),
             rejected,
         });
         for (peer, rd) in reads {
@@ -650,8 +656,9 @@ impl Communicator {
     /// with its own goodbye or end of stream, and only then lets its sockets
     /// go. Closing a socket with unread bytes in it would send a reset, and a
     /// reset can reach the peer before it has read the goodbye, which then
-    /// takes the close for a failure. Operations still pending, and any
-    /// started once the close has begun, fail with [`Error::Aborted`].
+    /// takes the close for a failure. Sends already queued go out before the
+    /// goodbye; receives still pending, and every operation started once the
+    /// close has begun, fail with [`Error::Aborted`].
     ///
     /// Bounded: a peer that does not answer within [`CLOSE_LIMIT`] (frozen,
     /// or a send of ours still stuck on its full socket) is cut off with a
@@ -665,7 +672,7 @@ impl Communicator {
             .is_err()
         {
             // Whoever has not answered gets the abortive close.
-            inner.closing.store(false, Ordering::Relaxed);
+            inner.cut_off.store(true, Ordering::Relaxed);
         }
         inner.abort_with("closed");
         inner.tracker.wait().await;
@@ -791,6 +798,12 @@ impl Inner {
         }
     }
 
+    /// Whether sockets close gracefully (FIN): during a close that has not
+    /// given up; otherwise they close with a reset.
+    fn graceful(&self) -> bool {
+        self.closing.load(Ordering::Relaxed) && !self.cut_off.load(Ordering::Relaxed)
+    }
+
     /// The error for an operation with `peer` that found the connection unusable.
     fn peer_error(&self, peer: &Peer) -> Error {
         if let Some(e) = self.aborted_error() {
@@ -829,7 +842,10 @@ impl Inner {
                 self.cfg.limits.max_message_bytes
             )));
         }
-        if self.aborted.get().is_some() || peer.lost.get().is_some() {
+        if let Some(e) = self.aborted_error() {
+            return Err(e);
+        }
+        if peer.lost.get().is_some() {
             return Err(self.peer_error(peer));
         }
         Ok(peer)
@@ -1004,8 +1020,8 @@ impl Inner {
         Posting::Waiting { id, rx }
     }
 
-    /// One peer's part of [`Communicator::close`]: the goodbye (after any send
-    /// already writing), the end of the write side, then the wait for the
+    /// One peer's part of [`Communicator::close`]: the goodbye (after the
+    /// sends already queued for the connection), the end of the write side, then the wait for the
     /// peer's answer, which ends this side's reader (its goodbye, end of
     /// stream or reset). Nothing is written after the goodbye: the write half
     /// leaves the writer, so no heartbeat follows it.
@@ -1045,7 +1061,7 @@ impl Inner {
             self.drop_writer(&mut w);
             return;
         }
-        let closing = self.closing.load(Ordering::Relaxed);
+        let closing = self.graceful();
         let writer = Arc::clone(&peer.writer);
         self.runtime.spawn(async move {
             let mut w = writer.lock().await;
@@ -1060,7 +1076,7 @@ impl Inner {
     /// Drops a connection's write half; abortively unless this is an orderly close.
     fn drop_writer(&self, w: &mut Writer) {
         if let Some(half) = w.half.take() {
-            if !self.closing.load(Ordering::Relaxed) {
+            if !self.graceful() {
                 half.reset_on_close();
             }
         }
@@ -1393,7 +1409,7 @@ async fn reader_task(inner: Arc<Inner>, peer: Arc<Peer>, half: ReadLink) {
         }
         None => {}
     }
-    if !inner.closing.load(Ordering::Relaxed) {
+    if !inner.graceful() {
         rd.get_ref().reset_on_close();
     }
     if let Some(p) = slot.take() {

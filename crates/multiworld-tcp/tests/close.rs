@@ -158,3 +158,30 @@ async fn a_close_does_not_wait_long_for_a_peer_that_never_answers() {
     drop(pending);
     drop(a);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operations_started_once_the_close_has_begun_fail_as_closed() {
+    let (a, b) = pair("close-begun").await;
+    let pending = a.irecv(Rank(1), Tag(4), Tensor::zeros(DType::U8, [8]).unwrap());
+    let mut close = Box::pin(a.close());
+    // One poll starts the close (its goodbyes are on their way).
+    assert!(futures::poll!(&mut close).is_pending());
+    let e = a.send(Rank(1), Tag(4), &[1u8; 8][..]).await.unwrap_err();
+    assert!(
+        matches!(&e, Error::Aborted { reason } if &**reason == "closed"),
+        "{e}"
+    );
+    let mut buf = Tensor::zeros(DType::U8, [8]).unwrap();
+    let e = a.recv(Rank(1), Tag(4), &mut buf).await.unwrap_err();
+    assert!(
+        matches!(&e, Error::Aborted { reason } if &**reason == "closed"),
+        "{e}"
+    );
+    tokio::time::timeout(BOUND, close).await.expect("close hung");
+    let e = pending.await.unwrap_err();
+    assert!(
+        matches!(&e, Error::Aborted { reason } if &**reason == "closed"),
+        "{e:?}"
+    );
+    assert!(cause_seen(&b, Rank(0)).await.contains("orderly"));
+}
