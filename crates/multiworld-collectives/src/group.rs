@@ -610,7 +610,7 @@ impl Group {
             return Algo::Direct;
         }
         let shm = shm
-            && kind == Kind::AllReduce
+            && matches!(kind, Kind::AllReduce | Kind::Broadcast)
             && super::shm::segment_len(self.cfg.shm_piece_bytes, self.size()).is_some();
         match self.cfg.algorithm {
             Algorithm::Direct => Algo::Direct,

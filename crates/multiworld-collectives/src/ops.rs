@@ -110,7 +110,12 @@ impl Group {
             let bytes = t.nbytes() as u64;
             let peers = (cx.n() - 1) as u64;
             let send_bytes = if cx.me == root_i { bytes * peers } else { 0 };
-            Ok(Prep::new(root_i, bytes, send_bytes).with_scratch())
+            // May use the segment; not for bool (bytes another process wrote
+            // are only taken for number types, valid for any bit pattern).
+            let shm = t.dtype() != DType::Bool;
+            Ok(Prep::new(root_i, bytes, send_bytes)
+                .with_scratch()
+                .with_shm_if(shm))
         };
         self.run_collective(
             ticket,
@@ -125,7 +130,14 @@ impl Group {
                 };
                 let (_, sends) = cx.exchange(d, &payloads).await?;
                 drop(payloads);
-                algo::broadcast(cx, &mut lent.scratch, t, root_i, d).await?;
+                let seg = match lent.shm.as_mut() {
+                    Some(state) => shm::ensure(cx, state).await?,
+                    None => None,
+                };
+                match seg {
+                    Some(seg) => shm::broadcast(cx, seg, t.bytes_mut(), root_i).await?,
+                    None => algo::broadcast(cx, &mut lent.scratch, t, root_i, d).await?,
+                }
                 finish_sends(sends).await
             },
         )

@@ -1,4 +1,4 @@
-//! Same-host shared memory for large all-reduces: the data move through one
+//! Same-host shared memory for large all-reduces and broadcasts: the data move through one
 //! memory segment mapped by every member, and the TCP mesh carries only the
 //! small messages that order the phases (and, as for every call, detects a lost
 //! member).
@@ -705,6 +705,42 @@ pub(crate) async fn all_reduce<T: Kernel>(
         }
     }
     sc.give(acc);
+    Ok(())
+}
+
+/// Broadcast of `data` (bytes) from member `root` through the segment: step
+/// `t` has the root copy piece `t` into its slot of buffer `t mod 3` and
+/// every other member copy piece `t − 1` out of the root's slot; one barrier
+/// per step, `pieces` in all (the agreement round of the next call orders
+/// the last step, as for the all-reduce). Piece `k + 3` overwrites piece
+/// `k`'s buffer at step `k + 3`, after the step that read it (`k + 1`) has
+/// ended on every member. Only the root's slots are used.
+pub(crate) async fn broadcast(cx: Ctx<'_>, seg: &Arc<Segment>, data: &mut [u8], root: usize) -> Result<()> {
+    let n = cx.n();
+    let piece = seg.slot_bytes(n);
+    if piece == 0 {
+        return Err(Error::invalid("internal: shared-memory slots too small"));
+    }
+    let total = data.len();
+    let pieces = total.div_ceil(piece);
+    let stream = total >= STREAM_MIN_BYTES;
+    let piece_range = |k: usize| k * piece..((k + 1) * piece).min(total);
+    for t in 0..pieces + 1 {
+        if cx.me == root {
+            if t < pieces {
+                let r = piece_range(t);
+                let slot = seg.write::<u8>(n, t % BUFFERS, root, 0..r.len())?;
+                copy_yielding(slot, &data[r], false).await;
+            }
+        } else if let Some(k) = t.checked_sub(1) {
+            let r = piece_range(k);
+            let slot = seg.read::<u8>(n, k % BUFFERS, root, 0..r.len())?;
+            copy_yielding(&mut data[r], slot, stream).await;
+        }
+        if t < pieces {
+            arrive_and_wait(cx, seg).await?;
+        }
+    }
     Ok(())
 }
 

@@ -208,8 +208,9 @@ fn tensors_larger_than_a_piece_go_through_in_pieces() {
         let cfg = small_pieces(PIECE);
         let seg = segment(N, PIECE);
         let gs = with_cfg(&groups("shm-pieces", N as u32).await, &cfg);
-        // Operations other than all_reduce run as with `Algorithm::Ring` and
-        // do not set up the segment (small-integer inputs: exact in any order).
+        // Operations other than all_reduce and broadcast run as with
+        // `Algorithm::Ring` and do not set up the segment (small-integer
+        // inputs: exact in any order).
         on_all(&gs, |me, g| async move {
             let ins: Vec<Tensor> = (0..N).map(|r| input(DType::F32, 30_001, r, 20)).collect();
             let want = reference(&ins, ReduceOp::Sum);
@@ -227,14 +228,6 @@ fn tensors_larger_than_a_piece_go_through_in_pieces() {
                 &slice(&want_big, me * 10_007..(me + 1) * 10_007),
                 "reduce_scatter_tensor",
             );
-            let src = input(DType::I16, 40_000, 0, 22);
-            let mut t = if me == 0 {
-                src.clone()
-            } else {
-                Tensor::zeros(DType::I16, [40_000]).unwrap()
-            };
-            g.broadcast(&mut t, Rank(0)).await.unwrap();
-            assert_same(&t, &src, "broadcast");
         })
         .await;
         assert_all(
@@ -242,6 +235,33 @@ fn tensors_larger_than_a_piece_go_through_in_pieces() {
             &SharedMemory::Untried,
             "after other operations",
         );
+        // Broadcast goes through the segment too, piece by piece, from any
+        // root: many pieces, exactly one, one and a byte, under one, none.
+        on_all(&gs, |me, g| async move {
+            for (k, (dtype, numel)) in [
+                (DType::I16, 40_000),
+                (DType::U8, PIECE),
+                (DType::U8, PIECE + 1),
+                (DType::F64, 100),
+                (DType::F32, 0),
+                (DType::I64, 3 * PIECE / 8 + 7),
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                let root = k % N;
+                let src = input(dtype, numel, root, 22 + k as u64);
+                let mut t = if me == root {
+                    src.clone()
+                } else {
+                    Tensor::zeros(dtype, [numel]).unwrap()
+                };
+                g.broadcast(&mut t, Rank(root as u32)).await.unwrap();
+                assert_same(&t, &src, &format!("broadcast {dtype} x {numel} from {root}"));
+            }
+        })
+        .await;
+        assert_all(&statuses(&gs).await, &active(seg), "after broadcasts");
         let t0 = Instant::now();
         // Back to back: many pieces, exactly one piece, one piece and one
         // element, whole pieces, and dtypes of every width in successive calls.
@@ -653,7 +673,35 @@ fn shared_memory_settings_that_differ_fail_on_every_member() {
 
 #[test]
 fn a_member_lost_during_a_shared_memory_all_reduce_fails_the_others() {
-    run(async {
+    run(lost_member_rounds(Op::AllReduce));
+}
+
+#[test]
+fn a_member_lost_during_a_shared_memory_broadcast_fails_the_others() {
+    run(lost_member_rounds(Op::Broadcast));
+}
+
+/// The collective the loss rounds run.
+#[derive(Clone, Copy, Debug)]
+enum Op {
+    AllReduce,
+    Broadcast,
+}
+
+impl Op {
+    async fn call(self, g: &Group, t: &mut Tensor) -> multiworld_tcp::Result<()> {
+        match self {
+            Op::AllReduce => g.all_reduce(t, ReduceOp::Sum).await,
+            Op::Broadcast => g.broadcast(t, Rank(0)).await,
+        }
+    }
+}
+
+/// Members calling `op` back to back through the segment; one is aborted or
+/// closed mid-way: every call that succeeded was exact, every survivor fails
+/// within a bound, later calls fail at once.
+async fn lost_member_rounds(op: Op) {
+    {
         const N: usize = 3;
         const LEN: usize = 1 << 20; // 4 MiB of f32 in 64 KiB pieces
         // The loss lands wherever the calls happen to be; several rounds try
@@ -661,11 +709,14 @@ fn a_member_lost_during_a_shared_memory_all_reduce_fails_the_others() {
         let rounds = [("abort", 2, 1), ("abort", 0, 3), ("abort", 1, 6), ("close", 0, 2)];
         for (round, (how, victim, calls)) in rounds.into_iter().enumerate() {
             let gs = with_cfg(
-                &groups(&format!("shm-lost-{round}"), N as u32).await,
+                &groups(&format!("shm-lost-{op:?}-{round}"), N as u32).await,
                 &small_pieces(64 << 10),
             );
             let ins: Arc<Vec<Tensor>> = Arc::new((0..N).map(|r| input(DType::F32, LEN, r, 8)).collect());
-            let want = Arc::new(reference(&ins, ReduceOp::Sum));
+            let want = Arc::new(match op {
+                Op::AllReduce => reference(&ins, ReduceOp::Sum),
+                Op::Broadcast => ins[0].clone(),
+            });
             let done: Arc<[AtomicUsize; N]> = Arc::new(Default::default());
             // Every rank runs all-reduces back to back until one fails; every
             // call that succeeds must be exact.
@@ -678,7 +729,7 @@ fn a_member_lost_during_a_shared_memory_all_reduce_fails_the_others() {
                     tokio::spawn(async move {
                         loop {
                             let mut t = ins[me].clone();
-                            match g.all_reduce(&mut t, ReduceOp::Sum).await {
+                            match op.call(&g, &mut t).await {
                                 Ok(()) => {
                                     assert_same(&t, &want, &format!("rank {me}: a call that succeeded"));
                                     let k = done[me].fetch_add(1, Ordering::SeqCst) + 1;
@@ -737,12 +788,12 @@ fn a_member_lost_during_a_shared_memory_all_reduce_fails_the_others() {
             for g in gs.iter().filter(|g| g.group_rank() != Some(victim)) {
                 let t0 = Instant::now();
                 let mut t = ins[0].clone();
-                let e = g.all_reduce(&mut t, ReduceOp::Sum).await.unwrap_err();
+                let e = op.call(g, &mut t).await.unwrap_err();
                 assert!(e.is_world_fatal(), "{how} of rank {victim}: a later call: {e}");
                 assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
             }
         }
-    });
+    }
 }
 
 // -------------------------------------------------- 8. a member never arrives
