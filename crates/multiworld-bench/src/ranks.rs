@@ -25,6 +25,10 @@
 //!   messages per second and bandwidth);
 //! - `all-reduce`: `procs` processes all-reduce a float32 tensor of `size`
 //!   bytes (median time per call);
+//! - `broadcast`, `reduce`, `all-gather`, `reduce-scatter`, `all-to-all`,
+//!   `gather`, `scatter`: the other collectives over `procs` processes, timed
+//!   like `all-reduce` (`size` bytes per rank; see [`Scenario`] for each);
+//!   `bench/collectives_side_by_side.py` runs them against gloo;
 //! - `tcp-stream`, `tcp-pingpong`: the same traffic as `stream`/`pingpong`
 //!   over a raw blocking TCP socket between two processes (the physical
 //!   reference).

@@ -60,3 +60,44 @@ fn one_scenario_with_explicit_sizes() -> anyhow::Result<()> {
     assert_eq!(sizes, [4096, 65536]);
     Ok(())
 }
+
+#[test]
+fn every_other_collective_runs_one_process_per_rank() -> anyhow::Result<()> {
+    for (arg, name) in [
+        ("broadcast", "broadcast"),
+        ("reduce", "reduce"),
+        ("all-gather", "all_gather"),
+        ("reduce-scatter", "reduce_scatter"),
+        ("all-to-all", "all_to_all"),
+        ("gather", "gather"),
+        ("scatter", "scatter"),
+    ] {
+        // 3 processes: uneven splits of the size are rounded as documented.
+        let out = Command::new(env!("CARGO_BIN_EXE_mw-rank-bench"))
+            .args([
+                "run",
+                arg,
+                "--quick",
+                "--n",
+                "3",
+                "--sizes",
+                "4096",
+                "--deadline-s",
+                "120",
+            ])
+            .output()?;
+        assert!(
+            out.status.success(),
+            "{arg}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_str(String::from_utf8(out.stdout)?.trim())?;
+        assert_eq!(v["scenario"], name, "{v}");
+        assert_eq!(v["procs"], 3, "{v}");
+        assert_eq!(v["size"], 4096, "{v}");
+        for f in ["ms", "ms_min", "gb_per_s", "iters"] {
+            assert!(positive(&v, f), "{arg}: {f} is not a positive number in {v}");
+        }
+    }
+    Ok(())
+}
