@@ -26,16 +26,16 @@ needs PyTorch and the release `mw-rank-bench`.
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from _common import add_rust_bin, free_port, rust_bin
 
 COLLECTIVES = ["broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "gather", "scatter"]
 BYTES = 1 << 30
@@ -44,12 +44,6 @@ BYTES = 1 << 30
 def iters(size: int) -> int:
     """Timed calls per measurement: the Rust ranks' rule (`Load::iters`)."""
     return min(max(BYTES // size, 5), 50)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def gloo_call(name: str, rank: int, n: int, size: int):
@@ -136,12 +130,9 @@ def main() -> None:
     p.add_argument("--procs", default="2,4")
     p.add_argument("--sizes", default=f"1024,{1 << 20},{64 << 20}")
     p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--rust-bin", default=str(Path(__file__).resolve().parents[1] / "target/release/mw-rank-bench"))
-    p.add_argument("--json")
+    add_rust_bin(p)
     a = p.parse_args()
-    binary = Path(a.rust_bin)
-    if not binary.is_file():
-        sys.exit(f"{binary} not found: cargo build --release -p multiworld-bench --bin mw-rank-bench")
+    binary = rust_bin(a)
     sizes = [int(s) for s in a.sizes.split(",")]
     rows = []
     print(f"torch {torch.__version__} gloo vs multiworld (mw-rank-bench), one process per rank, "

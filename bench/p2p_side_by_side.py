@@ -19,10 +19,8 @@ Not part of the tests; needs PyTorch (gloo) and the release `mw-rank-bench`.
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -30,16 +28,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from _common import add_rust_bin, free_port, rust_bin
+
 STREAM_SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
 PINGPONG_SIZES = [4, 64 << 10, 1 << 20]
 BYTES_TOTAL = 1 << 30
 MIN_MESSAGES = 100
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def messages(size: int) -> int:
@@ -109,12 +103,9 @@ def rank_bench(binary: Path, scenario: str, size: int) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--rust-bin", default=str(Path(__file__).resolve().parents[1] / "target/release/mw-rank-bench"))
-    p.add_argument("--json")
+    add_rust_bin(p)
     a = p.parse_args()
-    binary = Path(a.rust_bin)
-    if not binary.is_file():
-        sys.exit(f"{binary} not found: cargo build --release -p multiworld-bench --bin mw-rank-bench")
+    binary = rust_bin(a)
     rows = []
     print(f"torch {torch.__version__} gloo vs multiworld (mw-rank-bench), one process per rank, "
           f"{a.repeats} interleaved repeats", flush=True)
