@@ -200,10 +200,11 @@ impl Group {
                 Some(r) if r == cx.me => 0,
                 Some(_) => bytes,
             };
-            // An all-reduce may use the segment. Not bool: a byte another process
-            // wrote is only read as a number type, for which every bit pattern is
+            // May use the segment (a reduce runs the shared-memory all-reduce,
+            // on a copy off the root). Not bool: a byte another process wrote
+            // is only read as a number type, for which every bit pattern is
             // valid.
-            let shm = root_i.is_none() && t.dtype() != DType::Bool;
+            let shm = t.dtype() != DType::Bool;
             Ok(Prep::new(root_i, bytes, send_bytes)
                 .with_scratch()
                 .with_shm_if(shm))
@@ -227,8 +228,19 @@ impl Group {
                 (None, Some(seg)) => with_type!(t.dtype(), T => {
                     shm::all_reduce::<T>(cx, seg, sc, t.as_mut_slice::<T>()?, op).await?
                 }),
+                // The root reduces in place; the others on a copy of their
+                // tensor, which a reduce leaves as it was.
+                (Some(r), Some(seg)) if r == cx.me => with_type!(t.dtype(), T => {
+                    shm::all_reduce::<T>(cx, seg, sc, t.as_mut_slice::<T>()?, op).await?
+                }),
+                (Some(_), Some(seg)) => with_type!(t.dtype(), T => {
+                    let mut copy = sc.take(t.dtype(), t.numel())?;
+                    copy.as_mut_slice::<T>()?.copy_from_slice(t.as_slice::<T>()?);
+                    shm::all_reduce::<T>(cx, seg, sc, copy.as_mut_slice::<T>()?, op).await?;
+                    sc.give(copy);
+                }),
                 (None, None) => algo::all_reduce(cx, sc, t, op, d).await?,
-                (Some(r), _) => algo::reduce(cx, sc, t, r, op, d).await?,
+                (Some(r), None) => algo::reduce(cx, sc, t, r, op, d).await?,
             }
             finish_sends(sends).await
         })

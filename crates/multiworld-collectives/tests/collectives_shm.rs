@@ -208,15 +208,10 @@ fn tensors_larger_than_a_piece_go_through_in_pieces() {
         let cfg = small_pieces(PIECE);
         let seg = segment(N, PIECE);
         let gs = with_cfg(&groups("shm-pieces", N as u32).await, &cfg);
-        // Operations other than all_reduce and broadcast run as with
+        // Operations other than all_reduce, reduce and broadcast run as with
         // `Algorithm::Ring` and do not set up the segment (small-integer
         // inputs: exact in any order).
         on_all(&gs, |me, g| async move {
-            let ins: Vec<Tensor> = (0..N).map(|r| input(DType::F32, 30_001, r, 20)).collect();
-            let want = reference(&ins, ReduceOp::Sum);
-            let mut t = ins[me].clone();
-            g.reduce(&mut t, Rank(2), ReduceOp::Sum).await.unwrap();
-            assert_same(&t, if me == 2 { &want } else { &ins[me] }, "reduce");
             let big: Vec<Tensor> = (0..N).map(|r| input(DType::BF16, N * 10_007, r, 21)).collect();
             let want_big = reference(&big, ReduceOp::Avg);
             let mut out = Tensor::zeros(DType::BF16, [10_007]).unwrap();
@@ -235,6 +230,17 @@ fn tensors_larger_than_a_piece_go_through_in_pieces() {
             &SharedMemory::Untried,
             "after other operations",
         );
+        // Reduce goes through the segment too (the all-reduce, on a copy
+        // off the root: the others' tensors stay as they were).
+        on_all(&gs, |me, g| async move {
+            let ins: Vec<Tensor> = (0..N).map(|r| input(DType::F32, 30_001, r, 20)).collect();
+            let want = reference(&ins, ReduceOp::Sum);
+            let mut t = ins[me].clone();
+            g.reduce(&mut t, Rank(2), ReduceOp::Sum).await.unwrap();
+            assert_same(&t, if me == 2 { &want } else { &ins[me] }, "reduce");
+        })
+        .await;
+        assert_all(&statuses(&gs).await, &active(seg), "after a reduce");
         // Broadcast goes through the segment too, piece by piece, from any
         // root: many pieces, exactly one, one and a byte, under one, none.
         on_all(&gs, |me, g| async move {
@@ -681,11 +687,17 @@ fn a_member_lost_during_a_shared_memory_broadcast_fails_the_others() {
     run(lost_member_rounds(Op::Broadcast));
 }
 
+#[test]
+fn a_member_lost_during_a_shared_memory_reduce_fails_the_others() {
+    run(lost_member_rounds(Op::Reduce));
+}
+
 /// The collective the loss rounds run.
 #[derive(Clone, Copy, Debug)]
 enum Op {
     AllReduce,
     Broadcast,
+    Reduce,
 }
 
 impl Op {
@@ -693,6 +705,17 @@ impl Op {
         match self {
             Op::AllReduce => g.all_reduce(t, ReduceOp::Sum).await,
             Op::Broadcast => g.broadcast(t, Rank(0)).await,
+            Op::Reduce => g.reduce(t, Rank(0), ReduceOp::Sum).await,
+        }
+    }
+
+    /// What member `me` holds after a call on `ins`.
+    fn want(self, ins: &[Tensor], me: usize) -> Tensor {
+        match self {
+            Op::AllReduce => reference(ins, ReduceOp::Sum),
+            Op::Broadcast => ins[0].clone(),
+            Op::Reduce if me == 0 => reference(ins, ReduceOp::Sum),
+            Op::Reduce => ins[me].clone(),
         }
     }
 }
@@ -713,10 +736,7 @@ async fn lost_member_rounds(op: Op) {
                 &small_pieces(64 << 10),
             );
             let ins: Arc<Vec<Tensor>> = Arc::new((0..N).map(|r| input(DType::F32, LEN, r, 8)).collect());
-            let want = Arc::new(match op {
-                Op::AllReduce => reference(&ins, ReduceOp::Sum),
-                Op::Broadcast => ins[0].clone(),
-            });
+            let want: Arc<Vec<Tensor>> = Arc::new((0..N).map(|me| op.want(&ins, me)).collect());
             let done: Arc<[AtomicUsize; N]> = Arc::new(Default::default());
             // Every rank runs all-reduces back to back until one fails; every
             // call that succeeds must be exact.
@@ -731,7 +751,7 @@ async fn lost_member_rounds(op: Op) {
                             let mut t = ins[me].clone();
                             match op.call(&g, &mut t).await {
                                 Ok(()) => {
-                                    assert_same(&t, &want, &format!("rank {me}: a call that succeeded"));
+                                    assert_same(&t, &want[me], &format!("rank {me}: a call that succeeded"));
                                     let k = done[me].fetch_add(1, Ordering::SeqCst) + 1;
                                     assert!(k < 10_000, "rank {me}: the calls never fail");
                                 }
