@@ -614,7 +614,8 @@ impl Group {
         // (4 processes: 1 MiB 1.1-1.2 against 2.2-2.3 ms, 16 MiB 11.3 against
         // 18 ms), slower than the direct reduce with 2 (1 MiB 0.47 against
         // 0.38 ms).
-        let shm_kind = matches!(kind, Kind::AllReduce | Kind::Broadcast) || (kind == Kind::Reduce && n > 2);
+        let shm_kind = matches!(kind, Kind::AllReduce | Kind::Broadcast | Kind::AllGatherInto)
+            || (kind == Kind::Reduce && n > 2);
         let shm = shm && shm_kind && super::shm::segment_len(self.cfg.shm_piece_bytes, self.size()).is_some();
         match self.cfg.algorithm {
             Algorithm::Direct => Algo::Direct,

@@ -330,7 +330,11 @@ impl Group {
             check_dtype("the output", output.dtype(), input.dtype())?;
             check_len("the output", output.numel(), input.numel().saturating_mul(n))?;
             let bytes = input.nbytes() as u64;
-            Ok(Prep::new((), bytes, bytes * (n as u64 - 1)).with_scratch())
+            // May use the segment (not bool: see `reduce_in`).
+            let shm = input.dtype() != DType::Bool;
+            Ok(Prep::new((), bytes, bytes * (n as u64 - 1))
+                .with_scratch()
+                .with_shm_if(shm))
         };
         self.run_collective(
             ticket,
@@ -339,7 +343,14 @@ impl Group {
             prepare,
             async |output, cx, d, (), lent| {
                 let (_, sends) = cx.exchange(d, &to_peers(cx, input.view())).await?;
-                algo::all_gather_into(cx, &mut lent.scratch, output, input, d).await?;
+                let seg = match lent.shm.as_mut() {
+                    Some(state) => shm::ensure(cx, state).await?,
+                    None => None,
+                };
+                match seg {
+                    Some(seg) => shm::all_gather(cx, seg, input.as_bytes(), output.bytes_mut()).await?,
+                    None => algo::all_gather_into(cx, &mut lent.scratch, output, input, d).await?,
+                }
                 finish_sends(sends).await
             },
         )

@@ -1,4 +1,5 @@
-//! Same-host shared memory for large all-reduces and broadcasts: the data move through one
+//! Same-host shared memory for large all-reduces, reduces, broadcasts and
+//! all-gathers into one tensor: the data move through one
 //! memory segment mapped by every member, and the TCP mesh carries only the
 //! small messages that order the phases (and, as for every call, detects a lost
 //! member).
@@ -736,6 +737,51 @@ pub(crate) async fn broadcast(cx: Ctx<'_>, seg: &Arc<Segment>, data: &mut [u8], 
             let r = piece_range(k);
             let slot = seg.read::<u8>(n, k % BUFFERS, root, 0..r.len())?;
             copy_yielding(&mut data[r], slot, stream).await;
+        }
+        if t < pieces {
+            arrive_and_wait(cx, seg).await?;
+        }
+    }
+    Ok(())
+}
+
+/// All-gather of every member's `input` (bytes, the same length everywhere)
+/// into `output` (`n` times as long, in member order) through the segment:
+/// step `t` has every member copy piece `t` of its input into its slot of
+/// buffer `t mod 3` and piece `t − 1` of every other member's input out of
+/// their slots; one barrier per step, `pieces` in all (the next call's
+/// agreement round orders the last step). Piece `k` is written in step `k`
+/// and read in step `k + 1`; its buffer is written again in step `k + 3`,
+/// after every member has left step `k + 2`.
+pub(crate) async fn all_gather(
+    cx: Ctx<'_>,
+    seg: &Arc<Segment>,
+    input: &[u8],
+    output: &mut [u8],
+) -> Result<()> {
+    let (n, me) = (cx.n(), cx.me);
+    let piece = seg.slot_bytes(n);
+    let len = input.len();
+    if piece == 0 || output.len() != len.saturating_mul(n) {
+        return Err(Error::invalid("internal: shared-memory all-gather sizes"));
+    }
+    let stream = output.len() >= STREAM_MIN_BYTES;
+    copy_yielding(&mut output[me * len..(me + 1) * len], input, stream).await;
+    let pieces = len.div_ceil(piece);
+    let piece_range = |k: usize| k * piece..((k + 1) * piece).min(len);
+    for t in 0..pieces + 1 {
+        if t < pieces {
+            let r = piece_range(t);
+            let slot = seg.write::<u8>(n, t % BUFFERS, me, 0..r.len())?;
+            copy_yielding(slot, &input[r], false).await;
+        }
+        if let Some(k) = t.checked_sub(1) {
+            let r = piece_range(k);
+            for q in (0..n).filter(|&q| q != me) {
+                let slot = seg.read::<u8>(n, k % BUFFERS, q, 0..r.len())?;
+                let at = q * len;
+                copy_yielding(&mut output[at + r.start..at + r.end], slot, stream).await;
+            }
         }
         if t < pieces {
             arrive_and_wait(cx, seg).await?;

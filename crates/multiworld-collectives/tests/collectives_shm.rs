@@ -268,6 +268,27 @@ fn tensors_larger_than_a_piece_go_through_in_pieces() {
         })
         .await;
         assert_all(&statuses(&gs).await, &active(seg), "after broadcasts");
+        // All-gather into one tensor, the same edges: every member's bytes
+        // in member order.
+        on_all(&gs, |me, g| async move {
+            for (k, (dtype, numel)) in [
+                (DType::I16, 40_000),
+                (DType::U8, PIECE),
+                (DType::U8, PIECE + 1),
+                (DType::F64, 100),
+                (DType::F32, 0),
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                let ins: Vec<Tensor> = (0..N).map(|r| input(dtype, numel, r, 40 + k as u64)).collect();
+                let mut out = Tensor::zeros(dtype, [N * numel]).unwrap();
+                g.all_gather_into_tensor(&mut out, &ins[me]).await.unwrap();
+                let want: Vec<u8> = ins.iter().flat_map(|t| t.as_bytes().to_vec()).collect();
+                assert_eq!(out.as_bytes(), &want[..], "all_gather {dtype} x {numel}");
+            }
+        })
+        .await;
         let t0 = Instant::now();
         // Back to back: many pieces, exactly one piece, one piece and one
         // element, whole pieces, and dtypes of every width in successive calls.
@@ -692,12 +713,18 @@ fn a_member_lost_during_a_shared_memory_reduce_fails_the_others() {
     run(lost_member_rounds(Op::Reduce));
 }
 
+#[test]
+fn a_member_lost_during_a_shared_memory_all_gather_fails_the_others() {
+    run(lost_member_rounds(Op::AllGather));
+}
+
 /// The collective the loss rounds run.
 #[derive(Clone, Copy, Debug)]
 enum Op {
     AllReduce,
     Broadcast,
     Reduce,
+    AllGather,
 }
 
 impl Op {
@@ -706,6 +733,13 @@ impl Op {
             Op::AllReduce => g.all_reduce(t, ReduceOp::Sum).await,
             Op::Broadcast => g.broadcast(t, Rank(0)).await,
             Op::Reduce => g.reduce(t, Rank(0), ReduceOp::Sum).await,
+            Op::AllGather => {
+                let n = g.size();
+                let mut out = Tensor::zeros(t.dtype(), [n * t.numel()]).unwrap();
+                g.all_gather_into_tensor(&mut out, t).await?;
+                *t = out;
+                Ok(())
+            }
         }
     }
 
@@ -716,6 +750,11 @@ impl Op {
             Op::Broadcast => ins[0].clone(),
             Op::Reduce if me == 0 => reference(ins, ReduceOp::Sum),
             Op::Reduce => ins[me].clone(),
+            Op::AllGather => {
+                let bytes: Vec<u8> = ins.iter().flat_map(|t| t.as_bytes().to_vec()).collect();
+                let numel = ins.iter().map(Tensor::numel).sum::<usize>();
+                Tensor::from_bytes(ins[0].dtype(), [numel], &bytes).unwrap()
+            }
         }
     }
 }
