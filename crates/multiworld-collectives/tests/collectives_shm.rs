@@ -243,18 +243,16 @@ fn tensors_larger_than_a_piece_go_through_in_pieces() {
         assert_all(&statuses(&gs).await, &active(seg), "after a reduce");
         // Broadcast goes through the segment too, piece by piece, from any
         // root: many pieces, exactly one, one and a byte, under one, none.
-        on_all(&gs, |me, g| async move {
-            for (k, (dtype, numel)) in [
-                (DType::I16, 40_000),
-                (DType::U8, PIECE),
-                (DType::U8, PIECE + 1),
-                (DType::F64, 100),
-                (DType::F32, 0),
-                (DType::I64, 3 * PIECE / 8 + 7),
-            ]
-            .into_iter()
-            .enumerate()
-            {
+        let edges = [
+            (DType::I16, 40_000),
+            (DType::U8, PIECE),
+            (DType::U8, PIECE + 1),
+            (DType::F64, 100),
+            (DType::F32, 0),
+            (DType::I64, 3 * PIECE / 8 + 7),
+        ];
+        on_all(&gs, move |me, g| async move {
+            for (k, (dtype, numel)) in edges.into_iter().enumerate() {
                 let root = k % N;
                 let src = input(dtype, numel, root, 22 + k as u64);
                 let mut t = if me == root {
@@ -270,17 +268,8 @@ fn tensors_larger_than_a_piece_go_through_in_pieces() {
         assert_all(&statuses(&gs).await, &active(seg), "after broadcasts");
         // All-gather into one tensor, the same edges: every member's bytes
         // in member order.
-        on_all(&gs, |me, g| async move {
-            for (k, (dtype, numel)) in [
-                (DType::I16, 40_000),
-                (DType::U8, PIECE),
-                (DType::U8, PIECE + 1),
-                (DType::F64, 100),
-                (DType::F32, 0),
-            ]
-            .into_iter()
-            .enumerate()
-            {
+        on_all(&gs, move |me, g| async move {
+            for (k, (dtype, numel)) in edges.into_iter().enumerate() {
                 let ins: Vec<Tensor> = (0..N).map(|r| input(dtype, numel, r, 40 + k as u64)).collect();
                 let mut out = Tensor::zeros(dtype, [N * numel]).unwrap();
                 g.all_gather_into_tensor(&mut out, &ins[me]).await.unwrap();

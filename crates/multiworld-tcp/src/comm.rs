@@ -1350,7 +1350,20 @@ impl Inner {
                     }) {
                         // Cancelled while arriving: keep it for the next receive
                         // (a copy if the buffer was lent: the loan ends here).
-                        let buf = done.buf.into_owned();
+                        // The copy can be hundreds of MiB: it is made on a
+                        // blocking-pool thread, so that this reader does not hold
+                        // a runtime thread (and whatever waits behind it there:
+                        // other worlds' readers, heartbeats, watchdogs) that long.
+                        let buf = if done.buf.is_external() {
+                            let lent = done.buf;
+                            tokio::task::spawn_blocking(move || lent.into_owned())
+                                .await
+                                .map_err(|e| {
+                                    format!("internal: keeping a cancelled receive's message: {e}")
+                                })?
+                        } else {
+                            done.buf
+                        };
                         self.deliver_or_stash(from, tag, dtype, StashData::Tensor(buf), false);
                     }
                 }
