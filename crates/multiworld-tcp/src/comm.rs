@@ -1354,13 +1354,22 @@ impl Inner {
                         // blocking-pool thread, so that this reader does not hold
                         // a runtime thread (and whatever waits behind it there:
                         // other worlds' readers, heartbeats, watchdogs) that long.
+                        // Meanwhile nothing is read from this peer: our choice,
+                        // so the peer is counted as heard (as while holding back),
+                        // or a copy longer than the heartbeat timeout (a busy
+                        // machine) would break the world for a silent peer.
                         let buf = if done.buf.is_external() {
                             let lent = done.buf;
-                            tokio::task::spawn_blocking(move || lent.into_owned())
-                                .await
-                                .map_err(|e| {
-                                    format!("internal: keeping a cancelled receive's message: {e}")
-                                })?
+                            let copy = tokio::task::spawn_blocking(move || lent.into_owned());
+                            tokio::pin!(copy);
+                            loop {
+                                tokio::select! {
+                                    r = &mut copy => break r.map_err(|e| {
+                                        format!("internal: keeping a cancelled receive's message: {e}")
+                                    })?,
+                                    _ = tokio::time::sleep(CLOSED_POLL) => peer.counters.heard(),
+                                }
+                            }
                         } else {
                             done.buf
                         };
