@@ -130,11 +130,7 @@ impl Group {
                 };
                 let (_, sends) = cx.exchange(d, &payloads).await?;
                 drop(payloads);
-                let seg = match lent.shm.as_mut() {
-                    Some(state) => shm::ensure(cx, state).await?,
-                    None => None,
-                };
-                match seg {
+                match shm::ensure(cx, lent.shm.as_mut()).await? {
                     Some(seg) => shm::broadcast(cx, seg, t.bytes_mut(), root_i).await?,
                     None => algo::broadcast(cx, &mut lent.scratch, t, root_i, d).await?,
                 }
@@ -219,21 +215,16 @@ impl Group {
             drop(payloads);
             // The segment, when this call uses one (set up on first use);
             // without it a shared-memory call runs the ring.
-            let seg = match lent.shm.as_mut() {
-                Some(state) => shm::ensure(cx, state).await?,
-                None => None,
-            };
+            let seg = shm::ensure(cx, lent.shm.as_mut()).await?;
             let sc = &mut lent.scratch;
             match (root_i, seg) {
-                (None, Some(seg)) => with_type!(t.dtype(), T => {
+                // An all-reduce, and a reduce's root, in place; the other
+                // members of a reduce on a copy of their tensor, which a
+                // reduce leaves as it was.
+                (r, Some(seg)) if r.is_none_or(|r| r == cx.me) => with_type!(t.dtype(), T => {
                     shm::all_reduce::<T>(cx, seg, sc, t.as_mut_slice::<T>()?, op).await?
                 }),
-                // The root reduces in place; the others on a copy of their
-                // tensor, which a reduce leaves as it was.
-                (Some(r), Some(seg)) if r == cx.me => with_type!(t.dtype(), T => {
-                    shm::all_reduce::<T>(cx, seg, sc, t.as_mut_slice::<T>()?, op).await?
-                }),
-                (Some(_), Some(seg)) => with_type!(t.dtype(), T => {
+                (_, Some(seg)) => with_type!(t.dtype(), T => {
                     let mut copy = sc.take(t.dtype(), t.numel())?;
                     copy.as_mut_slice::<T>()?.copy_from_slice(t.as_slice::<T>()?);
                     shm::all_reduce::<T>(cx, seg, sc, copy.as_mut_slice::<T>()?, op).await?;
@@ -343,11 +334,7 @@ impl Group {
             prepare,
             async |output, cx, d, (), lent| {
                 let (_, sends) = cx.exchange(d, &to_peers(cx, input.view())).await?;
-                let seg = match lent.shm.as_mut() {
-                    Some(state) => shm::ensure(cx, state).await?,
-                    None => None,
-                };
-                match seg {
+                match shm::ensure(cx, lent.shm.as_mut()).await? {
                     Some(seg) => shm::all_gather(cx, seg, input.as_bytes(), output.bytes_mut()).await?,
                     None => algo::all_gather_into(cx, &mut lent.scratch, output, input, d).await?,
                 }

@@ -470,10 +470,18 @@ mod futex {
 // ---------------------------------------------------------------------------
 // Setting up
 
-/// The segment to use, setting it up if this group has not tried yet; `None`
-/// when the members cannot share memory (the caller then runs the TCP ring).
-/// Every member calls it in the same call, and all reach the same state.
-pub(crate) async fn ensure<'s>(cx: Ctx<'_>, state: &'s mut ShmState) -> Result<Option<&'s Arc<Segment>>> {
+/// The segment a call uses, setting it up if this group has not tried yet;
+/// `None` when the call was not planned on shared memory (no state lent to
+/// it) or the members cannot share memory (the caller then runs its TCP
+/// algorithm). Every member calls it in the same call, and all reach the
+/// same state.
+pub(crate) async fn ensure<'s>(
+    cx: Ctx<'_>,
+    state: Option<&'s mut ShmState>,
+) -> Result<Option<&'s Arc<Segment>>> {
+    let Some(state) = state else {
+        return Ok(None);
+    };
     if let ShmState::Untried = state {
         *state = setup(cx).await?;
     }

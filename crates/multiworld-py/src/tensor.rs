@@ -102,19 +102,10 @@ pub fn to_numpy<'py>(py: Python<'py>, t: Tensor) -> PyResult<Bound<'py, PyAny>> 
         Ok((buf, range)) => {
             let all = PyArray1::from_vec(py, buf);
             let data = all.get_item(PySlice::new(py, range.start as isize, range.end as isize, 1))?;
+            // numpy's name for the dtype (float16/bfloat16 travel as uint16).
             let as_dtype = match dt {
-                DType::F16 | DType::BF16 => numpy::dtype::<u16>(py),
-                DType::F32 => numpy::dtype::<f32>(py),
-                DType::F64 => numpy::dtype::<f64>(py),
-                DType::I8 => numpy::dtype::<i8>(py),
-                DType::I16 => numpy::dtype::<i16>(py),
-                DType::I32 => numpy::dtype::<i32>(py),
-                DType::I64 => numpy::dtype::<i64>(py),
-                DType::U8 => numpy::dtype::<u8>(py),
-                DType::U16 => numpy::dtype::<u16>(py),
-                DType::U32 => numpy::dtype::<u32>(py),
-                DType::U64 => numpy::dtype::<u64>(py),
-                DType::Bool => numpy::dtype::<bool>(py),
+                DType::F16 | DType::BF16 => "uint16",
+                d => d.name(),
             };
             return data.call_method1("view", (as_dtype,));
         }

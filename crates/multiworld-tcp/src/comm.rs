@@ -1021,10 +1021,10 @@ impl Inner {
     }
 
     /// One peer's part of [`Communicator::close`]: the goodbye (after the
-    /// sends already queued for the connection), the end of the write side, then the wait for the
-    /// peer's answer, which ends this side's reader (its goodbye, end of
-    /// stream or reset). Nothing is written after the goodbye: the write half
-    /// leaves the writer, so no heartbeat follows it.
+    /// sends already queued for the connection), the end of the write side,
+    /// then the wait for the peer's answer, which ends this side's reader
+    /// (its goodbye, end of stream or reset). Nothing is written after the
+    /// goodbye: the write half leaves the writer, so no heartbeat follows it.
     async fn farewell(&self, peer: &Peer) {
         let mut w = tokio::select! {
             biased;
@@ -1350,29 +1350,7 @@ impl Inner {
                     }) {
                         // Cancelled while arriving: keep it for the next receive
                         // (a copy if the buffer was lent: the loan ends here).
-                        // The copy can be hundreds of MiB: it is made on a
-                        // blocking-pool thread, so that this reader does not hold
-                        // a runtime thread (and whatever waits behind it there:
-                        // other worlds' readers, heartbeats, watchdogs) that long.
-                        // Meanwhile nothing is read from this peer: our choice,
-                        // so the peer is counted as heard (as while holding back),
-                        // or a copy longer than the heartbeat timeout (a busy
-                        // machine) would break the world for a silent peer.
-                        let buf = if done.buf.is_external() {
-                            let lent = done.buf;
-                            let copy = tokio::task::spawn_blocking(move || lent.into_owned());
-                            tokio::pin!(copy);
-                            loop {
-                                tokio::select! {
-                                    r = &mut copy => break r.map_err(|e| {
-                                        format!("internal: keeping a cancelled receive's message: {e}")
-                                    })?,
-                                    _ = tokio::time::sleep(CLOSED_POLL) => peer.counters.heard(),
-                                }
-                            }
-                        } else {
-                            done.buf
-                        };
+                        let buf = owned_off_runtime(peer, done.buf).await?;
                         self.deliver_or_stash(from, tag, dtype, StashData::Tensor(buf), false);
                     }
                 }
@@ -1396,6 +1374,29 @@ impl Inner {
             }
         }
         Ok(())
+    }
+}
+
+/// `buf` as a tensor that owns its data: itself, or for lent memory a copy.
+/// The copy can be hundreds of MiB, so it is made on a blocking-pool thread:
+/// the reader calling this does not hold a runtime thread (and whatever waits
+/// behind it there: other worlds' readers, heartbeats, watchdogs) that long.
+/// Meanwhile nothing is read from `peer`, by our choice, so the peer counts as
+/// heard (as while the reader holds back); otherwise a copy longer than the
+/// heartbeat timeout (a busy machine) would break the world for a silent peer.
+async fn owned_off_runtime(peer: &Peer, buf: Tensor) -> std::result::Result<Tensor, String> {
+    if !buf.is_external() {
+        return Ok(buf);
+    }
+    let copy = tokio::task::spawn_blocking(move || buf.into_owned());
+    tokio::pin!(copy);
+    loop {
+        tokio::select! {
+            r = &mut copy => {
+                return r.map_err(|e| format!("internal: keeping a cancelled receive's message: {e}"));
+            }
+            _ = tokio::time::sleep(CLOSED_POLL) => peer.counters.heard(),
+        }
     }
 }
 

@@ -26,14 +26,20 @@ async fn cause_seen(c: &Communicator, peer: Rank) -> String {
     cause.to_string()
 }
 
+/// A world of `n` over loopback whose members heartbeat every millisecond,
+/// so that a heartbeat is nearly always in flight when a member closes.
+async fn chatty_mesh(name: &str, n: u32) -> Vec<Communicator> {
+    mesh_with(name, n, |mut c| {
+        c.heartbeat_interval = Some(Duration::from_millis(1));
+        c
+    })
+    .await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn closing_while_the_peer_streams_at_us_is_an_orderly_close_for_it() {
     for round in 0..8 {
-        let mut v = mesh_with(&format!("close-stream-{round}"), 2, |mut c| {
-            c.heartbeat_interval = Some(Duration::from_millis(1));
-            c
-        })
-        .await;
+        let mut v = chatty_mesh(&format!("close-stream-{round}"), 2).await;
         let b = Arc::new(v.pop().unwrap());
         let a = v.pop().unwrap();
         // Rank 1 streams 64 KiB messages at rank 0 until its sends fail.
@@ -74,11 +80,7 @@ async fn closing_while_the_peer_streams_at_us_is_an_orderly_close_for_it() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn both_sides_closing_at_once_part_in_order() {
     for round in 0..8 {
-        let mut v = mesh_with(&format!("close-both-{round}"), 3, |mut c| {
-            c.heartbeat_interval = Some(Duration::from_millis(1));
-            c
-        })
-        .await;
+        let mut v = chatty_mesh(&format!("close-both-{round}"), 3).await;
         let c = v.pop().unwrap();
         let b = v.pop().unwrap();
         let a = v.pop().unwrap();

@@ -224,7 +224,7 @@ mod storage {
         }
 
         /// `n` zero elements in a typed `Vec`, whatever the size.
-        pub fn zeros_vec(dtype: DType, n: usize) -> Storage {
+        fn zeros_vec(dtype: DType, n: usize) -> Storage {
             match dtype {
                 DType::F16 => Storage::F16(vec![f16::ZERO; n]),
                 DType::BF16 => Storage::BF16(vec![bf16::ZERO; n]),
@@ -281,7 +281,7 @@ mod storage {
 
         /// Whether the data is held as bytes (aligned or external) rather
         /// than in a typed `Vec`.
-        fn is_bytes(&self) -> bool {
+        pub(crate) fn is_bytes(&self) -> bool {
             matches!(self, Storage::Aligned { .. } | Storage::External { .. })
         }
 
@@ -461,42 +461,27 @@ macro_rules! pod_element {
             fn slice(s: &Storage) -> Option<&[Self]> {
                 match s {
                     Storage::$variant(v) => Some(v),
-                    Storage::Aligned {
-                        dtype: DType::$variant,
-                        mem,
-                    } => bytemuck::try_cast_slice(mem.bytes()).ok(),
-                    Storage::External {
-                        dtype: DType::$variant,
-                        mem,
-                    } => bytemuck::try_cast_slice(mem.bytes()).ok(),
+                    s if s.is_bytes() && s.dtype() == DType::$variant => {
+                        bytemuck::try_cast_slice(s.bytes()).ok()
+                    }
                     _ => None,
                 }
             }
             fn slice_mut(s: &mut Storage) -> Option<&mut [Self]> {
                 match s {
                     Storage::$variant(v) => Some(v),
-                    Storage::Aligned {
-                        dtype: DType::$variant,
-                        mem,
-                    } => bytemuck::try_cast_slice_mut(mem.bytes_mut()).ok(),
-                    Storage::External {
-                        dtype: DType::$variant,
-                        mem,
-                    } => bytemuck::try_cast_slice_mut(mem.bytes_mut()).ok(),
+                    s if s.is_bytes() && s.dtype() == DType::$variant => {
+                        bytemuck::try_cast_slice_mut(s.bytes_mut()).ok()
+                    }
                     _ => None,
                 }
             }
             fn into_vec(s: Storage) -> std::result::Result<Vec<Self>, Storage> {
                 match s {
                     Storage::$variant(v) => Ok(v),
-                    Storage::Aligned {
-                        dtype: DType::$variant,
-                        mem,
-                    } => Ok(bytemuck::pod_collect_to_vec(mem.bytes())),
-                    Storage::External {
-                        dtype: DType::$variant,
-                        mem,
-                    } => Ok(bytemuck::pod_collect_to_vec(mem.bytes())),
+                    s if s.is_bytes() && s.dtype() == DType::$variant => {
+                        Ok(bytemuck::pod_collect_to_vec(s.bytes()))
+                    }
                     other => Err(other),
                 }
             }
@@ -532,28 +517,18 @@ impl Element for bool {
             // Validates every byte (cheap next to any use of the data); cannot fail
             // while the 0/1 invariant holds.
             Storage::Bool(v) => bytemuck::checked::try_cast_slice(v).ok(),
-            Storage::Aligned {
-                dtype: DType::Bool,
-                mem,
-            } => bytemuck::checked::try_cast_slice(mem.bytes()).ok(),
-            Storage::External {
-                dtype: DType::Bool,
-                mem,
-            } => bytemuck::checked::try_cast_slice(mem.bytes()).ok(),
+            s if s.is_bytes() && s.dtype() == DType::Bool => {
+                bytemuck::checked::try_cast_slice(s.bytes()).ok()
+            }
             _ => None,
         }
     }
     fn slice_mut(s: &mut Storage) -> Option<&mut [Self]> {
         match s {
             Storage::Bool(v) => bytemuck::checked::try_cast_slice_mut(v).ok(),
-            Storage::Aligned {
-                dtype: DType::Bool,
-                mem,
-            } => bytemuck::checked::try_cast_slice_mut(mem.bytes_mut()).ok(),
-            Storage::External {
-                dtype: DType::Bool,
-                mem,
-            } => bytemuck::checked::try_cast_slice_mut(mem.bytes_mut()).ok(),
+            s if s.is_bytes() && s.dtype() == DType::Bool => {
+                bytemuck::checked::try_cast_slice_mut(s.bytes_mut()).ok()
+            }
             _ => None,
         }
     }
@@ -561,14 +536,7 @@ impl Element for bool {
         match s {
             // Safe Rust cannot reinterpret Vec<u8> as Vec<bool>: this one copies.
             Storage::Bool(v) => Ok(v.into_iter().map(|b| b != 0).collect()),
-            Storage::Aligned {
-                dtype: DType::Bool,
-                mem,
-            } => Ok(mem.bytes().iter().map(|&b| b != 0).collect()),
-            Storage::External {
-                dtype: DType::Bool,
-                mem,
-            } => Ok(mem.bytes().iter().map(|&b| b != 0).collect()),
+            s if s.is_bytes() && s.dtype() == DType::Bool => Ok(s.bytes().iter().map(|&b| b != 0).collect()),
             other => Err(other),
         }
     }
