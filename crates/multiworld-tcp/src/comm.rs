@@ -85,7 +85,9 @@ pub enum HealthEvent {
 /// A snapshot of the communicator's health.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Health {
-    /// Set once the communicator is aborted.
+    /// Set once the communicator is aborted, or once [`Communicator::close`]
+    /// has begun (`"closed"`: from then on every operation fails with
+    /// [`Error::Aborted`], and peers that answered the goodbye show as lost).
     pub aborted: Option<Arc<str>>,
     /// Lost peers and why, in rank order.
     pub lost: Vec<(Rank, Arc<str>)>,
@@ -692,7 +694,10 @@ impl Communicator {
     /// A snapshot of the world's health.
     pub fn health(&self) -> Health {
         Health {
-            aborted: self.inner.aborted.get().cloned(),
+            aborted: match self.inner.aborted_error() {
+                Some(Error::Aborted { reason }) => Some(reason),
+                _ => None,
+            },
             lost: self
                 .inner
                 .peers

@@ -168,6 +168,9 @@ async fn operations_started_once_the_close_has_begun_fail_as_closed() {
     let mut close = Box::pin(a.close());
     // One poll starts the close (its goodbyes are on their way).
     assert!(futures::poll!(&mut close).is_pending());
+    // The health snapshot says so at once, before any peer has answered (a
+    // peer that answers shows as lost, which must not read as the cause).
+    assert_eq!(a.health().aborted.as_deref(), Some("closed"));
     let e = a.send(Rank(1), Tag(4), &[1u8; 8][..]).await.unwrap_err();
     assert!(
         matches!(&e, Error::Aborted { reason } if &**reason == "closed"),
