@@ -25,9 +25,11 @@
 
 use std::collections::VecDeque;
 use std::ops::Range;
+use std::sync::Arc;
 
 use crate::desc::{Algo, Desc};
 use crate::group::Ctx;
+use crate::shm::{self, Moves, Segment};
 use crate::util::{Scratch, even_segments, segments_of, split2, try_join_all, try_join2, view_range};
 use multiworld_tcp::{Error, Result};
 use multiworld_types::{DType, Element, Tensor, TensorView};
@@ -552,6 +554,41 @@ pub(crate) async fn all_gather_into(
     }
 }
 
+/// Where a gather, scatter or all-to-all moves the data between members: over
+/// TCP (each payload one message), or through the group's segment as planned
+/// after the agreement (see `shm::plan_after_agreement`).
+pub(crate) enum Path<'a> {
+    Tcp,
+    Shm(&'a Arc<Segment>, Moves),
+}
+
+impl Path<'_> {
+    /// Moves `sends` (what this member sends each other member) and fills
+    /// `recvs` (from each other member) on this path; `payloads` are the same
+    /// sends as messages, for TCP.
+    async fn run(
+        &self,
+        cx: Ctx<'_>,
+        d: &Desc,
+        payloads: &[(usize, TensorView<'_>)],
+        recvs: Vec<(usize, &mut Tensor)>,
+    ) -> Result<()> {
+        match self {
+            Path::Tcp => {
+                let sending = send_unless_eager(cx, d, payloads);
+                let receiving = try_join_all(recvs.into_iter().map(|(p, o)| cx.recv(p, o)));
+                try_join2(sending, receiving).await.map(|_| ())
+            }
+            Path::Shm(seg, m) => {
+                let sends: Vec<(usize, &[u8])> = payloads.iter().map(|(q, v)| (*q, v.as_bytes())).collect();
+                let mut recvs: Vec<(usize, &mut [u8])> =
+                    recvs.into_iter().map(|(p, o)| (p, o.bytes_mut())).collect();
+                shm::route(cx, seg, m, &sends, &mut recvs).await
+            }
+        }
+    }
+}
+
 /// Gather to member `root` into `outputs` (root only).
 pub(crate) async fn gather(
     cx: Ctx<'_>,
@@ -559,10 +596,11 @@ pub(crate) async fn gather(
     outputs: Option<&mut [Tensor]>,
     root: usize,
     d: &Desc,
+    path: &Path<'_>,
 ) -> Result<()> {
     let me = cx.me;
     if me != root {
-        return send_unless_eager(cx, d, &[(root, input.view())]).await;
+        return path.run(cx, d, &[(root, input.view())], Vec::new()).await;
     }
     let outs = outputs.ok_or_else(|| internal("root without outputs"))?;
     copy_bytes(
@@ -570,14 +608,8 @@ pub(crate) async fn gather(
         0,
         input.as_bytes(),
     )?;
-    try_join_all(
-        outs.iter_mut()
-            .enumerate()
-            .filter(|(p, _)| *p != me)
-            .map(|(p, o)| cx.recv(p, o)),
-    )
-    .await
-    .map(|_| ())
+    let recvs = outs.iter_mut().enumerate().filter(|(p, _)| *p != me).collect();
+    path.run(cx, d, &[], recvs).await
 }
 
 /// Scatter from member `root`'s `inputs` (root only) into `output`.
@@ -587,10 +619,11 @@ pub(crate) async fn scatter(
     inputs: Option<&[Tensor]>,
     root: usize,
     d: &Desc,
+    path: &Path<'_>,
 ) -> Result<()> {
     let me = cx.me;
     if me != root {
-        return cx.recv(root, output).await;
+        return path.run(cx, d, &[], vec![(root, output)]).await;
     }
     let ins = inputs.ok_or_else(|| internal("root without inputs"))?;
     copy_bytes(
@@ -599,7 +632,7 @@ pub(crate) async fn scatter(
         ins.get(me).ok_or_else(|| internal("inputs"))?.as_bytes(),
     )?;
     let payloads: Vec<(usize, TensorView<'_>)> = cx.peers().map(|q| (q, ins[q].view())).collect();
-    send_unless_eager(cx, d, &payloads).await
+    path.run(cx, d, &payloads, Vec::new()).await
 }
 
 /// Reduce-scatter: `inputs[k]` is this member's contribution to segment k;
@@ -649,6 +682,7 @@ pub(crate) async fn all_to_all(
     outputs: &mut [Tensor],
     inputs: &[Tensor],
     d: &Desc,
+    path: &Path<'_>,
 ) -> Result<()> {
     let me = cx.me;
     let own = inputs.get(me).ok_or_else(|| internal("inputs"))?;
@@ -658,15 +692,8 @@ pub(crate) async fn all_to_all(
         own.as_bytes(),
     )?;
     let payloads: Vec<(usize, TensorView<'_>)> = cx.peers().map(|q| (q, inputs[q].view())).collect();
-    let sending = send_unless_eager(cx, d, &payloads);
-    let receiving = try_join_all(
-        outputs
-            .iter_mut()
-            .enumerate()
-            .filter(|(p, _)| *p != me)
-            .map(|(p, o)| cx.recv(p, o)),
-    );
-    try_join2(sending, receiving).await.map(|_| ())
+    let recvs = outputs.iter_mut().enumerate().filter(|(p, _)| *p != me).collect();
+    path.run(cx, d, &payloads, recvs).await
 }
 
 /// The direct payloads of an all-to-all-single: `input[in_segs[q]]` to each q.
@@ -681,6 +708,7 @@ pub(crate) fn a2a_payloads<'a>(
 }
 
 /// All-to-all of one tensor with split sizes (element counts per member).
+#[allow(clippy::too_many_arguments)] // the splits come validated from the preparation
 pub(crate) async fn all_to_all_single(
     cx: Ctx<'_>,
     sc: &mut Scratch,
@@ -689,6 +717,7 @@ pub(crate) async fn all_to_all_single(
     in_splits: &[usize],
     out_splits: &[usize],
     d: &Desc,
+    path: &Path<'_>,
 ) -> Result<()> {
     let me = cx.me;
     let es = input.dtype().size();
@@ -701,8 +730,25 @@ pub(crate) async fn all_to_all_single(
         .get(in_segs[me].start * es..in_segs[me].end * es)
         .ok_or_else(|| internal("splits"))?;
     copy_bytes(output, out_segs[me].start * es, own)?;
+    let payloads = a2a_payloads(cx, input, &in_segs)?;
+    if let Path::Shm(seg, m) = path {
+        // Straight into the output's ranges, which are disjoint and in member
+        // order.
+        let sends: Vec<(usize, &[u8])> = payloads.iter().map(|(q, v)| (*q, v.as_bytes())).collect();
+        let mut recvs = Vec::with_capacity(cx.n());
+        let mut rest = output.bytes_mut();
+        for (p, s) in out_segs.iter().enumerate() {
+            let (part, tail) = std::mem::take(&mut rest)
+                .split_at_mut_checked(s.len() * es)
+                .ok_or_else(|| internal("splits"))?;
+            rest = tail;
+            if p != me {
+                recvs.push((p, part));
+            }
+        }
+        return shm::route(cx, seg, m, &sends, &mut recvs).await;
+    }
     let parts = {
-        let payloads = a2a_payloads(cx, input, &in_segs)?;
         let sending = send_unless_eager(cx, d, &payloads);
         let receiving = recv_parts(cx, sc, input.dtype(), cx.peers(), |p| out_splits[p]);
         try_join2(sending, receiving).await?.1

@@ -182,6 +182,16 @@ impl Kind {
         )
     }
 
+    /// Kinds whose members learn each other's sizes only from the descriptors:
+    /// whether such a call moves its data through shared memory is decided
+    /// after the agreement (see `shm::plan_moves`).
+    pub(crate) fn sized_after_agreement(self) -> bool {
+        matches!(
+            self,
+            Kind::Gather | Kind::Scatter | Kind::AllToAll | Kind::AllToAllSingle
+        )
+    }
+
     /// Kinds whose main count must be equal on every member.
     fn uniform_count(self) -> bool {
         matches!(
@@ -203,7 +213,9 @@ pub(crate) enum Algo {
     Direct,
     /// Ring reduce-scatter / all-gather, or a pipelined chain for broadcast.
     Ring,
-    /// Same-host shared memory (all-reduce; see `shm.rs`).
+    /// Same-host shared memory (see `shm.rs`). For kinds sized after the
+    /// agreement ([`Kind::sized_after_agreement`]): the call may use it, and
+    /// sends small payloads eagerly as a direct one would.
     Shm,
 }
 
@@ -348,7 +360,8 @@ impl Desc {
         })
     }
 
-    fn root_index(&self, members: &[Rank]) -> Option<usize> {
+    /// The root's member index, if the call has a root among `members`.
+    pub(crate) fn root_index(&self, members: &[Rank]) -> Option<usize> {
         self.root.and_then(|r| members.iter().position(|&m| m == r))
     }
 }
@@ -358,7 +371,12 @@ impl Desc {
 /// collective sends at most one data message per ordered pair in its direct
 /// algorithm.
 pub(crate) fn eager_payload(d: &Desc, from: usize, to: usize, members: &[Rank]) -> Option<(DType, u64)> {
-    if d.abstain || !d.eager || d.algo != Algo::Direct || from == to {
+    let direct = match d.algo {
+        Algo::Direct => true,
+        Algo::Shm => d.kind.sized_after_agreement(),
+        Algo::Ring => false,
+    };
+    if d.abstain || !d.eager || !direct || from == to {
         return None;
     }
     let bytes = DType::U8;

@@ -155,12 +155,15 @@ fn agree_everywhere(descs: &[Desc], members: &[Rank]) -> Result<(), TestCaseErro
             Err(e) => return Err(TestCaseError::fail(format!("untyped disagreement {e:?}"))),
         }
         // What this member would receive and drop on disagreement comes
-        // only from an eager, direct, non-abstaining peer, with that peer's
-        // dtype (group.rs bounds the count by the transport's message limit
-        // before allocating).
+        // only from an eager, non-abstaining peer that runs a direct
+        // algorithm (or may use shared memory, for kinds sized after the
+        // agreement), with that peer's dtype (group.rs bounds the count by the
+        // transport's message limit before allocating).
         for (p, d) in descs.iter().enumerate() {
             if let Some((dtype, count)) = eager_payload(d, p, me, members) {
-                prop_assert!(p != me && d.eager && !d.abstain && d.algo == Algo::Direct);
+                let direct =
+                    d.algo == Algo::Direct || (d.algo == Algo::Shm && d.kind.sized_after_agreement());
+                prop_assert!(p != me && d.eager && !d.abstain && direct);
                 // An object's bytes, or the descriptor's own dtype.
                 prop_assert!(d.dtype == Some(dtype) || dtype == DType::U8);
                 let _ = count;

@@ -46,9 +46,11 @@ use multiworld_types::{Rank, Source, Tag};
 #[non_exhaustive]
 pub enum Algorithm {
     /// Direct exchange for small buffers, ring / pipelined chain for large ones
-    /// (see [`CollectiveConfig::direct_max_bytes`]); all-reduces of at least
-    /// [`CollectiveConfig::shm_min_bytes`] go through shared memory when every
-    /// member is on the same host (see [`Group::shared_memory`]).
+    /// (see [`CollectiveConfig::direct_max_bytes`]); large calls (see
+    /// [`CollectiveConfig::shm_min_bytes`]) go through shared memory when every
+    /// member is on the same host (see [`Group::shared_memory`]): all-reduce,
+    /// broadcast, reduce (3 members or more), all-gather into one tensor,
+    /// gather, scatter and the all-to-alls.
     #[default]
     Auto,
     /// Always the latency-optimal direct exchange (one round).
@@ -57,8 +59,10 @@ pub enum Algorithm {
     /// chain (broadcast), where the operation has one; direct otherwise. Never
     /// shared memory.
     Ring,
-    /// All-reduce through same-host shared memory at every size (where the
-    /// members cannot share memory: the ring); other operations as with `Ring`.
+    /// The operations that [`Algorithm::Auto`] moves through same-host shared
+    /// memory use it at every size (where the members cannot share memory: the
+    /// ring, or the direct exchange for operations without one); other
+    /// operations as with `Ring`.
     SharedMemory,
 }
 
@@ -97,13 +101,18 @@ pub struct CollectiveConfig {
     /// (or cannot map the segment) makes the whole group use TCP; the members
     /// need not agree on this field. Default `true`.
     pub shared_memory: bool,
-    /// With [`Algorithm::Auto`], an all-reduce uses shared memory (when it is
-    /// available) once `buffer bytes × (group size − 1)` is at least this. Must
-    /// be the same on every member. Default 768 KiB (see `COLLECTIVES.md` for
-    /// the measured crossover).
+    /// With [`Algorithm::Auto`], an all-reduce, broadcast, reduce or
+    /// all-gather into one tensor uses shared memory (when it is available)
+    /// once `buffer bytes × (group size − 1)` is at least this; a gather,
+    /// scatter or all-to-all once its members move at least this many bytes
+    /// between them in all, none of them few enough to send eagerly
+    /// ([`CollectiveConfig::eager_max_bytes`]). Must be the same on every
+    /// member. Default 768 KiB (see `COLLECTIVES.md` for the measured
+    /// crossover).
     pub shm_min_bytes: usize,
-    /// Bytes of a tensor that one step of a shared-memory all-reduce moves
-    /// (rounded down to a multiple of 64). The group's segment holds a 4 KiB
+    /// Bytes of a tensor that one step of a shared-memory call moves per member
+    /// (rounded down to a multiple of 64; an all-to-all moves a part of
+    /// `1 / group size` of it between each pair). The group's segment holds a 4 KiB
     /// header and three buffers of one slot of this size per member (12 MiB
     /// and 4 KiB for 4 members at the default); larger tensors go through it in
     /// pieces of this size, three in flight at once. Memory is only committed
@@ -579,21 +588,40 @@ impl Group {
     /// about shared memory (until the group's first call that could use it, a
     /// large all-reduce is reported as `"shm"`; once shared memory turned out
     /// unavailable, as `"ring"`).
+    ///
+    /// For gather, scatter and the all-to-alls, whose sizes may differ between
+    /// members, the answer assumes every member sends `size_bytes` to each
+    /// other one (scatter: the root to each; gather: each to the root).
     pub async fn algorithm_name(&self, kind: Kind, size_bytes: u64) -> &'static str {
-        match (self.algorithm_for(kind, size_bytes), self.shared_memory().await) {
-            (Algo::Shm, SharedMemory::Unavailable { .. }) => Algo::Ring.name(),
-            (algo, _) => algo.name(),
+        let unavailable = matches!(self.shared_memory().await, SharedMemory::Unavailable { .. });
+        let algo = self.algorithm_with(kind, size_bytes, !unavailable);
+        if algo != Algo::Shm || !kind.sized_after_agreement() {
+            return algo.name();
+        }
+        let n = self.size();
+        let root = matches!(kind, Kind::Gather | Kind::Scatter).then_some(0);
+        let bytes = |p: usize, q: usize| match (kind, root) {
+            (Kind::Scatter, Some(r)) if p != r => 0,
+            (Kind::Gather, Some(r)) if q != r => 0,
+            _ => size_bytes,
+        };
+        // A member that sends a little sends it eagerly, and then the call
+        // uses TCP.
+        let sent = |p: usize| (0..n).filter(|&q| q != p).map(|q| bytes(p, q)).sum::<u64>();
+        let eager_max = self.cfg.eager_max_bytes as u64;
+        if self.cfg.algorithm == Algorithm::Auto && (0..n).any(|p| (1..=eager_max).contains(&sent(p))) {
+            return Algo::Direct.name();
+        }
+        let routes = super::shm::routes_of(kind);
+        match routes.and_then(|r| super::shm::plan_moves(r, n, &self.cfg, bytes)) {
+            Some(_) => Algo::Shm.name(),
+            None => Algo::Direct.name(),
         }
     }
 
-    /// The algorithm a call of `kind` on a buffer of `size_bytes` (per rank) uses,
-    /// while shared memory is still possible for the group.
-    pub(crate) fn algorithm_for(&self, kind: Kind, size_bytes: u64) -> Algo {
-        self.algorithm_with(kind, size_bytes, true)
-    }
-
-    /// As [`Group::algorithm_for`]; `shm`: whether the group may still use shared
-    /// memory (the same on every member, see [`super::shm`]).
+    /// The algorithm a call of `kind` on a buffer of `size_bytes` (per rank)
+    /// uses; `shm`: whether the group may still use shared memory (the same on
+    /// every member, see [`super::shm`]).
     fn algorithm_with(&self, kind: Kind, size_bytes: u64, shm: bool) -> Algo {
         let n = self.size() as u64;
         let ring_capable = matches!(
@@ -606,6 +634,16 @@ impl Group {
                 | Kind::ReduceScatter
                 | Kind::ReduceScatterTensor
         );
+        let shm_ok = shm && super::shm::segment_len(self.cfg.shm_piece_bytes, self.size()).is_some();
+        if kind.sized_after_agreement() {
+            // Whether such a call moves its data through the segment is decided
+            // after the agreement, from every member's sizes (`shm::plan_moves`);
+            // `Shm` here says that the group may.
+            return match self.cfg.algorithm {
+                Algorithm::Auto | Algorithm::SharedMemory if shm_ok && n > 1 => Algo::Shm,
+                _ => Algo::Direct,
+            };
+        }
         if !ring_capable || n <= 1 {
             return Algo::Direct;
         }
@@ -616,7 +654,7 @@ impl Group {
         // 0.38 ms).
         let shm_kind = matches!(kind, Kind::AllReduce | Kind::Broadcast | Kind::AllGatherInto)
             || (kind == Kind::Reduce && n > 2);
-        let shm = shm && shm_kind && super::shm::segment_len(self.cfg.shm_piece_bytes, self.size()).is_some();
+        let shm = shm_ok && shm_kind;
         match self.cfg.algorithm {
             Algorithm::Direct => Algo::Direct,
             Algorithm::Ring => Algo::Ring,
@@ -714,7 +752,15 @@ impl<'g> Call<'g> {
         d.algo = self
             .group
             .algorithm_with(self.kind, size_bytes, self.guard.shm.possible());
-        d.eager = d.algo == Algo::Direct && n > 1 && send_bytes <= self.group.cfg.eager_max_bytes as u64;
+        // A call sized after the agreement that may use shared memory still
+        // sends small payloads eagerly (and then uses TCP), unless shared
+        // memory is forced.
+        let direct = match d.algo {
+            Algo::Direct => true,
+            Algo::Shm => self.kind.sized_after_agreement() && self.group.cfg.algorithm == Algorithm::Auto,
+            Algo::Ring => false,
+        };
+        d.eager = direct && n > 1 && send_bytes <= self.group.cfg.eager_max_bytes as u64;
     }
 
     /// Moves the group's scratch pool out for the call (give it back with

@@ -8,7 +8,7 @@
 //! writes into the descriptor, its validation, its byte counts) and its body.
 
 use crate::algo::{self, to_peers};
-use crate::collective::Prep;
+use crate::collective::{Lent, Prep};
 use crate::desc::{Desc, Kind};
 use crate::group::{Ctx, Group, Ticket, finish_sends};
 use crate::handle::CollectiveHandle;
@@ -401,21 +401,22 @@ impl Group {
                 }
             }
             let send_bytes = if is_root { 0 } else { input.nbytes() as u64 };
-            Ok(Prep::new(root_i, 0, send_bytes))
+            Ok(Prep::new(root_i, 0, send_bytes).with_shm_if(input.dtype() != DType::Bool))
         };
         self.run_collective(
             ticket,
             Kind::Gather,
             outputs,
             prepare,
-            async |outputs, cx, d, root_i, _| {
+            async |outputs, cx, d, root_i, lent| {
                 let payloads = if root_i == cx.me {
                     Vec::new()
                 } else {
                     vec![(root_i, input.view())]
                 };
-                let (_, sends) = cx.exchange(d, &payloads).await?;
-                algo::gather(cx, input, Some(outputs), root_i, d).await?;
+                let (descs, sends) = cx.exchange(d, &payloads).await?;
+                let path = path_after_agreement(cx, &descs, lent).await?;
+                algo::gather(cx, input, Some(outputs), root_i, d, &path).await?;
                 finish_sends(sends).await
             },
         )
@@ -472,21 +473,22 @@ impl Group {
                     }
                 }
             }
-            Ok(Prep::new(root_i, 0, send_bytes))
+            Ok(Prep::new(root_i, 0, send_bytes).with_shm_if(output.dtype() != DType::Bool))
         };
         self.run_collective(
             ticket,
             Kind::Scatter,
             output,
             prepare,
-            async |output, cx, d, root_i, _| {
+            async |output, cx, d, root_i, lent| {
                 // The root's list, checked by the preparation; nothing elsewhere.
                 let ins = inputs.filter(|_| root_i == cx.me).unwrap_or_default();
                 let payloads: Vec<(usize, TensorView<'_>)> =
                     cx.peers().filter_map(|q| Some((q, ins.get(q)?.view()))).collect();
-                let (_, sends) = cx.exchange(d, &payloads).await?;
+                let (descs, sends) = cx.exchange(d, &payloads).await?;
+                let path = path_after_agreement(cx, &descs, lent).await?;
                 let is_root = root_i == cx.me;
-                algo::scatter(cx, output, is_root.then_some(ins), root_i, d).await?;
+                algo::scatter(cx, output, is_root.then_some(ins), root_i, d, &path).await?;
                 finish_sends(sends).await
             },
         )
@@ -661,18 +663,20 @@ impl Group {
                     send_bytes += inputs[p].nbytes() as u64;
                 }
             }
-            Ok(Prep::new((), 0, send_bytes))
+            Ok(Prep::new((), 0, send_bytes).with_shm_if(dtype != DType::Bool))
         };
         self.run_collective(
             ticket,
             Kind::AllToAll,
             outputs,
             prepare,
-            async |outputs, cx, d, (), _| {
+            async |outputs, cx, d, (), lent| {
                 let payloads: Vec<(usize, TensorView<'_>)> =
                     cx.peers().map(|q| (q, inputs[q].view())).collect();
-                let (_, sends) = cx.exchange(d, &payloads).await?;
-                algo::all_to_all(cx, outputs, inputs, d).await?;
+                let (descs, sends) = cx.exchange(d, &payloads).await?;
+                drop(payloads);
+                let path = path_after_agreement(cx, &descs, lent).await?;
+                algo::all_to_all(cx, outputs, inputs, d, &path).await?;
                 finish_sends(sends).await
             },
         )
@@ -755,7 +759,9 @@ impl Group {
             }
             let es = input.dtype().size() as u64;
             let send_bytes = (input.numel() - ins[cx.me]) as u64 * es;
-            Ok(Prep::new((ins, outs), 0, send_bytes).with_scratch())
+            Ok(Prep::new((ins, outs), 0, send_bytes)
+                .with_scratch()
+                .with_shm_if(input.dtype() != DType::Bool))
         };
         self.run_collective(
             ticket,
@@ -765,14 +771,37 @@ impl Group {
             async |output, cx, d, (ins, outs), lent| {
                 let in_segs = segments_of(ins.iter().copied());
                 let payloads = algo::a2a_payloads(cx, input, &in_segs)?;
-                let (_, sends) = cx.exchange(d, &payloads).await?;
+                let (descs, sends) = cx.exchange(d, &payloads).await?;
                 drop(payloads);
-                algo::all_to_all_single(cx, &mut lent.scratch, output, input, &ins, &outs, d).await?;
+                let mut scratch = std::mem::take(&mut lent.scratch);
+                let path = path_after_agreement(cx, &descs, lent).await;
+                let r = match path {
+                    Ok(path) => {
+                        algo::all_to_all_single(cx, &mut scratch, output, input, &ins, &outs, d, &path).await
+                    }
+                    Err(e) => Err(e),
+                };
+                lent.scratch = scratch;
+                r?;
                 finish_sends(sends).await
             },
         )
         .await
     }
+}
+
+/// Where a gather, scatter or all-to-all whose descriptors `descs` were agreed
+/// moves its data: through the group's segment (set up now if this is the
+/// group's first call to use it) when [`shm::plan_after_agreement`] says so
+/// and the members can share memory, else over TCP. The same on every member.
+async fn path_after_agreement<'l>(cx: Ctx<'_>, descs: &[Desc], lent: &'l mut Lent) -> Result<algo::Path<'l>> {
+    let Some(m) = shm::plan_after_agreement(cx, descs, lent.shm.is_some()) else {
+        return Ok(algo::Path::Tcp);
+    };
+    Ok(match shm::ensure(cx, lent.shm.as_mut()).await? {
+        Some(seg) => algo::Path::Shm(seg, m),
+        None => algo::Path::Tcp,
+    })
 }
 
 /// Inputs of a reduce-scatter.

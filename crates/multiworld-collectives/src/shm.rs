@@ -1,5 +1,6 @@
-//! Same-host shared memory for large all-reduces, reduces, broadcasts and
-//! all-gathers into one tensor: the data move through one
+//! Same-host shared memory for large all-reduces, reduces, broadcasts,
+//! all-gathers into one tensor, gathers, scatters and all-to-alls: the data
+//! move through one
 //! memory segment mapped by every member, and the TCP mesh carries only the
 //! small messages that order the phases (and, as for every call, detects a lost
 //! member).
@@ -60,7 +61,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::group::Ctx;
+use crate::desc::{self, Desc, Kind};
+use crate::group::{Algorithm, CollectiveConfig, Ctx};
 use crate::util::{Scratch, even_segments, try_join_all};
 use multiworld_tcp::{Error, Result};
 use multiworld_types::{DType, Tensor};
@@ -798,6 +800,188 @@ pub(crate) async fn all_gather(
     Ok(())
 }
 
+// ---------------------------------------------------------------------------
+// Gather, scatter and the all-to-alls: each member's own data to others
+
+/// Which slot of a buffer (and which part of it) carries the data that one
+/// member sends another, in a call that moves each member's own data to other
+/// members (gather, scatter, the all-to-alls).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Routes {
+    /// Scatter: only the root sends; what member `q` gets goes through slot `q`.
+    IntoReceiverSlot,
+    /// Gather: only the root receives; what member `q` sends goes through slot `q`.
+    FromSenderSlot,
+    /// All-to-all: every pair; member `p`'s slot is cut into `n` equal parts
+    /// (multiples of 64 bytes), part `q` for what `p` sends `q`.
+    Pairs,
+}
+
+impl Routes {
+    /// Bytes one step carries from one member to another, with slots of
+    /// `slot` bytes in a group of `n`.
+    fn capacity(self, slot: usize, n: usize) -> usize {
+        match self {
+            Routes::Pairs => (slot / n.max(1)) & !63,
+            Routes::IntoReceiverSlot | Routes::FromSenderSlot => slot,
+        }
+    }
+
+    /// The slot, and the byte offset in it, of the part that carries what
+    /// `src` sends `dst`, for parts of `cap` bytes.
+    fn place(self, src: usize, dst: usize, cap: usize) -> (usize, usize) {
+        match self {
+            Routes::IntoReceiverSlot => (dst, 0),
+            Routes::FromSenderSlot => (src, 0),
+            Routes::Pairs => (src, dst * cap),
+        }
+    }
+}
+
+/// How one gather, scatter or all-to-all moves its data through the segment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Moves {
+    routes: Routes,
+    /// Bytes one step carries between two members.
+    cap: usize,
+    /// Steps (barriers) of the call.
+    steps: usize,
+}
+
+/// Whether a gather, scatter or all-to-all of a group of `n` moves its data
+/// through the segment, and how: `bytes(p, q)` is what member `p` sends member
+/// `q` (known to every member from the descriptors after the agreement), so
+/// every member gets the same answer. Yes when the group's pieces allow it, some
+/// pair has data, and the members move at least `shm_min_bytes` between them in
+/// all (at any size with [`Algorithm::SharedMemory`]). With
+/// [`Algorithm::Auto`] a member that sends a little (up to `eager_max_bytes`)
+/// has already sent it over TCP, so such calls never get here (see
+/// [`plan_after_agreement`]). The caller has already checked
+/// that the group may use shared memory for the call.
+pub(crate) fn plan_moves(
+    routes: Routes,
+    n: usize,
+    cfg: &CollectiveConfig,
+    bytes: impl Fn(usize, usize) -> u64,
+) -> Option<Moves> {
+    segment_len(cfg.shm_piece_bytes, n)?;
+    let cap = routes.capacity(cfg.shm_piece_bytes & !63, n);
+    if cap == 0 {
+        return None;
+    }
+    let (mut steps, mut total) = (0u64, 0u64);
+    for p in 0..n {
+        for q in (0..n).filter(|&q| q != p) {
+            let b = bytes(p, q);
+            total = total.saturating_add(b);
+            steps = steps.max(b.div_ceil(cap as u64));
+        }
+    }
+    let forced = cfg.algorithm == Algorithm::SharedMemory;
+    if steps == 0 || (!forced && total < cfg.shm_min_bytes as u64) {
+        return None;
+    }
+    Some(Moves {
+        routes,
+        cap,
+        steps: usize::try_from(steps).ok()?,
+    })
+}
+
+/// The routes of a kind sized after the agreement (`None` for other kinds).
+pub(crate) fn routes_of(kind: Kind) -> Option<Routes> {
+    match kind {
+        Kind::Scatter => Some(Routes::IntoReceiverSlot),
+        Kind::Gather => Some(Routes::FromSenderSlot),
+        Kind::AllToAll | Kind::AllToAllSingle => Some(Routes::Pairs),
+        _ => None,
+    }
+}
+
+/// [`plan_moves`] for a call whose every member's descriptor `descs` was
+/// agreed on: `None` (TCP) unless `may` (the group may use shared memory for
+/// the call, which the agreed algorithm and dtype decide) and no member sent
+/// a payload eagerly. The same answer on every member.
+pub(crate) fn plan_after_agreement(cx: Ctx<'_>, descs: &[Desc], may: bool) -> Option<Moves> {
+    let n = cx.n();
+    let first = descs.first()?;
+    let routes = routes_of(first.kind)?;
+    let es = first.dtype?.size() as u64;
+    if !may || descs.len() != n {
+        return None;
+    }
+    let eager =
+        |p: usize, q: usize| desc::eager_payload(&descs[p], p, q, cx.members).is_some_and(|(_, c)| c > 0);
+    if (0..n).any(|p| (0..n).any(|q| eager(p, q))) {
+        return None;
+    }
+    let root = first.root_index(cx.members);
+    let elems = |p: usize, q: usize| -> u64 {
+        let d = &descs[p];
+        match first.kind {
+            // Only the root sends: the counts it gives each member.
+            Kind::Scatter if Some(p) == root => d.a.get(q).copied().unwrap_or(0),
+            // Only the root receives: each member's input.
+            Kind::Gather if Some(q) == root => d.count,
+            Kind::AllToAll | Kind::AllToAllSingle => d.a.get(q).copied().unwrap_or(0),
+            _ => 0,
+        }
+    };
+    plan_moves(routes, n, cx.cfg, |p, q| elems(p, q).saturating_mul(es))
+}
+
+/// Moves each `(member, bytes)` of `sends` to that member and fills each
+/// `(member, buffer)` of `recvs` with what that member sends this one, through
+/// the segment as `m` plans: step `t` has every member copy part `t` (of
+/// `m.cap` bytes) of each of its sends into its place in buffer `t mod 3`, and
+/// part `t − 1` of each of its receives out of the sender's place; one barrier
+/// per step, `m.steps` in all (the next call's agreement round orders the last
+/// step). Part `k` is written in step `k` and read in step `k + 1`; its buffer
+/// is written again in step `k + 3`, after every member has left step `k + 2`.
+/// Every member makes the same number of steps whatever it moves itself.
+pub(crate) async fn route(
+    cx: Ctx<'_>,
+    seg: &Arc<Segment>,
+    m: &Moves,
+    sends: &[(usize, &[u8])],
+    recvs: &mut [(usize, &mut [u8])],
+) -> Result<()> {
+    let (n, me) = (cx.n(), cx.me);
+    if m.cap == 0 || m.cap > m.routes.capacity(seg.slot_bytes(n), n) {
+        return Err(Error::invalid(
+            "internal: shared-memory parts do not fit the slots",
+        ));
+    }
+    let part = |len: usize, k: usize| (k * m.cap).min(len)..((k + 1) * m.cap).min(len);
+    let stream = recvs.iter().map(|(_, b)| b.len()).sum::<usize>() >= STREAM_MIN_BYTES;
+    for t in 0..m.steps + 1 {
+        if t < m.steps {
+            for &(q, data) in sends {
+                let r = part(data.len(), t);
+                if !r.is_empty() {
+                    let (slot, at) = m.routes.place(me, q, m.cap);
+                    let dst = seg.write::<u8>(n, t % BUFFERS, slot, at..at + r.len())?;
+                    copy_yielding(dst, &data[r], false).await;
+                }
+            }
+        }
+        if let Some(k) = t.checked_sub(1) {
+            for (p, out) in recvs.iter_mut() {
+                let r = part(out.len(), k);
+                if !r.is_empty() {
+                    let (slot, at) = m.routes.place(*p, me, m.cap);
+                    let src = seg.read::<u8>(n, k % BUFFERS, slot, at..at + r.len())?;
+                    copy_yielding(&mut out[r], src, stream).await;
+                }
+            }
+        }
+        if t < m.steps {
+            arrive_and_wait(cx, seg).await?;
+        }
+    }
+    Ok(())
+}
+
 /// One member's view of the segment during a call: the three phases of a
 /// piece `x` in buffer `buf`.
 struct Io<'a> {
@@ -907,6 +1091,65 @@ mod tests {
         copy(&mut b[1..], &a[1..], true);
         assert_eq!(b[0], 0.0);
         assert_eq!(&b[1..], &a[1..]);
+    }
+
+    #[test]
+    fn moves_are_planned_from_sizes_every_member_knows() {
+        const MIB: u64 = 1 << 20;
+        let mut cfg = CollectiveConfig::default();
+        let plan = |r, n, cfg: &CollectiveConfig, b: &dyn Fn(usize, usize) -> u64| {
+            plan_moves(r, n, cfg, b).map(|m| (m.cap, m.steps))
+        };
+        // Scatter of 1 MiB to each of 2 others: one slot, one step; a byte
+        // more to one of them, two steps for every member.
+        let from_root = |extra: u64| {
+            move |p: usize, q: usize| {
+                if p == 0 && q != 0 {
+                    MIB + extra * q as u64
+                } else {
+                    0
+                }
+            }
+        };
+        assert_eq!(
+            plan(Routes::IntoReceiverSlot, 3, &cfg, &from_root(0)),
+            Some((1 << 20, 1))
+        );
+        assert_eq!(
+            plan(Routes::IntoReceiverSlot, 3, &cfg, &from_root(1)),
+            Some((1 << 20, 2))
+        );
+        // All-to-all of 4: each pair gets a quarter of a slot.
+        assert_eq!(plan(Routes::Pairs, 4, &cfg, &|_, _| MIB), Some((256 << 10, 4)));
+        // 600 KiB in all is below the threshold; forced, it goes through.
+        let to_root = |p: usize, q: usize| if q == 0 && p != 0 { 300 << 10 } else { 0 };
+        assert_eq!(plan(Routes::FromSenderSlot, 3, &cfg, &to_root), None);
+        cfg.algorithm = Algorithm::SharedMemory;
+        assert_eq!(
+            plan(Routes::FromSenderSlot, 3, &cfg, &to_root),
+            Some((1 << 20, 1))
+        );
+        // Nothing to move (only a member to itself), even forced.
+        assert_eq!(
+            plan(Routes::Pairs, 3, &cfg, &|p, q| if p == q { MIB } else { 0 }),
+            None
+        );
+        // A group of one; pieces too small for a part per pair.
+        assert_eq!(plan(Routes::Pairs, 1, &cfg, &|_, _| MIB), None);
+        cfg.shm_piece_bytes = 191;
+        assert_eq!(plan(Routes::Pairs, 3, &cfg, &|_, _| MIB), None);
+        assert_eq!(
+            plan(Routes::FromSenderSlot, 3, &cfg, &to_root),
+            Some((128, (300 << 10) / 128))
+        );
+        // Sizes from the network cannot overflow the sums.
+        cfg.shm_piece_bytes = 1 << 20;
+        assert_eq!(
+            plan(Routes::Pairs, 2, &cfg, &|_, _| u64::MAX),
+            usize::try_from(u64::MAX.div_ceil(512 << 10))
+                .ok()
+                .map(|s| (512 << 10, s))
+        );
     }
 
     #[test]

@@ -3,7 +3,9 @@
 //! dtype × reduce op on 2, 3 and 5 ranks, bit for bit equal to the sequential
 //! rank-order reference even with general (non-integer) floats; tensors that go
 //! through the segment in many pieces, back to back and interleaved with other
-//! operations and handle forms; the Auto threshold on 1 to 8 ranks; one 16 MiB
+//! operations and handle forms; gather, scatter and the all-to-alls with
+//! uneven sizes, forced and under Auto (and its eager exception); the Auto
+//! threshold on 1 to 8 ranks; one 16 MiB
 //! case; a member that declines (the group falls back to the ring for good);
 //! sub-groups with their own segments, set up and used concurrently with the
 //! world's; settings that disagree; a member lost in the middle of a call; a
@@ -363,6 +365,241 @@ fn tensors_larger_than_a_piece_go_through_in_pieces() {
     });
 }
 
+// ------------------------------- 2b. gather, scatter and the all-to-alls
+
+/// The most a member of 3 sends over TCP in a call whose data go through
+/// shared memory: its descriptor (14 words) to each other member, and in
+/// the call that sets the segment up, an offer (6 words) and a verdict (2)
+/// to each (member 0) or an answer (1 word, the others).
+const TCP_ONLY_ORDERS: u64 = 2 * (14 + 6 + 2) * 8;
+
+/// A call sized after the agreement, as the tests below run it.
+#[derive(Clone, Copy, Debug)]
+enum Moving {
+    Gather(usize),
+    Scatter(usize),
+    AllToAll,
+    AllToAllSingle,
+}
+
+/// Elements member `p` sends member `q`.
+type Sizes = Arc<dyn Fn(usize, usize) -> usize + Send + Sync>;
+
+/// What member `p` sends member `q` (deterministic, so every member knows
+/// every other member's data).
+fn piece_of(dtype: DType, sizes: &Sizes, p: usize, q: usize, n: usize, seed: u64) -> Tensor {
+    input(dtype, sizes(p, q), p * n + q, seed)
+}
+
+/// One `call` on every member of `gs`, member `p` sending `sizes(p, q)`
+/// elements of `dtype` to member `q` (as the call allows: a gather's members
+/// to the root, a scatter's root to each), checked byte for byte; returns the
+/// payload bytes each member sent over TCP meanwhile.
+async fn moved_checked(
+    gs: &[Group],
+    call: Moving,
+    dtype: DType,
+    sizes: Sizes,
+    seed: u64,
+    what: &str,
+) -> Vec<u64> {
+    let what: Arc<str> = format!("{what}: {call:?} of {dtype}").into();
+    on_all(gs, move |me, g| {
+        let (sizes, what) = (Arc::clone(&sizes), Arc::clone(&what));
+        async move {
+            let n = g.size();
+            let mine = |q: usize| piece_of(dtype, &sizes, me, q, n, seed);
+            let theirs = |p: usize| piece_of(dtype, &sizes, p, me, n, seed);
+            let zeros = |len: usize| Tensor::zeros(dtype, [len]).unwrap();
+            let before = bytes_sent(&g);
+            match call {
+                Moving::Gather(root) => {
+                    let input = mine(root);
+                    let mut outs =
+                        (me == root).then(|| (0..n).map(|p| zeros(sizes(p, root))).collect::<Vec<_>>());
+                    g.gather(&input, outs.as_deref_mut(), Rank(root as u32))
+                        .await
+                        .unwrap();
+                    for (p, o) in outs.iter().flatten().enumerate() {
+                        assert_same(
+                            o,
+                            &piece_of(dtype, &sizes, p, root, n, seed),
+                            &format!("{what}: from {p}"),
+                        );
+                    }
+                }
+                Moving::Scatter(root) => {
+                    let ins = (me == root).then(|| (0..n).map(mine).collect::<Vec<_>>());
+                    let mut out = zeros(sizes(root, me));
+                    g.scatter(&mut out, ins.as_deref(), Rank(root as u32))
+                        .await
+                        .unwrap();
+                    assert_same(&out, &theirs(root), &what);
+                }
+                Moving::AllToAll => {
+                    let ins: Vec<Tensor> = (0..n).map(mine).collect();
+                    let mut outs: Vec<Tensor> = (0..n).map(|p| zeros(sizes(p, me))).collect();
+                    g.all_to_all(&mut outs, &ins).await.unwrap();
+                    for (p, o) in outs.iter().enumerate() {
+                        assert_same(o, &theirs(p), &format!("{what}: from {p}"));
+                    }
+                }
+                Moving::AllToAllSingle => {
+                    let ins: Vec<Tensor> = (0..n).map(mine).collect();
+                    let (in_splits, out_splits): (Vec<usize>, Vec<usize>) =
+                        (0..n).map(|q| (sizes(me, q), sizes(q, me))).unzip();
+                    let mut out = zeros(out_splits.iter().sum());
+                    g.all_to_all_single(&mut out, &concat(&ins), Some(&out_splits), Some(&in_splits))
+                        .await
+                        .unwrap();
+                    assert_same(&out, &concat(&(0..n).map(theirs).collect::<Vec<_>>()), &what);
+                }
+            }
+            bytes_sent(&g) - before
+        }
+    })
+    .await
+}
+
+/// Gather, scatter and the all-to-alls through the segment (forced), on 3
+/// members with small pieces (4 KiB: 1344 bytes per pair in an all-to-all):
+/// the first such call sets the segment up; sizes that differ per pair,
+/// zeros, exactly one part, one part and a byte, many parts; every root;
+/// their data never go over TCP. Bool tensors (never through shared memory)
+/// go over TCP.
+#[test]
+fn gather_scatter_and_all_to_all_move_uneven_sizes_through_shared_memory() {
+    run(async {
+        const N: usize = 3;
+        const PIECE: usize = 4096;
+        let gs = with_cfg(&groups("shm-moves", N as u32).await, &small_pieces(PIECE));
+        let pair = (PIECE / N) & !63;
+        let sizes: Vec<(&str, DType, Sizes)> = vec![
+            ("many parts", DType::F32, Arc::new(|p, q| 10_007 + 13 * p + q)),
+            (
+                "uneven with zeros",
+                DType::I16,
+                Arc::new(|p, q| (p * 7 + q * 3) % 5 * 1_111),
+            ),
+            ("one pair's part", DType::U8, Arc::new(move |_, _| pair)),
+            ("a part and a byte", DType::U8, Arc::new(move |_, _| pair + 1)),
+            ("one slot", DType::U8, Arc::new(|_, _| PIECE)),
+            ("a slot and a byte", DType::U8, Arc::new(|_, _| PIECE + 1)),
+            (
+                "only some pairs",
+                DType::F64,
+                Arc::new(|p, q| if (p + q) % 2 == 0 { 3_001 } else { 0 }),
+            ),
+            ("nothing", DType::BF16, Arc::new(|_, _| 0)),
+        ];
+        assert_all(&statuses(&gs).await, &SharedMemory::Untried, "a new group");
+        let t0 = Instant::now();
+        for (k, (what, dtype, size)) in sizes.into_iter().enumerate() {
+            let calls = [
+                Moving::Gather(k % N),
+                Moving::Scatter((k + 1) % N),
+                Moving::AllToAll,
+                Moving::AllToAllSingle,
+            ];
+            for call in calls {
+                let sent = moved_checked(&gs, call, dtype, Arc::clone(&size), k as u64, what).await;
+                assert_all(&statuses(&gs).await, &active(segment(N, PIECE)), what);
+                for (r, s) in sent.iter().enumerate() {
+                    assert!(
+                        *s <= TCP_ONLY_ORDERS,
+                        "{what}: {call:?}: rank {r} sent {s} bytes over TCP"
+                    );
+                }
+            }
+        }
+        println!(
+            "gather, scatter and all-to-alls through shared memory in {:?}",
+            t0.elapsed()
+        );
+        let all: Sizes = Arc::new(|_, _| 5_000);
+        for call in [
+            Moving::Gather(1),
+            Moving::Scatter(2),
+            Moving::AllToAll,
+            Moving::AllToAllSingle,
+        ] {
+            let sent = moved_checked(&gs, call, DType::Bool, Arc::clone(&all), 9, "bool").await;
+            assert!(sent.iter().any(|&s| s >= 5_000), "bool: {call:?}: {sent:?}");
+        }
+    });
+}
+
+/// With `Algorithm::Auto` (the default): a gather, scatter or all-to-all goes
+/// through shared memory once its members move `shm_min_bytes` between them,
+/// unless one of them sends little enough to send it eagerly; the
+/// reported algorithm follows.
+#[test]
+fn auto_moves_large_gathers_scatters_and_all_to_alls_through_shared_memory() {
+    run(async {
+        use multiworld_collectives::CollectiveKind as K;
+        const N: usize = 3;
+        let gs = groups("shm-moves-auto", N as u32).await;
+        let cfg = CollectiveConfig::default();
+        let (eager, min) = (cfg.eager_max_bytes, cfg.shm_min_bytes);
+        assert_eq!(gs[0].algorithm_name(K::AllToAll, 1024).await, "direct");
+        assert_eq!(gs[0].algorithm_name(K::Gather, 1 << 20).await, "shm");
+        assert_eq!(gs[0].algorithm_name(K::Scatter, (min / 2) as u64).await, "shm");
+        assert_eq!(gs[0].algorithm_name(K::Scatter, (min / 4) as u64).await, "direct");
+        // Small: direct, shared memory not tried.
+        for call in [
+            Moving::Gather(0),
+            Moving::Scatter(1),
+            Moving::AllToAll,
+            Moving::AllToAllSingle,
+        ] {
+            moved_checked(&gs, call, DType::F32, Arc::new(|_, _| 256), 1, "small").await;
+        }
+        assert_all(&statuses(&gs).await, &SharedMemory::Untried, "after small calls");
+        // Large in all, but member 0 sends a few bytes (eagerly, so over TCP):
+        // the whole call goes over TCP.
+        let one_small: Sizes = Arc::new(move |p, _| if p == 0 { 16 } else { eager / 4 + 1 });
+        for call in [Moving::AllToAll, Moving::AllToAllSingle] {
+            let sent = moved_checked(
+                &gs,
+                call,
+                DType::F32,
+                Arc::clone(&one_small),
+                2,
+                "one member eager",
+            )
+            .await;
+            assert!(sent[1] > eager as u64, "{call:?}: {sent:?}");
+        }
+        assert_all(
+            &statuses(&gs).await,
+            &SharedMemory::Untried,
+            "after a call with an eager member",
+        );
+        // Large: through the segment, set up by the first such call.
+        // f32: half the threshold to each, from each.
+        let large: Sizes = Arc::new(move |p, q| min / 8 + 31 * p + q);
+        for call in [
+            Moving::Scatter(2),
+            Moving::Gather(1),
+            Moving::AllToAll,
+            Moving::AllToAllSingle,
+        ] {
+            let sent = moved_checked(&gs, call, DType::F32, Arc::clone(&large), 3, "large").await;
+            assert_all(
+                &statuses(&gs).await,
+                &active(default_segment(N)),
+                "after a large call",
+            );
+            for (r, s) in sent.iter().enumerate() {
+                assert!(
+                    *s <= TCP_ONLY_ORDERS,
+                    "{call:?}: rank {r} sent {s} bytes over TCP"
+                );
+            }
+        }
+    });
+}
+
 // ------------------------------------------------------ 3. Auto, sizes 1 to 8
 
 #[test]
@@ -707,6 +944,21 @@ fn a_member_lost_during_a_shared_memory_all_gather_fails_the_others() {
     run(lost_member_rounds(Op::AllGather));
 }
 
+#[test]
+fn a_member_lost_during_a_shared_memory_gather_fails_the_others() {
+    run(lost_member_rounds(Op::Gather));
+}
+
+#[test]
+fn a_member_lost_during_a_shared_memory_scatter_fails_the_others() {
+    run(lost_member_rounds(Op::Scatter));
+}
+
+#[test]
+fn a_member_lost_during_a_shared_memory_all_to_all_fails_the_others() {
+    run(lost_member_rounds(Op::AllToAll));
+}
+
 /// The collective the loss rounds run.
 #[derive(Clone, Copy, Debug)]
 enum Op {
@@ -714,6 +966,17 @@ enum Op {
     Broadcast,
     Reduce,
     AllGather,
+    /// To member 0, which ends with every member's tensor in member order.
+    Gather,
+    /// From member 0's tensor, cut into `n` parts: member `q` ends with part `q`.
+    Scatter,
+    /// `all_to_all_single`: part `q` of each member's tensor to member `q`.
+    AllToAll,
+}
+
+/// Part `q` of `len` elements cut into `n` parts.
+fn part(len: usize, n: usize, q: usize) -> std::ops::Range<usize> {
+    q * len / n..(q + 1) * len / n
 }
 
 impl Op {
@@ -729,6 +992,34 @@ impl Op {
                 *t = out;
                 Ok(())
             }
+            Op::Gather => {
+                let n = g.size();
+                let zeros = || Tensor::zeros(t.dtype(), [t.numel()]).unwrap();
+                let mut outs =
+                    (g.group_rank() == Some(0)).then(|| (0..n).map(|_| zeros()).collect::<Vec<_>>());
+                g.gather(t, outs.as_deref_mut(), Rank(0)).await?;
+                if let Some(outs) = outs {
+                    *t = concat(&outs);
+                }
+                Ok(())
+            }
+            Op::Scatter => {
+                let (n, me, len) = (g.size(), g.group_rank().unwrap(), t.numel());
+                let ins = (me == 0).then(|| (0..n).map(|q| slice(t, part(len, n, q))).collect::<Vec<_>>());
+                let mut out = Tensor::zeros(t.dtype(), [part(len, n, me).len()]).unwrap();
+                g.scatter(&mut out, ins.as_deref(), Rank(0)).await?;
+                *t = out;
+                Ok(())
+            }
+            Op::AllToAll => {
+                let (n, me, len) = (g.size(), g.group_rank().unwrap(), t.numel());
+                let ins: Vec<usize> = (0..n).map(|q| part(len, n, q).len()).collect();
+                let outs = vec![part(len, n, me).len(); n];
+                let mut out = Tensor::zeros(t.dtype(), [outs.iter().sum::<usize>()]).unwrap();
+                g.all_to_all_single(&mut out, t, Some(&outs), Some(&ins)).await?;
+                *t = out;
+                Ok(())
+            }
         }
     }
 
@@ -739,10 +1030,17 @@ impl Op {
             Op::Broadcast => ins[0].clone(),
             Op::Reduce if me == 0 => reference(ins, ReduceOp::Sum),
             Op::Reduce => ins[me].clone(),
-            Op::AllGather => {
-                let bytes: Vec<u8> = ins.iter().flat_map(|t| t.as_bytes().to_vec()).collect();
-                let numel = ins.iter().map(Tensor::numel).sum::<usize>();
-                Tensor::from_bytes(ins[0].dtype(), [numel], &bytes).unwrap()
+            Op::AllGather => concat(ins),
+            Op::Gather if me == 0 => concat(ins),
+            Op::Gather => ins[me].clone(),
+            Op::Scatter => slice(&ins[0], part(ins[0].numel(), ins.len(), me)),
+            Op::AllToAll => {
+                let n = ins.len();
+                concat(
+                    &ins.iter()
+                        .map(|t| slice(t, part(t.numel(), n, me)))
+                        .collect::<Vec<_>>(),
+                )
             }
         }
     }
