@@ -50,7 +50,7 @@ pub enum Algorithm {
     /// [`CollectiveConfig::shm_min_bytes`]) go through shared memory when every
     /// member is on the same host (see [`Group::shared_memory`]): all-reduce,
     /// broadcast, reduce (3 members or more), all-gather into one tensor,
-    /// gather, scatter and the all-to-alls.
+    /// reduce-scatter, gather, scatter and the all-to-alls.
     #[default]
     Auto,
     /// Always the latency-optimal direct exchange (one round).
@@ -101,8 +101,8 @@ pub struct CollectiveConfig {
     /// (or cannot map the segment) makes the whole group use TCP; the members
     /// need not agree on this field. Default `true`.
     pub shared_memory: bool,
-    /// With [`Algorithm::Auto`], an all-reduce, broadcast, reduce or
-    /// all-gather into one tensor uses shared memory (when it is available)
+    /// With [`Algorithm::Auto`], an all-reduce, broadcast, reduce,
+    /// reduce-scatter or all-gather into one tensor uses shared memory (when it is available)
     /// once `buffer bytes × (group size − 1)` is at least this; a gather,
     /// scatter or all-to-all once its members move at least this many bytes
     /// between them in all, none of them few enough to send eagerly
@@ -652,8 +652,13 @@ impl Group {
         // (4 processes: 1 MiB 1.1-1.2 against 2.2-2.3 ms, 16 MiB 11.3 against
         // 18 ms), slower than the direct reduce with 2 (1 MiB 0.47 against
         // 0.38 ms).
+        // A reduce-scatter's contributions travel in a part of `1 / n` of a
+        // slot per pair, as an all-to-all's do.
+        let pairs_fit =
+            || super::shm::Routes::Pairs.capacity(self.cfg.shm_piece_bytes & !63, self.size()) > 0;
         let shm_kind = matches!(kind, Kind::AllReduce | Kind::Broadcast | Kind::AllGatherInto)
-            || (kind == Kind::Reduce && n > 2);
+            || (kind == Kind::Reduce && n > 2)
+            || (matches!(kind, Kind::ReduceScatter | Kind::ReduceScatterTensor) && pairs_fit());
         let shm = shm_ok && shm_kind;
         match self.cfg.algorithm {
             Algorithm::Direct => Algo::Direct,

@@ -587,7 +587,9 @@ impl Group {
             let es = dtype.size() as u64;
             let total = segs.last().map_or(0, |s| s.end) as u64 * es;
             let own = segs[cx.me].len() as u64 * es;
-            Ok(Prep::new(segs, total / n as u64, total - own).with_scratch())
+            Ok(Prep::new(segs, total / n as u64, total - own)
+                .with_scratch()
+                .with_shm_if(dtype != DType::Bool))
         };
         self.run_collective(ticket, kind, output, prepare, async |output, cx, d, segs, lent| {
             let payloads: Vec<(usize, TensorView<'_>)> = match inputs {
@@ -607,7 +609,10 @@ impl Group {
                         segs.iter().map(|s| &all[s.clone()]).collect()
                     }
                 };
-                algo::reduce_scatter::<T>(cx, &mut lent.scratch, output.as_mut_slice::<T>()?, &ins, op, d).await?;
+                match shm::ensure(cx, lent.shm.as_mut()).await? {
+                    Some(seg) => shm::reduce_scatter::<T>(cx, seg, &mut lent.scratch, output.as_mut_slice::<T>()?, &ins, op).await?,
+                    None => algo::reduce_scatter::<T>(cx, &mut lent.scratch, output.as_mut_slice::<T>()?, &ins, op, d).await?,
+                }
             });
             finish_sends(sends).await
         })

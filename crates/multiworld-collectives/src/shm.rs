@@ -1,5 +1,6 @@
 //! Same-host shared memory for large all-reduces, reduces, broadcasts,
-//! all-gathers into one tensor, gathers, scatters and all-to-alls: the data
+//! all-gathers into one tensor, reduce-scatters, gathers, scatters and
+//! all-to-alls: the data
 //! move through one
 //! memory segment mapped by every member, and the TCP mesh carries only the
 //! small messages that order the phases (and, as for every call, detects a lost
@@ -820,7 +821,7 @@ pub(crate) enum Routes {
 impl Routes {
     /// Bytes one step carries from one member to another, with slots of
     /// `slot` bytes in a group of `n`.
-    fn capacity(self, slot: usize, n: usize) -> usize {
+    pub(crate) fn capacity(self, slot: usize, n: usize) -> usize {
         match self {
             Routes::Pairs => (slot / n.max(1)) & !63,
             Routes::IntoReceiverSlot | Routes::FromSenderSlot => slot,
@@ -982,6 +983,104 @@ pub(crate) async fn route(
     Ok(())
 }
 
+/// Reduce-scatter through the segment: `inputs[q]` is this member's
+/// contribution to member `q`'s segment (the same lengths on every member),
+/// and `output` gets segment `me` reduced over every member **in rank order**.
+/// The contributions travel as an all-to-all's payloads do (part `q` of the
+/// sender's slot, see [`Routes::Pairs`]): step `t` has every member copy part
+/// `t` of each other member's contribution into its slot of buffer `t mod 3`,
+/// and reduce part `t − 1` of its own segment over every member's copy (its
+/// own read from `inputs[me]`), in blocks that stay in the L1/L2 cache,
+/// straight into `output`. One barrier per step; the same buffer discipline as
+/// [`route`].
+pub(crate) async fn reduce_scatter<T: Kernel>(
+    cx: Ctx<'_>,
+    seg: &Arc<Segment>,
+    sc: &mut Scratch,
+    output: &mut [T],
+    inputs: &[&[T]],
+    op: ReduceOp,
+) -> Result<()> {
+    let (n, me, size) = (cx.n(), cx.me, std::mem::size_of::<T>().max(1));
+    let cap = Routes::Pairs.capacity(seg.slot_bytes(n), n) / size;
+    if cap == 0 || inputs.len() != n || inputs[me].len() != output.len() {
+        return Err(Error::invalid("internal: shared-memory reduce-scatter sizes"));
+    }
+    let steps = inputs.iter().map(|x| x.len().div_ceil(cap)).max().unwrap_or(0);
+    let mut acc = sc.take(T::DTYPE, (BLOCK_BYTES / size).max(1))?;
+    let stream = std::mem::size_of_val(output) >= STREAM_MIN_BYTES;
+    let part = |len: usize, k: usize| (k * cap).min(len)..((k + 1) * cap).min(len);
+    let mut done = 0;
+    for t in 0..steps + 1 {
+        if t < steps {
+            for q in (0..n).filter(|&q| q != me) {
+                let r = part(inputs[q].len(), t);
+                if !r.is_empty() {
+                    let dst = seg.write::<T>(n, t % BUFFERS, me, q * cap..q * cap + r.len())?;
+                    copy_yielding(dst, &inputs[q][r], false).await;
+                }
+            }
+        }
+        if let Some(k) = t.checked_sub(1) {
+            let r = part(output.len(), k);
+            let a = acc.as_mut_slice::<T>()?;
+            let mut at = r.start;
+            while at < r.end {
+                let b = at..(at + a.len()).min(r.end);
+                let a = &mut a[..b.len()];
+                // Where the block lies in each member's part.
+                let off = me * cap + (b.start - r.start);
+                fold_block(a, n, op, |q| {
+                    if q == me {
+                        Ok(&inputs[me][b.clone()])
+                    } else {
+                        seg.read::<T>(n, k % BUFFERS, q, off..off + b.len())
+                    }
+                })?;
+                copy(&mut output[b.clone()], a, stream);
+                done += b.len() * size * n;
+                if done >= YIELD_BYTES {
+                    done = 0;
+                    tokio::task::yield_now().await;
+                }
+                at = b.end;
+            }
+        }
+        if t < steps {
+            arrive_and_wait(cx, seg).await?;
+        }
+    }
+    sc.give(acc);
+    Ok(())
+}
+
+/// Reduces one block over every member's copy in rank order into `a`
+/// (`x0 op x1 op ...`, then the division of an average): `src(q)` is member
+/// `q`'s copy, as long as `a`.
+fn fold_block<'s, T: Kernel>(
+    a: &mut [T],
+    n: usize,
+    op: ReduceOp,
+    mut src: impl FnMut(usize) -> Result<&'s [T]>,
+) -> Result<()> {
+    let eop = op.elem();
+    for q in 0..n {
+        let s = src(q)?;
+        if s.len() != a.len() {
+            return Err(Error::invalid("internal: shared-memory block sizes"));
+        }
+        if q == 0 {
+            a.copy_from_slice(s);
+        } else {
+            T::combine_assign(eop, a, s);
+        }
+    }
+    if op == ReduceOp::Avg {
+        T::divide(a, n);
+    }
+    Ok(())
+}
+
 /// One member's view of the segment during a call: the three phases of a
 /// piece `x` in buffer `buf`.
 struct Io<'a> {
@@ -1015,28 +1114,20 @@ impl Io<'_> {
         stream: bool,
     ) -> Result<()> {
         let (n, me, seg) = (self.n, self.me, self.seg);
-        let (eop, size) = (op.elem(), std::mem::size_of::<T>());
+        let size = std::mem::size_of::<T>();
         let mine = even_segments(x.len(), n)[me].clone();
         let mut done = 0;
         let mut at = mine.start;
         while at < mine.end {
             let b = at..(at + acc.len()).min(mine.end);
             let a = &mut acc[..b.len()];
-            for q in 0..n {
-                let src: &[T] = if q == me {
-                    &x[b.clone()]
+            fold_block(a, n, op, |q| {
+                if q == me {
+                    Ok(&x[b.clone()])
                 } else {
-                    seg.read::<T>(n, buf, q, b.clone())?
-                };
-                if q == 0 {
-                    a.copy_from_slice(src);
-                } else {
-                    T::combine_assign(eop, a, src);
+                    seg.read::<T>(n, buf, q, b.clone())
                 }
-            }
-            if op == ReduceOp::Avg {
-                T::divide(a, n);
-            }
+            })?;
             copy(&mut x[b.clone()], a, stream);
             seg.write::<T>(n, buf, me, b.clone())?.copy_from_slice(a);
             done += b.len() * size * n;

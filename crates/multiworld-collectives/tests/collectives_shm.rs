@@ -162,6 +162,26 @@ async fn shm_matrix(n: u32) {
                     let want = reference(&ins, op);
                     g.all_reduce(&mut t, op).await.unwrap();
                     assert_same(&t, &want, &format!("all_reduce {what}"));
+                    // Reduce-scatter: of one tensor (segments of `len`), and
+                    // of lists whose segments differ in length (`len + q`).
+                    let big: Vec<Tensor> = (0..n)
+                        .map(|r| general_input(dtype, n * len, r, seed ^ 1))
+                        .collect();
+                    let mut out = Tensor::zeros(dtype, [len]).unwrap();
+                    g.reduce_scatter_tensor(&mut out, &big[me], op).await.unwrap();
+                    let want = slice(&reference(&big, op), me * len..(me + 1) * len);
+                    assert_same(&out, &want, &format!("reduce_scatter_tensor {what}"));
+                    let lists: Vec<Vec<Tensor>> = (0..n)
+                        .map(|r| {
+                            (0..n)
+                                .map(|q| general_input(dtype, len + q, r, seed ^ (2 + q as u64)))
+                                .collect()
+                        })
+                        .collect();
+                    let mut out = Tensor::zeros(dtype, [len + me]).unwrap();
+                    g.reduce_scatter(&mut out, &lists[me], op).await.unwrap();
+                    let mine: Vec<Tensor> = lists.iter().map(|l| l[me].clone()).collect();
+                    assert_same(&out, &reference(&mine, op), &format!("reduce_scatter {what}"));
                     checked += 1;
                 }
             }
@@ -210,11 +230,32 @@ fn tensors_larger_than_a_piece_go_through_in_pieces() {
         let cfg = small_pieces(PIECE);
         let seg = segment(N, PIECE);
         let gs = with_cfg(&groups("shm-pieces", N as u32).await, &cfg);
-        // Operations other than all_reduce, reduce and broadcast run as with
-        // `Algorithm::Ring` and do not set up the segment (small-integer
-        // inputs: exact in any order).
+        // The list form of all-gather runs as with `Algorithm::Ring` and does
+        // not set up the segment.
         on_all(&gs, |me, g| async move {
-            let big: Vec<Tensor> = (0..N).map(|r| input(DType::BF16, N * 10_007, r, 21)).collect();
+            let ins: Vec<Tensor> = (0..N).map(|r| input(DType::I32, 5_000 + r, r, 21)).collect();
+            let mut outs: Vec<Tensor> = ins
+                .iter()
+                .map(|t| Tensor::zeros(DType::I32, [t.numel()]).unwrap())
+                .collect();
+            g.all_gather(&mut outs, &ins[me]).await.unwrap();
+            for (p, o) in outs.iter().enumerate() {
+                assert_same(o, &ins[p], "all_gather (list)");
+            }
+        })
+        .await;
+        assert_all(
+            &statuses(&gs).await,
+            &SharedMemory::Untried,
+            "after other operations",
+        );
+        // Reduce-scatter in many parts (1344 bytes per pair and step), of one
+        // tensor and of lists with segments of different lengths, general
+        // floats in rank order.
+        on_all(&gs, |me, g| async move {
+            let big: Vec<Tensor> = (0..N)
+                .map(|r| general_input(DType::BF16, N * 10_007, r, 21))
+                .collect();
             let want_big = reference(&big, ReduceOp::Avg);
             let mut out = Tensor::zeros(DType::BF16, [10_007]).unwrap();
             g.reduce_scatter_tensor(&mut out, &big[me], ReduceOp::Avg)
@@ -225,13 +266,23 @@ fn tensors_larger_than_a_piece_go_through_in_pieces() {
                 &slice(&want_big, me * 10_007..(me + 1) * 10_007),
                 "reduce_scatter_tensor",
             );
+            let len = |q: usize| [3 * PIECE, 1, 0][q] + 7 * q;
+            let lists: Vec<Vec<Tensor>> = (0..N)
+                .map(|r| {
+                    (0..N)
+                        .map(|q| general_input(DType::F64, len(q), r, 30 + q as u64))
+                        .collect()
+                })
+                .collect();
+            let mut out = Tensor::zeros(DType::F64, [len(me)]).unwrap();
+            g.reduce_scatter(&mut out, &lists[me], ReduceOp::Sum)
+                .await
+                .unwrap();
+            let mine: Vec<Tensor> = lists.iter().map(|l| l[me].clone()).collect();
+            assert_same(&out, &reference(&mine, ReduceOp::Sum), "reduce_scatter (list)");
         })
         .await;
-        assert_all(
-            &statuses(&gs).await,
-            &SharedMemory::Untried,
-            "after other operations",
-        );
+        assert_all(&statuses(&gs).await, &active(seg), "after reduce-scatters");
         // Reduce goes through the segment too (the all-reduce, on a copy
         // off the root: the others' tensors stay as they were).
         on_all(&gs, |me, g| async move {
@@ -959,6 +1010,11 @@ fn a_member_lost_during_a_shared_memory_all_to_all_fails_the_others() {
     run(lost_member_rounds(Op::AllToAll));
 }
 
+#[test]
+fn a_member_lost_during_a_shared_memory_reduce_scatter_fails_the_others() {
+    run(lost_member_rounds(Op::ReduceScatter));
+}
+
 /// The collective the loss rounds run.
 #[derive(Clone, Copy, Debug)]
 enum Op {
@@ -972,6 +1028,8 @@ enum Op {
     Scatter,
     /// `all_to_all_single`: part `q` of each member's tensor to member `q`.
     AllToAll,
+    /// `reduce_scatter` (sum) of each member's tensor cut into `n` parts.
+    ReduceScatter,
 }
 
 /// Part `q` of `len` elements cut into `n` parts.
@@ -1020,6 +1078,14 @@ impl Op {
                 *t = out;
                 Ok(())
             }
+            Op::ReduceScatter => {
+                let (n, me, len) = (g.size(), g.group_rank().unwrap(), t.numel());
+                let ins: Vec<Tensor> = (0..n).map(|q| slice(t, part(len, n, q))).collect();
+                let mut out = Tensor::zeros(t.dtype(), [part(len, n, me).len()]).unwrap();
+                g.reduce_scatter(&mut out, &ins, ReduceOp::Sum).await?;
+                *t = out;
+                Ok(())
+            }
         }
     }
 
@@ -1041,6 +1107,11 @@ impl Op {
                         .map(|t| slice(t, part(t.numel(), n, me)))
                         .collect::<Vec<_>>(),
                 )
+            }
+            Op::ReduceScatter => {
+                let n = ins.len();
+                let parts: Vec<Tensor> = ins.iter().map(|t| slice(t, part(t.numel(), n, me))).collect();
+                reference(&parts, ReduceOp::Sum)
             }
         }
     }
