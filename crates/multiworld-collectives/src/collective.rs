@@ -21,7 +21,7 @@
 
 use crate::desc::{Algo, Desc, Kind};
 use crate::group::{Ctx, Group, Ticket};
-use crate::shm::ShmState;
+use crate::shm::ShmLoan;
 use crate::util::Scratch;
 use multiworld_tcp::{Error, Result};
 use multiworld_types::{DType, Tensor};
@@ -64,8 +64,8 @@ impl<V> Prep<V> {
     }
 
     /// The body may use the shared-memory segment ([`Lent::shm`]) if `may` and
-    /// the plan picks [`Algo::Shm`]. Only such a call takes the group's state
-    /// (see `Call::take_shm` in `group.rs`).
+    /// the plan picks [`Algo::Shm`]. Only such a call borrows the group's state
+    /// (see `Call::lend_shm` in `group.rs` and [`ShmLoan`](crate::shm::ShmLoan)).
     pub(crate) fn with_shm_if(mut self, may: bool) -> Prep<V> {
         self.shm = may;
         self
@@ -79,7 +79,7 @@ pub(crate) struct Lent {
     pub scratch: Scratch,
     /// The group's shared-memory state if the call may use the segment
     /// ([`Prep::with_shm_if`]).
-    pub shm: Option<ShmState>,
+    pub shm: Option<ShmLoan>,
 }
 
 /// The output buffers of a call, whose dtype and shape are put back when the
@@ -192,7 +192,7 @@ impl Group {
             } else {
                 Scratch::default()
             },
-            shm: (prep.shm && d.algo == Algo::Shm).then(|| call.take_shm()),
+            shm: (prep.shm && d.algo == Algo::Shm).then(|| call.lend_shm()),
         };
         let saved = out.save();
         let r = call.guard(body(out, cx, &d, prep.valid, &mut lent)).await;

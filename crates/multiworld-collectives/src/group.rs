@@ -23,6 +23,7 @@
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
@@ -33,7 +34,7 @@ use tracing::debug;
 
 use crate::desc::{self, AgreeCtx, Algo, Desc, Kind};
 use crate::handle::CollectiveHandle;
-use crate::shm::{SharedMemory, ShmState};
+use crate::shm::{SharedMemory, ShmLoan, ShmState};
 use crate::util::{Scratch, try_join_all};
 use multiworld_tcp::{Communicator, HealthEvent, Received, RecvHandle, SendHandle};
 use multiworld_tcp::{Error, Result};
@@ -191,6 +192,8 @@ pub(crate) struct GroupState {
     seq: u64,
     scratch: Scratch,
     shm: ShmState,
+    /// Set while a call uses the segment (see [`ShmLoan`]).
+    shm_in_use: Arc<AtomicBool>,
 }
 
 /// The sub-group id counter of one communicator.
@@ -232,6 +235,7 @@ impl GroupInner {
                 seq: 0,
                 scratch: Scratch::new(0),
                 shm: ShmState::Untried,
+                shm_in_use: Arc::new(AtomicBool::new(false)),
             })),
         }
     }
@@ -571,6 +575,11 @@ impl Group {
     pub(crate) async fn begin(&self, ticket: Ticket, kind: Kind) -> Result<Call<'_>> {
         let me = self.member_index()?;
         let mut guard = ticket.acquire().await;
+        if guard.shm_in_use.swap(false, Ordering::Relaxed) {
+            // The last call was dropped while it used the segment.
+            guard.shm =
+                ShmState::Unavailable("a call using shared memory was cancelled on this member".to_owned());
+        }
         let seq = guard.seq;
         guard.seq = guard.seq.wrapping_add(1);
         guard.scratch.set_budget(self.cfg.scratch_cache_bytes);
@@ -591,7 +600,8 @@ impl Group {
     ///
     /// For gather, scatter and the all-to-alls, whose sizes may differ between
     /// members, the answer assumes every member sends `size_bytes` to each
-    /// other one (scatter: the root to each; gather: each to the root).
+    /// other one (scatter: the root to each; gather: each to the root), in a
+    /// dtype other than `bool` (which never goes through shared memory).
     pub async fn algorithm_name(&self, kind: Kind, size_bytes: u64) -> &'static str {
         let unavailable = matches!(self.shared_memory().await, SharedMemory::Unavailable { .. });
         let algo = self.algorithm_with(kind, size_bytes, !unavailable);
@@ -765,7 +775,10 @@ impl<'g> Call<'g> {
             Algo::Shm => self.kind.sized_after_agreement() && self.group.cfg.algorithm == Algorithm::Auto,
             Algo::Ring => false,
         };
-        d.eager = direct && n > 1 && send_bytes <= self.group.cfg.eager_max_bytes as u64;
+        // A member that sends nothing has nothing to send early (and empty
+        // messages sent eagerly would be left unread by a call that then
+        // moves the others' data through shared memory).
+        d.eager = direct && n > 1 && send_bytes > 0 && send_bytes <= self.group.cfg.eager_max_bytes as u64;
     }
 
     /// Moves the group's scratch pool out for the call (give it back with
@@ -778,21 +791,18 @@ impl<'g> Call<'g> {
         self.guard.scratch = s;
     }
 
-    /// Moves the group's shared-memory state out for the call (give it back with
-    /// [`Call::put_shm`]).
-    /// If the call is cancelled before it gives the state back, this member
-    /// stays off shared memory, so its next call disagrees with the others on
-    /// the algorithm (an error on every member) instead of running a different
-    /// protocol.
-    pub(crate) fn take_shm(&mut self) -> ShmState {
-        std::mem::replace(
-            &mut self.guard.shm,
-            ShmState::Unavailable("a call using shared memory was cancelled on this member".to_owned()),
-        )
+    /// Lends the group's shared-memory state to the call (give it back with
+    /// [`Call::put_shm`]; see [`ShmLoan`] for a call dropped meanwhile).
+    pub(crate) fn lend_shm(&self) -> ShmLoan {
+        ShmLoan {
+            state: self.guard.shm.clone(),
+            in_use: Arc::clone(&self.guard.shm_in_use),
+        }
     }
 
-    pub(crate) fn put_shm(&mut self, s: ShmState) {
-        self.guard.shm = s;
+    pub(crate) fn put_shm(&mut self, loan: ShmLoan) {
+        self.guard.shm = loan.state;
+        loan.in_use.store(false, Ordering::Relaxed);
     }
 
     /// Finishes a call whose local validation failed: tells the other members (an

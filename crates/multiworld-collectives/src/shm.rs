@@ -145,6 +145,7 @@ pub(crate) fn segment_len(piece_bytes: usize, n: usize) -> Option<usize> {
 }
 
 /// A group's shared-memory state (kept between calls).
+#[derive(Clone)]
 pub(crate) enum ShmState {
     Untried,
     Ready(Arc<Segment>),
@@ -164,6 +165,19 @@ impl ShmState {
             ShmState::Unavailable(r) => SharedMemory::Unavailable { reason: r.clone() },
         }
     }
+}
+
+/// The group's shared-memory state lent to a call that may use the segment
+/// (see `Call::lend_shm`): a copy of it, which goes back to the group when the
+/// call ends, and the group's mark that a call has begun to use it, set by
+/// [`ensure`]. A call dropped while the mark is set leaves its member off
+/// shared memory (its next call then disagrees with the others on the
+/// algorithm, an error on every member, instead of running a protocol whose
+/// barriers the others have counted differently); one dropped before, as a
+/// gather that ended up on TCP, changes nothing.
+pub(crate) struct ShmLoan {
+    pub(crate) state: ShmState,
+    pub(crate) in_use: Arc<std::sync::atomic::AtomicBool>,
 }
 
 // ---------------------------------------------------------------------------
@@ -480,11 +494,13 @@ mod futex {
 /// same state.
 pub(crate) async fn ensure<'s>(
     cx: Ctx<'_>,
-    state: Option<&'s mut ShmState>,
+    loan: Option<&'s mut ShmLoan>,
 ) -> Result<Option<&'s Arc<Segment>>> {
-    let Some(state) = state else {
+    let Some(loan) = loan else {
         return Ok(None);
     };
+    loan.in_use.store(true, Ordering::Relaxed);
+    let state = &mut loan.state;
     if let ShmState::Untried = state {
         *state = setup(cx).await?;
     }
@@ -911,8 +927,7 @@ pub(crate) fn plan_after_agreement(cx: Ctx<'_>, descs: &[Desc], may: bool) -> Op
     if !may || descs.len() != n {
         return None;
     }
-    let eager =
-        |p: usize, q: usize| desc::eager_payload(&descs[p], p, q, cx.members).is_some_and(|(_, c)| c > 0);
+    let eager = |p: usize, q: usize| desc::eager_payload(&descs[p], p, q, cx.members).is_some();
     if (0..n).any(|p| (0..n).any(|q| eager(p, q))) {
         return None;
     }

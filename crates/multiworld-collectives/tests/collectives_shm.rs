@@ -626,7 +626,21 @@ fn auto_moves_large_gathers_scatters_and_all_to_alls_through_shared_memory() {
             &SharedMemory::Untried,
             "after a call with an eager member",
         );
-        // Large: through the segment, set up by the first such call.
+        // Member 2 sends nothing (as an expert that got no tokens): it has
+        // nothing to send eagerly, so the call goes through the segment (set
+        // up in this call), and no empty message is left unread.
+        let two_idle: Sizes = Arc::new(move |p, _| if p == 2 { 0 } else { min / 4 });
+        for call in [Moving::AllToAll, Moving::AllToAllSingle, Moving::Gather(0)] {
+            let sent = moved_checked(&gs, call, DType::F32, Arc::clone(&two_idle), 4, "member 2 idle").await;
+            assert_all(&statuses(&gs).await, &active(default_segment(N)), "member 2 idle");
+            for (r, s) in sent.iter().enumerate() {
+                assert!(
+                    *s <= TCP_ONLY_ORDERS,
+                    "{call:?}: rank {r} sent {s} bytes over TCP"
+                );
+            }
+        }
+        // Large: through the segment.
         // f32: half the threshold to each, from each.
         let large: Sizes = Arc::new(move |p, q| min / 8 + 31 * p + q);
         for call in [
@@ -648,6 +662,64 @@ fn auto_moves_large_gathers_scatters_and_all_to_alls_through_shared_memory() {
                 );
             }
         }
+    });
+}
+
+/// A small gather under Auto is lent the group's shared-memory state (it may
+/// use the segment, until the sizes say otherwise); dropped on one member
+/// before its data moved, it leaves that member's state as it was, so later
+/// calls still agree and still use the segment.
+#[test]
+fn a_small_call_dropped_before_it_used_the_segment_changes_nothing() {
+    run(async {
+        const N: usize = 3;
+        let gs = groups("shm-dropped-small", N as u32).await;
+        let input = |r: usize| input(DType::F32, 256, r, 5);
+        // Member 1 sends its 1 KiB eagerly behind its descriptor, then waits
+        // for the others' descriptors: dropped there.
+        let dropped =
+            tokio::time::timeout(Duration::from_millis(100), gs[1].gather(&input(1), None, Rank(0))).await;
+        assert!(
+            dropped.is_err(),
+            "the gather cannot end before the others call it"
+        );
+        // The others complete that call with member 1's eager payload.
+        on_all(&[gs[0].clone(), gs[2].clone()], move |i, g| async move {
+            let me = [0, 2][i];
+            let mut outs = (me == 0).then(|| {
+                (0..N)
+                    .map(|_| Tensor::zeros(DType::F32, [256]).unwrap())
+                    .collect::<Vec<_>>()
+            });
+            g.gather(&input(me), outs.as_deref_mut(), Rank(0)).await.unwrap();
+            for (p, o) in outs.iter().flatten().enumerate() {
+                assert_same(o, &input(p), "the gather member 1 dropped");
+            }
+        })
+        .await;
+        assert_all(
+            &statuses(&gs).await,
+            &SharedMemory::Untried,
+            "after the dropped call",
+        );
+        // A large all-reduce and a large all-to-all: the segment, everywhere.
+        let at = CollectiveConfig::default().shm_min_bytes / 4;
+        let ins = (0..N).map(|r| general_input(DType::F32, at, r, 6)).collect();
+        sum_checked(&gs, ins, "after a dropped small call").await;
+        assert_all(
+            &statuses(&gs).await,
+            &active(default_segment(N)),
+            "after a dropped small call",
+        );
+        moved_checked(
+            &gs,
+            Moving::AllToAll,
+            DType::F32,
+            Arc::new(move |_, _| at / 2),
+            7,
+            "then",
+        )
+        .await;
     });
 }
 
