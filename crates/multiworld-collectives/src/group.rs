@@ -50,7 +50,7 @@ pub enum Algorithm {
     /// (see [`CollectiveConfig::direct_max_bytes`]); large calls (see
     /// [`CollectiveConfig::shm_min_bytes`]) go through shared memory when every
     /// member is on the same host (see [`Group::shared_memory`]): all-reduce,
-    /// broadcast, reduce (3 members or more), all-gather into one tensor,
+    /// broadcast, reduce, all-gather into one tensor,
     /// reduce-scatter, gather, scatter and the all-to-alls.
     #[default]
     Auto,
@@ -657,17 +657,12 @@ impl Group {
         if !ring_capable || n <= 1 {
             return Algo::Direct;
         }
-        // A reduce through the segment is the shared-memory all-reduce (on a
-        // copy off the root): measured faster than the ring from 3 members on
-        // (4 processes: 1 MiB 1.1-1.2 against 2.2-2.3 ms, 16 MiB 11.3 against
-        // 18 ms), slower than the direct reduce with 2 (1 MiB 0.47 against
-        // 0.38 ms).
         // A reduce-scatter's contributions travel in a part of `1 / n` of a
         // slot per pair, as an all-to-all's do.
         let pairs_fit =
             || super::shm::Routes::Pairs.capacity(self.cfg.shm_piece_bytes & !63, self.size()) > 0;
         let shm_kind = matches!(kind, Kind::AllReduce | Kind::Broadcast | Kind::AllGatherInto)
-            || (kind == Kind::Reduce && n > 2)
+            || kind == Kind::Reduce
             || (matches!(kind, Kind::ReduceScatter | Kind::ReduceScatterTensor) && pairs_fit());
         let shm = shm_ok && shm_kind;
         match self.cfg.algorithm {

@@ -218,17 +218,17 @@ impl Group {
             let seg = shm::ensure(cx, lent.shm.as_mut()).await?;
             let sc = &mut lent.scratch;
             match (root_i, seg) {
-                // An all-reduce, and a reduce's root, in place; the other
-                // members of a reduce on a copy of their tensor, which a
-                // reduce leaves as it was.
-                (r, Some(seg)) if r.is_none_or(|r| r == cx.me) => with_type!(t.dtype(), T => {
+                (None, Some(seg)) => with_type!(t.dtype(), T => {
                     shm::all_reduce::<T>(cx, seg, sc, t.as_mut_slice::<T>()?, op).await?
                 }),
-                (_, Some(seg)) => with_type!(t.dtype(), T => {
-                    let mut copy = sc.take(t.dtype(), t.numel())?;
-                    copy.as_mut_slice::<T>()?.copy_from_slice(t.as_slice::<T>()?);
-                    shm::all_reduce::<T>(cx, seg, sc, copy.as_mut_slice::<T>()?, op).await?;
-                    sc.give(copy);
+                // Only the root's tensor is written (the others' are only
+                // read, as a reduce leaves them as they were).
+                (Some(r), Some(seg)) => with_type!(t.dtype(), T => {
+                    if r == cx.me {
+                        shm::reduce_root::<T>(cx, seg, sc, t.as_mut_slice::<T>()?, op).await?
+                    } else {
+                        shm::reduce_send::<T>(cx, seg, t.as_slice::<T>()?).await?
+                    }
                 }),
                 (None, None) => algo::all_reduce(cx, sc, t, op, d).await?,
                 (Some(r), None) => algo::reduce(cx, sc, t, r, op, d).await?,

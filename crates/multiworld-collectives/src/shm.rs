@@ -1069,6 +1069,84 @@ pub(crate) async fn reduce_scatter<T: Kernel>(
     Ok(())
 }
 
+/// Reduce to member `root` through the segment: every other member's `data`
+/// travels as a gather's payload does (its own slot, [`Routes::FromSenderSlot`]),
+/// and the root reduces it **in rank order** straight into its `data`, which
+/// holds its own contribution: step `t` has every other member copy piece `t`
+/// into its slot of buffer `t mod 3`, and the root reduce piece `t − 1` over
+/// every member's copy, in blocks that stay in the L1/L2 cache. One barrier per
+/// step (`pieces`; the next call's agreement round orders the last step).
+/// This is the root's side ([`reduce_send`] the others').
+pub(crate) async fn reduce_root<T: Kernel>(
+    cx: Ctx<'_>,
+    seg: &Arc<Segment>,
+    sc: &mut Scratch,
+    data: &mut [T],
+    op: ReduceOp,
+) -> Result<()> {
+    let (n, me, size) = (cx.n(), cx.me, std::mem::size_of::<T>().max(1));
+    let (len, (cap, pieces)) = (data.len(), reduce_pieces::<T>(seg, n, data.len())?);
+    let part = |k: usize| (k * cap).min(len)..((k + 1) * cap).min(len);
+    let mut acc = sc.take(T::DTYPE, (BLOCK_BYTES / size).max(1))?;
+    let stream = std::mem::size_of_val(data) >= STREAM_MIN_BYTES;
+    let mut done = 0;
+    for t in 0..pieces + 1 {
+        if let Some(k) = t.checked_sub(1) {
+            let r = part(k);
+            let a = acc.as_mut_slice::<T>()?;
+            let mut at = r.start;
+            while at < r.end {
+                let b = at..(at + a.len()).min(r.end);
+                let a = &mut a[..b.len()];
+                let off = b.start - r.start;
+                fold_block(a, n, op, |q| {
+                    if q == me {
+                        Ok(&data[b.clone()])
+                    } else {
+                        seg.read::<T>(n, k % BUFFERS, q, off..off + b.len())
+                    }
+                })?;
+                copy(&mut data[b.clone()], a, stream);
+                done += b.len() * size * n;
+                if done >= YIELD_BYTES {
+                    done = 0;
+                    tokio::task::yield_now().await;
+                }
+                at = b.end;
+            }
+        }
+        if t < pieces {
+            arrive_and_wait(cx, seg).await?;
+        }
+    }
+    sc.give(acc);
+    Ok(())
+}
+
+/// A member's side of a reduce to another member ([`reduce_root`]): its
+/// `data`, piece by piece into its slot, one barrier per piece.
+pub(crate) async fn reduce_send<T: Copy>(cx: Ctx<'_>, seg: &Arc<Segment>, data: &[T]) -> Result<()> {
+    let (n, me) = (cx.n(), cx.me);
+    let (cap, pieces) = reduce_pieces::<T>(seg, n, data.len())?;
+    for t in 0..pieces {
+        let r = (t * cap).min(data.len())..((t + 1) * cap).min(data.len());
+        let dst = seg.write::<T>(n, t % BUFFERS, me, 0..r.len())?;
+        copy_yielding(dst, &data[r], false).await;
+        arrive_and_wait(cx, seg).await?;
+    }
+    Ok(())
+}
+
+/// Elements per piece of a reduce of `len` elements through the segment, and
+/// the number of pieces (the same on every member: the count is agreed).
+fn reduce_pieces<T>(seg: &Segment, n: usize, len: usize) -> Result<(usize, usize)> {
+    let cap = seg.slot_bytes(n) / std::mem::size_of::<T>().max(1);
+    if cap == 0 {
+        return Err(Error::invalid("internal: shared-memory slots too small"));
+    }
+    Ok((cap, len.div_ceil(cap)))
+}
+
 /// Reduces one block over every member's copy in rank order into `a`
 /// (`x0 op x1 op ...`, then the division of an average): `src(q)` is member
 /// `q`'s copy, as long as `a`.

@@ -162,6 +162,17 @@ async fn shm_matrix(n: u32) {
                     let want = reference(&ins, op);
                     g.all_reduce(&mut t, op).await.unwrap();
                     assert_same(&t, &want, &format!("all_reduce {what}"));
+                    // Reduce to a root that moves with the length: only the
+                    // root's tensor changes.
+                    let root = len % n;
+                    let mut t = ins[me].clone();
+                    g.reduce(&mut t, Rank(root as u32), op).await.unwrap();
+                    let want = if me == root {
+                        reference(&ins, op)
+                    } else {
+                        ins[me].clone()
+                    };
+                    assert_same(&t, &want, &format!("reduce to {root} {what}"));
                     // Reduce-scatter: of one tensor (segments of `len`), and
                     // of lists whose segments differ in length (`len + q`).
                     let big: Vec<Tensor> = (0..n)
