@@ -196,8 +196,7 @@ impl Group {
                 Some(r) if r == cx.me => 0,
                 Some(_) => bytes,
             };
-            // May use the segment (a reduce runs the shared-memory all-reduce,
-            // on a copy off the root). Not bool: a byte another process wrote
+            // May use the segment. Not bool: a byte another process wrote
             // is only read as a number type, for which every bit pattern is
             // valid.
             let shm = t.dtype() != DType::Bool;

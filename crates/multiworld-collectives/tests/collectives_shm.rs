@@ -294,8 +294,8 @@ fn tensors_larger_than_a_piece_go_through_in_pieces() {
         })
         .await;
         assert_all(&statuses(&gs).await, &active(seg), "after reduce-scatters");
-        // Reduce goes through the segment too (the all-reduce, on a copy
-        // off the root: the others' tensors stay as they were).
+        // Reduce goes through the segment too (in pieces, to a root that is
+        // not member 0; the others' tensors stay as they were).
         on_all(&gs, |me, g| async move {
             let ins: Vec<Tensor> = (0..N).map(|r| input(DType::F32, 30_001, r, 20)).collect();
             let want = reference(&ins, ReduceOp::Sum);
