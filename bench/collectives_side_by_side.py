@@ -14,6 +14,10 @@ the same tensors (float32, `size` bytes per rank):
 - all_to_all: `size` in and out, `size / procs` to each rank;
 - gather (to rank 0), scatter (from rank 0): `size` per rank.
 
+The physical reference, measured in the same run: one copy of `size` bytes
+between two aligned buffers in one process (`mw-rank-bench run memcpy`), the
+least one copy into or out of shared memory costs.
+
     python3 -m venv target/py-venv && target/py-venv/bin/pip install torch   # once
     cargo build --release -p multiworld-bench --bin mw-rank-bench
     target/py-venv/bin/python bench/collectives_side_by_side.py [--procs 2,4]
@@ -125,6 +129,13 @@ def multiworld(binary: Path, name: str, n: int, size: int) -> float:
     return json.loads(done.stdout.strip().splitlines()[-1])["ms"]
 
 
+def memcpy_ms(binary: Path, size: int) -> float:
+    """The median time of one copy of `size` bytes (the physical reference)."""
+    cmd = [str(binary), "run", "memcpy", "--sizes", str(size), "--bytes", str(BYTES)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])["ms"]
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--procs", default="2,4")
@@ -138,6 +149,7 @@ def main() -> None:
     print(f"torch {torch.__version__} gloo vs multiworld (mw-rank-bench), one process per rank, "
           f"median ms per call, {a.repeats} repeat(s)", flush=True)
     print(f"{'collective':15} {'procs':>5} {'size':>10}  {'gloo ms':>10} {'multiworld ms':>14}  ratio", flush=True)
+    copies = {s: [] for s in sizes}
     for n in [int(x) for x in a.procs.split(",")]:
         results = {(c, s): ([], []) for c in COLLECTIVES for s in sizes}
         notes = {}
@@ -148,14 +160,18 @@ def main() -> None:
                 else:
                     notes[(c, s)] = why
             for s in sizes:
+                copies[s].append(memcpy_ms(binary, s))
                 for c in COLLECTIVES:
                     results[(c, s)][1].append(multiworld(binary, c, n, s))
         for s in sizes:
+            print(f"{'(memcpy)':15} {1:>5} {s:>10}  {'':>10} "
+                  f"{' / '.join(f'{x:.3f}' for x in copies[s]):>14}  one copy, the reference", flush=True)
             for c in COLLECTIVES:
                 g, m = results[(c, s)]
                 ratios = [gi / mi for gi, mi in zip(g, m)]
                 rows.append({"collective": c, "procs": n, "size": s, "gloo_ms": g, "multiworld_ms": m,
-                             "ratios": ratios, "gloo_note": notes.get((c, s), "")})
+                             "ratios": ratios, "gloo_note": notes.get((c, s), ""),
+                             "memcpy_ms": list(copies[s])})
                 gs = " / ".join(f"{x:.3f}" for x in g) if g else "n/a"
                 ms_ = " / ".join(f"{x:.3f}" for x in m)
                 rs = " / ".join(f"{x:.2f}x" for x in ratios) if ratios else notes.get((c, s), "")

@@ -77,6 +77,10 @@ pub enum Scenario {
     Gather,
     /// Scatter of `size` bytes to each rank from rank 0.
     Scatter,
+    /// A copy of `size` bytes between two 64-byte aligned buffers in one
+    /// process (physical reference for the collectives: what one copy in or
+    /// out of shared memory costs at best).
+    Memcpy,
 }
 
 impl Scenario {
@@ -96,6 +100,7 @@ impl Scenario {
             Scenario::AllToAll => "all_to_all",
             Scenario::Gather => "gather",
             Scenario::Scatter => "scatter",
+            Scenario::Memcpy => "memcpy",
         }
     }
 
@@ -118,6 +123,7 @@ impl Scenario {
     pub fn processes(self, n: u32) -> u32 {
         match self {
             Scenario::Leader => n + 1,
+            Scenario::Memcpy => 1,
             s if s.is_collective() => n,
             _ => 2,
         }
@@ -227,8 +233,8 @@ pub struct RunArgs {
 pub fn default_sizes(scenario: Scenario, quick: bool) -> Vec<usize> {
     match (scenario, quick) {
         (Scenario::Pingpong | Scenario::TcpPingpong, _) => vec![4],
-        (s, false) if s.is_collective() => vec![1 << 20, 64 << 20],
-        (s, true) if s.is_collective() => vec![1 << 20],
+        (s, false) if s.is_collective() || s == Scenario::Memcpy => vec![1 << 20, 64 << 20],
+        (s, true) if s.is_collective() || s == Scenario::Memcpy => vec![1 << 20],
         (_, false) => vec![64 << 10, 1 << 20],
         (_, true) => vec![64 << 10],
     }
@@ -268,6 +274,7 @@ pub fn run(args: &RunArgs, mut emit: impl FnMut(Value)) -> Result<()> {
         args.sizes.clone()
     };
     let ns: Vec<u32> = match args.scenario {
+        Scenario::Memcpy => vec![1],
         s if s == Scenario::Leader || s.is_collective() => args.n.clone(),
         _ => vec![2],
     };
@@ -398,6 +405,7 @@ pub fn rank_main(a: &RankArgs) -> Result<()> {
     let result = match a.scenario {
         Scenario::TcpStream => tcp_stream(a)?,
         Scenario::TcpPingpong => tcp_pingpong(a)?,
+        Scenario::Memcpy => memcpy(a),
         _ => {
             // The same runtime as the Python package's (2 to 8 workers).
             let threads = std::thread::available_parallelism().map_or(2, |n| n.get().clamp(2, 8));
@@ -689,6 +697,30 @@ fn reduced(size: usize, procs: u32, times: &mut [f64]) -> Value {
         "ms_min": min * 1e3,
         "gb_per_s": size as f64 / med / 1e9,
     })
+}
+
+/// [`Scenario::Memcpy`]: timed like a collective (two untimed copies, then
+/// at least 20), the median.
+fn memcpy(a: &RankArgs) -> Option<Value> {
+    say(&json!({ "addr": "" }));
+    let iters = a.load.iters(a.size).max(20);
+    let mut src = crate::raw_buffer(a.size);
+    for (i, b) in src.bytes_mut().iter_mut().enumerate() {
+        *b = (i % 251) as u8;
+    }
+    let mut dst = crate::raw_buffer(a.size);
+    let mut times = Vec::with_capacity(iters);
+    for i in 0..2 + iters {
+        let t0 = Instant::now();
+        dst.bytes_mut().copy_from_slice(src.as_bytes());
+        std::hint::black_box(dst.as_bytes());
+        if i >= 2 {
+            times.push(t0.elapsed().as_secs_f64());
+        }
+    }
+    let mut v = reduced(a.size, 1, &mut times);
+    v["scenario"] = json!("memcpy");
+    Some(v)
 }
 
 fn tcp_pair(a: &RankArgs) -> Result<TcpStream> {

@@ -61,6 +61,38 @@ fn one_scenario_with_explicit_sizes() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The collectives' physical reference: one copy in one process.
+#[test]
+fn the_memory_copy_reference_runs_once_per_size() -> anyhow::Result<()> {
+    let out = Command::new(env!("CARGO_BIN_EXE_mw-rank-bench"))
+        .args([
+            "run",
+            "memcpy",
+            "--quick",
+            "--sizes",
+            "4096,65536",
+            "--deadline-s",
+            "60",
+        ])
+        .output()?;
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let lines: Vec<serde_json::Value> = String::from_utf8(out.stdout)?
+        .lines()
+        .map(serde_json::from_str)
+        .collect::<Result<_, _>>()?;
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    for (v, size) in lines.iter().zip([4096, 65536]) {
+        assert_eq!(v["scenario"], "memcpy", "{v}");
+        assert_eq!(v["procs"], 1, "{v}");
+        assert_eq!(v["size"], size, "{v}");
+        assert!(v["iters"].as_u64() >= Some(20), "{v}");
+        for f in ["ms", "ms_min", "gb_per_s"] {
+            assert!(positive(v, f), "{f} is not a positive number in {v}");
+        }
+    }
+    Ok(())
+}
+
 #[test]
 fn every_other_collective_runs_one_process_per_rank() -> anyhow::Result<()> {
     for (arg, name) in [
