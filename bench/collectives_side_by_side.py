@@ -149,9 +149,9 @@ def main() -> None:
     print(f"torch {torch.__version__} gloo vs multiworld (mw-rank-bench), one process per rank, "
           f"median ms per call, {a.repeats} repeat(s)", flush=True)
     print(f"{'collective':15} {'procs':>5} {'size':>10}  {'gloo ms':>10} {'multiworld ms':>14}  ratio", flush=True)
-    copies = {s: [] for s in sizes}
     for n in [int(x) for x in a.procs.split(",")]:
         results = {(c, s): ([], []) for c in COLLECTIVES for s in sizes}
+        copies = {s: [] for s in sizes}
         notes = {}
         for _ in range(a.repeats):
             for (c, s), (ms, why) in gloo(n, sizes).items():
