@@ -65,7 +65,11 @@ pub struct CommConfig {
     pub limits: FrameLimits,
     /// Largest message that is read off the socket even when no matching receive is
     /// posted yet (it is then buffered). Larger messages wait in the socket until a
-    /// receive is posted, so they land directly in the caller's buffer. Default 16 KiB.
+    /// receive is posted, so they land directly in the caller's buffer. Default
+    /// 256 KiB: a stream of smaller messages is read ahead while the receiver
+    /// handles the last one (one copy on delivery, no wait per message), and
+    /// larger ones, where a copy costs more than the wait, land without one
+    /// (see `docs/benchmarks.md`).
     pub eager_limit: usize,
     /// Per-peer cap on bytes held for messages that arrived before their receive.
     /// When it is reached the peer's socket is not read (TCP backpressure). Default 64 MiB.
@@ -110,7 +114,7 @@ impl CommConfig {
             hello_timeout: DEFAULT_HELLO_TIMEOUT,
             op_timeout: None,
             limits: FrameLimits::default(),
-            eager_limit: 16 << 10,
+            eager_limit: 256 << 10,
             unexpected_budget: 64 << 20,
             socket_buffer_size: None,
             max_pending_handshakes: 64,

@@ -28,8 +28,10 @@ use tokio::sync::oneshot;
 
 use crate::error::Result;
 
-/// Most spare buffers kept for small unexpected messages.
+/// Most spare buffers kept for small unexpected messages...
 const POOL_MAX: usize = 64;
+/// ... and most bytes of capacity they may hold together.
+const POOL_BYTES: usize = 4 << 20;
 /// Empty per-tag queues kept before they are dropped (they avoid an
 /// allocation per message without letting ever-changing tags grow the maps).
 const EMPTY_QUEUES_KEPT: usize = 64;
@@ -300,7 +302,11 @@ impl Matching {
 
     /// Keeps a small buffer for the next read-ahead.
     pub(crate) fn recycle(&mut self, mut v: Vec<u8>, eager_limit: usize) {
-        if self.pool.len() < POOL_MAX && v.capacity() <= eager_limit.max(4096) {
+        let pooled: usize = self.pool.iter().map(Vec::capacity).sum();
+        if self.pool.len() < POOL_MAX
+            && v.capacity() <= eager_limit.max(4096)
+            && pooled.saturating_add(v.capacity()) <= POOL_BYTES
+        {
             v.clear();
             self.pool.push(v);
         }
@@ -519,5 +525,12 @@ mod tests {
         let (_, pool) = m.take_all_stashed();
         assert_eq!(pool.len(), POOL_MAX);
         assert!(pool.iter().all(|v| v.capacity() < 1 << 20));
+        // 1 MiB buffers under a 1 MiB eager limit: no more than POOL_BYTES
+        // in all.
+        for _ in 0..POOL_MAX {
+            m.recycle(Vec::with_capacity(1 << 20), 1 << 20);
+        }
+        let (_, pool) = m.take_all_stashed();
+        assert_eq!(pool.len(), POOL_BYTES >> 20);
     }
 }
