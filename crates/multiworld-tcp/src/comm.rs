@@ -1364,8 +1364,7 @@ impl Inner {
                 let read = if draining {
                     read_growing(rd, &mut v, len, c).await
                 } else {
-                    v.resize(len, 0);
-                    read_payload(rd, &mut v, c).await
+                    read_fresh(rd, &mut v, len, c).await
                 };
                 if let Err(e) = read {
                     self.release_held(from, len);
@@ -1554,6 +1553,29 @@ async fn read_payload(rd: &mut BufReader<ReadLink>, buf: &mut [u8], progress: &C
             return Err(io::ErrorKind::UnexpectedEof.into());
         }
         filled += n;
+        progress.received(n);
+    }
+    Ok(())
+}
+
+/// Reads `len` bytes into `v` (emptied first) through its spare capacity,
+/// so its memory is not zeroed first only to be overwritten (a read-ahead
+/// buffer of every early message); each read counts as progress.
+async fn read_fresh(
+    rd: &mut BufReader<ReadLink>,
+    v: &mut Vec<u8>,
+    len: usize,
+    progress: &Counters,
+) -> io::Result<()> {
+    use bytes::BufMut;
+    v.clear();
+    v.reserve_exact(len);
+    while v.len() < len {
+        let left = len - v.len();
+        let n = rd.read_buf(&mut (&mut *v).limit(left)).await?;
+        if n == 0 {
+            return Err(io::ErrorKind::UnexpectedEof.into());
+        }
         progress.received(n);
     }
     Ok(())
