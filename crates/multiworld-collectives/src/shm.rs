@@ -1038,28 +1038,16 @@ pub(crate) async fn reduce_scatter<T: Kernel>(
         }
         if let Some(k) = t.checked_sub(1) {
             let r = part(output.len(), k);
-            let a = acc.as_mut_slice::<T>()?;
-            let mut at = r.start;
-            while at < r.end {
-                let b = at..(at + a.len()).min(r.end);
-                let a = &mut a[..b.len()];
-                // Where the block lies in each member's part.
-                let off = me * cap + (b.start - r.start);
-                fold_block(a, n, op, |q| {
-                    if q == me {
-                        Ok(&inputs[me][b.clone()])
-                    } else {
-                        seg.read::<T>(n, k % BUFFERS, q, off..off + b.len())
-                    }
-                })?;
-                copy(&mut output[b.clone()], a, stream);
-                done += b.len() * size * n;
-                if done >= YIELD_BYTES {
-                    done = 0;
-                    tokio::task::yield_now().await;
-                }
-                at = b.end;
-            }
+            let (a, own) = (acc.as_mut_slice::<T>()?, Some(inputs[me]));
+            let fold = Fold {
+                seg,
+                n,
+                me,
+                buf: k % BUFFERS,
+                op,
+                stream,
+            };
+            fold.range(me * cap, r, own, output, a, &mut done).await?;
         }
         if t < steps {
             arrive_and_wait(cx, seg).await?;
@@ -1092,28 +1080,16 @@ pub(crate) async fn reduce_root<T: Kernel>(
     let mut done = 0;
     for t in 0..pieces + 1 {
         if let Some(k) = t.checked_sub(1) {
-            let r = part(k);
-            let a = acc.as_mut_slice::<T>()?;
-            let mut at = r.start;
-            while at < r.end {
-                let b = at..(at + a.len()).min(r.end);
-                let a = &mut a[..b.len()];
-                let off = b.start - r.start;
-                fold_block(a, n, op, |q| {
-                    if q == me {
-                        Ok(&data[b.clone()])
-                    } else {
-                        seg.read::<T>(n, k % BUFFERS, q, off..off + b.len())
-                    }
-                })?;
-                copy(&mut data[b.clone()], a, stream);
-                done += b.len() * size * n;
-                if done >= YIELD_BYTES {
-                    done = 0;
-                    tokio::task::yield_now().await;
-                }
-                at = b.end;
-            }
+            let fold = Fold {
+                seg,
+                n,
+                me,
+                buf: k % BUFFERS,
+                op,
+                stream,
+            };
+            fold.range(0, part(k), None, data, acc.as_mut_slice::<T>()?, &mut done)
+                .await?;
         }
         if t < pieces {
             arrive_and_wait(cx, seg).await?;
@@ -1145,6 +1121,57 @@ fn reduce_pieces<T>(seg: &Segment, n: usize, len: usize) -> Result<(usize, usize
         return Err(Error::invalid("internal: shared-memory slots too small"));
     }
     Ok((cap, len.div_ceil(cap)))
+}
+
+/// The rank-order reduction of one piece that the other members' copies lie
+/// in buffer `buf` for (a reduce's root, a reduce-scatter's member).
+struct Fold<'a> {
+    seg: &'a Segment,
+    n: usize,
+    me: usize,
+    buf: usize,
+    op: ReduceOp,
+    /// Write the results with non-temporal stores.
+    stream: bool,
+}
+
+impl Fold<'_> {
+    /// Reduces elements `r` over every member's copy in rank order, in
+    /// blocks of `acc`'s length, into `out[r]`: member `q`'s element
+    /// `r.start + i` lies at element `base + i` of its slot; this member's
+    /// own is `own[r]`, or with `None` `out[r]` itself (read before it is
+    /// overwritten). Yields to the runtime every [`YIELD_BYTES`] read
+    /// (`done` counts them across calls).
+    async fn range<T: Kernel>(
+        &self,
+        base: usize,
+        r: Range<usize>,
+        own: Option<&[T]>,
+        out: &mut [T],
+        acc: &mut [T],
+        done: &mut usize,
+    ) -> Result<()> {
+        let (n, me, size) = (self.n, self.me, std::mem::size_of::<T>());
+        let mut at = r.start;
+        while at < r.end {
+            let b = at..(at + acc.len()).min(r.end);
+            let a = &mut acc[..b.len()];
+            let off = base + (b.start - r.start);
+            fold_block(a, n, self.op, |q| match (q == me, own) {
+                (true, Some(own)) => Ok(&own[b.clone()]),
+                (true, None) => Ok(&out[b.clone()]),
+                (false, _) => self.seg.read::<T>(n, self.buf, q, off..off + b.len()),
+            })?;
+            copy(&mut out[b.clone()], a, self.stream);
+            *done += b.len() * size * n;
+            if *done >= YIELD_BYTES {
+                *done = 0;
+                tokio::task::yield_now().await;
+            }
+            at = b.end;
+        }
+        Ok(())
+    }
 }
 
 /// Reduces one block over every member's copy in rank order into `a`

@@ -1361,11 +1361,7 @@ impl Inner {
                 }
             }
             Some(mut v) => {
-                let read = if draining {
-                    read_growing(rd, &mut v, len, c).await
-                } else {
-                    read_fresh(rd, &mut v, len, c).await
-                };
+                let read = read_fresh(rd, &mut v, len, draining, c).await;
                 if let Err(e) = read {
                     self.release_held(from, len);
                     return Err(format!("reading a {len}-byte message: {}", describe_io(&e)));
@@ -1558,44 +1554,30 @@ async fn read_payload(rd: &mut BufReader<ReadLink>, buf: &mut [u8], progress: &C
     Ok(())
 }
 
-/// Reads `len` bytes into `v` (emptied first) through its spare capacity,
-/// so its memory is not zeroed first only to be overwritten (a read-ahead
-/// buffer of every early message); each read counts as progress.
+/// Reads `len` bytes into `v` (emptied first) through its spare capacity, so
+/// its memory is not zeroed first only to be overwritten (a read-ahead buffer
+/// of every early message); each read counts as progress. With `grow`, the
+/// buffer grows only as data arrive, by at most [`GROW_STEP`] at a time (the
+/// declared length of a frame from a closing peer is not trusted for
+/// allocation); without, it is sized for `len` at once.
 async fn read_fresh(
     rd: &mut BufReader<ReadLink>,
     v: &mut Vec<u8>,
     len: usize,
+    grow: bool,
     progress: &Counters,
 ) -> io::Result<()> {
     use bytes::BufMut;
     v.clear();
-    v.reserve_exact(len);
+    if !grow {
+        v.reserve_exact(len);
+    }
     while v.len() < len {
         let left = len - v.len();
-        let n = rd.read_buf(&mut (&mut *v).limit(left)).await?;
-        if n == 0 {
-            return Err(io::ErrorKind::UnexpectedEof.into());
+        if v.capacity() == v.len() {
+            v.reserve(left.min(GROW_STEP));
         }
-        progress.received(n);
-    }
-    Ok(())
-}
-
-/// Reads `len` bytes into `v`, growing it only as data arrives (the declared
-/// length of a frame from a closing peer is not trusted for allocation).
-async fn read_growing(
-    rd: &mut BufReader<ReadLink>,
-    v: &mut Vec<u8>,
-    len: usize,
-    progress: &Counters,
-) -> io::Result<()> {
-    v.clear();
-    while v.len() < len {
-        let want = (len - v.len()).min(GROW_STEP);
-        let start = v.len();
-        v.resize(start + want, 0);
-        let n = rd.read(&mut v[start..]).await?;
-        v.truncate(start + n);
+        let n = rd.read_buf(&mut (&mut *v).limit(left)).await?;
         if n == 0 {
             return Err(io::ErrorKind::UnexpectedEof.into());
         }
@@ -1988,7 +1970,7 @@ mod tests {
         let counters = Counters::new(Instant::now());
         let sender = tokio::spawn(trickle(w, total, 32 << 10, Duration::from_millis(40)));
         let mut v = Vec::new();
-        let silence = longest_silence(&counters, read_growing(&mut rd, &mut v, total, &counters)).await;
+        let silence = longest_silence(&counters, read_fresh(&mut rd, &mut v, total, true, &counters)).await;
         sender.await.unwrap();
         assert_eq!(v.len(), total);
         assert!(
