@@ -30,7 +30,9 @@ use std::sync::Arc;
 use crate::desc::{Algo, Desc};
 use crate::group::Ctx;
 use crate::shm::{self, Moves, Segment};
-use crate::util::{Scratch, even_segments, segments_of, split2, try_join_all, try_join2, view_range};
+use crate::util::{
+    Scratch, even_segments, segments_of, split_bytes, split2, try_join_all, try_join2, view_range,
+};
 use multiworld_tcp::{Error, Result};
 use multiworld_types::{DType, Element, Tensor, TensorView};
 use multiworld_types::{Kernel, ReduceOp, with_type};
@@ -735,17 +737,10 @@ pub(crate) async fn all_to_all_single(
         // Straight into the output's ranges, which are disjoint and in member
         // order.
         let sends: Vec<(usize, &[u8])> = payloads.iter().map(|(q, v)| (*q, v.as_bytes())).collect();
-        let mut recvs = Vec::with_capacity(cx.n());
-        let mut rest = output.bytes_mut();
-        for (p, s) in out_segs.iter().enumerate() {
-            let (part, tail) = std::mem::take(&mut rest)
-                .split_at_mut_checked(s.len() * es)
-                .ok_or_else(|| internal("splits"))?;
-            rest = tail;
-            if p != me {
-                recvs.push((p, part));
-            }
-        }
+        let lens: Vec<usize> = out_segs.iter().map(|s| s.len() * es).collect();
+        let parts = split_bytes(output.bytes_mut(), &lens)?;
+        let mut recvs: Vec<(usize, &mut [u8])> =
+            parts.into_iter().enumerate().filter(|(p, _)| *p != me).collect();
         return shm::route(cx, seg, m, &sends, &mut recvs).await;
     }
     let parts = {

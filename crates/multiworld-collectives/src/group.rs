@@ -50,7 +50,7 @@ pub enum Algorithm {
     /// (see [`CollectiveConfig::direct_max_bytes`]); large calls (see
     /// [`CollectiveConfig::shm_min_bytes`]) go through shared memory when every
     /// member is on the same host (see [`Group::shared_memory`]): all-reduce,
-    /// broadcast, reduce, all-gather into one tensor,
+    /// broadcast, reduce, all-gather,
     /// reduce-scatter, gather, scatter and the all-to-alls.
     #[default]
     Auto,
@@ -103,7 +103,7 @@ pub struct CollectiveConfig {
     /// need not agree on this field. Default `true`.
     pub shared_memory: bool,
     /// With [`Algorithm::Auto`], an all-reduce, broadcast, reduce,
-    /// reduce-scatter or all-gather into one tensor uses shared memory (when it is available)
+    /// reduce-scatter or all-gather uses shared memory (when it is available)
     /// once `buffer bytes × (group size − 1)` is at least this; a gather,
     /// scatter or all-to-all once its members move at least this many bytes
     /// between them in all, none of them few enough to send eagerly
@@ -661,8 +661,10 @@ impl Group {
         // slot per pair, as an all-to-all's do.
         let pairs_fit =
             || super::shm::Routes::Pairs.capacity(self.cfg.shm_piece_bytes & !63, self.size()) > 0;
-        let shm_kind = matches!(kind, Kind::AllReduce | Kind::Broadcast | Kind::AllGatherInto)
-            || kind == Kind::Reduce
+        let shm_kind = matches!(
+            kind,
+            Kind::AllReduce | Kind::Broadcast | Kind::AllGather | Kind::AllGatherInto
+        ) || kind == Kind::Reduce
             || (matches!(kind, Kind::ReduceScatter | Kind::ReduceScatterTensor) && pairs_fit());
         let shm = shm_ok && shm_kind;
         match self.cfg.algorithm {

@@ -13,7 +13,7 @@ use crate::desc::{Desc, Kind};
 use crate::group::{Ctx, Group, Ticket, finish_sends};
 use crate::handle::CollectiveHandle;
 use crate::shm;
-use crate::util::{even_segments, segments_of, view_range};
+use crate::util::{even_segments, segments_of, split_bytes, view_range};
 use multiworld_tcp::{Error, Result};
 use multiworld_types::Rank;
 use multiworld_types::{DType, Tensor, TensorView};
@@ -276,16 +276,22 @@ impl Group {
             let es = input.dtype().size() as u64;
             let total: u64 = d.a.iter().sum::<u64>() * es;
             let send_bytes = input.nbytes() as u64 * (n as u64 - 1);
-            Ok(Prep::new((), total / n as u64, send_bytes))
+            Ok(Prep::new((), total / n as u64, send_bytes).with_shm_if(input.dtype() != DType::Bool))
         };
         self.run_collective(
             ticket,
             Kind::AllGather,
             outputs,
             prepare,
-            async |outputs, cx, d, (), _| {
+            async |outputs, cx, d, (), lent| {
                 let (_, sends) = cx.exchange(d, &to_peers(cx, input.view())).await?;
-                algo::all_gather(cx, outputs, input, d).await?;
+                match shm::ensure(cx, lent.shm.as_mut()).await? {
+                    Some(seg) => {
+                        let mut parts: Vec<&mut [u8]> = outputs.iter_mut().map(Tensor::bytes_mut).collect();
+                        shm::all_gather(cx, seg, input.as_bytes(), &mut parts).await?
+                    }
+                    None => algo::all_gather(cx, outputs, input, d).await?,
+                }
                 finish_sends(sends).await
             },
         )
@@ -334,7 +340,11 @@ impl Group {
             async |output, cx, d, (), lent| {
                 let (_, sends) = cx.exchange(d, &to_peers(cx, input.view())).await?;
                 match shm::ensure(cx, lent.shm.as_mut()).await? {
-                    Some(seg) => shm::all_gather(cx, seg, input.as_bytes(), output.bytes_mut()).await?,
+                    Some(seg) => {
+                        let lens = vec![input.nbytes(); cx.n()];
+                        let mut parts = split_bytes(output.bytes_mut(), &lens)?;
+                        shm::all_gather(cx, seg, input.as_bytes(), &mut parts).await?
+                    }
                     None => algo::all_gather_into(cx, &mut lent.scratch, output, input, d).await?,
                 }
                 finish_sends(sends).await

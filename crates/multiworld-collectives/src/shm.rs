@@ -1,5 +1,5 @@
 //! Same-host shared memory for large all-reduces, reduces, broadcasts,
-//! all-gathers into one tensor, reduce-scatters, gathers, scatters and
+//! all-gathers, reduce-scatters, gathers, scatters and
 //! all-to-alls: the data
 //! move through one
 //! memory segment mapped by every member, and the TCP mesh carries only the
@@ -772,45 +772,46 @@ pub(crate) async fn broadcast(cx: Ctx<'_>, seg: &Arc<Segment>, data: &mut [u8], 
     Ok(())
 }
 
-/// All-gather of every member's `input` (bytes, the same length everywhere)
-/// into `output` (`n` times as long, in member order) through the segment:
-/// step `t` has every member copy piece `t` of its input into its slot of
-/// buffer `t mod 3` and piece `t − 1` of every other member's input out of
-/// their slots; one barrier per step, `pieces` in all (the next call's
-/// agreement round orders the last step). Piece `k` is written in step `k`
-/// and read in step `k + 1`; its buffer is written again in step `k + 3`,
+/// All-gather of every member's `input` (bytes) into `outputs` (one per
+/// member, in member order; `outputs[p]` as long as member `p`'s input, which
+/// every member knows: the sizes are agreed) through the segment: step `t`
+/// has every member copy piece `t` of its input into its slot of buffer
+/// `t mod 3` and piece `t − 1` of every other member's input out of their
+/// slots; one barrier per step, as many as the longest input needs (the next
+/// call's agreement round orders the last step). Piece `k` is written in step
+/// `k` and read in step `k + 1`; its buffer is written again in step `k + 3`,
 /// after every member has left step `k + 2`.
 pub(crate) async fn all_gather(
     cx: Ctx<'_>,
     seg: &Arc<Segment>,
     input: &[u8],
-    output: &mut [u8],
+    outputs: &mut [&mut [u8]],
 ) -> Result<()> {
     let (n, me) = (cx.n(), cx.me);
     let piece = seg.slot_bytes(n);
-    let len = input.len();
-    if piece == 0 || output.len() != len.saturating_mul(n) {
+    if piece == 0 || outputs.len() != n || outputs[me].len() != input.len() {
         return Err(Error::invalid("internal: shared-memory all-gather sizes"));
     }
-    let stream = output.len() >= STREAM_MIN_BYTES;
-    copy_yielding(&mut output[me * len..(me + 1) * len], input, stream).await;
-    let pieces = len.div_ceil(piece);
-    let piece_range = |k: usize| k * piece..((k + 1) * piece).min(len);
-    for t in 0..pieces + 1 {
-        if t < pieces {
-            let r = piece_range(t);
+    let stream = outputs.iter().map(|o| o.len()).sum::<usize>() >= STREAM_MIN_BYTES;
+    copy_yielding(outputs[me], input, stream).await;
+    let steps = outputs.iter().map(|o| o.len().div_ceil(piece)).max().unwrap_or(0);
+    let part = |len: usize, k: usize| (k * piece).min(len)..((k + 1) * piece).min(len);
+    for t in 0..steps + 1 {
+        let r = part(input.len(), t);
+        if t < steps && !r.is_empty() {
             let slot = seg.write::<u8>(n, t % BUFFERS, me, 0..r.len())?;
             copy_yielding(slot, &input[r], false).await;
         }
         if let Some(k) = t.checked_sub(1) {
-            let r = piece_range(k);
-            for q in (0..n).filter(|&q| q != me) {
-                let slot = seg.read::<u8>(n, k % BUFFERS, q, 0..r.len())?;
-                let at = q * len;
-                copy_yielding(&mut output[at + r.start..at + r.end], slot, stream).await;
+            for (q, out) in outputs.iter_mut().enumerate().filter(|&(q, _)| q != me) {
+                let r = part(out.len(), k);
+                if !r.is_empty() {
+                    let slot = seg.read::<u8>(n, k % BUFFERS, q, 0..r.len())?;
+                    copy_yielding(&mut out[r], slot, stream).await;
+                }
             }
         }
-        if t < pieces {
+        if t < steps {
             arrive_and_wait(cx, seg).await?;
         }
     }

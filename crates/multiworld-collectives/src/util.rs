@@ -338,3 +338,16 @@ mod tests {
         assert!(done.get());
     }
 }
+
+/// `bytes` cut into consecutive parts of `lens` bytes.
+pub(crate) fn split_bytes<'b>(mut bytes: &'b mut [u8], lens: &[usize]) -> Result<Vec<&'b mut [u8]>> {
+    let mut parts = Vec::with_capacity(lens.len());
+    for &len in lens {
+        let (part, rest) = std::mem::take(&mut bytes)
+            .split_at_mut_checked(len)
+            .ok_or_else(|| Error::invalid("internal: parts longer than the buffer"))?;
+        parts.push(part);
+        bytes = rest;
+    }
+    Ok(parts)
+}

@@ -241,18 +241,13 @@ fn tensors_larger_than_a_piece_go_through_in_pieces() {
         let cfg = small_pieces(PIECE);
         let seg = segment(N, PIECE);
         let gs = with_cfg(&groups("shm-pieces", N as u32).await, &cfg);
-        // The list form of all-gather runs as with `Algorithm::Ring` and does
-        // not set up the segment.
+        // Bool tensors never go through the segment (every operation of
+        // them runs as with `Algorithm::Ring`), so it is not set up.
         on_all(&gs, |me, g| async move {
-            let ins: Vec<Tensor> = (0..N).map(|r| input(DType::I32, 5_000 + r, r, 21)).collect();
-            let mut outs: Vec<Tensor> = ins
-                .iter()
-                .map(|t| Tensor::zeros(DType::I32, [t.numel()]).unwrap())
-                .collect();
-            g.all_gather(&mut outs, &ins[me]).await.unwrap();
-            for (p, o) in outs.iter().enumerate() {
-                assert_same(o, &ins[p], "all_gather (list)");
-            }
+            let ins: Vec<Tensor> = (0..N).map(|r| input(DType::Bool, 5_000, r, 21)).collect();
+            let mut out = Tensor::zeros(DType::Bool, [N * 5_000]).unwrap();
+            g.all_gather_into_tensor(&mut out, &ins[me]).await.unwrap();
+            assert_same(&out, &concat(&ins), "all_gather (bool)");
         })
         .await;
         assert_all(
@@ -294,6 +289,26 @@ fn tensors_larger_than_a_piece_go_through_in_pieces() {
         })
         .await;
         assert_all(&statuses(&gs).await, &active(seg), "after reduce-scatters");
+        // All-gather into a list whose tensors differ in length (many pieces,
+        // none, less than one), from the segment as well.
+        on_all(&gs, |me, g| async move {
+            let len = |r: usize| [3 * PIECE + 5, 0, 17][r];
+            let ins: Vec<Tensor> = (0..N).map(|r| input(DType::U8, len(r), r, 23)).collect();
+            let mut outs: Vec<Tensor> = (0..N)
+                .map(|r| Tensor::zeros(DType::U8, [len(r)]).unwrap())
+                .collect();
+            let before = bytes_sent(&g);
+            g.all_gather(&mut outs, &ins[me]).await.unwrap();
+            for (p, o) in outs.iter().enumerate() {
+                assert_same(o, &ins[p], "all_gather (list)");
+            }
+            let sent = bytes_sent(&g) - before;
+            assert!(
+                sent <= TCP_ONLY_ORDERS,
+                "all_gather (list): {sent} bytes over TCP"
+            );
+        })
+        .await;
         // Reduce goes through the segment too (in pieces, to a root that is
         // not member 0; the others' tensors stay as they were).
         on_all(&gs, |me, g| async move {
