@@ -236,6 +236,19 @@ where
     }
 }
 
+/// `bytes` cut into consecutive parts of `lens` bytes.
+pub(crate) fn split_bytes<'b>(mut bytes: &'b mut [u8], lens: &[usize]) -> Result<Vec<&'b mut [u8]>> {
+    let mut parts = Vec::with_capacity(lens.len());
+    for &len in lens {
+        let (part, rest) = std::mem::take(&mut bytes)
+            .split_at_mut_checked(len)
+            .ok_or_else(|| Error::invalid("internal: parts longer than the buffer"))?;
+        parts.push(part);
+        bytes = rest;
+    }
+    Ok(parts)
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -256,6 +269,17 @@ mod tests {
             Err(Error::PeerLost { rank, .. }) => assert_eq!(rank, multiworld_types::Rank(2)),
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn split_bytes_cuts_consecutive_parts() {
+        let mut v: Vec<u8> = (0..10).collect();
+        let parts = split_bytes(&mut v, &[3, 0, 5]).unwrap();
+        assert_eq!(
+            parts.iter().map(|p| p.to_vec()).collect::<Vec<_>>(),
+            vec![vec![0, 1, 2], vec![], vec![3, 4, 5, 6, 7]]
+        );
+        assert!(split_bytes(&mut v, &[6, 5]).is_err(), "longer than the buffer");
     }
 
     #[test]
@@ -337,17 +361,4 @@ mod tests {
         ));
         assert!(done.get());
     }
-}
-
-/// `bytes` cut into consecutive parts of `lens` bytes.
-pub(crate) fn split_bytes<'b>(mut bytes: &'b mut [u8], lens: &[usize]) -> Result<Vec<&'b mut [u8]>> {
-    let mut parts = Vec::with_capacity(lens.len());
-    for &len in lens {
-        let (part, rest) = std::mem::take(&mut bytes)
-            .split_at_mut_checked(len)
-            .ok_or_else(|| Error::invalid("internal: parts longer than the buffer"))?;
-        parts.push(part);
-        bytes = rest;
-    }
-    Ok(parts)
 }
