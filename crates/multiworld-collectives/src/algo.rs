@@ -357,8 +357,12 @@ pub(crate) async fn reduce(
     if n == 1 {
         return Ok(());
     }
+    // A reduce planned on shared memory that runs over TCP (bool tensors, or
+    // a group that cannot share memory) takes the direct reduce with 2
+    // members, as Auto would have: every member sees the same plan.
+    let direct = d.algo == Algo::Direct || (d.algo == Algo::Shm && n == 2);
     match d.algo {
-        Algo::Direct => {
+        Algo::Direct | Algo::Shm if direct => {
             if cx.me != root {
                 return send_unless_eager(cx, d, &[(root, t.view())]).await;
             }
@@ -369,7 +373,7 @@ pub(crate) async fn reduce(
             give_all(sc, parts);
             Ok(())
         }
-        Algo::Ring | Algo::Shm => with_type!(t.dtype(), T => reduce_ring::<T>(cx, sc, t, root, op).await),
+        _ => with_type!(t.dtype(), T => reduce_ring::<T>(cx, sc, t, root, op).await),
     }
 }
 

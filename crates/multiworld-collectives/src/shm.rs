@@ -379,7 +379,7 @@ impl Segment {
         }
         Ok(true)
     }
-    /// Bytes per slot for a group of `n`: two buffers of `n` slots after the
+    /// Bytes per slot for a group of `n`: three buffers of `n` slots after the
     /// header, each a multiple of 64 bytes.
     fn slot_bytes(&self, n: usize) -> usize {
         ((self.len - HEADER) / (BUFFERS * n.max(1))) & !63

@@ -1285,7 +1285,7 @@ impl Inner {
         let from = peer.rank;
         let len =
             usize::try_from(len).map_err(|_| format!("declared length {len} does not fit in memory"))?;
-        let eager = self.cfg.eager_limit;
+        let eager = self.cfg.eager_limit.min(self.cfg.unexpected_budget);
         let budget = self.cfg.unexpected_budget;
         // Find where the payload goes before reading (or allocating) anything.
         // `draining`: the peer has closed its side, so nothing more is coming; what
@@ -1557,9 +1557,10 @@ async fn read_payload(rd: &mut BufReader<ReadLink>, buf: &mut [u8], progress: &C
 /// Reads `len` bytes into `v` (emptied first) through its spare capacity, so
 /// its memory is not zeroed first only to be overwritten (a read-ahead buffer
 /// of every early message); each read counts as progress. With `grow`, the
-/// buffer grows only as data arrive, by at most [`GROW_STEP`] at a time (the
+/// buffer grows only as data arrive (when it is full, by [`GROW_STEP`] or
+/// what is left, amortised: at most about twice what has arrived), as the
 /// declared length of a frame from a closing peer is not trusted for
-/// allocation); without, it is sized for `len` at once.
+/// allocation; without, it is sized for `len` at once.
 async fn read_fresh(
     rd: &mut BufReader<ReadLink>,
     v: &mut Vec<u8>,

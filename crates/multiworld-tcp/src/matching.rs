@@ -12,8 +12,13 @@
 //!   directly (zero-copy); otherwise it is read ahead into a pooled buffer when
 //!   it fits the peer's budget of held bytes and is small (`eager_limit`) or a
 //!   receive is waiting behind it on this connection (so that one is not
-//!   blocked); otherwise it stays in the socket (TCP backpressure). A peer that
-//!   is closing (`draining`) is always read, whatever the budget.
+//!   blocked); otherwise it stays in the socket (TCP backpressure). Messages
+//!   above [`WINDOWED_FROM`] are read ahead only while the peer's held bytes
+//!   stay within [`READ_AHEAD_WINDOW`]: a stream of them keeps a few messages
+//!   ahead of its receiver, not a whole budget's worth (a leader receiving
+//!   from many worlds would otherwise drain one peer's socket far ahead of the
+//!   others, and hold that much memory). A peer that is closing (`draining`)
+//!   is always read, whatever the budget.
 //! - **Any source** takes the earliest arrival over all ranks, so each
 //!   sender's order is kept.
 //! - **Cancel while arriving**: a receive cancelled after its payload started
@@ -28,10 +33,16 @@ use tokio::sync::oneshot;
 
 use crate::error::Result;
 
+/// Early messages above this many bytes are read ahead only within
+/// [`READ_AHEAD_WINDOW`] (see the module docs).
+pub(crate) const WINDOWED_FROM: usize = 16 << 10;
+/// Most bytes held for one peer's early messages once a message above
+/// [`WINDOWED_FROM`] is to be read ahead (sixteen 64 KiB messages).
+pub(crate) const READ_AHEAD_WINDOW: usize = 1 << 20;
 /// Most spare buffers kept for small unexpected messages...
 const POOL_MAX: usize = 64;
 /// ... and most bytes of capacity they may hold together.
-const POOL_BYTES: usize = 4 << 20;
+const POOL_BYTES: usize = 1 << 20;
 /// Empty per-tag queues kept before they are dropped (they avoid an
 /// allocation per message without letting ever-changing tags grow the maps).
 const EMPTY_QUEUES_KEPT: usize = 64;
@@ -277,7 +288,9 @@ impl Matching {
         // this one ahead so that one is not blocked.
         let behind = self.posted_for.get(from.index()).copied().unwrap_or(0) > 0 || self.posted_any > 0;
         let held = self.held(from);
-        let fits = held.saturating_add(len) <= budget && (len <= eager_limit || behind);
+        let after = held.saturating_add(len);
+        let early = len <= eager_limit && (len <= WINDOWED_FROM || after <= READ_AHEAD_WINDOW);
+        let fits = after <= budget && (early || behind);
         if !(fits || draining) {
             return Route::Hold;
         }
@@ -403,6 +416,24 @@ mod tests {
         m.release(Rank(1), 10 * BUDGET + BUDGET);
         assert_eq!(m.held(Rank(1)), 0);
         assert!(matches!(route(&mut m, 1, 0, EAGER, false), Route::ReadAhead(_)));
+    }
+
+    #[test]
+    fn messages_above_16_kib_are_read_ahead_only_within_the_window() {
+        let mut m = Matching::new(2);
+        let (eager, msg) = (256 << 10, 64 << 10);
+        let route = |m: &mut Matching, len: usize| m.route(Rank(1), Tag(0), len, eager, 64 << 20, false);
+        for _ in 0..READ_AHEAD_WINDOW / msg {
+            assert!(matches!(route(&mut m, msg), Route::ReadAhead(_)));
+        }
+        assert_eq!(m.held(Rank(1)), READ_AHEAD_WINDOW);
+        // The window is full: the next 64 KiB message waits in the socket...
+        assert!(is_hold(&route(&mut m, msg)));
+        // ...a small one is still read ahead (the budget is far)...
+        assert!(matches!(route(&mut m, WINDOWED_FROM), Route::ReadAhead(_)));
+        // ...and once a receive took one, there is room again.
+        m.release(Rank(1), msg + WINDOWED_FROM);
+        assert!(matches!(route(&mut m, msg), Route::ReadAhead(_)));
     }
 
     #[test]
