@@ -360,21 +360,18 @@ pub(crate) async fn reduce(
     // A reduce planned on shared memory that runs over TCP (bool tensors, or
     // a group that cannot share memory) takes the direct reduce with 2
     // members, as Auto would have: every member sees the same plan.
-    let direct = d.algo == Algo::Direct || (d.algo == Algo::Shm && n == 2);
-    match d.algo {
-        Algo::Direct | Algo::Shm if direct => {
-            if cx.me != root {
-                return send_unless_eager(cx, d, &[(root, t.view())]).await;
-            }
-            let (dtype, numel) = (t.dtype(), t.numel());
-            let parts = recv_parts(cx, sc, dtype, cx.peers(), |_| numel).await?;
-            let mut parts = indexed(n, parts);
-            with_type!(dtype, T => fold_in_order::<T>(cx.me, t.as_mut_slice::<T>()?, &mut parts, op))?;
-            give_all(sc, parts);
-            Ok(())
-        }
-        _ => with_type!(t.dtype(), T => reduce_ring::<T>(cx, sc, t, root, op).await),
+    if d.algo == Algo::Ring || (d.algo == Algo::Shm && n > 2) {
+        return with_type!(t.dtype(), T => reduce_ring::<T>(cx, sc, t, root, op).await);
     }
+    if cx.me != root {
+        return send_unless_eager(cx, d, &[(root, t.view())]).await;
+    }
+    let (dtype, numel) = (t.dtype(), t.numel());
+    let parts = recv_parts(cx, sc, dtype, cx.peers(), |_| numel).await?;
+    let mut parts = indexed(n, parts);
+    with_type!(dtype, T => fold_in_order::<T>(cx.me, t.as_mut_slice::<T>()?, &mut parts, op))?;
+    give_all(sc, parts);
+    Ok(())
 }
 
 async fn reduce_ring<T: Kernel>(

@@ -63,11 +63,14 @@ impl<V> Prep<V> {
         self
     }
 
-    /// The body may use the shared-memory segment ([`Lent::shm`]) if `may` and
-    /// the plan picks [`Algo::Shm`]. Only such a call borrows the group's state
-    /// (see `Call::lend_shm` in `group.rs` and [`ShmLoan`](crate::shm::ShmLoan)).
-    pub(crate) fn with_shm_if(mut self, may: bool) -> Prep<V> {
-        self.shm = may;
+    /// The body may move tensors of `dtype` through the shared-memory segment
+    /// ([`Lent::shm`]) if the plan picks [`Algo::Shm`]; never `bool` ones (a
+    /// byte another process wrote is only ever read as a number type, for
+    /// which every bit pattern is valid). Only such a call borrows the
+    /// group's state (see `Call::lend_shm` in `group.rs` and
+    /// [`ShmLoan`](crate::shm::ShmLoan)).
+    pub(crate) fn with_shm_for(mut self, dtype: DType) -> Prep<V> {
+        self.shm = dtype != DType::Bool;
         self
     }
 }
@@ -78,7 +81,7 @@ pub(crate) struct Lent {
     /// ([`Prep::with_scratch`]), else an empty one.
     pub scratch: Scratch,
     /// The group's shared-memory state if the call may use the segment
-    /// ([`Prep::with_shm_if`]).
+    /// ([`Prep::with_shm_for`]).
     pub shm: Option<ShmLoan>,
 }
 

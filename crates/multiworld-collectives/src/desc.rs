@@ -237,6 +237,17 @@ impl Algo {
         }
     }
 
+    /// Whether a call of `kind` planned on this algorithm runs the direct
+    /// exchange (and so may send its payloads eagerly): `Direct`, and `Shm`
+    /// for kinds sized after the agreement, which fall back to it.
+    pub(crate) fn runs_direct(self, kind: Kind) -> bool {
+        match self {
+            Algo::Direct => true,
+            Algo::Shm => kind.sized_after_agreement(),
+            Algo::Ring => false,
+        }
+    }
+
     pub(crate) fn name(self) -> &'static str {
         match self {
             Algo::Direct => "direct",
@@ -371,12 +382,7 @@ impl Desc {
 /// collective sends at most one data message per ordered pair in its direct
 /// algorithm.
 pub(crate) fn eager_payload(d: &Desc, from: usize, to: usize, members: &[Rank]) -> Option<(DType, u64)> {
-    let direct = match d.algo {
-        Algo::Direct => true,
-        Algo::Shm => d.kind.sized_after_agreement(),
-        Algo::Ring => false,
-    };
-    if d.abstain || !d.eager || !direct || from == to {
+    if d.abstain || !d.eager || !d.algo.runs_direct(d.kind) || from == to {
         return None;
     }
     let bytes = DType::U8;

@@ -767,11 +767,8 @@ impl<'g> Call<'g> {
         // A call sized after the agreement that may use shared memory still
         // sends small payloads eagerly (and then uses TCP), unless shared
         // memory is forced.
-        let direct = match d.algo {
-            Algo::Direct => true,
-            Algo::Shm => self.kind.sized_after_agreement() && self.group.cfg.algorithm == Algorithm::Auto,
-            Algo::Ring => false,
-        };
+        let direct = d.algo.runs_direct(self.kind)
+            && (d.algo == Algo::Direct || self.group.cfg.algorithm == Algorithm::Auto);
         // A member that sends nothing has nothing to send early (and empty
         // messages sent eagerly would be left unread by a call that then
         // moves the others' data through shared memory).

@@ -110,12 +110,9 @@ impl Group {
             let bytes = t.nbytes() as u64;
             let peers = (cx.n() - 1) as u64;
             let send_bytes = if cx.me == root_i { bytes * peers } else { 0 };
-            // May use the segment; not for bool (bytes another process wrote
-            // are only taken for number types, valid for any bit pattern).
-            let shm = t.dtype() != DType::Bool;
             Ok(Prep::new(root_i, bytes, send_bytes)
                 .with_scratch()
-                .with_shm_if(shm))
+                .with_shm_for(t.dtype()))
         };
         self.run_collective(
             ticket,
@@ -196,13 +193,9 @@ impl Group {
                 Some(r) if r == cx.me => 0,
                 Some(_) => bytes,
             };
-            // May use the segment. Not bool: a byte another process wrote
-            // is only read as a number type, for which every bit pattern is
-            // valid.
-            let shm = t.dtype() != DType::Bool;
             Ok(Prep::new(root_i, bytes, send_bytes)
                 .with_scratch()
-                .with_shm_if(shm))
+                .with_shm_for(t.dtype()))
         };
         self.run_collective(ticket, kind, t, prepare, async |t, cx, d, root_i, lent| {
             let payloads = match root_i {
@@ -220,15 +213,12 @@ impl Group {
                 (None, Some(seg)) => with_type!(t.dtype(), T => {
                     shm::all_reduce::<T>(cx, seg, sc, t.as_mut_slice::<T>()?, op).await?
                 }),
-                // Only the root's tensor is written (the others' are only
-                // read, as a reduce leaves them as they were).
-                (Some(r), Some(seg)) => with_type!(t.dtype(), T => {
-                    if r == cx.me {
-                        shm::reduce_root::<T>(cx, seg, sc, t.as_mut_slice::<T>()?, op).await?
-                    } else {
-                        shm::reduce_send::<T>(cx, seg, t.as_slice::<T>()?).await?
-                    }
+                (Some(r), Some(seg)) if r == cx.me => with_type!(t.dtype(), T => {
+                    shm::reduce_root::<T>(cx, seg, sc, t.as_mut_slice::<T>()?, op).await?
                 }),
+                // The others' tensors are only read (a reduce leaves them as
+                // they were).
+                (Some(r), Some(seg)) => shm::reduce_send(cx, seg, t.as_bytes(), r).await?,
                 (None, None) => algo::all_reduce(cx, sc, t, op, d).await?,
                 (Some(r), None) => algo::reduce(cx, sc, t, r, op, d).await?,
             }
@@ -276,7 +266,7 @@ impl Group {
             let es = input.dtype().size() as u64;
             let total: u64 = d.a.iter().sum::<u64>() * es;
             let send_bytes = input.nbytes() as u64 * (n as u64 - 1);
-            Ok(Prep::new((), total / n as u64, send_bytes).with_shm_if(input.dtype() != DType::Bool))
+            Ok(Prep::new((), total / n as u64, send_bytes).with_shm_for(input.dtype()))
         };
         self.run_collective(
             ticket,
@@ -326,11 +316,9 @@ impl Group {
             check_dtype("the output", output.dtype(), input.dtype())?;
             check_len("the output", output.numel(), input.numel().saturating_mul(n))?;
             let bytes = input.nbytes() as u64;
-            // May use the segment (not bool: see `reduce_in`).
-            let shm = input.dtype() != DType::Bool;
             Ok(Prep::new((), bytes, bytes * (n as u64 - 1))
                 .with_scratch()
-                .with_shm_if(shm))
+                .with_shm_for(input.dtype()))
         };
         self.run_collective(
             ticket,
@@ -410,7 +398,7 @@ impl Group {
                 }
             }
             let send_bytes = if is_root { 0 } else { input.nbytes() as u64 };
-            Ok(Prep::new(root_i, 0, send_bytes).with_shm_if(input.dtype() != DType::Bool))
+            Ok(Prep::new(root_i, 0, send_bytes).with_shm_for(input.dtype()))
         };
         self.run_collective(
             ticket,
@@ -482,7 +470,7 @@ impl Group {
                     }
                 }
             }
-            Ok(Prep::new(root_i, 0, send_bytes).with_shm_if(output.dtype() != DType::Bool))
+            Ok(Prep::new(root_i, 0, send_bytes).with_shm_for(output.dtype()))
         };
         self.run_collective(
             ticket,
@@ -598,7 +586,7 @@ impl Group {
             let own = segs[cx.me].len() as u64 * es;
             Ok(Prep::new(segs, total / n as u64, total - own)
                 .with_scratch()
-                .with_shm_if(dtype != DType::Bool))
+                .with_shm_for(dtype))
         };
         self.run_collective(ticket, kind, output, prepare, async |output, cx, d, segs, lent| {
             let payloads: Vec<(usize, TensorView<'_>)> = match inputs {
@@ -677,7 +665,7 @@ impl Group {
                     send_bytes += inputs[p].nbytes() as u64;
                 }
             }
-            Ok(Prep::new((), 0, send_bytes).with_shm_if(dtype != DType::Bool))
+            Ok(Prep::new((), 0, send_bytes).with_shm_for(dtype))
         };
         self.run_collective(
             ticket,
@@ -775,7 +763,7 @@ impl Group {
             let send_bytes = (input.numel() - ins[cx.me]) as u64 * es;
             Ok(Prep::new((ins, outs), 0, send_bytes)
                 .with_scratch()
-                .with_shm_if(input.dtype() != DType::Bool))
+                .with_shm_for(input.dtype()))
         };
         self.run_collective(
             ticket,

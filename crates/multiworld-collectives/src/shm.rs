@@ -742,34 +742,15 @@ pub(crate) async fn all_reduce<T: Kernel>(
 /// per step, `pieces` in all (the agreement round of the next call orders
 /// the last step, as for the all-reduce). Piece `k + 3` overwrites piece
 /// `k`'s buffer at step `k + 3`, after the step that read it (`k + 1`) has
-/// ended on every member. Only the root's slots are used.
+/// ended on every member. Only the root's slots are used: the steps of
+/// [`route`] from the root's own slot.
 pub(crate) async fn broadcast(cx: Ctx<'_>, seg: &Arc<Segment>, data: &mut [u8], root: usize) -> Result<()> {
-    let n = cx.n();
-    let piece = seg.slot_bytes(n);
-    if piece == 0 {
-        return Err(Error::invalid("internal: shared-memory slots too small"));
+    let m = Moves::from_sender_slots(seg, cx.n(), data.len())?;
+    if cx.me == root {
+        route(cx, seg, &m, &[(root, &*data)], &mut []).await
+    } else {
+        route(cx, seg, &m, &[], &mut [(root, data)]).await
     }
-    let total = data.len();
-    let pieces = total.div_ceil(piece);
-    let stream = total >= STREAM_MIN_BYTES;
-    let piece_range = |k: usize| k * piece..((k + 1) * piece).min(total);
-    for t in 0..pieces + 1 {
-        if cx.me == root {
-            if t < pieces {
-                let r = piece_range(t);
-                let slot = seg.write::<u8>(n, t % BUFFERS, root, 0..r.len())?;
-                copy_yielding(slot, &data[r], false).await;
-            }
-        } else if let Some(k) = t.checked_sub(1) {
-            let r = piece_range(k);
-            let slot = seg.read::<u8>(n, k % BUFFERS, root, 0..r.len())?;
-            copy_yielding(&mut data[r], slot, stream).await;
-        }
-        if t < pieces {
-            arrive_and_wait(cx, seg).await?;
-        }
-    }
-    Ok(())
 }
 
 /// All-gather of every member's `input` (bytes) into `outputs` (one per
@@ -780,7 +761,8 @@ pub(crate) async fn broadcast(cx: Ctx<'_>, seg: &Arc<Segment>, data: &mut [u8], 
 /// slots; one barrier per step, as many as the longest input needs (the next
 /// call's agreement round orders the last step). Piece `k` is written in step
 /// `k` and read in step `k + 1`; its buffer is written again in step `k + 3`,
-/// after every member has left step `k + 2`.
+/// after every member has left step `k + 2`: the steps of [`route`], each
+/// member's input from its own slot to every other member.
 pub(crate) async fn all_gather(
     cx: Ctx<'_>,
     seg: &Arc<Segment>,
@@ -788,34 +770,20 @@ pub(crate) async fn all_gather(
     outputs: &mut [&mut [u8]],
 ) -> Result<()> {
     let (n, me) = (cx.n(), cx.me);
-    let piece = seg.slot_bytes(n);
-    if piece == 0 || outputs.len() != n || outputs[me].len() != input.len() {
+    if outputs.len() != n || outputs[me].len() != input.len() {
         return Err(Error::invalid("internal: shared-memory all-gather sizes"));
     }
+    let longest = outputs.iter().map(|o| o.len()).max().unwrap_or(0);
+    let m = Moves::from_sender_slots(seg, n, longest)?;
     let stream = outputs.iter().map(|o| o.len()).sum::<usize>() >= STREAM_MIN_BYTES;
     copy_yielding(outputs[me], input, stream).await;
-    let steps = outputs.iter().map(|o| o.len().div_ceil(piece)).max().unwrap_or(0);
-    let part = |len: usize, k: usize| (k * piece).min(len)..((k + 1) * piece).min(len);
-    for t in 0..steps + 1 {
-        let r = part(input.len(), t);
-        if t < steps && !r.is_empty() {
-            let slot = seg.write::<u8>(n, t % BUFFERS, me, 0..r.len())?;
-            copy_yielding(slot, &input[r], false).await;
-        }
-        if let Some(k) = t.checked_sub(1) {
-            for (q, out) in outputs.iter_mut().enumerate().filter(|&(q, _)| q != me) {
-                let r = part(out.len(), k);
-                if !r.is_empty() {
-                    let slot = seg.read::<u8>(n, k % BUFFERS, q, 0..r.len())?;
-                    copy_yielding(&mut out[r], slot, stream).await;
-                }
-            }
-        }
-        if t < steps {
-            arrive_and_wait(cx, seg).await?;
-        }
-    }
-    Ok(())
+    let mut recvs: Vec<(usize, &mut [u8])> = outputs
+        .iter_mut()
+        .enumerate()
+        .filter(|(q, _)| *q != me)
+        .map(|(q, o)| (q, &mut **o))
+        .collect();
+    route(cx, seg, &m, &[(me, input)], &mut recvs).await
 }
 
 // ---------------------------------------------------------------------------
@@ -864,6 +832,24 @@ pub(crate) struct Moves {
     cap: usize,
     /// Steps (barriers) of the call.
     steps: usize,
+}
+
+impl Moves {
+    /// Moves through each sender's own slot ([`Routes::FromSenderSlot`], a
+    /// whole slot per step) in as many steps as `longest` bytes need: a
+    /// broadcast's, an all-gather's, a reduce's (their sizes are agreed, so
+    /// every member counts the same steps).
+    fn from_sender_slots(seg: &Segment, n: usize, longest: usize) -> Result<Moves> {
+        let cap = seg.slot_bytes(n);
+        if cap == 0 {
+            return Err(Error::invalid("internal: shared-memory slots too small"));
+        }
+        Ok(Moves {
+            routes: Routes::FromSenderSlot,
+            cap,
+            steps: longest.div_ceil(cap),
+        })
+    }
 }
 
 /// Whether a gather, scatter or all-to-all of a group of `n` moves its data
@@ -1074,7 +1060,8 @@ pub(crate) async fn reduce_root<T: Kernel>(
     op: ReduceOp,
 ) -> Result<()> {
     let (n, me, size) = (cx.n(), cx.me, std::mem::size_of::<T>().max(1));
-    let (len, (cap, pieces)) = (data.len(), reduce_pieces::<T>(seg, n, data.len())?);
+    let m = Moves::from_sender_slots(seg, n, std::mem::size_of_val(data))?;
+    let (len, cap, pieces) = (data.len(), m.cap / size, m.steps);
     let part = |k: usize| (k * cap).min(len)..((k + 1) * cap).min(len);
     let mut acc = sc.take(T::DTYPE, (BLOCK_BYTES / size).max(1))?;
     let stream = std::mem::size_of_val(data) >= STREAM_MIN_BYTES;
@@ -1100,28 +1087,11 @@ pub(crate) async fn reduce_root<T: Kernel>(
     Ok(())
 }
 
-/// A member's side of a reduce to another member ([`reduce_root`]): its
-/// `data`, piece by piece into its slot, one barrier per piece.
-pub(crate) async fn reduce_send<T: Copy>(cx: Ctx<'_>, seg: &Arc<Segment>, data: &[T]) -> Result<()> {
-    let (n, me) = (cx.n(), cx.me);
-    let (cap, pieces) = reduce_pieces::<T>(seg, n, data.len())?;
-    for t in 0..pieces {
-        let r = (t * cap).min(data.len())..((t + 1) * cap).min(data.len());
-        let dst = seg.write::<T>(n, t % BUFFERS, me, 0..r.len())?;
-        copy_yielding(dst, &data[r], false).await;
-        arrive_and_wait(cx, seg).await?;
-    }
-    Ok(())
-}
-
-/// Elements per piece of a reduce of `len` elements through the segment, and
-/// the number of pieces (the same on every member: the count is agreed).
-fn reduce_pieces<T>(seg: &Segment, n: usize, len: usize) -> Result<(usize, usize)> {
-    let cap = seg.slot_bytes(n) / std::mem::size_of::<T>().max(1);
-    if cap == 0 {
-        return Err(Error::invalid("internal: shared-memory slots too small"));
-    }
-    Ok((cap, len.div_ceil(cap)))
+/// A member's side of a reduce to member `root` ([`reduce_root`]): its
+/// `data` (bytes), piece by piece into its slot, as a gather's payload.
+pub(crate) async fn reduce_send(cx: Ctx<'_>, seg: &Arc<Segment>, data: &[u8], root: usize) -> Result<()> {
+    let m = Moves::from_sender_slots(seg, cx.n(), data.len())?;
+    route(cx, seg, &m, &[(root, data)], &mut []).await
 }
 
 /// The rank-order reduction of one piece that the other members' copies lie
