@@ -1817,7 +1817,16 @@ impl RecvHandle {
         poll_fn(|cx| self.poll_done(cx)).await
     }
 
+    /// Polls for the outcome. A receive that completed when it was posted (its
+    /// message had already arrived, read ahead) counts against the task's
+    /// cooperative budget, as the channel a waiting receive polls does: a loop
+    /// taking such messages never waits, and would otherwise hold its runtime
+    /// thread for as long as the peer keeps them coming, starving the
+    /// heartbeats and other worlds' tasks queued behind it.
     fn poll_done(&mut self, cx: &mut Context<'_>) -> Poll<RecvDone> {
+        if matches!(self.state, RecvState::Ready(_)) {
+            std::task::ready!(tokio::task::coop::poll_proceed(cx)).made_progress();
+        }
         match std::mem::replace(&mut self.state, RecvState::Taken) {
             RecvState::Ready(d) => Poll::Ready(d),
             RecvState::Waiting { id, mut rx } => match Pin::new(&mut rx).poll(cx) {

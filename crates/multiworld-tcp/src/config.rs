@@ -23,6 +23,9 @@ pub const DEFAULT_RECV_SPIN: Duration = Duration::ZERO;
 /// handshake slots quickly.
 pub const DEFAULT_HELLO_TIMEOUT: Duration = Duration::from_secs(1);
 
+/// Default of [`CommConfig::eager_limit`].
+pub const DEFAULT_EAGER_LIMIT: usize = 16 << 10;
+
 /// Configuration of one communicator (one world, one rank).
 #[derive(Debug, Clone)]
 #[non_exhaustive]
@@ -68,8 +71,12 @@ pub struct CommConfig {
     /// receive is posted, so they land directly in the caller's buffer (those
     /// above 16 KiB are read ahead only while the peer's early bytes stay
     /// within 1 MiB). Default 16 KiB. 256 KiB streams 64 KiB messages faster
-    /// (see `docs/benchmarks.md`) but made the `m8d` isolation tests slower
-    /// and flaky in debug builds; it is not the default. Above `unexpected_budget` it acts as
+    /// (see `docs/benchmarks.md`), but every receive of a read-ahead message
+    /// completes without waiting: a consumer that computes for long per
+    /// message then holds its runtime thread for up to 128 messages (Tokio's
+    /// cooperative budget) and can starve this process's heartbeats (the `m8d`
+    /// isolation tests, debug builds, failed that way); it is not the default.
+    /// Above `unexpected_budget` it acts as
     /// `unexpected_budget`.
     pub eager_limit: usize,
     /// Per-peer cap on bytes held for messages that arrived before their receive.
@@ -115,7 +122,7 @@ impl CommConfig {
             hello_timeout: DEFAULT_HELLO_TIMEOUT,
             op_timeout: None,
             limits: FrameLimits::default(),
-            eager_limit: 16 << 10,
+            eager_limit: DEFAULT_EAGER_LIMIT,
             unexpected_budget: 64 << 20,
             socket_buffer_size: None,
             max_pending_handshakes: 64,

@@ -69,7 +69,7 @@ pub use comm::{
     CLOSE_LIMIT, Communicator, Health, HealthEvent, PeerLiveness, PeerStats, Received, RecvFailed,
     RecvHandle, SendHandle,
 };
-pub use config::{CommConfig, DEFAULT_HELLO_TIMEOUT, DEFAULT_RECV_SPIN};
+pub use config::{CommConfig, DEFAULT_EAGER_LIMIT, DEFAULT_HELLO_TIMEOUT, DEFAULT_RECV_SPIN};
 pub use error::{Error, MessageDesc, Result, Side};
 pub use frame::FrameLimits;
 pub use handshake::RejectCode;

@@ -529,6 +529,10 @@ async fn receives_dropped_while_messages_stream_in_lose_nothing() {
                 buf = Tensor::zeros(DType::U32, [1]).unwrap();
             }
             if next % 7 != 0 {
+                // A probe that finds nothing hands the thread back before the
+                // next one: once the task's cooperative budget is spent, every
+                // receive (like tokio's own channels) is pending until it does.
+                tokio::task::yield_now().await;
                 continue;
             }
             b.recv(Rank(0), Tag(1), &mut buf).await.unwrap();
@@ -537,4 +541,45 @@ async fn receives_dropped_while_messages_stream_in_lose_nothing() {
         next += 1;
     }
     sender.await.unwrap();
+}
+
+/// A loop of receives whose messages had already arrived (read ahead) never
+/// waits, so nothing in it would hand its runtime thread back: on a busy
+/// stream that starved the heartbeats and every other world's tasks on the
+/// thread. Each such receive now counts against tokio's cooperative budget,
+/// so the loop yields every so often. On a current-thread runtime, a task
+/// spawned beside the loop runs while it does.
+#[tokio::test(flavor = "current_thread")]
+async fn a_loop_over_arrived_messages_lets_other_tasks_run() {
+    const N: u64 = 1024;
+    let (a, b) = pair("coop").await;
+    let msg = vec![7u8; 1024];
+    for _ in 0..N {
+        a.send(Rank(1), Tag(3), &msg[..]).await.unwrap();
+    }
+    let arrived = eventually(Duration::from_secs(30), || {
+        b.peer_stats(Rank(0)).unwrap().messages_received == N
+    })
+    .await;
+    assert!(arrived, "the messages were not read ahead");
+    let ticks = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let ticker = tokio::spawn({
+        let ticks = Arc::clone(&ticks);
+        async move {
+            loop {
+                ticks.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                tokio::task::yield_now().await;
+            }
+        }
+    });
+    let mut buf = Tensor::zeros(DType::U8, [1024]).unwrap();
+    for i in 0..N {
+        b.recv(Rank(0), Tag(3), &mut buf).await.unwrap();
+        assert_eq!(buf.as_bytes(), &msg[..], "message {i}");
+    }
+    let ran = ticks.load(std::sync::atomic::Ordering::Relaxed);
+    ticker.abort();
+    // tokio's budget is 128 operations per poll: 1024 receives yield about
+    // eight times. Before, the loop never yielded and the ticker never ran.
+    assert!(ran >= 4, "the other task ran {ran} times during {N} receives");
 }
