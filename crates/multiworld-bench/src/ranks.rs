@@ -200,6 +200,9 @@ pub struct RankArgs {
     /// Exit (status 3) after this many seconds whatever happens.
     #[arg(long, default_value_t = 300)]
     pub deadline_s: u64,
+    /// The worlds' `WorldConfig::read_ahead` in bytes.
+    #[arg(long, default_value_t = multiworld::DEFAULT_READ_AHEAD)]
+    pub read_ahead: usize,
     /// How much to move.
     #[command(flatten)]
     pub load: Load,
@@ -224,6 +227,10 @@ pub struct RunArgs {
     /// Every rank exits after this many seconds whatever happens.
     #[arg(long, default_value_t = 300)]
     pub deadline_s: u64,
+    /// The worlds' `WorldConfig::read_ahead` in bytes (the Python
+    /// benchmark passes its package's default, to compare like with like).
+    #[arg(long, default_value_t = multiworld::DEFAULT_READ_AHEAD)]
+    pub read_ahead: usize,
     /// How much to move.
     #[command(flatten)]
     pub load: Load,
@@ -288,6 +295,7 @@ pub fn run(args: &RunArgs, mut emit: impl FnMut(Value)) -> Result<()> {
                 size,
                 addr: "127.0.0.1:0".into(),
                 deadline_s: args.deadline_s,
+                read_ahead: args.read_ahead,
                 load: load.clone(),
             };
             let mut v = run_ranks(&exe, &rank)?;
@@ -312,6 +320,7 @@ fn rank_command(exe: &std::path::Path, a: &RankArgs, rank: u32, addr: &str) -> C
         .args(["--rank", &rank.to_string(), "--n", &a.n.to_string()])
         .args(["--size", &a.size.to_string(), "--addr", addr])
         .args(["--deadline-s", &a.deadline_s.to_string()])
+        .args(["--read-ahead", &a.read_ahead.to_string()])
         .args(["--bytes", &a.load.bytes.to_string()])
         .args(["--min-messages", &a.load.min_messages.to_string()])
         .args(["--rounds", &a.load.rounds.to_string()])
@@ -461,10 +470,10 @@ async fn world_rank(a: &RankArgs) -> Result<Option<Value>> {
     out
 }
 
-async fn join(m: &WorldManager, name: &str, rank: u32, size: u32, addr: &str) -> Result<World> {
-    m.join(WorldConfig::new(name, rank, size, addr).map_err(err)?)
-        .await
-        .map_err(err)
+async fn join(m: &WorldManager, a: &RankArgs, name: &str, rank: u32, size: u32, addr: &str) -> Result<World> {
+    let mut config = WorldConfig::new(name, rank, size, addr).map_err(err)?;
+    config.read_ahead = a.read_ahead;
+    m.join(config).await.map_err(err)
 }
 
 /// Rank 1's side of a stream to rank 0: `warm` untimed messages, then, on
@@ -515,7 +524,7 @@ async fn stream(m: &WorldManager, a: &RankArgs, addr: &str) -> Result<Option<Val
         a.load.messages(a.size, 1),
         a.load.warmup(a.load.messages(a.size, 1)),
     );
-    let w = join(m, "stream", a.rank, 2, addr).await?;
+    let w = join(m, a, "stream", a.rank, 2, addr).await?;
     if a.rank == 1 {
         send_stream(&w, a.size, warm, count).await?;
         w.finish(FINISH).await.map_err(err)?;
@@ -555,7 +564,7 @@ fn bounced(scenario: &str, size: usize, rtts: &mut [f64]) -> Value {
 async fn pingpong(m: &WorldManager, a: &RankArgs, addr: &str) -> Result<Option<Value>> {
     let rounds = a.load.rounds;
     let warm = a.load.warmup(rounds);
-    let w = join(m, "pingpong", a.rank, 2, addr).await?;
+    let w = join(m, a, "pingpong", a.rank, 2, addr).await?;
     let mut buf = buffer(a.size)?;
     if a.rank == 1 {
         for _ in 0..warm + rounds {
@@ -583,14 +592,14 @@ async fn leader(m: &WorldManager, a: &RankArgs, addr: &str) -> Result<Option<Val
     let count = a.load.messages(a.size, a.n as usize);
     let warm = a.load.warmup(count);
     if a.rank > 0 {
-        let w = join(m, &format!("leader-{}", a.rank), 1, 2, addr).await?;
+        let w = join(m, a, &format!("leader-{}", a.rank), 1, 2, addr).await?;
         send_stream(&w, a.size, warm, count).await?;
         w.finish(FINISH).await.map_err(err)?;
         return Ok(None);
     }
     let mut worlds = Vec::new();
     for i in 1..=a.n {
-        worlds.push(join(m, &format!("leader-{i}"), 0, 2, addr).await?);
+        worlds.push(join(m, a, &format!("leader-{i}"), 0, 2, addr).await?);
     }
     // Warm every world up, then give every worker "go" at once and receive
     // from all of them concurrently, one task per world.
@@ -623,7 +632,7 @@ async fn leader(m: &WorldManager, a: &RankArgs, addr: &str) -> Result<Option<Val
 
 async fn all_reduce(m: &WorldManager, a: &RankArgs, addr: &str) -> Result<Option<Value>> {
     let iters = a.load.iters(a.size);
-    let w = join(m, "all-reduce", a.rank, a.n, addr).await?;
+    let w = join(m, a, "all-reduce", a.rank, a.n, addr).await?;
     let mut t = buffer(a.size)?;
     let mut times = Vec::with_capacity(iters);
     for i in 0..2 + iters {
@@ -645,7 +654,7 @@ async fn all_reduce(m: &WorldManager, a: &RankArgs, addr: &str) -> Result<Option
 async fn collective(m: &WorldManager, a: &RankArgs, addr: &str) -> Result<Option<Value>> {
     let iters = a.load.iters(a.size);
     let n = a.n as usize;
-    let w = join(m, a.scenario.name(), a.rank, a.n, addr).await?;
+    let w = join(m, a, a.scenario.name(), a.rank, a.n, addr).await?;
     let g = w.collectives();
     let root = Rank(0);
     let is_root = a.rank == 0;

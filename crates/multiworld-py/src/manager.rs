@@ -40,6 +40,8 @@ pub struct JoinOptions {
     heartbeat_timeout: Option<f64>,
     /// The CUDA device of an NCCL world (`WorldConfig::local_rank`).
     device: Option<u32>,
+    /// `WorldConfig::read_ahead` (the Python side passes its own default).
+    read_ahead: Option<usize>,
 }
 
 impl JoinOptions {
@@ -66,6 +68,9 @@ impl JoinOptions {
         config.watchdog = wd;
         if let Some(d) = self.device {
             config.local_rank = d;
+        }
+        if let Some(r) = self.read_ahead {
+            config.read_ahead = r;
         }
         Ok(())
     }

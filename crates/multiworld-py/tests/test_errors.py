@@ -371,3 +371,41 @@ def test_a_lent_irecv_cancelled_mid_message_lets_go_only_once_the_message_is_in(
     finally:
         a.shutdown()
         b.shutdown()
+
+
+def test_read_ahead_option():
+    """``read_ahead`` defaults to the package's 256 KiB, is checked, and
+    worlds with any setting deliver messages below and above it intact."""
+    assert mw.DEFAULT_READ_AHEAD == 256 << 10
+    opts = mw.WorldManager._options(None, 30.0, None, None, None, None, None)
+    assert opts["read_ahead"] == mw.DEFAULT_READ_AHEAD
+    m = mw.WorldManager()
+    with pytest.raises(TypeError, match="'big'"):
+        m.join("w", 0, 1, "127.0.0.1:1", read_ahead="big")
+    with pytest.raises(ValueError, match="-1"):
+        m.join("w", 0, 1, "127.0.0.1:1", read_ahead=-1)
+    m.shutdown()
+    a, b = mw.WorldManager(), mw.WorldManager()
+    store = a.serve_store("127.0.0.1:0")
+    try:
+        for read_ahead in (0, 16 << 10, None):
+            name = unique("ra")
+            w0, w1 = both(lambda: a.join(name, 0, 2, store, timeout=10, read_ahead=read_ahead),
+                          lambda: b.join(name, 1, 2, store, timeout=10, read_ahead=read_ahead))
+            sizes = (4, 64 << 10, 512 << 10)
+            msgs = [np.full(n, i + 1, dtype=np.uint8) for i, n in enumerate(sizes)]
+
+            def send():
+                for x in msgs:
+                    w1.send(x, 0)
+
+            def recv():
+                return [w0.recv(1, dtype="uint8", shape=n) for n in sizes]
+
+            _, got = both(send, recv)
+            for x, y in zip(msgs, got):
+                assert np.array_equal(x, y), (read_ahead, x.size)
+            both(lambda: a.leave(name), lambda: b.leave(name))
+    finally:
+        a.shutdown()
+        b.shutdown()

@@ -208,7 +208,21 @@ pub struct WorldConfig {
     /// `ncclCommAbort` before it quarantines (leaks) the communicator and
     /// reports `WorldEvent::Quarantined` (default 5 s).
     pub nccl_abort_deadline: Duration,
+    /// Largest message read off a socket before its receive is posted (the
+    /// transport's `eager_limit`; default [`DEFAULT_READ_AHEAD`], 16 KiB).
+    /// Larger messages wait in the socket and land in the receive's buffer
+    /// without a copy. More (256 KiB) streams messages of tens of KiB faster,
+    /// but a receive of a message read ahead completes without waiting: a
+    /// task that computes for long per message then keeps its runtime thread
+    /// for up to 128 messages (Tokio's cooperative budget), which can delay
+    /// this process's heartbeats past a peer's timeout. Raise it where the
+    /// work per message runs off the runtime threads (the Python package does:
+    /// it reads 256 KiB ahead). `docs/protocol.md`, "Receives yield".
+    pub read_ahead: usize,
 }
+
+/// Default of [`WorldConfig::read_ahead`]: the transport's default `eager_limit`.
+pub const DEFAULT_READ_AHEAD: usize = multiworld_tcp::DEFAULT_EAGER_LIMIT;
 
 /// A world of one (`"world"`, rank 0 of 1) whose store rank 0 hosts at
 /// `127.0.0.1:29500` (torch.distributed's customary `MASTER_PORT`), with
@@ -260,6 +274,7 @@ impl WorldConfig {
             op_timeout: None,
             nccl_abort_deadline: Duration::from_secs(5),
             watchdog: WatchdogConfig::default(),
+            read_ahead: DEFAULT_READ_AHEAD,
         }
     }
 

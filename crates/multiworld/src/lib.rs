@@ -84,7 +84,7 @@ mod world;
 #[cfg(feature = "nccl")]
 pub use multiworld_nccl as nccl;
 
-pub use config::{Backend, ConfigError, WorldConfig};
+pub use config::{Backend, ConfigError, DEFAULT_READ_AHEAD, WorldConfig};
 #[cfg(feature = "nccl")]
 pub use device::{DEFAULT_DEVICE_OP_TIMEOUT, DeviceOp, NcclWorld};
 pub use error::{JoinFailure, WorldError};

@@ -469,6 +469,7 @@ impl WorldManager {
             // so the communicator itself never times an operation out.
             comm_config.op_timeout = None;
             comm_config.heartbeat_interval = Some(config.watchdog.heartbeat_interval);
+            comm_config.eager_limit = config.read_ahead;
             let token = self.inner.root.child_token();
             match Communicator::join_with_token(comm_config, &rendezvous, token.child_token()).await {
                 Ok(comm) => {

@@ -694,3 +694,48 @@ async fn a_receive_deadline_of_its_own_leaves_the_world_usable() {
         (multiworld::DType::I64, &[3][..])
     );
 }
+
+/// `WorldConfig::read_ahead` reaches the transport: with the default
+/// (16 KiB), a 64 KiB message whose receive is not posted waits in the
+/// socket; with 256 KiB it is read ahead at once. Both arrive intact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_ahead_sets_how_large_an_early_message_is_read() {
+    multiworld_testkit::init_tracing();
+    let leader = WorldManager::default();
+    let worker = WorldManager::default();
+    let store = leader.serve_store("127.0.0.1:0").await.unwrap().to_string();
+    for (name, read_ahead, early) in [("ra-default", None, false), ("ra-256k", Some(256 << 10), true)] {
+        let mut c0 = cfg(name, 0, 2, &store);
+        let mut c1 = cfg(name, 1, 2, &store);
+        assert_eq!(c1.read_ahead, multiworld::DEFAULT_READ_AHEAD);
+        if let Some(r) = read_ahead {
+            (c0.read_ahead, c1.read_ahead) = (r, r);
+        }
+        let (a, b) = tokio::join!(leader.join(c0), worker.join(c1));
+        let (a, b) = (a.unwrap(), b.unwrap());
+        let data = vec![3u8; 64 << 10];
+        a.send(Rank(1), Tag(5), &data[..]).await.unwrap();
+        let received = || b.communicator().peer_stats(Rank(0)).unwrap().messages_received;
+        // Long enough to be read ahead on a busy machine; absence is
+        // checked over a shorter while.
+        let wait = if early {
+            Duration::from_secs(10)
+        } else {
+            Duration::from_millis(300)
+        };
+        let read = multiworld_testkit::eventually(wait, || received() == 1).await;
+        assert_eq!(read, early, "{name}: read before its receive");
+        let mut got = Tensor::zeros(multiworld::DType::U8, [64 << 10]).unwrap();
+        b.recv(Rank(0), Tag(5), &mut got).await.unwrap();
+        assert_eq!(got.as_bytes(), &data[..], "{name}");
+        assert_eq!(received(), 1);
+        let (fa, fb) = tokio::join!(
+            a.finish(Duration::from_secs(10)),
+            b.finish(Duration::from_secs(10))
+        );
+        fa.unwrap();
+        fb.unwrap();
+    }
+    leader.shutdown().await;
+    worker.shutdown().await;
+}

@@ -72,6 +72,7 @@ fn main() {
                 n: vec![2, 4],
                 quick,
                 deadline_s,
+                read_ahead: multiworld::DEFAULT_READ_AHEAD,
                 load: load.clone(),
             };
             ranks::run(&a, print)

@@ -26,7 +26,7 @@ from typing import Optional
 
 from . import _native, errors
 from ._device import NCCL_BUILT
-from ._api import Event, EventStream, Group, ReduceOp, Work, World, WorldInfo, WorldManager
+from ._api import DEFAULT_READ_AHEAD, Event, EventStream, Group, ReduceOp, Work, World, WorldInfo, WorldManager
 from ._tensors import ALIGNMENT, DTYPES, empty, zeros
 from .errors import (
     AlreadyJoinedError,
@@ -62,7 +62,7 @@ def wait_spin(seconds: Optional[float] = None) -> float:
 
 
 __all__ = [
-    "wait_spin", "zeros", "empty", "ALIGNMENT", "WorldManager", "World", "Group", "Work", "Event", "EventStream", "WorldInfo", "ReduceOp", "DTYPES", "NCCL_BUILT",
+    "wait_spin", "zeros", "empty", "ALIGNMENT", "DEFAULT_READ_AHEAD", "WorldManager", "World", "Group", "Work", "Event", "EventStream", "WorldInfo", "ReduceOp", "DTYPES", "NCCL_BUILT",
     "errors", "MultiworldError", "BrokenWorldError", "WorldTimeoutError", "MismatchError",
     "InvalidArgumentError", "ConfigError", "NotJoinedError", "AlreadyJoinedError", "JoinError",
     "TransportError", "DeviceError", "ShutDownError", "ForkedProcessError",

@@ -55,6 +55,16 @@ def _op(op: Any) -> str:
     raise TypeError(f"op must be a ReduceOp or its name, got {op!r}")
 
 
+#: Largest message (bytes) a world of this package reads off its socket
+#: before the receive is posted: 256 KiB, against the Rust default of 16 KiB
+#: (``multiworld::DEFAULT_READ_AHEAD``). A receive of a message read ahead
+#: completes without waiting, which in Rust can let a task that computes per
+#: message keep a runtime thread (and the heartbeats behind it) for 128
+#: messages; here no Python code runs on a runtime thread, so the faster
+#: stream of messages of tens of KiB costs nothing of the kind.
+DEFAULT_READ_AHEAD = 256 << 10
+
+
 def _u32(what: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{what} must be an int, got {value!r}")
@@ -740,7 +750,8 @@ class WorldManager:
     @staticmethod
     def _options(secret: Union[str, bytes, None], timeout: float, op_timeout: Optional[float],
                  backend: Optional[str], host_store: Optional[bool], heartbeat_interval: Optional[float],
-                 heartbeat_timeout: Optional[float], device: Any = None) -> dict:
+                 heartbeat_timeout: Optional[float], device: Any = None,
+                 read_ahead: Optional[int] = None) -> dict:
         if isinstance(secret, str):
             secret = secret.encode()
         if secret is not None and not isinstance(secret, (bytes, bytearray)):
@@ -764,13 +775,15 @@ class WorldManager:
             "host_store": host_store,
             "heartbeat_interval": _seconds("heartbeat_interval", heartbeat_interval),
             "heartbeat_timeout": _seconds("heartbeat_timeout", heartbeat_timeout),
+            "read_ahead": _u32("read_ahead", DEFAULT_READ_AHEAD if read_ahead is None else read_ahead),
         }
 
     def join(self, name: str, rank: int, size: int, store: str, *,
              secret: Union[str, bytes, None] = None, timeout: float = 30.0,
              op_timeout: Optional[float] = None, backend: str = "tcp",
              host_store: Optional[bool] = None, heartbeat_interval: Optional[float] = None,
-             heartbeat_timeout: Optional[float] = None, device: Any = None) -> World:
+             heartbeat_timeout: Optional[float] = None, device: Any = None,
+             read_ahead: Optional[int] = None) -> World:
         """Joins world ``name`` as ``rank`` of ``size`` through the store at
         ``store`` (``host:port``; rank 0 hosts it unless ``host_store`` says
         otherwise). Blocks until every member has joined (at most ``timeout``
@@ -781,6 +794,9 @@ class WorldManager:
         then breaks the world (cause ``"op_deadline"``). ``heartbeat_interval``
         / ``heartbeat_timeout`` (seconds; defaults 0.2 / 1.0): how fast a
         frozen member is detected (cause ``"heartbeat_timeout"``).
+        ``read_ahead``: largest message (bytes) read off the socket before
+        its receive is posted (default :data:`DEFAULT_READ_AHEAD`, 256 KiB;
+        larger ones land in the receive's array without a copy).
         ``device``: an NCCL world's CUDA device (an int, ``"cuda:N"`` or a
         ``torch.device``); by default torch's current device when torch is
         imported and has CUDA, else device 0."""
@@ -791,14 +807,15 @@ class WorldManager:
         if device is None and backend == "nccl":
             device = _torch_current_device()
         opts = self._options(secret, timeout, op_timeout, backend, host_store,
-                             heartbeat_interval, heartbeat_timeout, device)
+                             heartbeat_interval, heartbeat_timeout, device, read_ahead)
         return World(self._m.join(name, _u32("rank", rank), _u32("size", size), store, opts))
 
     def join_from_env(self, name: str = "world", *, secret: Union[str, bytes, None] = None,
                       timeout: float = 30.0, op_timeout: Optional[float] = None,
                       backend: Optional[str] = None, host_store: Optional[bool] = None,
                       heartbeat_interval: Optional[float] = None,
-                      heartbeat_timeout: Optional[float] = None, device: Any = None) -> World:
+                      heartbeat_timeout: Optional[float] = None, device: Any = None,
+                      read_ahead: Optional[int] = None) -> World:
         """Joins world ``name`` as a launcher describes it: ``RANK``,
         ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` (required),
         ``MULTIWORLD_SECRET`` and ``MULTIWORLD_BACKEND`` (optional; explicit
@@ -806,7 +823,7 @@ class WorldManager:
         :class:`~multiworld_rs.errors.ConfigError` naming it. An NCCL world's
         device is ``device`` if given, else ``LOCAL_RANK`` (default 0)."""
         opts = self._options(secret, timeout, op_timeout, backend, host_store,
-                             heartbeat_interval, heartbeat_timeout, device)
+                             heartbeat_interval, heartbeat_timeout, device, read_ahead)
         return World(self._m.join_env(name, opts))
 
     def world(self, name: str) -> Optional[World]:
