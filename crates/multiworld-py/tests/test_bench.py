@@ -59,3 +59,16 @@ def test_missing_binary_is_named_with_how_to_build_it(tmp_path):
     assert done.returncode == 2
     assert "cargo build --release -p multiworld-bench --bin mw-rank-bench" in done.stderr
     assert str(missing) in done.stderr
+
+
+def test_repeated_runs_show_the_median_run_and_every_ratio():
+    def row(ratio, met):
+        return bench.Row("leader", 65536, "2 workers, threads", "GB/s", 1.0, ratio, ">= 0.8x", met, ratio)
+
+    runs = [[row(0.7, False)], [row(0.9, True)], [row(0.85, True)]]
+    (r,) = bench.median_rows(runs)
+    assert (r.ratio, r.met, r.python) == (0.85, True, 0.85)
+    assert r.ratios == [0.7, 0.9, 0.85]
+    (single,) = bench.median_rows([[row(0.5, False)]])
+    assert (single.ratio, single.ratios) == (0.5, [0.5])
+    assert "0.70x .. 0.90x" in bench.format_table([r], [])

@@ -1,6 +1,6 @@
 """The Python API against the Rust API, one process per rank, in one run.
 
-    python -m multiworld_rs.bench [--quick] [--json FILE] [--rust-bin PATH]
+    python -m multiworld_rs.bench [--quick] [--repeats N] [--json FILE] [--rust-bin PATH]
 
 Runs each scenario with Python processes (this package, numpy arrays,
 ``World.send`` and ``World.recv_into`` into preallocated arrays) and with the
@@ -28,7 +28,11 @@ then ``$CARGO_TARGET_DIR/release/mw-rank-bench`` and the repository's
 ``cargo build --release -p multiworld-bench --bin mw-rank-bench``.
 
 This is a benchmark, not a test: its figures depend on the machine and on
-whatever else runs on it. ``--quick`` runs tiny settings (for the tests).
+whatever else runs on it. One measurement of a cell moves by tens of per cent
+from run to run on a busy 2-core machine, so the whole plan runs ``--repeats``
+times (default 3), Rust and Python side by side each time; a row shows the
+run whose ratio is the median of that cell's ratios, and the range of the
+ratios. ``--quick`` runs tiny settings once (for the tests).
 """
 
 from __future__ import annotations
@@ -433,9 +437,24 @@ class Row:
     target: str
     met: bool
     ratio: float  # python/rust for throughputs; python - rust (µs) for latencies
+    #: Every run's ratio of this cell, in run order (one per repeat).
+    ratios: List[float] = field(default_factory=list)
 
     def as_dict(self) -> Dict[str, Any]:
         return dict(vars(self))
+
+
+def median_rows(runs: List[List[Row]]) -> List[Row]:
+    """One row per cell from several runs of the same plan: the run whose
+    ratio is the median (the upper one of an even count), carrying every
+    run's ratio."""
+    out: List[Row] = []
+    for cells in zip(*runs):
+        ranked = sorted(cells, key=lambda r: r.ratio)
+        pick = ranked[len(ranked) // 2]
+        out.append(Row(pick.scenario, pick.size, pick.detail, pick.unit, pick.rust, pick.python,
+                       pick.target, pick.met, pick.ratio, [c.ratio for c in cells]))
+    return out
 
 
 def _size(n: int) -> str:
@@ -490,22 +509,36 @@ def _row(kind: str, rust: Dict[str, Any], py: Dict[str, Any]) -> Row:
 
 def format_table(rows: List[Row], refs: List[Dict[str, Any]]) -> str:
     """The table as text (one header, one line per row, then the references)."""
-    head = ("scenario", "size", "setting", "rust", "python", "ratio", "target", "result")
+    head = ("scenario", "size", "setting", "rust", "python", "ratio", "runs", "target", "result")
     lines = [head]
     for r in rows:
-        ratio = f"{r.ratio:+.1f} us" if r.unit == "us" else f"{r.ratio:.2f}x"
+        def fmt(x: float) -> str:
+            return f"{x:+.1f} us" if r.unit == "us" else f"{x:.2f}x"
+
+        spread = f"{fmt(min(r.ratios))} .. {fmt(max(r.ratios))}" if len(r.ratios) > 1 else "-"
         lines.append((r.scenario, _size(r.size), r.detail, f"{r.rust:.3f} {r.unit}",
-                      f"{r.python:.3f} {r.unit}", ratio, r.target, "met" if r.met else "MISSED"))
+                      f"{r.python:.3f} {r.unit}", fmt(r.ratio), spread, r.target,
+                      "met" if r.met else "MISSED"))
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     out = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
     out.insert(1, "  ".join("-" * w for w in widths))
+    groups: Dict[tuple, List[Dict[str, Any]]] = {}
     for ref in refs:
-        if ref["scenario"] == "tcp_stream":
-            out.append(f"reference: raw TCP stream {_size(ref['size'])} between two processes: "
-                       f"{ref['gb_per_s']:.3f} GB/s")
+        groups.setdefault((ref["scenario"], ref["size"]), []).append(ref)
+
+    def figures(key: str, fmt: str) -> str:
+        return " / ".join(format(g[key], fmt) for g in group)
+
+    for (scenario, size), group in groups.items():
+        if scenario == "tcp_stream":
+            out.append(f"reference: raw TCP stream {_size(size)} between two processes: "
+                       f"{figures('gb_per_s', '.3f')} GB/s")
         else:
-            out.append(f"reference: raw TCP ping-pong {ref['size']} B between two processes: "
-                       f"half RTT {ref['half_rtt_us']:.2f} us median, {ref['half_rtt_us_p99']:.2f} us p99")
+            out.append(f"reference: raw TCP ping-pong {size} B between two processes: "
+                       f"half RTT {figures('half_rtt_us', '.2f')} us median, "
+                       f"{figures('half_rtt_us_p99', '.2f')} us p99")
+    if any(len(g) > 1 for g in groups.values()):
+        out.append("(references: one figure per run, in run order)")
     return "\n".join(out)
 
 
@@ -516,6 +549,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m multiworld_rs.bench",
                                 description="The Python API against the Rust API, one process per rank.")
     p.add_argument("--quick", action="store_true", help="tiny settings (checks that it runs; no figures to trust)")
+    p.add_argument("--repeats", type=int, metavar="N",
+                   help="runs of the whole plan; each row is the median run (default 3, 1 with --quick)")
     p.add_argument("--json", metavar="FILE", help="also write the rows and every raw measurement to FILE")
     p.add_argument("--rust-bin", metavar="PATH", help="the mw-rank-bench binary (default: see the module docs)")
     a = p.parse_args(argv)
@@ -525,33 +560,44 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     plan = Plan.quick() if a.quick else Plan()
+    repeats = a.repeats if a.repeats is not None else (1 if a.quick else 3)
+    if repeats < 1:
+        print(f"error: --repeats must be at least 1, got {repeats}", file=sys.stderr)
+        return 2
 
     def log(what: str) -> None:
         print(f"... {what}", file=sys.stderr, flush=True)
 
-    rows: List[Row] = []
+    runs: List[List[Row]] = []
     refs: List[Dict[str, Any]] = []
     raw: List[Dict[str, Any]] = []
     started = time.time()
     try:
-        for kind, rust, py in _measure(plan, binary, log):
-            raw.extend(x for x in (rust, py) if x is not None and x not in raw)
-            if py is None:
-                refs.append(rust)
-            else:
-                rows.append(_row(kind, rust, py))
+        for run in range(repeats):
+            if repeats > 1:
+                log(f"run {run + 1} of {repeats}")
+            rows: List[Row] = []
+            for kind, rust, py in _measure(plan, binary, log):
+                raw.extend(x for x in (rust, py) if x is not None and x not in raw)
+                if py is None:
+                    refs.append(rust)
+                else:
+                    rows.append(_row(kind, rust, py))
+            runs.append(rows)
     except (BenchError, subprocess.TimeoutExpired) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    rows = median_rows(runs)
     print(f"multiworld_rs.bench: Python API vs Rust API, one process per rank "
           f"({os.cpu_count()} CPUs, Python {platform.python_version()}, {binary}; "
+          f"{repeats} run{'s' if repeats > 1 else ''}, median shown; "
           f"{time.time() - started:.0f} s{', quick' if a.quick else ''})")
     print(format_table(rows, refs))
     missed = [r for r in rows if not r.met]
     print(f"{len(rows) - len(missed)} of {len(rows)} targets met")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"quick": a.quick, "cpus": os.cpu_count(), "python": platform.python_version(),
+            json.dump({"quick": a.quick, "repeats": repeats, "cpus": os.cpu_count(), "python": platform.python_version(),
                        "rust_bin": str(binary), "rows": [r.as_dict() for r in rows],
                        "references": refs, "raw": raw}, f, indent=1)
     return 0
