@@ -317,6 +317,20 @@ impl<'a> Plain<'a> {
         fast(lent.map(|t| (t, Released(rx))), what)
     }
 
+    /// The array lent to a background send (`isend` of the asyncio API),
+    /// as [`Plain::lend_to_task`]; `None` whenever it cannot be lent,
+    /// including memory another call holds (two sends of one array at
+    /// once): the caller then sends a copy.
+    pub fn lend_to_send(&self) -> Option<(Tensor, Released)> {
+        if !self.writeable() {
+            return None;
+        }
+        let (tx, rx) = watch::channel(());
+        let held = Held::Task(tx, self.array.clone().into_any().unbind());
+        let lent = lend_tensor(self.ptr, self.len, self.dtype, self.shape(), held);
+        lent.ok().map(|t| (t, Released(rx)))
+    }
+
     fn writeable(&self) -> bool {
         // SAFETY: as in `plain`.
         let flags = unsafe { (*self.array.as_array_ptr()).fields.flags };

@@ -594,6 +594,40 @@ impl World {
         self.in_place(py, loan, InPlace::Broadcast(Rank(root)))
     }
 
+    /// The asyncio API's send of a plain numpy array (`lent::plain`) from
+    /// its own memory, lent to the send's task: the handle yields `None`,
+    /// and only once the runtime has let go of the array (also after a
+    /// failure). `None` (nothing sent) when the array cannot be lent (not
+    /// plain, read-only, or lent to another call right now): the caller
+    /// then sends a copy.
+    fn isend_plain(
+        &self,
+        obj: &Bound<'_, PyAny>,
+        dst: &Bound<'_, PyAny>,
+        tag: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<Work>> {
+        let (Some(dst), Some(tag), Some(a)) = (index(dst), index(tag), lent::plain(obj)) else {
+            return Ok(None);
+        };
+        let Some((t, released)) = a.lend_to_send() else {
+            return Ok(None);
+        };
+        let w = self.w()?;
+        let pending = runtime::enter(|| w.isend(Rank(dst), Tag(tag), t))?;
+        let ended = released.clone();
+        let mut work = self.work(
+            async move {
+                // The tensor comes back and is dropped here: that ends the loan.
+                let r = pending.wait().await.map(|_| Done::Unit);
+                ended.wait().await;
+                r
+            },
+            false,
+        )?;
+        work.lent = Some(released);
+        Ok(Some(work))
+    }
+
     /// Starts a send of a copy of `data`; the handle yields `None`.
     fn isend(&self, data: Input<'_>, dst: u32, tag: u32) -> PyResult<Work> {
         let t = data.tensor()?;

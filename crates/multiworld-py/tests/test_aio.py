@@ -250,3 +250,40 @@ def test_receives_cancelled_by_timeouts_while_messages_stream_lose_nothing():
 
     timeouts = asyncio.run(asyncio.wait_for(main(), 120))
     assert timeouts > 0, "no receive was ever cancelled: the test proved nothing"
+
+
+def test_a_send_without_a_copy_lends_the_array_until_the_message_is_out():
+    """``send(copy=False)`` sends from the array's own memory: while a large
+    message waits for its receiver, the array is lent (a receive into it is
+    refused); a second send of the same array meanwhile sends a copy; a
+    cancelled send still delivers the whole message, intact; arrays that
+    cannot be lent (read-only) are copied."""
+    async def main():
+        a, b, w0, w1 = await pair()
+        n = 8 << 20  # 32 MiB of float32: more than the sockets buffer
+        x = np.full(n, 3.0, np.float32)
+        first = asyncio.ensure_future(w1.send(x, 0, 1, copy=False))
+        await asyncio.sleep(0.2)
+        assert not first.done(), "the receiver has not posted a receive yet"
+        with pytest.raises(ValueError, match="in use"):
+            await w1.recv_into(x, 0, 9)
+        second = asyncio.ensure_future(w1.send(x, 0, 1, copy=False))  # copied
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        out = np.zeros(n, np.float32)
+        for _ in range(2):
+            await w0.recv_into(out, 1, 1)
+            assert (out == 3.0).all()
+            out[:] = 0
+        await second
+        ro = np.arange(4, dtype=np.int32)
+        ro.flags.writeable = False
+        got = np.zeros(4, np.int32)
+        await asyncio.gather(w1.send(ro, 0, 2, copy=False), w0.recv_into(got, 1, 2))
+        assert (got == ro).all()
+        await asyncio.gather(w0.finish(10), w1.finish(10))
+        await a.shutdown()
+        await b.shutdown()
+
+    asyncio.run(asyncio.wait_for(main(), 60))

@@ -137,3 +137,27 @@ def test_asyncio_and_compat_with_torch_tensors():
         m1.cleanup()
 
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_irecv_and_async_receives_write_a_torch_tensor_in_place(pair):
+    """A CPU torch tensor is lent to a background receive through its numpy
+    view (no buffer of the runtime's, no copy): while the receive waits, the
+    tensor's memory is in use (a second receive into it is refused), and the
+    message lands in the tensor's own storage."""
+    w0, w1 = pair
+    out = torch.zeros(1 << 16, dtype=torch.float32)
+    ptr = out.data_ptr()
+    work = w0.irecv(out, 1, 4)
+    with pytest.raises(ValueError, match="in use"):
+        w0.recv_into(out, 1, 5)
+    w1.send(torch.full((1 << 16,), 2.5), 0, 4)
+    assert work.wait(timeout=30) is out and work.source == 1
+    assert out.data_ptr() == ptr and bool((out == 2.5).all())
+
+    async def main():
+        a0, a1 = aio.AsyncWorld(w0), aio.AsyncWorld(w1)
+        got = torch.zeros(5, dtype=torch.int64)
+        await asyncio.gather(a1.send(torch.arange(5), 0, 6, copy=False), a0.recv_into(got, 1, 6))
+        assert got.tolist() == [0, 1, 2, 3, 4]
+
+    asyncio.run(asyncio.wait_for(main(), 60))

@@ -225,6 +225,19 @@ class _LentRecv(Work):
         return self._result
 
 
+def _lendable(tensor: Any) -> Any:
+    """What the native fast paths may be lent for ``tensor``: a numpy array
+    as it is; for a CPU torch tensor or a ``__dlpack__`` object, the numpy
+    view of its own memory (the view holds a reference to it); anything else
+    as it is (the fast path then declines and the general path takes it)."""
+    if type(tensor) is np.ndarray:
+        return tensor
+    try:
+        return T.as_array(tensor)
+    except TypeError:  # a CUDA tensor (DeviceTensor) or an unsupported type
+        return tensor
+
+
 def _writer(arr: np.ndarray, tensor: Any) -> Any:
     """A finisher that writes a flat result into ``arr`` and returns ``tensor``."""
 
@@ -381,7 +394,9 @@ class World:
         do not use it until ``wait()`` returns (after a failure too: it
         returns once the runtime has let go of the array)."""
         if tensor is not None:
-            native = self._w.irecv_plain(tensor, src, tag)  # a plain numpy array, lent natively
+            # A plain numpy array, lent natively; a CPU torch tensor (or a
+            # __dlpack__ object) through its numpy view of the same memory.
+            native = self._w.irecv_plain(_lendable(tensor), src, tag)
             if native is not None:
                 return _LentRecv(native, tensor)
         try:

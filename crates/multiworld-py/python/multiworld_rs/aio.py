@@ -36,7 +36,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from . import _api, _native
-from ._api import ReduceOp, Work, World, WorldInfo, WorldManager
+from ._api import ReduceOp, Work, World, WorldInfo, WorldManager, _lendable
 
 __all__ = ["AsyncWorldManager", "AsyncWorld", "AsyncGroup"]
 
@@ -171,8 +171,21 @@ class AsyncWorld:
         return self.sync.cause
 
     # -- point to point -----------------------------------------------------
-    async def send(self, tensor: Any, dst: int, tag: int = 0) -> None:
-        """Sends a copy of ``tensor`` to ``dst``."""
+    async def send(self, tensor: Any, dst: int, tag: int = 0, *, copy: bool = True) -> None:
+        """Sends ``tensor`` to ``dst``. By default a copy is sent, so a
+        cancelled send leaves nothing behind that refers to the array. With
+        ``copy=False`` a C-contiguous, writeable array (a numpy array, a CPU
+        torch tensor) is sent from its own memory, lent to the runtime until
+        the send ends: no copy, but a send cannot be withdrawn once started,
+        so cancelling the ``await`` leaves it running; the array stays lent
+        (calls that would write it refuse) and must not be modified until the
+        message is out. Other arrays, and one lent to another call right now,
+        are copied."""
+        if not copy:
+            native = self.sync._w.isend_plain(_lendable(tensor), dst, tag)
+            if native is not None:
+                await _wait(Work(native))
+                return
         await _wait(self.sync.isend(tensor, dst, tag))
 
     async def recv(self, src: Optional[int] = None, tag: int = 0, *, dtype: Any, shape: Any) -> np.ndarray:
@@ -194,7 +207,7 @@ class AsyncWorld:
             # turn must not drop one already taken.
             self._in_a_row = 0
             await asyncio.sleep(0)
-        got = self.sync._w.recv_into_now(tensor, src, tag)
+        got = self.sync._w.recv_into_now(_lendable(tensor), src, tag)
         if got is not None:
             self._in_a_row += 1
             return got

@@ -130,13 +130,15 @@ class WorldCommunicator:
         return w is None or w.state in ("broken", "removed")
 
     async def send(self, tensor: Any, dst: int, world_name: str = DEFAULT_WORLD_NAME) -> None:
-        """Sends ``tensor`` to rank ``dst`` of the world (a copy is sent: the
-        caller may reuse the tensor once this returns).
+        """Sends ``tensor`` to rank ``dst`` of the world from its own memory
+        when it is C-contiguous and writeable (as the original sends it; see
+        ``AsyncWorld.send(copy=False)``: cancelling leaves the send running),
+        else a copy.
 
         Raises:
             BrokenWorldException: the world is broken or not there.
         """
-        await self._run(world_name, lambda w: w.send(tensor, dst))
+        await self._run(world_name, lambda w: w.send(tensor, dst, copy=False))
 
     async def recv(self, tensor: Any, src: int, world_name: str = DEFAULT_WORLD_NAME) -> None:
         """Receives a message from rank ``src`` of the world into ``tensor``
