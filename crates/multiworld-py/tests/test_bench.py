@@ -72,3 +72,20 @@ def test_repeated_runs_show_the_median_run_and_every_ratio():
     (single,) = bench.median_rows([[row(0.5, False)]])
     assert (single.ratio, single.ratios) == (0.5, [0.5])
     assert "0.70x .. 0.90x" in bench.format_table([r], [])
+
+
+def test_the_older_library_comparison_runs_its_compat_side():
+    """``bench/older_library_leader.py`` (the older library itself is not
+    installed here): its leader and workers on ``multiworld_rs.compat``
+    run and report a rate; the older library's side is the same code."""
+    pytest.importorskip("torch", reason="the script's tensors are torch tensors")
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    sys.path.insert(0, str(root / "bench"))
+    try:
+        import older_library_leader as script
+    finally:
+        sys.path.pop(0)
+    r = script._run_python(sys.executable, "compat", 2, 64 << 10, 0.3)
+    assert r["impl"] == "compat" and r["workers"] == 2 and r["messages"] > 0 and r["msgs_per_s"] > 0, r
