@@ -26,7 +26,7 @@ use std::future::{Future, poll_fn};
 use std::io::{self, IoSlice};
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
@@ -314,7 +314,19 @@ struct Inner {
     /// open close with RST, as in an abort.
     cut_off: AtomicBool,
     rejected: Arc<AtomicU64>,
+    /// Receives in a row that found their message already here (see
+    /// [`READY_BURST`]); reset by one that waits.
+    ready_in_a_row: AtomicU32,
 }
+
+/// After this many receives in a row on one communicator whose messages had
+/// already arrived, the next one yields to the runtime once before it takes
+/// its message. Tokio's own budget (128 operations) bounds how long a task
+/// keeps its thread in operations, not in time: a consumer that spends a
+/// millisecond on each message would keep the heartbeats behind it waiting
+/// for 128 ms or more. With 16, a few milliseconds of work per message still
+/// leaves them their turn well within a heartbeat interval.
+const READY_BURST: u32 = 16;
 
 /// One rank's communicator for one world: owns that world's listener, connections
 /// and tasks, and nothing else. Dropping it aborts it (use [`Communicator::close`]
@@ -454,6 +466,7 @@ impl Communicator {
             closing: AtomicBool::new(false),
             cut_off: AtomicBool::new(false),
             rejected,
+            ready_in_a_row: AtomicU32::new(0),
         });
         for (peer, rd) in reads {
             inner
@@ -607,6 +620,7 @@ impl Communicator {
             inner: Arc::clone(&self.inner),
             tag,
             state,
+            yielded: false,
         }
     }
 
@@ -1721,6 +1735,8 @@ pub struct RecvHandle {
     inner: Arc<Inner>,
     tag: Tag,
     state: RecvState,
+    /// Whether this receive has yielded once already (see [`READY_BURST`]).
+    yielded: bool,
 }
 
 enum RecvState {
@@ -1823,14 +1839,26 @@ impl RecvHandle {
     /// taking such messages never waits, and would otherwise hold its runtime
     /// thread for as long as the peer keeps them coming, starving the
     /// heartbeats and other worlds' tasks queued behind it.
+    /// Every [`READY_BURST`]th such receive in a row on the communicator also
+    /// yields once, whatever the budget.
     fn poll_done(&mut self, cx: &mut Context<'_>) -> Poll<RecvDone> {
         if matches!(self.state, RecvState::Ready(_)) {
+            if !self.yielded {
+                let streak = &self.inner.ready_in_a_row;
+                if streak.fetch_add(1, Ordering::Relaxed) + 1 >= READY_BURST {
+                    streak.store(0, Ordering::Relaxed);
+                    self.yielded = true;
+                    cx.waker().wake_by_ref();
+                    return Poll::Pending;
+                }
+            }
             std::task::ready!(tokio::task::coop::poll_proceed(cx)).made_progress();
         }
         match std::mem::replace(&mut self.state, RecvState::Taken) {
             RecvState::Ready(d) => Poll::Ready(d),
             RecvState::Waiting { id, mut rx } => match Pin::new(&mut rx).poll(cx) {
                 Poll::Pending => {
+                    self.inner.ready_in_a_row.store(0, Ordering::Relaxed);
                     self.state = RecvState::Waiting { id, rx };
                     Poll::Pending
                 }

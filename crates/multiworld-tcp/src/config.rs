@@ -73,9 +73,10 @@ pub struct CommConfig {
     /// within 1 MiB). Default 16 KiB. 256 KiB streams 64 KiB messages faster
     /// (see `docs/benchmarks.md`), but every receive of a read-ahead message
     /// completes without waiting: a consumer that computes for long per
-    /// message then holds its runtime thread for up to 128 messages (Tokio's
-    /// cooperative budget) and can starve this process's heartbeats (the `m8d`
-    /// isolation tests, debug builds, failed that way); it is not the default.
+    /// message then holds its runtime thread for up to 16 messages (receives
+    /// yield every 16 in a row), where with 16 KiB a 64 KiB receive waits
+    /// each time (the `m8d` isolation tests, debug builds: the other worlds'
+    /// longest pause 16–185 ms against 14–48 ms); it is not the default.
     /// Above `unexpected_budget` it acts as
     /// `unexpected_budget`.
     pub eager_limit: usize,

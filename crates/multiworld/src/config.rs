@@ -214,8 +214,9 @@ pub struct WorldConfig {
     /// without a copy. More (256 KiB) streams messages of tens of KiB faster,
     /// but a receive of a message read ahead completes without waiting: a
     /// task that computes for long per message then keeps its runtime thread
-    /// for up to 128 messages (Tokio's cooperative budget), which can delay
-    /// this process's heartbeats past a peer's timeout. Raise it where the
+    /// for up to 16 messages (receives of messages already here yield every
+    /// 16 in a row), delaying the heartbeats and other worlds' tasks behind
+    /// it by that much work. Raise it where the
     /// work per message runs off the runtime threads (the Python package does:
     /// it reads 256 KiB ahead). `docs/protocol.md`, "Receives yield".
     pub read_ahead: usize,

@@ -58,8 +58,8 @@ def _op(op: Any) -> str:
 #: Largest message (bytes) a world of this package reads off its socket
 #: before the receive is posted: 256 KiB, against the Rust default of 16 KiB
 #: (``multiworld::DEFAULT_READ_AHEAD``). A receive of a message read ahead
-#: completes without waiting, which in Rust can let a task that computes per
-#: message keep a runtime thread (and the heartbeats behind it) for 128
+#: completes without waiting, which in Rust lets a task that computes per
+#: message keep a runtime thread (and the heartbeats behind it) for up to 16
 #: messages; here no Python code runs on a runtime thread, so the faster
 #: stream of messages of tens of KiB costs nothing of the kind.
 DEFAULT_READ_AHEAD = 256 << 10
