@@ -17,6 +17,10 @@ Three implementations per size, interleaved, each repeat:
 - `rust`: the Rust leader, `mw-rank-bench run leader` (the `multiworld`
   crate, one process per rank).
 
+Each runs with its own defaults, as its users would: the compat leader reads
+messages of up to 256 KiB ahead (the Python package's default), the Rust
+leader 16 KiB (the crate's).
+
 The leader receives every world's messages concurrently (one asyncio task per
 world for the Python ones); after a warm-up of 0.5 s it counts the messages
 that arrive during `--seconds` and prints messages per second. One way to set
@@ -29,7 +33,7 @@ up the older library (its wheels come from the package registry):
 import argparse
 import asyncio
 import json
-import os
+import socket
 import subprocess
 import sys
 import time
@@ -93,8 +97,22 @@ async def _worker(impl: str, index: int, size: int, base_port: int) -> None:
         pass
 
 
+def _free_base(workers: int) -> int:
+    """A port P with P+1 .. P+workers free right now (one world each)."""
+    for _ in range(100):
+        base = free_port()
+        try:
+            for i in range(1, workers + 1):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+    raise SystemExit(f"no run of {workers} free ports found")
+
+
 def _run_python(python: str, impl: str, workers: int, size: int, seconds: float) -> dict:
-    base = free_port()
+    base = _free_base(workers)
     me = [python, __file__, "--role"]
     common = ["--impl", impl, "--size", str(size), "--base-port", str(base)]
     procs = [subprocess.Popen(me + ["worker", "--index", str(i)] + common,
@@ -172,9 +190,10 @@ def main() -> None:
                 m["repeat"] = r
                 results.append(m)
                 row[impl] = m["msgs_per_s"]
+            old = max(row["old"], 1e-9)
             print(f"{size:>9} B  {a.workers} workers  repeat {r + 1}:  older library {row['old']:9.1f} msg/s"
-                  f"   multiworld_rs.compat {row['compat']:9.1f} msg/s ({row['compat'] / row['old']:.2f}x)"
-                  f"   Rust {row['rust']:9.1f} msg/s ({row['rust'] / row['old']:.2f}x)", flush=True)
+                  f"   multiworld_rs.compat {row['compat']:9.1f} msg/s ({row['compat'] / old:.2f}x)"
+                  f"   Rust {row['rust']:9.1f} msg/s ({row['rust'] / old:.2f}x)", flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"torch_old": check.stdout.strip(), "results": results}, f, indent=1)

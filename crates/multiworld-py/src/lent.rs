@@ -40,6 +40,7 @@ use pyo3::{exceptions::PyValueError, prelude::*};
 struct Memory {
     ptr: *mut u8,
     len: usize,
+    access: Access,
     _held: Held,
 }
 
@@ -72,29 +73,47 @@ impl Released {
 impl Drop for Memory {
     fn drop(&mut self) {
         let mut lent = registry();
-        if let Some(i) = lent.iter().position(|&r| r == (self.ptr as usize, self.len)) {
+        if let Some(i) = lent
+            .iter()
+            .position(|&r| r == (self.ptr as usize, self.len, self.access))
+        {
             lent.swap_remove(i);
         }
     }
 }
 
-/// The byte ranges lent right now (start, length): a second loan of
-/// overlapping memory, or a send reading it, is refused instead of racing.
-static LENT: Mutex<Vec<(usize, usize)>> = Mutex::new(Vec::new());
+/// How a loan uses its memory: the runtime writes it (a receive, an
+/// in-place collective) or only reads it (a lent send). Reads may overlap
+/// reads; anything that overlaps a write is refused.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Access {
+    Read,
+    Write,
+}
 
-fn registry() -> MutexGuard<'static, Vec<(usize, usize)>> {
+/// The byte ranges lent right now (start, length, access): a loan that
+/// would race with one of them, or a send reading memory being written, is
+/// refused instead of racing.
+static LENT: Mutex<Vec<(usize, usize, Access)>> = Mutex::new(Vec::new());
+
+fn registry() -> MutexGuard<'static, Vec<(usize, usize, Access)>> {
     // Never held across anything that can panic.
     LENT.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-fn overlaps(lent: &[(usize, usize)], start: usize, len: usize) -> bool {
-    lent.iter()
-        .any(|&(s, l)| start < s.saturating_add(l.max(1)) && s < start.saturating_add(len.max(1)))
+/// Whether `access` of `len` bytes at `start` races with a loan in `lent`.
+fn conflicts(lent: &[(usize, usize, Access)], start: usize, len: usize, access: Access) -> bool {
+    lent.iter().any(|&(s, l, a)| {
+        (a == Access::Write || access == Access::Write)
+            && start < s.saturating_add(l.max(1))
+            && s < start.saturating_add(len.max(1))
+    })
 }
 
-/// Refuses `bytes` (about to be read by a send) while any of it is lent.
+/// Refuses `bytes` (about to be read by a send) while any of it is lent to
+/// a call that writes it.
 pub fn check_not_lent(bytes: &[u8], what: &str) -> PyResult<()> {
-    if overlaps(&registry(), bytes.as_ptr() as usize, bytes.len()) {
+    if conflicts(&registry(), bytes.as_ptr() as usize, bytes.len(), Access::Read) {
         return Err(in_use(what));
     }
     Ok(())
@@ -128,25 +147,27 @@ impl ExternalMemory for Memory {
 }
 
 /// A tensor of `dtype` and `shape` over `len` bytes at `ptr`, registered
-/// as lent until `held` is dropped with it; `Lend::InUse` if any of the
-/// bytes is lent already.
+/// as lent for `access` until `held` is dropped with it; `Lend::InUse` if
+/// that races with a loan already there.
 fn lend_tensor(
     ptr: *mut u8,
     len: usize,
     dtype: DType,
     shape: Vec<usize>,
     held: Held,
+    access: Access,
 ) -> Result<Tensor, Lend> {
     {
         let mut lent = registry();
-        if overlaps(&lent, ptr as usize, len) {
+        if conflicts(&lent, ptr as usize, len, access) {
             return Err(Lend::InUse);
         }
-        lent.push((ptr as usize, len));
+        lent.push((ptr as usize, len, access));
     }
     let mem = Memory {
         ptr,
         len,
+        access,
         _held: held,
     };
     // A refused loan drops `mem`, which leaves the registry.
@@ -202,7 +223,7 @@ impl Loan {
     /// untouched until [`Loan::settle`] returns (the callers hold the array).
     fn of(ptr: *mut u8, len: usize, dtype: DType, shape: Vec<usize>) -> Result<Loan, Lend> {
         let (tx, held) = mpsc::channel();
-        let tensor = lend_tensor(ptr, len, dtype, shape, Held::Call(tx))?;
+        let tensor = lend_tensor(ptr, len, dtype, shape, Held::Call(tx), Access::Write)?;
         Ok(Loan { tensor, held })
     }
 
@@ -313,22 +334,26 @@ impl<'a> Plain<'a> {
         }
         let (tx, rx) = watch::channel(());
         let held = Held::Task(tx, self.array.clone().into_any().unbind());
-        let lent = lend_tensor(self.ptr, self.len, self.dtype, self.shape(), held);
+        let lent = lend_tensor(self.ptr, self.len, self.dtype, self.shape(), held, Access::Write);
         fast(lent.map(|t| (t, Released(rx))), what)
     }
 
-    /// The array lent to a background send (`isend` of the asyncio API),
-    /// as [`Plain::lend_to_task`]; `None` whenever it cannot be lent,
-    /// including memory another call holds (two sends of one array at
-    /// once): the caller then sends a copy.
-    pub fn lend_to_send(&self) -> Option<(Tensor, Released)> {
+    /// The array lent to a background send (the asyncio API's `send` with
+    /// `copy=False`), as [`Plain::lend_to_task`] but for reading: other
+    /// sends of the same memory may run at once; a call that writes it
+    /// (a receive, an in-place collective) is refused while the send runs,
+    /// and the send is refused (`ValueError`) while such a call runs.
+    /// `Ok(None)` for memory the general path must take (read-only arrays,
+    /// as the runtime's tensors are writable, and what `from_external`
+    /// refuses): the caller then sends a copy.
+    pub fn lend_to_send(&self) -> PyResult<Option<(Tensor, Released)>> {
         if !self.writeable() {
-            return None;
+            return Ok(None);
         }
         let (tx, rx) = watch::channel(());
         let held = Held::Task(tx, self.array.clone().into_any().unbind());
-        let lent = lend_tensor(self.ptr, self.len, self.dtype, self.shape(), held);
-        lent.ok().map(|t| (t, Released(rx)))
+        let lent = lend_tensor(self.ptr, self.len, self.dtype, self.shape(), held, Access::Read);
+        fast(lent.map(|t| (t, Released(rx))), "send")
     }
 
     fn writeable(&self) -> bool {

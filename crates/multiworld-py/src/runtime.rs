@@ -83,6 +83,16 @@ where
     F: Future + Send,
     F::Output: Send,
 {
+    // This thread runs no runtime tasks: a receive whose message is here
+    // need not yield its turn to any (see `multiworld::without_pacing`).
+    multiworld::without_pacing(|| wait_on_runtime(py, fut))
+}
+
+fn wait_on_runtime<F>(py: Python<'_>, fut: F) -> PyResult<F::Output>
+where
+    F: Future + Send,
+    F::Output: Send,
+{
     let rt = runtime()?;
     let mut fut = std::pin::pin!(fut);
     {

@@ -598,8 +598,9 @@ impl World {
     /// its own memory, lent to the send's task: the handle yields `None`,
     /// and only once the runtime has let go of the array (also after a
     /// failure). `None` (nothing sent) when the array cannot be lent (not
-    /// plain, read-only, or lent to another call right now): the caller
-    /// then sends a copy.
+    /// plain, read-only): the caller then sends a copy; `ValueError` while
+    /// a call that writes it (a receive, an in-place collective) holds it.
+    /// Other sends of the same array may run at the same time.
     fn isend_plain(
         &self,
         obj: &Bound<'_, PyAny>,
@@ -609,7 +610,7 @@ impl World {
         let (Some(dst), Some(tag), Some(a)) = (index(dst), index(tag), lent::plain(obj)) else {
             return Ok(None);
         };
-        let Some((t, released)) = a.lend_to_send() else {
+        let Some((t, released)) = a.lend_to_send()? else {
             return Ok(None);
         };
         let w = self.w()?;

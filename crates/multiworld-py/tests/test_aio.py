@@ -255,9 +255,9 @@ def test_receives_cancelled_by_timeouts_while_messages_stream_lose_nothing():
 def test_a_send_without_a_copy_lends_the_array_until_the_message_is_out():
     """``send(copy=False)`` sends from the array's own memory: while a large
     message waits for its receiver, the array is lent (a receive into it is
-    refused); a second send of the same array meanwhile sends a copy; a
-    cancelled send still delivers the whole message, intact; arrays that
-    cannot be lent (read-only) are copied."""
+    refused); a second send of the same array may read it too; a cancelled
+    send still delivers the whole message, intact; an array a receive is
+    writing is refused; arrays that cannot be lent (read-only) are copied."""
     async def main():
         a, b, w0, w1 = await pair()
         n = 8 << 20  # 32 MiB of float32: more than the sockets buffer
@@ -267,7 +267,7 @@ def test_a_send_without_a_copy_lends_the_array_until_the_message_is_out():
         assert not first.done(), "the receiver has not posted a receive yet"
         with pytest.raises(ValueError, match="in use"):
             await w1.recv_into(x, 0, 9)
-        second = asyncio.ensure_future(w1.send(x, 0, 1, copy=False))  # copied
+        second = asyncio.ensure_future(w1.send(x, 0, 1, copy=False))  # also lent: both only read
         first.cancel()
         with pytest.raises(asyncio.CancelledError):
             await first
@@ -277,6 +277,15 @@ def test_a_send_without_a_copy_lends_the_array_until_the_message_is_out():
             assert (out == 3.0).all()
             out[:] = 0
         await second
+        # An array that a pending receive writes cannot be sent from.
+        y = np.zeros(4, np.int32)
+        receiving = asyncio.ensure_future(w0.recv_into(y, 1, 3))
+        await asyncio.sleep(0.05)
+        with pytest.raises(ValueError, match="in use"):
+            await w1.send(y, 0, 5, copy=False)
+        await w1.send(np.arange(4, dtype=np.int32), 0, 3)
+        await receiving
+        assert y.tolist() == [0, 1, 2, 3]
         ro = np.arange(4, dtype=np.int32)
         ro.flags.writeable = False
         got = np.zeros(4, np.int32)

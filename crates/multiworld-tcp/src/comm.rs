@@ -328,6 +328,31 @@ struct Inner {
 /// leaves them their turn well within a heartbeat interval.
 const READY_BURST: u32 = 16;
 
+thread_local! {
+    /// Set while [`without_pacing`] runs on this thread.
+    static UNPACED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+fn paced_here() -> bool {
+    !UNPACED.with(std::cell::Cell::get)
+}
+
+/// Runs `f` with the every-[`READY_BURST`] yield of receives whose messages
+/// were already here turned off on this thread. For a thread that runs no
+/// runtime tasks and drives its own receives (a foreign language's thread
+/// polling them, or calling `block_on`): nothing shares its turn, so the
+/// yield would only cost time. Tokio's cooperative budget still applies.
+pub fn without_pacing<T>(f: impl FnOnce() -> T) -> T {
+    struct Reset(bool);
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            UNPACED.with(|u| u.set(self.0));
+        }
+    }
+    let _reset = Reset(UNPACED.with(|u| u.replace(true)));
+    f()
+}
+
 /// One rank's communicator for one world: owns that world's listener, connections
 /// and tasks, and nothing else. Dropping it aborts it (use [`Communicator::close`]
 /// for an orderly goodbye). Share it between tasks with an `Arc`.
@@ -620,12 +645,21 @@ impl Communicator {
             inner: Arc::clone(&self.inner),
             tag,
             state,
-            yielded: false,
+            paced: false,
+            counted: false,
         }
     }
 
     async fn recv_into(&self, src: Source, tag: Tag, buf: &mut Tensor, op: &'static str) -> Result<Rank> {
-        let handle = self.irecv(src, tag, std::mem::take(buf));
+        // Yield, when this task's turn is up, before anything is taken: a
+        // receive dropped here (a select, a zero timeout) leaves `buf` as it
+        // was and every message where it was.
+        self.inner.pace().await;
+        let mut handle = self.irecv(src, tag, std::mem::take(buf));
+        handle.paced = true;
+        if matches!(handle.state, RecvState::Ready(_)) {
+            self.inner.ready_in_a_row.fetch_add(1, Ordering::Relaxed);
+        }
         let mut g = Restore { slot: buf, handle };
         let spin = self.inner.cfg.recv_spin;
         let done = match self.inner.cfg.op_timeout {
@@ -793,6 +827,30 @@ enum Posting {
 }
 
 impl Inner {
+    /// A blocking receive's turn (see [`READY_BURST`]): after
+    /// that many receives in a row whose messages were already here, yields
+    /// once; and takes one unit of the task's cooperative budget (yielding if
+    /// it is spent). Runs before the receive takes anything.
+    async fn pace(&self) {
+        if paced_here() && self.ready_in_a_row.load(Ordering::Relaxed) >= READY_BURST {
+            self.ready_in_a_row.store(0, Ordering::Relaxed);
+            tokio::task::yield_now().await;
+        }
+        tokio::task::coop::consume_budget().await;
+    }
+
+    /// Counts a receive whose message was already here; true (the streak
+    /// starting over) when it is the [`READY_BURST`]th in a row (and this
+    /// thread is paced).
+    fn count_ready(&self) -> bool {
+        let n = self.ready_in_a_row.fetch_add(1, Ordering::Relaxed) + 1;
+        if n >= READY_BURST && paced_here() {
+            self.ready_in_a_row.store(0, Ordering::Relaxed);
+            return true;
+        }
+        false
+    }
+
     fn lock(&self) -> MutexGuard<'_, Matching> {
         // Critical sections do not panic; if one did, the data is still consistent
         // enough to fail everything, so ignore poisoning.
@@ -1735,8 +1793,11 @@ pub struct RecvHandle {
     inner: Arc<Inner>,
     tag: Tag,
     state: RecvState,
-    /// Whether this receive has yielded once already (see [`READY_BURST`]).
-    yielded: bool,
+    /// Whether this receive's turn was taken (see [`RecvHandle::poll_done`]).
+    paced: bool,
+    /// Whether it was counted in the communicator's streak of receives
+    /// whose messages were already here.
+    counted: bool,
 }
 
 enum RecvState {
@@ -1839,20 +1900,22 @@ impl RecvHandle {
     /// taking such messages never waits, and would otherwise hold its runtime
     /// thread for as long as the peer keeps them coming, starving the
     /// heartbeats and other worlds' tasks queued behind it.
-    /// Every [`READY_BURST`]th such receive in a row on the communicator also
-    /// yields once, whatever the budget.
+    /// Every [`READY_BURST`]th such receive in a row on the communicator
+    /// also yields once, whatever the budget (unless [`without_pacing`]). A blocking
+    /// receive does both before it posts (`Inner::pace`), so that dropping
+    /// it at its yield takes nothing; a handle from [`Communicator::irecv`]
+    /// does them here (dropping it then gives its message back).
     fn poll_done(&mut self, cx: &mut Context<'_>) -> Poll<RecvDone> {
-        if matches!(self.state, RecvState::Ready(_)) {
-            if !self.yielded {
-                let streak = &self.inner.ready_in_a_row;
-                if streak.fetch_add(1, Ordering::Relaxed) + 1 >= READY_BURST {
-                    streak.store(0, Ordering::Relaxed);
-                    self.yielded = true;
+        if matches!(self.state, RecvState::Ready(_)) && !self.paced {
+            if !self.counted {
+                self.counted = true;
+                if self.inner.count_ready() {
                     cx.waker().wake_by_ref();
                     return Poll::Pending;
                 }
             }
             std::task::ready!(tokio::task::coop::poll_proceed(cx)).made_progress();
+            self.paced = true;
         }
         match std::mem::replace(&mut self.state, RecvState::Taken) {
             RecvState::Ready(d) => Poll::Ready(d),

@@ -587,3 +587,50 @@ async fn a_loop_over_arrived_messages_lets_other_tasks_run() {
         "the other task ran {ran} times during {N} receives"
     );
 }
+
+/// A blocking receive takes its turn (the yield every 16 receives in a row,
+/// the cooperative budget) before it takes a message: one dropped at that
+/// point (here: polled once, as a select or `now_or_never` would, and
+/// dropped) leaves the caller's buffer as it was and every message in
+/// place, in order.
+#[tokio::test(flavor = "current_thread")]
+async fn a_receive_dropped_at_its_yield_keeps_the_buffer_and_the_messages() {
+    use std::future::Future;
+    use std::task::{Context, Poll, Waker};
+    const N: u32 = 200;
+    let (a, b) = pair("coop-drop").await;
+    for i in 0..N {
+        a.send(Rank(1), Tag(4), &[i]).await.unwrap();
+    }
+    let arrived = eventually(Duration::from_secs(30), || {
+        b.peer_stats(Rank(0)).unwrap().messages_received == u64::from(N)
+    })
+    .await;
+    assert!(arrived, "the messages were not read ahead");
+    let mut buf = Tensor::zeros(DType::U32, [1]).unwrap();
+    let (mut next, mut dropped) = (0u32, 0u32);
+    while next < N {
+        let polled = {
+            let fut = b.recv(Rank(0), Tag(4), &mut buf);
+            let mut fut = std::pin::pin!(fut);
+            fut.as_mut().poll(&mut Context::from_waker(Waker::noop()))
+        };
+        match polled {
+            Poll::Ready(r) => {
+                r.unwrap();
+                assert_eq!(buf.as_slice::<u32>().unwrap(), &[next], "lost or reordered");
+                next += 1;
+            }
+            Poll::Pending => {
+                dropped += 1;
+                assert_eq!(buf.numel(), 1, "a dropped receive emptied the buffer");
+                // Give the turn that receive was about to give.
+                tokio::task::yield_now().await;
+            }
+        }
+    }
+    assert!(
+        dropped >= N / 32,
+        "only {dropped} receives were dropped at a yield"
+    );
+}

@@ -211,7 +211,9 @@ pub struct WorldConfig {
     /// Largest message read off a socket before its receive is posted (the
     /// transport's `eager_limit`; default [`DEFAULT_READ_AHEAD`], 16 KiB).
     /// Larger messages wait in the socket and land in the receive's buffer
-    /// without a copy. More (256 KiB) streams messages of tens of KiB faster,
+    /// without a copy (unless a receive waits behind them on the same
+    /// connection). Messages above 16 KiB are read ahead only while a peer's
+    /// early bytes stay within 1 MiB, so a value above 1 MiB acts as 1 MiB. More (256 KiB) streams messages of tens of KiB faster,
     /// but a receive of a message read ahead completes without waiting: a
     /// task that computes for long per message then keeps its runtime thread
     /// for up to 16 messages (receives of messages already here yield every

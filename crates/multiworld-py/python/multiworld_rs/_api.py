@@ -811,7 +811,8 @@ class WorldManager:
         frozen member is detected (cause ``"heartbeat_timeout"``).
         ``read_ahead``: largest message (bytes) read off the socket before
         its receive is posted (default :data:`DEFAULT_READ_AHEAD`, 256 KiB;
-        larger ones land in the receive's array without a copy).
+        larger ones land in the receive's array without a copy; above 1 MiB
+        it acts as 1 MiB).
         ``device``: an NCCL world's CUDA device (an int, ``"cuda:N"`` or a
         ``torch.device``); by default torch's current device when torch is
         imported and has CUDA, else device 0."""

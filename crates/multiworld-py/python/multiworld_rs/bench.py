@@ -449,7 +449,11 @@ def median_rows(runs: List[List[Row]]) -> List[Row]:
     ratio is the median (the upper one of an even count), carrying every
     run's ratio."""
     out: List[Row] = []
+    if any(len(run) != len(runs[0]) for run in runs):
+        raise BenchError("runs of one plan measured different cells")
     for cells in zip(*runs):
+        if len({(c.scenario, c.size, c.detail) for c in cells}) != 1:
+            raise BenchError(f"runs of one plan measured different cells: {cells!r}")
         ranked = sorted(cells, key=lambda r: r.ratio)
         pick = ranked[len(ranked) // 2]
         out.append(Row(pick.scenario, pick.size, pick.detail, pick.unit, pick.rust, pick.python,
