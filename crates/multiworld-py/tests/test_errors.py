@@ -405,7 +405,7 @@ def test_read_ahead_option():
             _, got = both(send, recv)
             for x, y in zip(msgs, got):
                 assert np.array_equal(x, y), (read_ahead, x.size)
-            both(lambda: a.leave(name), lambda: b.leave(name))
+            both(lambda: w0.finish(10), lambda: w1.finish(10))
     finally:
         a.shutdown()
         b.shutdown()
