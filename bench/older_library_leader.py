@@ -2,16 +2,18 @@
 library (PyPI `multiworld`, torch 2.4.0 patched) against this project, one
 process per rank, on the same machine in the same run.
 
-    python bench/older_library_leader.py --old-python PATH [--sizes 65536,16777216]
-        [--workers 3] [--seconds 3] [--repeats 2] [--json FILE]
+    python bench/older_library_leader.py [--install | --old-python PATH]
+        [--sizes 65536,16777216] [--workers 3] [--seconds 3] [--repeats 2] [--json FILE]
 
 Three implementations per size, interleaved, each repeat:
 
 - `old`: this file's leader and workers written against the older library's
   API (`WorldManager.initialize_world`, `communicator.send`/`recv`, gloo),
   run by `--old-python` (a Python with `torch==2.4.0` and `multiworld`
-  installed; the library patches torch on first import, which this script
-  triggers once);
+  installed; default `target/oldmw/venv/bin/python`, which `--install`
+  creates from the package registry, about 3 GB with torch's CUDA wheels;
+  the library patches torch on first import, which this script triggers
+  once);
 - `compat`: the same code with only the import switched to
   `multiworld_rs.compat` (run by this Python);
 - `rust`: the Rust leader, `mw-rank-bench run leader` (the `multiworld`
@@ -23,8 +25,8 @@ leader 16 KiB (the crate's).
 
 The leader receives every world's messages concurrently (one asyncio task per
 world for the Python ones); after a warm-up of 0.5 s it counts the messages
-that arrive during `--seconds` and prints messages per second. One way to set
-up the older library (its wheels come from the package registry):
+that arrive during `--seconds` and prints messages per second. `--install`
+sets up the older library as:
 
     python3 -m venv target/oldmw/venv
     target/oldmw/venv/bin/pip install torch==2.4.0 multiworld "numpy<2"
@@ -43,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import add_rust_bin, free_port, rust_bin  # noqa: E402
 
 WARM_S = 0.5
+OLD_VENV = Path(__file__).resolve().parents[1] / "target" / "oldmw" / "venv"
 
 
 def _manager(impl: str):
@@ -155,7 +158,10 @@ def main() -> None:
     p.add_argument("--index", type=int, default=1)
     p.add_argument("--size", type=int, default=16 << 20)
     p.add_argument("--base-port", type=int, default=0)
-    p.add_argument("--old-python", help="a Python with torch 2.4.0 and the older multiworld installed")
+    p.add_argument("--old-python", default=str(OLD_VENV / "bin" / "python"),
+                   help="a Python with torch 2.4.0 and the older multiworld installed (default: %(default)s)")
+    p.add_argument("--install", action="store_true",
+                   help=f"first create {OLD_VENV} with torch 2.4.0 and the older multiworld (about 3 GB)")
     p.add_argument("--sizes", default=f"{64 << 10},{16 << 20}")
     p.add_argument("--workers", type=int, default=3)
     p.add_argument("--seconds", type=float, default=3.0)
@@ -168,8 +174,12 @@ def main() -> None:
     if a.role == "worker":
         asyncio.run(_worker(a.impl, a.index, a.size, a.base_port))
         return
-    if not a.old_python:
-        p.error("--old-python is required (see the module docs for how to install the older library)")
+    if a.install:
+        subprocess.run([sys.executable, "-m", "venv", str(OLD_VENV)], check=True)
+        subprocess.run([str(OLD_VENV / "bin" / "pip"), "install", "torch==2.4.0", "multiworld", "numpy<2"],
+                       check=True)
+    if not Path(a.old_python).is_file():
+        p.error(f"{a.old_python} not found: pass --install to create it, or --old-python PATH")
     binary = rust_bin(a)
     # The older library patches torch on its first import and exits; do that once here.
     subprocess.run([a.old_python, "-c", "import multiworld.manager"], capture_output=True, timeout=300)
