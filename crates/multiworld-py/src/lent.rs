@@ -329,13 +329,7 @@ impl<'a> Plain<'a> {
     /// a reference to the array, and [`Released`] resolves once the runtime
     /// has let go of it. `Ok(None)` and errors as for [`Plain::lend`].
     pub fn lend_to_task(&self, what: &str) -> PyResult<Option<(Tensor, Released)>> {
-        if !self.writeable() {
-            return Ok(None);
-        }
-        let (tx, rx) = watch::channel(());
-        let held = Held::Task(tx, self.array.clone().into_any().unbind());
-        let lent = lend_tensor(self.ptr, self.len, self.dtype, self.shape(), held, Access::Write);
-        fast(lent.map(|t| (t, Released(rx))), what)
+        self.lend_in_background(Access::Write, what)
     }
 
     /// The array lent to a background send (the asyncio API's `send` with
@@ -347,13 +341,19 @@ impl<'a> Plain<'a> {
     /// as the runtime's tensors are writable, and what `from_external`
     /// refuses): the caller then sends a copy.
     pub fn lend_to_send(&self) -> PyResult<Option<(Tensor, Released)>> {
+        self.lend_in_background(Access::Read, "send")
+    }
+
+    /// The array lent for `access` to a background operation: the tensor
+    /// holds a reference to the array; [`Released`] resolves when the loan ends.
+    fn lend_in_background(&self, access: Access, what: &str) -> PyResult<Option<(Tensor, Released)>> {
         if !self.writeable() {
             return Ok(None);
         }
         let (tx, rx) = watch::channel(());
         let held = Held::Task(tx, self.array.clone().into_any().unbind());
-        let lent = lend_tensor(self.ptr, self.len, self.dtype, self.shape(), held, Access::Read);
-        fast(lent.map(|t| (t, Released(rx))), "send")
+        let lent = lend_tensor(self.ptr, self.len, self.dtype, self.shape(), held, access);
+        fast(lent.map(|t| (t, Released(rx))), what)
     }
 
     fn writeable(&self) -> bool {

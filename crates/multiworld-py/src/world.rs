@@ -179,6 +179,28 @@ impl World {
             cancel_on_drop,
         )
     }
+
+    /// [`World::work`] for an operation over an array lent to it: the task
+    /// ends, and `Work.cancel` returns, only once the loan has (`released`),
+    /// after `op` (which drops the lent tensor) has finished.
+    fn lent_work(
+        &self,
+        op: impl Future<Output = Result<Done, WorldError>> + Send + 'static,
+        released: Released,
+        cancel_on_drop: bool,
+    ) -> PyResult<Work> {
+        let ended = released.clone();
+        let mut work = self.work(
+            async move {
+                let r = op.await;
+                ended.wait().await;
+                r
+            },
+            cancel_on_drop,
+        )?;
+        work.lent = Some(released);
+        Ok(work)
+    }
 }
 
 /// Starts `fut` as a task of the runtime and returns its handle, a `Work`
@@ -309,8 +331,8 @@ pub struct Work {
     completion: Completion,
     pending: tokio::sync::Mutex<Option<JoinHandle<Result<Done, WorldError>>>>,
     abort: tokio::task::AbortHandle,
-    /// For a receive into a lent array: resolves once the runtime has let
-    /// go of it (`cancel` waits for it).
+    /// For an operation over a lent array (a receive into it, a send from
+    /// it): resolves once the runtime has let go of it (`cancel` waits for it).
     lent: Option<Released>,
     cancel_on_drop: bool,
     /// The outcome once waited for (returned again by later waits). Locked
@@ -615,18 +637,9 @@ impl World {
         };
         let w = self.w()?;
         let pending = runtime::enter(|| w.isend(Rank(dst), Tag(tag), t))?;
-        let ended = released.clone();
-        let mut work = self.work(
-            async move {
-                // The tensor comes back and is dropped here: that ends the loan.
-                let r = pending.wait().await.map(|_| Done::Unit);
-                ended.wait().await;
-                r
-            },
-            false,
-        )?;
-        work.lent = Some(released);
-        Ok(Some(work))
+        // The tensor comes back and is dropped in `map`: that ends the loan.
+        let op = async move { pending.wait().await.map(|_| Done::Unit) };
+        self.lent_work(op, released, false).map(Some)
     }
 
     /// Starts a send of a copy of `data`; the handle yields `None`.
@@ -684,17 +697,8 @@ impl World {
         };
         let w = self.w()?;
         let pending = runtime::enter(|| w.irecv(src.map(Rank), Tag(tag), t))?;
-        let ended = released.clone();
-        let mut work = self.work(
-            async move {
-                let r = pending.wait().await.map(|r| r.src.0);
-                ended.wait().await;
-                r.map(Done::Source)
-            },
-            true,
-        )?;
-        work.lent = Some(released);
-        Ok(Some(work))
+        let op = async move { pending.wait().await.map(|r| Done::Source(r.src.0)) };
+        self.lent_work(op, released, true).map(Some)
     }
 
     /// Starts a receive; the handle yields `(src, flat array)`. Dropping the

@@ -314,8 +314,9 @@ struct Inner {
     /// open close with RST, as in an abort.
     cut_off: AtomicBool,
     rejected: Arc<AtomicU64>,
-    /// Receives in a row that found their message already here (see
-    /// [`READY_BURST`]); reset by one that waits.
+    /// Receives in a row that found their message already here, counted
+    /// when posted (see [`READY_BURST`]); reset by one that waits and when a
+    /// receive yields its turn.
     ready_in_a_row: AtomicU32,
 }
 
@@ -638,7 +639,10 @@ impl Communicator {
     /// it was already arriving, it is kept for the next matching receive too).
     pub fn irecv(&self, src: impl Into<Source>, tag: Tag, buf: Tensor) -> RecvHandle {
         let state = match self.inner.post_recv(src.into(), tag, buf) {
-            Posting::Done(d) => RecvState::Ready(d),
+            Posting::Done(d) => {
+                self.inner.ready_in_a_row.fetch_add(1, Ordering::Relaxed);
+                RecvState::Ready(d)
+            }
             Posting::Waiting { id, rx } => RecvState::Waiting { id, rx },
         };
         RecvHandle {
@@ -646,7 +650,6 @@ impl Communicator {
             tag,
             state,
             paced: false,
-            counted: false,
         }
     }
 
@@ -657,9 +660,6 @@ impl Communicator {
         self.inner.pace().await;
         let mut handle = self.irecv(src, tag, std::mem::take(buf));
         handle.paced = true;
-        if matches!(handle.state, RecvState::Ready(_)) {
-            self.inner.ready_in_a_row.fetch_add(1, Ordering::Relaxed);
-        }
         let mut g = Restore { slot: buf, handle };
         let spin = self.inner.cfg.recv_spin;
         let done = match self.inner.cfg.op_timeout {
@@ -827,28 +827,25 @@ enum Posting {
 }
 
 impl Inner {
-    /// A blocking receive's turn (see [`READY_BURST`]): after
-    /// that many receives in a row whose messages were already here, yields
-    /// once; and takes one unit of the task's cooperative budget (yielding if
-    /// it is spent). Runs before the receive takes anything.
-    async fn pace(&self) {
+    /// Whether the next receive yields first: [`READY_BURST`] receives in a
+    /// row found their messages here (and this thread is paced). The streak
+    /// then starts over.
+    fn turn_is_up(&self) -> bool {
         if paced_here() && self.ready_in_a_row.load(Ordering::Relaxed) >= READY_BURST {
-            self.ready_in_a_row.store(0, Ordering::Relaxed);
-            tokio::task::yield_now().await;
-        }
-        tokio::task::coop::consume_budget().await;
-    }
-
-    /// Counts a receive whose message was already here; true (the streak
-    /// starting over) when it is the [`READY_BURST`]th in a row (and this
-    /// thread is paced).
-    fn count_ready(&self) -> bool {
-        let n = self.ready_in_a_row.fetch_add(1, Ordering::Relaxed) + 1;
-        if n >= READY_BURST && paced_here() {
             self.ready_in_a_row.store(0, Ordering::Relaxed);
             return true;
         }
         false
+    }
+
+    /// A blocking receive's turn, taken before it takes anything: yields
+    /// once if [`Inner::turn_is_up`], and takes one unit of the task's
+    /// cooperative budget (yielding if it is spent).
+    async fn pace(&self) {
+        if self.turn_is_up() {
+            tokio::task::yield_now().await;
+        }
+        tokio::task::coop::consume_budget().await;
     }
 
     fn lock(&self) -> MutexGuard<'_, Matching> {
@@ -1795,9 +1792,6 @@ pub struct RecvHandle {
     state: RecvState,
     /// Whether this receive's turn was taken (see [`RecvHandle::poll_done`]).
     paced: bool,
-    /// Whether it was counted in the communicator's streak of receives
-    /// whose messages were already here.
-    counted: bool,
 }
 
 enum RecvState {
@@ -1907,12 +1901,10 @@ impl RecvHandle {
     /// does them here (dropping it then gives its message back).
     fn poll_done(&mut self, cx: &mut Context<'_>) -> Poll<RecvDone> {
         if matches!(self.state, RecvState::Ready(_)) && !self.paced {
-            if !self.counted {
-                self.counted = true;
-                if self.inner.count_ready() {
-                    cx.waker().wake_by_ref();
-                    return Poll::Pending;
-                }
+            // `turn_is_up` starts the streak over, so the next poll goes on.
+            if self.inner.turn_is_up() {
+                cx.waker().wake_by_ref();
+                return Poll::Pending;
             }
             std::task::ready!(tokio::task::coop::poll_proceed(cx)).made_progress();
             self.paced = true;

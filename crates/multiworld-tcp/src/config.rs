@@ -77,8 +77,7 @@ pub struct CommConfig {
     /// yield every 16 in a row), where with 16 KiB a 64 KiB receive waits
     /// each time (the `m8d` isolation tests, debug builds: the other worlds'
     /// longest pause 16–185 ms against 14–48 ms); it is not the default.
-    /// Above `unexpected_budget` it acts as
-    /// `unexpected_budget`.
+    /// Above `unexpected_budget` it acts as `unexpected_budget`.
     pub eager_limit: usize,
     /// Per-peer cap on bytes held for messages that arrived before their receive.
     /// When it is reached the peer's socket is not read (TCP backpressure). Default 64 MiB.

@@ -213,14 +213,15 @@ pub struct WorldConfig {
     /// Larger messages wait in the socket and land in the receive's buffer
     /// without a copy (unless a receive waits behind them on the same
     /// connection). Messages above 16 KiB are read ahead only while a peer's
-    /// early bytes stay within 1 MiB, so a value above 1 MiB acts as 1 MiB. More (256 KiB) streams messages of tens of KiB faster,
-    /// but a receive of a message read ahead completes without waiting: a
-    /// task that computes for long per message then keeps its runtime thread
-    /// for up to 16 messages (receives of messages already here yield every
-    /// 16 in a row), delaying the heartbeats and other worlds' tasks behind
-    /// it by that much work. Raise it where the
-    /// work per message runs off the runtime threads (the Python package does:
-    /// it reads 256 KiB ahead). `docs/protocol.md`, "Receives yield".
+    /// early bytes stay within 1 MiB, so a value above 1 MiB acts as 1 MiB.
+    /// More (256 KiB) streams messages of tens of KiB faster, but a receive
+    /// of a message read ahead completes without waiting: a task that
+    /// computes for long per message then keeps its runtime thread for up to
+    /// 16 messages (receives of messages already here yield every 16 in a
+    /// row), delaying the heartbeats and other worlds' tasks behind it by
+    /// that much work. Raise it where the work per message runs off the
+    /// runtime threads (the Python package does: it reads 256 KiB ahead).
+    /// `docs/protocol.md`, "Receives yield".
     pub read_ahead: usize,
 }
 

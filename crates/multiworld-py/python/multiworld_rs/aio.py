@@ -179,8 +179,9 @@ class AsyncWorld:
         the send ends: no copy, but a send cannot be withdrawn once started,
         so cancelling the ``await`` leaves it running; the array stays lent
         (calls that would write it refuse) and must not be modified until the
-        message is out. Other arrays, and one lent to another call right now,
-        are copied."""
+        message is out. Other sends may read the same array at once; an array
+        a receive or in-place collective is writing raises ``ValueError``;
+        other arrays (read-only, strided) are copied."""
         if not copy:
             native = self.sync._w.isend_plain(_lendable(tensor), dst, tag)
             if native is not None:

@@ -588,10 +588,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 else:
                     rows.append(_row(kind, rust, py))
             runs.append(rows)
+        rows = median_rows(runs)
     except (BenchError, subprocess.TimeoutExpired) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    rows = median_rows(runs)
     print(f"multiworld_rs.bench: Python API vs Rust API, one process per rank "
           f"({os.cpu_count()} CPUs, Python {platform.python_version()}, {binary}; "
           f"{repeats} run{'s' if repeats > 1 else ''}, median shown; "
