@@ -19,7 +19,7 @@ use std::{
     future::Future,
     sync::{
         OnceLock,
-        atomic::{AtomicU64, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering},
     },
     task::{Context, Poll, Waker},
     time::Duration,
@@ -36,6 +36,37 @@ pub const SLICE: Duration = Duration::from_millis(50);
 struct Shared {
     rt: tokio::runtime::Runtime,
     pid: u32,
+    /// Whether [`FORKED`] is kept up to date (its fork handler registered);
+    /// if not, every check asks the kernel for the pid.
+    fork_watched: bool,
+}
+
+/// Set in a child process by `fork()` (a `pthread_atfork` handler), so that
+/// the check on every call is a load, not a `getpid` system call.
+static FORKED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_fork_child() {
+    FORKED.store(true, Ordering::Relaxed);
+}
+
+/// Registers [`on_fork_child`]; false if that failed.
+#[allow(unsafe_code)]
+fn watch_forks() -> bool {
+    // SAFETY: the handler only stores to an atomic (async-signal-safe, as a
+    // handler run in a forked child must be), and it lives for the whole
+    // program (a plain function, never unloaded: the extension module is
+    // never unloaded by CPython).
+    unsafe { libc::pthread_atfork(None, None, Some(on_fork_child)) == 0 }
+}
+
+impl Shared {
+    fn in_forked_child(&self) -> bool {
+        if self.fork_watched {
+            FORKED.load(Ordering::Relaxed)
+        } else {
+            self.pid != std::process::id()
+        }
+    }
 }
 
 static RUNTIME: OnceLock<Result<Shared, String>> = OnceLock::new();
@@ -50,6 +81,7 @@ fn build() -> Result<Shared, String> {
         .map(|rt| Shared {
             rt,
             pid: std::process::id(),
+            fork_watched: watch_forks(),
         })
         .map_err(|e| format!("cannot start the multiworld runtime: {e}"))
 }
@@ -57,13 +89,13 @@ fn build() -> Result<Shared, String> {
 /// True when this process is not the one that started the runtime (a forked
 /// child); false when the runtime is not started yet.
 pub fn is_forked_child() -> bool {
-    matches!(RUNTIME.get(), Some(Ok(s)) if s.pid != std::process::id())
+    matches!(RUNTIME.get(), Some(Ok(s)) if s.in_forked_child())
 }
 
 /// The runtime, started on first use; an error in a forked child.
 pub fn runtime() -> PyResult<&'static tokio::runtime::Runtime> {
     match RUNTIME.get_or_init(build) {
-        Ok(s) if s.pid == std::process::id() => Ok(&s.rt),
+        Ok(s) if !s.in_forked_child() => Ok(&s.rt),
         Ok(s) => Err(errors::forked(s.pid)),
         Err(e) => Err(pyo3::exceptions::PyRuntimeError::new_err(e.clone())),
     }
