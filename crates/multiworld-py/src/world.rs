@@ -8,7 +8,13 @@
 //! blocking `recv_into`, `all_reduce_into` and `broadcast_into` instead work
 //! on the caller's array itself, lent for the call (`lent.rs`).
 
-use std::{future::Future, sync::Mutex, time::Duration};
+use std::{
+    future::Future,
+    pin::Pin,
+    sync::Mutex,
+    task::{Context, Poll, Waker},
+    time::Duration,
+};
 
 use multiworld::{
     CollectiveHandle, CommError, Group, Rank, ReduceOp, Tag, Tensor, TensorView, WorldError, WorldState,
@@ -180,6 +186,16 @@ impl World {
         )
     }
 
+    /// The handle of an operation that finished in its [`first_poll`].
+    fn finished(&self, py: Python<'_>, r: Result<Done, WorldError>) -> PyResult<Work> {
+        Ok(finished_work(
+            py,
+            self.w()?.name().to_string(),
+            self.generation_of(),
+            r,
+        ))
+    }
+
     /// [`World::work`] for an operation over an array lent to it: the task
     /// ends, and `Work.cancel` returns, only once the loan has (`released`),
     /// after `op` (which drops the lent tensor) has finished.
@@ -203,6 +219,19 @@ impl World {
     }
 }
 
+/// Polls `fut` once on the calling thread (inside the runtime's context, as
+/// the blocking calls' first poll does): its outcome if that finished it,
+/// else the future, to go on in a task (the task's first poll registers the
+/// task's waker in place of the no-op one).
+fn first_poll<F: Future + Send + 'static>(fut: F) -> PyResult<Result<F::Output, Pin<Box<F>>>> {
+    let mut fut = Box::pin(fut);
+    let polled = runtime::enter(|| fut.as_mut().poll(&mut Context::from_waker(Waker::noop())))?;
+    Ok(match polled {
+        Poll::Ready(out) => Ok(out),
+        Poll::Pending => Err(fut),
+    })
+}
+
 /// Starts `fut` as a task of the runtime and returns its handle, a `Work`
 /// of world `world` (generation `generation`, for the errors it raises).
 pub(crate) fn spawn_work(
@@ -219,7 +248,7 @@ pub(crate) fn spawn_work(
     });
     Ok(Work {
         completion,
-        abort: task.abort_handle(),
+        abort: Some(task.abort_handle()),
         pending: tokio::sync::Mutex::new(Some(task)),
         lent: None,
         cancel_on_drop,
@@ -227,6 +256,31 @@ pub(crate) fn spawn_work(
         generation,
         world,
     })
+}
+
+/// A `Work` whose operation finished before it was handed out (no task).
+fn finished_work(
+    py: Python<'_>,
+    world: String,
+    generation: Option<u64>,
+    r: Result<Done, WorldError>,
+) -> Work {
+    let outcome = match r {
+        Ok(done) => done.into_py(py),
+        Err(e) => Err(errors::world(py, e, generation)),
+    };
+    let completion = Completion::default();
+    drop(completion.guard()); // marks it finished: a later `notify` fires at once
+    Work {
+        completion,
+        abort: None,
+        pending: tokio::sync::Mutex::new(None),
+        lent: None,
+        cancel_on_drop: false,
+        outcome: Mutex::new(Some(outcome)),
+        generation,
+        world,
+    }
 }
 
 /// A collective that works on one tensor in place.
@@ -330,7 +384,8 @@ impl Done {
 pub struct Work {
     completion: Completion,
     pending: tokio::sync::Mutex<Option<JoinHandle<Result<Done, WorldError>>>>,
-    abort: tokio::task::AbortHandle,
+    /// The task's (`None`: the operation finished before the handle existed).
+    abort: Option<tokio::task::AbortHandle>,
     /// For an operation over a lent array (a receive into it, a send from
     /// it): resolves once the runtime has let go of it (`cancel` waits for it).
     lent: Option<Released>,
@@ -344,8 +399,11 @@ pub struct Work {
 
 impl Drop for Work {
     fn drop(&mut self) {
-        if self.cancel_on_drop && !runtime::is_forked_child() {
-            self.abort.abort();
+        if self.cancel_on_drop
+            && !runtime::is_forked_child()
+            && let Some(a) = &self.abort
+        {
+            a.abort();
         }
         if let Some(j) = self.pending.get_mut().take() {
             runtime::release(j);
@@ -379,7 +437,9 @@ impl Work {
     /// receive into a lent array, returns once the runtime has let go of the
     /// array (at once, unless its message was arriving: then once it has).
     fn cancel(&self, py: Python<'_>) -> PyResult<()> {
-        self.abort.abort();
+        if let Some(a) = &self.abort {
+            a.abort();
+        }
         if let Some(r) = &self.lent {
             runtime::wait(py, r.clone().wait())?;
         }
@@ -622,9 +682,12 @@ impl World {
     /// failure). `None` (nothing sent) when the array cannot be lent (not
     /// plain, read-only): the caller then sends a copy; `ValueError` while
     /// a call that writes it (a receive, an in-place collective) holds it.
-    /// Other sends of the same array may run at the same time.
+    /// Other sends of the same array may run at the same time. As with
+    /// `isend`, a send that fits the socket's buffer ends in this call (the
+    /// handle is finished, the loan over).
     fn isend_plain(
         &self,
+        py: Python<'_>,
         obj: &Bound<'_, PyAny>,
         dst: &Bound<'_, PyAny>,
         tag: &Bound<'_, PyAny>,
@@ -635,19 +698,31 @@ impl World {
         let Some((t, released)) = a.lend_to_send()? else {
             return Ok(None);
         };
-        let w = self.w()?;
-        let pending = runtime::enter(|| w.isend(Rank(dst), Tag(tag), t))?;
-        // The tensor comes back and is dropped in `map`: that ends the loan.
-        let op = async move { pending.wait().await.map(|_| Done::Unit) };
-        self.lent_work(op, released, false).map(Some)
+        let w = self.w()?.clone();
+        // The future owns the lent tensor and drops it when the send ends:
+        // that ends the loan.
+        let op = async move {
+            let r = w.send(Rank(dst), Tag(tag), &t).await;
+            drop(t);
+            r.map(|()| Done::Unit)
+        };
+        match first_poll(op)? {
+            Ok(r) => Ok(Some(self.finished(py, r)?)),
+            Err(rest) => self.lent_work(rest, released, false).map(Some),
+        }
     }
 
-    /// Starts a send of a copy of `data`; the handle yields `None`.
-    fn isend(&self, data: Input<'_>, dst: u32, tag: u32) -> PyResult<Work> {
+    /// Starts a send of a copy of `data`; the handle yields `None`. A send
+    /// that fits the socket's buffer ends here, before the handle exists
+    /// (no task, no wake-up); the rest of a larger one goes on in a task.
+    fn isend(&self, py: Python<'_>, data: Input<'_>, dst: u32, tag: u32) -> PyResult<Work> {
         let t = data.tensor()?;
-        let w = self.w()?;
-        let pending = runtime::enter(|| w.isend(Rank(dst), Tag(tag), t))?;
-        self.work(async move { pending.wait().await.map(|_| Done::Unit) }, false)
+        let w = self.w()?.clone();
+        let op = async move { w.send(Rank(dst), Tag(tag), &t).await.map(|()| Done::Unit) };
+        match first_poll(op)? {
+            Ok(r) => self.finished(py, r),
+            Err(rest) => self.work(rest, false),
+        }
     }
 
     /// The asyncio API's shortcut: a receive into a plain, writeable numpy

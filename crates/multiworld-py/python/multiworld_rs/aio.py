@@ -42,8 +42,9 @@ __all__ = ["AsyncWorldManager", "AsyncWorld", "AsyncGroup"]
 
 # For the calls that block by nature (join, finish, leave, ...), not for
 # operations: those are awaited through the loop's notifier.
-#: How many receives in a row one AsyncWorld completes at once (their
-#: messages already here) before it lets the event loop run other tasks.
+#: How many operations in a row one AsyncWorld completes at once (receives
+#: of messages already here, sends that fit the socket's buffer) before it
+#: lets the event loop run other tasks.
 _BURST = 16
 
 _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="multiworld-aio")
@@ -181,13 +182,34 @@ class AsyncWorld:
         (calls that would write it refuse) and must not be modified until the
         message is out. Other sends may read the same array at once; an array
         a receive or in-place collective is writing raises ``ValueError``;
-        other arrays (read-only, strided) are copied."""
+        other arrays (read-only, strided) are copied. A send that fits the
+        socket's buffer is written in the call and returns without a round
+        through the event loop (at most :data:`_BURST` in a row, then the
+        loop gets a turn)."""
+        await self._take_turn()
+        work = None
         if not copy:
             native = self.sync._w.isend_plain(_lendable(tensor), dst, tag)
             if native is not None:
-                await _wait(Work(native))
-                return
-        await _wait(self.sync.isend(tensor, dst, tag))
+                work = Work(native)
+        if work is None:
+            work = self.sync.isend(tensor, dst, tag)
+        if work.is_completed():
+            # All written in the call (it fit the socket's buffer): no round
+            # through the event loop; wait() returns at once (or raises).
+            self._in_a_row += 1
+            work.wait()
+            return
+        self._in_a_row = 0
+        await _wait(work)
+
+    async def _take_turn(self) -> None:
+        """Lets the event loop run other tasks once every :data:`_BURST`
+        operations in a row that ended without waiting. Called before an
+        operation starts, so a cancellation here drops nothing."""
+        if self._in_a_row >= _BURST:
+            self._in_a_row = 0
+            await asyncio.sleep(0)
 
     async def recv(self, src: Optional[int] = None, tag: int = 0, *, dtype: Any, shape: Any) -> np.ndarray:
         """Receives a new array from ``src`` (``None``: any member)."""
@@ -203,11 +225,7 @@ class AsyncWorld:
         """Receives into ``tensor``; returns the sender's rank. A message
         already here is taken at once, without a round through the event
         loop (at most :data:`_BURST` in a row, then the loop gets a turn)."""
-        if self._in_a_row >= _BURST:
-            # Before taking a message, not after: a cancellation during this
-            # turn must not drop one already taken.
-            self._in_a_row = 0
-            await asyncio.sleep(0)
+        await self._take_turn()
         got = self.sync._w.recv_into_now(_lendable(tensor), src, tag)
         if got is not None:
             self._in_a_row += 1
