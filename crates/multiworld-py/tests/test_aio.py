@@ -23,6 +23,32 @@ async def pair():
     return a, b, w0, w1
 
 
+class Ticker:
+    """A task that counts its turns on the event loop until stopped."""
+
+    def __init__(self) -> None:
+        self.turns = 0
+        self._stop = False
+        self._task: "asyncio.Future[None]"
+
+    @classmethod
+    async def start(cls) -> "Ticker":
+        t = cls()
+        t._task = asyncio.ensure_future(t._run())
+        await asyncio.sleep(0)
+        return t
+
+    async def _run(self) -> None:
+        while not self._stop:
+            self.turns += 1
+            await asyncio.sleep(0)
+
+    async def stop(self) -> int:
+        self._stop = True
+        await self._task
+        return self.turns
+
+
 def test_p2p_and_collectives():
     async def main():
         a, b, w0, w1 = await pair()
@@ -177,24 +203,13 @@ def test_messages_already_here_are_taken_at_once_and_the_loop_still_turns():
         out = np.zeros(4, np.int32)
         await w0.recv_into(out, 1, 3)  # waits for the first one if need be
         assert (out == 0).all()
-        turns = 0
-        stop = False
-
-        async def ticker():
-            nonlocal turns
-            while not stop:
-                turns += 1
-                await asyncio.sleep(0)
-
-        t = asyncio.ensure_future(ticker())
-        await asyncio.sleep(0)
+        ticker = await Ticker.start()
         seen = []
         for _ in range(n - 1):
             src = await w0.recv_into(out, 1, 3)
             assert src == 1
             seen.append(int(out[0]))
-        stop = True
-        await t
+        turns = await ticker.stop()
         assert seen == list(range(1, n)), seen  # in order, none lost
         # Other tasks ran in between: the shortcut yields after a burst.
         assert turns >= (n - 1) // aio._BURST, turns
@@ -224,25 +239,14 @@ def test_sends_that_fit_end_in_the_call_and_the_loop_still_turns():
         for _ in range(32):
             await w0.recv_into(got, 1, 7)
         n = 64
-        turns = 0
-        stop = False
-
-        async def ticker():
-            nonlocal turns
-            while not stop:
-                turns += 1
-                await asyncio.sleep(0)
-
-        t = asyncio.ensure_future(ticker())
-        await asyncio.sleep(0)
+        ticker = await Ticker.start()
         for i in range(n):
             x[:] = i
             await w1.send(x, 0, 3, copy=bool(i % 2))
             # The lent array is free again: a receive into it is not refused
             # (none is waiting on tag 99, so nothing is taken).
             assert w1.sync._w.recv_into_now(x, 0, 99) is None
-        stop = True
-        await t
+        turns = await ticker.stop()
         assert turns >= n // aio._BURST - 1, turns
         seen = []
         for _ in range(n):
