@@ -11,6 +11,7 @@
 //! | `manager` | `Manager`, `EventStream`, `Event` |
 //! | `world` | `World` (p2p, collectives, object collectives, sub-groups), `Work` (handles) |
 //! | `notify` | `Notifier`: wake-ups of an asyncio loop when background operations end |
+//! | `polled` | an operation whose handle needs no task (a posted receive): polled by whoever waits on it |
 //! | `device` | (feature `nccl`) `Nccl`: an NCCL world's operations on torch CUDA tensors' memory, borrowed in place |
 
 #[cfg(feature = "nccl")]
@@ -19,6 +20,7 @@ mod errors;
 mod lent;
 mod manager;
 mod notify;
+mod polled;
 mod runtime;
 mod tensor;
 mod world;

@@ -7,12 +7,15 @@
 //! socket. The event loop watches the other end (`loop.add_reader(fileno)`)
 //! and, when it is readable, calls `drain()` to get every finished token at
 //! once. One wake-up of the loop covers any number of operations that finished
-//! together, and no thread waits per operation.
+//! together, and no thread waits per operation. An operation that has no task
+//! (`crate::polled`) is polled by the loop with [`Notifier::waker`], which
+//! pushes the token each time it is woken.
 
 use std::{
     io::{ErrorKind, Read, Write},
     os::{fd::AsRawFd, unix::net::UnixStream},
     sync::{Arc, Mutex, PoisonError},
+    task::{Wake, Waker},
 };
 
 use pyo3::{exceptions::PyOSError, prelude::*};
@@ -40,10 +43,38 @@ impl Inner {
     }
 }
 
+/// Pushes one token each time it is woken: the waker of an operation polled
+/// by the event loop (`crate::polled`). A wake-up before the operation's end
+/// only makes the loop poll it again.
+struct TokenWake {
+    inner: Arc<Inner>,
+    token: u64,
+}
+
+impl Wake for TokenWake {
+    fn wake(self: Arc<Self>) {
+        self.inner.fire(self.token);
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.inner.fire(self.token);
+    }
+}
+
 /// A wake-up channel from the runtime's tasks to one asyncio event loop.
 #[pyclass(module = "multiworld_rs._native", frozen)]
 pub struct Notifier {
     inner: Arc<Inner>,
+}
+
+impl Notifier {
+    /// A waker that pushes `token` to this notifier.
+    pub fn waker(&self, token: u64) -> Waker {
+        Waker::from(Arc::new(TokenWake {
+            inner: Arc::clone(&self.inner),
+            token,
+        }))
+    }
 }
 
 #[pymethods]

@@ -11,7 +11,10 @@
 use std::{
     future::Future,
     pin::Pin,
-    sync::Mutex,
+    sync::{
+        Mutex, MutexGuard,
+        atomic::{AtomicBool, Ordering},
+    },
     task::{Context, Poll, Waker},
     time::Duration,
 };
@@ -31,6 +34,7 @@ use crate::{
     errors,
     lent::{self, Loan, Released},
     notify::{Completion, Notifier},
+    polled::{Ended, Polled},
     runtime,
     tensor::{self, Input, Output},
 };
@@ -205,18 +209,37 @@ impl World {
         released: Released,
         cancel_on_drop: bool,
     ) -> PyResult<Work> {
-        let ended = released.clone();
-        let mut work = self.work(
-            async move {
-                let r = op.await;
-                ended.wait().await;
-                r
-            },
-            cancel_on_drop,
-        )?;
+        let mut work = self.work(until_released(op, released.clone()), cancel_on_drop)?;
         work.lent = Some(released);
         Ok(work)
     }
+
+    /// [`World::lent_work`] for a receive into a lent array, as a
+    /// [`polled_work`] (no task).
+    fn lent_polled(
+        &self,
+        op: impl Future<Output = Result<Done, WorldError>> + Send + 'static,
+        released: Released,
+    ) -> PyResult<Work> {
+        let w = self.w()?;
+        let mut work = polled_work(
+            w.name().to_string(),
+            self.generation_of(),
+            Box::pin(until_released(op, released.clone())),
+        );
+        work.lent = Some(released);
+        Ok(work)
+    }
+}
+
+/// `op`, ending only once the loan `released` watches has ended too.
+async fn until_released(
+    op: impl Future<Output = Result<Done, WorldError>>,
+    released: Released,
+) -> Result<Done, WorldError> {
+    let r = op.await;
+    released.wait().await;
+    r
 }
 
 /// Polls `fut` once on the calling thread (inside the runtime's context, as
@@ -246,16 +269,31 @@ pub(crate) fn spawn_work(
         let _fire_when_done = guard;
         fut.await
     });
-    Ok(Work {
+    Ok(Work::new(
         completion,
-        abort: Some(task.abort_handle()),
-        pending: tokio::sync::Mutex::new(Some(task)),
-        lent: None,
+        Some(Pending::Task(task)),
         cancel_on_drop,
-        outcome: Mutex::new(None),
+        None,
         generation,
         world,
-    })
+    ))
+}
+
+/// A `Work` for an operation that needs no task of its own (`crate::polled`):
+/// its future only waits for the runtime to act (a posted receive, which the
+/// connection's reader fills) and is polled by whoever waits on the handle.
+/// Dropping the handle drops the future, which withdraws a receive.
+fn polled_work(world: String, generation: Option<u64>, op: crate::polled::Op) -> Work {
+    let completion = Completion::default();
+    let polled = Polled::new(op, completion.guard());
+    Work::new(
+        completion,
+        Some(Pending::Polled(polled)),
+        true,
+        None,
+        generation,
+        world,
+    )
 }
 
 /// A `Work` whose operation finished before it was handed out (no task).
@@ -271,16 +309,7 @@ fn finished_work(
     };
     let completion = Completion::default();
     drop(completion.guard()); // marks it finished: a later `notify` fires at once
-    Work {
-        completion,
-        abort: None,
-        pending: tokio::sync::Mutex::new(None),
-        lent: None,
-        cancel_on_drop: false,
-        outcome: Mutex::new(Some(outcome)),
-        generation,
-        world,
-    }
+    Work::new(completion, None, false, Some(outcome), generation, world)
 }
 
 /// A collective that works on one tensor in place.
@@ -378,13 +407,22 @@ impl Done {
     }
 }
 
+/// Locks a mutex held only briefly and never across a wait (a panic while
+/// holding one leaves plain data behind, still usable).
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// A handle on an operation running in the background (`isend`, `irecv`, a
 /// collective with `async_op=True`).
 #[pyclass(module = "multiworld_rs._native", frozen)]
 pub struct Work {
+    /// Fires when the operation ends (the asyncio bridge's wake-up).
     completion: Completion,
-    pending: tokio::sync::Mutex<Option<JoinHandle<Result<Done, WorldError>>>>,
-    /// The task's (`None`: the operation finished before the handle existed).
+    /// What runs the operation; `None` once its outcome was taken (or for
+    /// an operation that ended before the handle existed).
+    pending: tokio::sync::Mutex<Option<Pending>>,
+    /// The task's (`None`: no task).
     abort: Option<tokio::task::AbortHandle>,
     /// For an operation over a lent array (a receive into it, a send from
     /// it): resolves once the runtime has let go of it (`cancel` waits for it).
@@ -393,8 +431,24 @@ pub struct Work {
     /// The outcome once waited for (returned again by later waits). Locked
     /// only with the GIL held and never across a wait.
     outcome: Mutex<Option<Result<Py<PyAny>, PyErr>>>,
+    /// A polled operation's waker when no one waits in `wait`: the event
+    /// loop's, once `notify` gave it (every other poll passes it on, so the
+    /// loop's wake-up stays registered).
+    loop_waker: Mutex<Option<Waker>>,
+    /// `cancel` of a polled operation while a thread waits on it in `wait`
+    /// (which holds it): the flag, and that thread's waker.
+    cancel_asked: AtomicBool,
+    waiter: Mutex<Option<Waker>>,
     generation: Option<u64>,
     world: String,
+}
+
+/// What runs a `Work`'s operation.
+enum Pending {
+    /// A task of the runtime.
+    Task(JoinHandle<Result<Done, WorldError>>),
+    /// Whoever waits on the handle (`crate::polled`).
+    Polled(Polled),
 }
 
 impl Drop for Work {
@@ -405,13 +459,50 @@ impl Drop for Work {
         {
             a.abort();
         }
-        if let Some(j) = self.pending.get_mut().take() {
-            runtime::release(j);
+        // A polled operation's future is dropped here: a receive is withdrawn.
+        if let Some(p) = self.pending.get_mut().take() {
+            runtime::release(p);
         }
     }
 }
 
 impl Work {
+    fn new(
+        completion: Completion,
+        pending: Option<Pending>,
+        cancel_on_drop: bool,
+        outcome: Option<PyResult<Py<PyAny>>>,
+        generation: Option<u64>,
+        world: String,
+    ) -> Work {
+        let abort = match &pending {
+            Some(Pending::Task(j)) => Some(j.abort_handle()),
+            _ => None,
+        };
+        Work {
+            completion,
+            pending: tokio::sync::Mutex::new(pending),
+            abort,
+            lent: None,
+            cancel_on_drop,
+            outcome: Mutex::new(outcome),
+            loop_waker: Mutex::new(None),
+            cancel_asked: AtomicBool::new(false),
+            waiter: Mutex::new(None),
+            generation,
+            world,
+        }
+    }
+
+    /// Polls a polled operation once without waiting, with the event loop's
+    /// waker if it gave one: whether it has ended.
+    fn poll_now(&self, p: &mut Polled) -> bool {
+        let waker = lock(&self.loop_waker)
+            .clone()
+            .unwrap_or_else(|| Waker::noop().clone());
+        runtime::enter(|| p.poll_end(&mut Context::from_waker(&waker)).is_ready()).unwrap_or(false)
+    }
+
     fn cached(&self, py: Python<'_>) -> Option<PyResult<Py<PyAny>>> {
         let g = self.outcome.lock().unwrap_or_else(|e| e.into_inner());
         g.as_ref().map(|r| match r {
@@ -426,7 +517,11 @@ impl Work {
     /// Whether the operation has finished (successfully or not).
     fn is_completed(&self) -> bool {
         match self.pending.try_lock() {
-            Ok(g) => g.as_ref().is_none_or(|j| j.is_finished()),
+            Ok(mut g) => match g.as_mut() {
+                None => true,
+                Some(Pending::Task(j)) => j.is_finished(),
+                Some(Pending::Polled(p)) => self.poll_now(p),
+            },
             // Someone is waiting on it right now.
             Err(_) => false,
         }
@@ -439,6 +534,20 @@ impl Work {
     fn cancel(&self, py: Python<'_>) -> PyResult<()> {
         if let Some(a) = &self.abort {
             a.abort();
+        } else {
+            // A polled operation: ended here, or by the thread waiting on it.
+            self.cancel_asked.store(true, Ordering::SeqCst);
+            if let Some(w) = lock(&self.waiter).take() {
+                w.wake();
+            }
+            if let Ok(mut g) = self.pending.try_lock()
+                && let Some(Pending::Polled(p)) = g.as_mut()
+                && !self.poll_now(p)
+            {
+                // Not ended (an outcome already in stays: the cancellation
+                // lost the race): drop the future, withdrawing the receive.
+                runtime::enter(|| p.cancel())?;
+            }
         }
         if let Some(r) = &self.lent {
             runtime::wait(py, r.clone().wait())?;
@@ -449,7 +558,37 @@ impl Work {
     /// Asks for `token` to reach `notifier` when the operation ends (at once
     /// if it has ended): the asyncio bridge's wake-up.
     fn notify(&self, notifier: &Notifier, token: u64) {
+        // A polled operation: the loop's waker brings the token (one push per
+        // wake-up; the completion would push it a second time).
+        if let Ok(mut g) = self.pending.try_lock()
+            && let Some(Pending::Polled(p)) = g.as_mut()
+        {
+            let waker = notifier.waker(token);
+            *lock(&self.loop_waker) = Some(waker.clone());
+            if self.poll_now(p) {
+                waker.wake();
+            }
+            return;
+        }
+        // A task's operation, or a polled one a thread waits on in `wait`
+        // (which ends it): the completion brings the token.
         self.completion.notify(notifier, token);
+    }
+
+    /// After the notifier pushed this handle's token: whether `wait` now
+    /// returns without waiting. Always for a task (its token comes only when
+    /// it ends); a polled operation is polled now, and its token may also
+    /// come from a wake-up before its end (the loop then keeps waiting; the
+    /// wake-up stays registered).
+    fn settled(&self) -> bool {
+        match self.pending.try_lock() {
+            Ok(mut g) => match g.as_mut() {
+                Some(Pending::Polled(p)) => self.poll_now(p),
+                _ => true,
+            },
+            // A thread waits on it in `wait`: it takes the outcome.
+            Err(_) => true,
+        }
     }
 
     /// Waits for the outcome, at most `timeout` seconds (`None`: no limit);
@@ -463,10 +602,30 @@ impl Work {
         let after = runtime::seconds("timeout", timeout)?;
         let fut = async {
             let mut g = self.pending.lock().await;
-            let j = g.as_mut()?;
-            let r = j.await;
+            let ended = match g.as_mut()? {
+                Pending::Task(j) => match j.await {
+                    Ok(r) => Ended::Done(r),
+                    Err(e) if e.is_cancelled() => Ended::Cancelled,
+                    Err(e) => Ended::Failed(e.to_string()),
+                },
+                Pending::Polled(p) => {
+                    std::future::poll_fn(|cx| {
+                        *lock(&self.waiter) = Some(cx.waker().clone());
+                        if p.poll_end(cx).is_ready() {
+                            return Poll::Ready(());
+                        }
+                        if self.cancel_asked.load(Ordering::SeqCst) {
+                            p.cancel();
+                            return Poll::Ready(());
+                        }
+                        Poll::Pending
+                    })
+                    .await;
+                    p.take()
+                }
+            };
             *g = None;
-            Some(r)
+            Some(ended)
         };
         let r = match runtime::wait_for(py, fut, after)? {
             None => {
@@ -492,10 +651,11 @@ impl Work {
             Some(Some(r)) => r,
         };
         let out = match r {
-            Ok(Ok(done)) => done.into_py(py),
-            Ok(Err(e)) => Err(errors::world(py, e, self.generation)),
-            Err(join) => Err(PyRuntimeError::new_err(format!(
-                "the operation's task failed: {join}"
+            Ended::Done(Ok(done)) => done.into_py(py),
+            Ended::Done(Err(e)) => Err(errors::world(py, e, self.generation)),
+            Ended::Cancelled => Err(PyRuntimeError::new_err("the operation was cancelled")),
+            Ended::Failed(why) => Err(PyRuntimeError::new_err(format!(
+                "the operation's task failed: {why}"
             ))),
         };
         let mut g = self.outcome.lock().unwrap_or_else(|e| e.into_inner());
@@ -773,7 +933,7 @@ impl World {
         let w = self.w()?;
         let pending = runtime::enter(|| w.irecv(src.map(Rank), Tag(tag), t))?;
         let op = async move { pending.wait().await.map(|r| Done::Source(r.src.0)) };
-        self.lent_work(op, released, true).map(Some)
+        self.lent_polled(op, released).map(Some)
     }
 
     /// Starts a receive; the handle yields `(src, flat array)`. Dropping the
@@ -782,10 +942,11 @@ impl World {
         let t = out.tensor()?;
         let w = self.w()?;
         let pending = runtime::enter(|| w.irecv(src.map(Rank), Tag(tag), t))?;
-        self.work(
-            async move { pending.wait().await.map(|r| Done::Received(r.src.0, r.tensor)) },
-            true,
-        )
+        Ok(polled_work(
+            w.name().to_string(),
+            self.generation_of(),
+            Box::pin(async move { pending.wait().await.map(|r| Done::Received(r.src.0, r.tensor)) }),
+        ))
     }
 
     /// Broadcast from `root`; returns the result.

@@ -286,6 +286,40 @@ def test_irecv_into_a_plain_array_lends_it_until_the_operation_ends(pair):
     assert (keep == 1).all()
 
 
+def test_an_irecv_handle_runs_without_a_task_and_a_cancel_reaches_its_waiter(pair):
+    """A receive's handle is polled by whoever asks, not run by a task:
+    ``is_completed`` turns true once the message is in, with no ``wait``;
+    ``cancel`` from another thread ends a ``wait`` in progress at once, and
+    the message sent after goes to the next receive."""
+    import threading
+
+    w0, w1 = pair
+    for lent in (True, False):
+        out = np.zeros(8, np.int32)
+        work = w0.irecv(out, 1, tag=11) if lent else w0.irecv(None, 1, tag=11, dtype=np.int32, shape=8)
+        assert not work.is_completed()
+        w1.send(np.arange(8, dtype=np.int32), 0, tag=11)
+        deadline = time.monotonic() + 10
+        while not work.is_completed():
+            assert time.monotonic() < deadline, "the handle never saw its message"
+            time.sleep(0.001)
+        assert (work.wait(0) == np.arange(8)).all() and work.source == 1
+        # A wait in progress, cancelled from this thread.
+        work = w0.irecv(out, 1, tag=12) if lent else w0.irecv(None, 1, tag=12, dtype=np.int32, shape=8)
+        raised = []
+        waiter = threading.Thread(target=lambda: raised.append(pytest.raises(RuntimeError, work.wait, 30)))
+        waiter.start()
+        time.sleep(0.05)  # the waiter is in wait() by now (if not, cancel ends it before)
+        t0 = time.monotonic()
+        work._w.cancel()
+        waiter.join(10)
+        assert not waiter.is_alive() and time.monotonic() - t0 < 5, "cancel did not reach the waiter"
+        assert "cancelled" in str(raised[0].value)
+        got = np.zeros(8, np.int32)
+        both(lambda: w1.send(np.full(8, 3, np.int32), 0, tag=12), lambda: w0.recv_into(got, 1, tag=12))
+        assert (got == 3).all(), "the message after the cancel was lost"
+
+
 @pytest.mark.parametrize("name", ALL)
 def test_aligned_arrays_start_on_64_bytes_and_are_received_into_in_place(pair, name):
     """zeros/empty give C-contiguous arrays on a 64-byte boundary (numpy puts

@@ -78,6 +78,11 @@ class _Bridge:
             fut, work = entry
             if fut.done():
                 continue
+            if not work._w.settled():
+                # A wake-up before the end (a receive the loop polls itself
+                # rather than through a task): keep waiting for its token.
+                self._pending[token] = entry
+                continue
             # The operation has ended: wait() returns at once (at most the
             # microseconds until its task hands over the outcome).
             try:
