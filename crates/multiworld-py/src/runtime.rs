@@ -42,7 +42,10 @@ struct Shared {
 }
 
 /// Set in a child process by `fork()` (a `pthread_atfork` handler), so that
-/// the check on every call is a load, not a `getpid` system call.
+/// the check on every call is a load, not a `getpid` system call. Every fork
+/// that runs the handlers is seen (`os.fork`, multiprocessing's fork start
+/// method, C code calling `fork`); a child made without them (raw `clone`,
+/// `vfork` or `_Fork`) and calling into the package before it execs is not.
 static FORKED: AtomicBool = AtomicBool::new(false);
 
 extern "C" fn on_fork_child() {

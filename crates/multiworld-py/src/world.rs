@@ -214,19 +214,33 @@ impl World {
         Ok(work)
     }
 
-    /// [`World::lent_work`] for a receive into a lent array, as a
-    /// [`polled_work`] (no task).
-    fn lent_polled(
+    /// A receive's handle: a [`polled_work`] (no task) when the world has no
+    /// operation deadline; otherwise a task, which ends the operation (and
+    /// its deadline) when the message is in, even if no one polls the
+    /// handle until later.
+    fn receive_work(
+        &self,
+        op: impl Future<Output = Result<Done, WorldError>> + Send + 'static,
+    ) -> PyResult<Work> {
+        let w = self.w()?;
+        if w.op_timeout().is_some() {
+            return self.work(op, true);
+        }
+        Ok(polled_work(
+            w.name().to_string(),
+            self.generation_of(),
+            Box::pin(op),
+        ))
+    }
+
+    /// [`World::receive_work`] for a receive into a lent array: it ends
+    /// once the loan has too.
+    fn lent_receive(
         &self,
         op: impl Future<Output = Result<Done, WorldError>> + Send + 'static,
         released: Released,
     ) -> PyResult<Work> {
-        let w = self.w()?;
-        let mut work = polled_work(
-            w.name().to_string(),
-            self.generation_of(),
-            Box::pin(until_released(op, released.clone())),
-        );
+        let mut work = self.receive_work(until_released(op, released.clone()))?;
         work.lent = Some(released);
         Ok(work)
     }
@@ -439,6 +453,8 @@ pub struct Work {
     /// (which holds it): the flag, and that thread's waker.
     cancel_asked: AtomicBool,
     waiter: Mutex<Option<Waker>>,
+    /// Whether the operation is polled (`Pending::Polled`), not a task's.
+    polled: bool,
     generation: Option<u64>,
     world: String,
 }
@@ -479,6 +495,7 @@ impl Work {
             Some(Pending::Task(j)) => Some(j.abort_handle()),
             _ => None,
         };
+        let polled = matches!(pending, Some(Pending::Polled(_)));
         Work {
             completion,
             pending: tokio::sync::Mutex::new(pending),
@@ -489,6 +506,7 @@ impl Work {
             loop_waker: Mutex::new(None),
             cancel_asked: AtomicBool::new(false),
             waiter: Mutex::new(None),
+            polled,
             generation,
             world,
         }
@@ -501,6 +519,32 @@ impl Work {
             .clone()
             .unwrap_or_else(|| Waker::noop().clone());
         runtime::enter(|| p.poll_end(&mut Context::from_waker(&waker)).is_ready()).unwrap_or(false)
+    }
+
+    /// After a `wait` on a polled operation (which polled it with its own
+    /// waker, replacing the event loop's): if the loop awaits this handle
+    /// too, its waker is registered again, and woken if the operation has
+    /// ended meanwhile.
+    fn hand_back_to_loop(&self) {
+        if !self.polled {
+            return;
+        }
+        let Some(waker) = lock(&self.loop_waker).clone() else {
+            return;
+        };
+        // Locked: another thread waits on it, and hands back in turn.
+        if let Ok(mut g) = self.pending.try_lock() {
+            match g.as_mut() {
+                Some(Pending::Polled(p)) => {
+                    if self.poll_now(p) {
+                        waker.wake();
+                    }
+                }
+                // Ended, and its outcome taken by the wait just done.
+                None => waker.wake(),
+                Some(Pending::Task(_)) => {}
+            }
+        }
     }
 
     fn cached(&self, py: Python<'_>) -> Option<PyResult<Py<PyAny>>> {
@@ -534,20 +578,24 @@ impl Work {
     fn cancel(&self, py: Python<'_>) -> PyResult<()> {
         if let Some(a) = &self.abort {
             a.abort();
-        } else {
-            // A polled operation: ended here, or by the thread waiting on it.
+        } else if self.polled {
+            // A thread waiting on it in `wait` sees the flag and lets go at
+            // once (or was leaving anyway): then it is ended here.
             self.cancel_asked.store(true, Ordering::SeqCst);
             if let Some(w) = lock(&self.waiter).take() {
                 w.wake();
             }
-            if let Ok(mut g) = self.pending.try_lock()
-                && let Some(Pending::Polled(p)) = g.as_mut()
-                && !self.poll_now(p)
-            {
-                // Not ended (an outcome already in stays: the cancellation
-                // lost the race): drop the future, withdrawing the receive.
-                runtime::enter(|| p.cancel())?;
-            }
+            runtime::wait(py, async {
+                let mut g = self.pending.lock().await;
+                if let Some(Pending::Polled(p)) = g.as_mut()
+                    && !self.poll_now(p)
+                {
+                    // Not ended (an outcome already in stays: the
+                    // cancellation lost the race): drop the future, which
+                    // withdraws the receive.
+                    p.cancel();
+                }
+            })?;
         }
         if let Some(r) = &self.lent {
             runtime::wait(py, r.clone().wait())?;
@@ -558,20 +606,25 @@ impl Work {
     /// Asks for `token` to reach `notifier` when the operation ends (at once
     /// if it has ended): the asyncio bridge's wake-up.
     fn notify(&self, notifier: &Notifier, token: u64) {
-        // A polled operation: the loop's waker brings the token (one push per
-        // wake-up; the completion would push it a second time).
-        if let Ok(mut g) = self.pending.try_lock()
-            && let Some(Pending::Polled(p)) = g.as_mut()
-        {
+        if self.polled {
+            // The loop's waker brings the token (one push per wake-up; the
+            // completion would push it a second time).
             let waker = notifier.waker(token);
             *lock(&self.loop_waker) = Some(waker.clone());
-            if self.poll_now(p) {
-                waker.wake();
+            // Locked: a thread waits on it in `wait`, and hands back to the
+            // loop when it returns (`hand_back_to_loop`).
+            if let Ok(mut g) = self.pending.try_lock() {
+                match g.as_mut() {
+                    Some(Pending::Polled(p)) => {
+                        if self.poll_now(p) {
+                            waker.wake();
+                        }
+                    }
+                    _ => waker.wake(),
+                }
             }
             return;
         }
-        // A task's operation, or a polled one a thread waits on in `wait`
-        // (which ends it): the completion brings the token.
         self.completion.notify(notifier, token);
     }
 
@@ -581,14 +634,21 @@ impl Work {
     /// come from a wake-up before its end (the loop then keeps waiting; the
     /// wake-up stays registered).
     fn settled(&self) -> bool {
-        match self.pending.try_lock() {
+        let settled = match self.pending.try_lock() {
             Ok(mut g) => match g.as_mut() {
                 Some(Pending::Polled(p)) => self.poll_now(p),
                 _ => true,
             },
-            // A thread waits on it in `wait`: it takes the outcome.
-            Err(_) => true,
+            // A thread waits on it in `wait`: a task's has ended (its token
+            // came), it only hands the outcome over; a polled one's waiter
+            // wakes the loop again when it returns.
+            Err(_) => !self.polled,
+        };
+        if settled {
+            // The loop takes the outcome now: no wake-up for it any more.
+            lock(&self.loop_waker).take();
         }
+        settled
     }
 
     /// Waits for the outcome, at most `timeout` seconds (`None`: no limit);
@@ -627,7 +687,13 @@ impl Work {
             *g = None;
             Some(ended)
         };
-        let r = match runtime::wait_for(py, fut, after)? {
+        let waited = runtime::wait_for(py, fut, after);
+        if !matches!(waited, Ok(Some(Some(_)))) {
+            // Not ended by this wait (a timeout, Ctrl-C): the loop, if it
+            // awaits this handle too, keeps watching it.
+            self.hand_back_to_loop();
+        }
+        let r = match waited? {
             None => {
                 return Err(errors::world(
                     py,
@@ -658,11 +724,12 @@ impl Work {
                 "the operation's task failed: {why}"
             ))),
         };
-        let mut g = self.outcome.lock().unwrap_or_else(|e| e.into_inner());
-        *g = Some(match &out {
+        *lock(&self.outcome) = Some(match &out {
             Ok(v) => Ok(v.clone_ref(py)),
             Err(e) => Err(e.clone_ref(py)),
         });
+        // Cached first: a loop woken now takes it from the cache.
+        self.hand_back_to_loop();
         out
     }
 }
@@ -933,7 +1000,7 @@ impl World {
         let w = self.w()?;
         let pending = runtime::enter(|| w.irecv(src.map(Rank), Tag(tag), t))?;
         let op = async move { pending.wait().await.map(|r| Done::Source(r.src.0)) };
-        self.lent_polled(op, released).map(Some)
+        self.lent_receive(op, released).map(Some)
     }
 
     /// Starts a receive; the handle yields `(src, flat array)`. Dropping the
@@ -942,11 +1009,7 @@ impl World {
         let t = out.tensor()?;
         let w = self.w()?;
         let pending = runtime::enter(|| w.irecv(src.map(Rank), Tag(tag), t))?;
-        Ok(polled_work(
-            w.name().to_string(),
-            self.generation_of(),
-            Box::pin(async move { pending.wait().await.map(|r| Done::Received(r.src.0, r.tensor)) }),
-        ))
+        self.receive_work(async move { pending.wait().await.map(|r| Done::Received(r.src.0, r.tensor)) })
     }
 
     /// Broadcast from `root`; returns the result.

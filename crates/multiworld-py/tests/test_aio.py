@@ -223,11 +223,21 @@ def test_messages_already_here_are_taken_at_once_and_the_loop_still_turns():
     asyncio.run(asyncio.wait_for(main(), 60))
 
 
-def test_sends_that_fit_end_in_the_call_and_the_loop_still_turns():
+def test_sends_that_fit_end_in_the_call_and_the_loop_still_turns(monkeypatch):
     """A small send is written in the call: its handle is finished when
     returned (no task, no round through the event loop) and a lent array is
     free again at once; a coroutine sending many still lets other tasks run;
     nothing is lost or reordered."""
+    wakeups = 0
+    ready = aio._Bridge._ready
+
+    def counting(self):
+        nonlocal wakeups
+        wakeups += 1
+        ready(self)
+
+    monkeypatch.setattr(aio._Bridge, "_ready", counting)  # before the loop's bridge exists
+
     async def main():
         a, b, w0, w1 = await pair()
         x = np.zeros(4, np.int32)
@@ -240,14 +250,19 @@ def test_sends_that_fit_end_in_the_call_and_the_loop_still_turns():
             await w0.recv_into(got, 1, 7)
         n = 64
         ticker = await Ticker.start()
+        before = wakeups
         for i in range(n):
             x[:] = i
             await w1.send(x, 0, 3, copy=bool(i % 2))
             # The lent array is free again: a receive into it is not refused
             # (none is waiting on tag 99, so nothing is taken).
             assert w1.sync._w.recv_into_now(x, 0, 99) is None
+        woke = wakeups - before
         turns = await ticker.stop()
         assert turns >= n // aio._BURST - 1, turns
+        # Both forms skip the loop's wake-up (a send that waited for the
+        # writer, which the heartbeats share, would take one).
+        assert woke <= 4, f"{woke} wake-ups of the loop for {n} small sends"
         seen = []
         for _ in range(n):
             await w0.recv_into(got, 1, 3)
@@ -297,6 +312,38 @@ def test_each_receive_that_waits_wakes_the_loop_once(monkeypatch):
         woke = wakeups - before
         t.join(10)
         assert woke <= n + 5, f"{woke} wake-ups of the loop for {n} round trips"
+        await asyncio.gather(w0.finish(10), w1.finish(10))
+        await a.shutdown()
+        await b.shutdown()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_a_handle_the_loop_awaits_and_a_thread_waits_on_still_resolves():
+    """A receive's handle is polled by whoever waits: when a thread's wait
+    on it times out, or ends it, the event loop awaiting the same handle
+    still resolves."""
+    async def main():
+        a, b, w0, w1 = await pair()
+        loop = asyncio.get_running_loop()
+        out = np.zeros(4, np.int32)
+        work = w0.sync.irecv(out, 1, 13)
+        awaiting = asyncio.ensure_future(aio._wait(work))
+        await asyncio.sleep(0.01)  # the loop watches the handle
+        with pytest.raises(TimeoutError):  # a thread's wait gives up ...
+            await loop.run_in_executor(None, work.wait, 0.05)
+        await w1.send(np.arange(4, dtype=np.int32), 0, 13)  # ... then the message comes
+        await asyncio.wait_for(awaiting, 10)
+        assert out.tolist() == [0, 1, 2, 3] and work.source == 1
+        work = w0.sync.irecv(out, 1, 14)
+        awaiting = asyncio.ensure_future(aio._wait(work))
+        await asyncio.sleep(0.01)
+        waiting = loop.run_in_executor(None, work.wait, 10)  # the thread ends it
+        await asyncio.sleep(0.05)
+        await w1.send(np.full(4, 7, np.int32), 0, 14)
+        assert await asyncio.wait_for(waiting, 10) is out
+        assert await asyncio.wait_for(awaiting, 10) is out
+        assert (out == 7).all()
         await asyncio.gather(w0.finish(10), w1.finish(10))
         await a.shutdown()
         await b.shutdown()

@@ -320,6 +320,29 @@ def test_an_irecv_handle_runs_without_a_task_and_a_cancel_reaches_its_waiter(pai
         assert (got == 3).all(), "the message after the cancel was lost"
 
 
+def test_a_received_irecv_left_unwaited_does_not_break_a_world_with_an_op_timeout():
+    """With ``op_timeout``, a receive counts as done for its deadline when
+    its message is in, whether or not anyone has waited on the handle yet."""
+    from conftest import unique
+
+    a, b = mw.WorldManager(), mw.WorldManager()
+    store = a.serve_store("127.0.0.1:0")
+    name = unique("op-timeout")
+    try:
+        w0, w1 = both(lambda: a.join(name, 0, 2, store, timeout=10, op_timeout=0.3),
+                      lambda: b.join(name, 1, 2, store, timeout=10, op_timeout=0.3))
+        for lent in (True, False):
+            out = np.zeros(4, np.int32)
+            work = w0.irecv(out, 1, tag=5) if lent else w0.irecv(None, 1, tag=5, dtype=np.int32, shape=4)
+            w1.send(np.arange(4, dtype=np.int32), 0, tag=5)
+            time.sleep(1.0)  # three deadlines' worth, the handle untouched
+            assert w0.state == "ready", w0.cause
+            assert (work.wait(5) == np.arange(4)).all()
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
 @pytest.mark.parametrize("name", ALL)
 def test_aligned_arrays_start_on_64_bytes_and_are_received_into_in_place(pair, name):
     """zeros/empty give C-contiguous arrays on a 64-byte boundary (numpy puts

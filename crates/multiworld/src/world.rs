@@ -845,6 +845,13 @@ impl World {
         self.shared.state()
     }
 
+    /// How long an operation may run before it breaks the world
+    /// (`WorldConfig::op_timeout`; `None`: no deadline). An operation ends,
+    /// for its deadline, when its future (or handle's `wait`) completes.
+    pub fn op_timeout(&self) -> Option<std::time::Duration> {
+        self.shared.config.op_timeout
+    }
+
     /// The world's communicator, for operations this handle does not wrap.
     /// Its errors are the backend's own; a world-fatal one also breaks the
     /// world through the watchdog.
