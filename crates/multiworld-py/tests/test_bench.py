@@ -89,3 +89,19 @@ def test_the_older_library_comparison_runs_its_compat_side():
         sys.path.pop(0)
     r = script._run_python(sys.executable, "compat", 2, 64 << 10, 0.3)
     assert r["impl"] == "compat" and r["workers"] == 2 and r["messages"] > 0 and r["msgs_per_s"] > 0, r
+
+
+def test_the_asyncio_paths_benchmark_runs():
+    """``bench/asyncio_paths.py`` with tiny counts: every figure is there and
+    positive (no timing is checked)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    sys.path.insert(0, str(root / "bench"))  # also for the spawned peer, which imports the script
+    try:
+        import asyncio_paths as script
+
+        out = script.measure(rounds=50, stream=5)
+    finally:
+        sys.path.pop(0)
+    assert len(out) == 7 and all(v > 0 for v in out.values()), out
