@@ -521,6 +521,21 @@ impl Work {
         runtime::enter(|| p.poll_end(&mut Context::from_waker(&waker)).is_ready()).unwrap_or(false)
     }
 
+    /// A polled operation asked to cancel (`cancel_asked`), not held by a
+    /// waiter: ended now, unless it has ended already (an outcome already
+    /// in stays: the cancellation lost the race). Dropping the future
+    /// withdraws the receive.
+    fn apply_cancel(&self) -> PyResult<()> {
+        if self.cancel_asked.load(Ordering::SeqCst)
+            && let Ok(mut g) = self.pending.try_lock()
+            && let Some(Pending::Polled(p)) = g.as_mut()
+            && !self.poll_now(p)
+        {
+            runtime::enter(|| p.cancel())?;
+        }
+        Ok(())
+    }
+
     /// After a `wait` on a polled operation (which polled it with its own
     /// waker, replacing the event loop's): if the loop awaits this handle
     /// too, its waker is registered again, and woken if the operation has
@@ -579,23 +594,17 @@ impl Work {
         if let Some(a) = &self.abort {
             a.abort();
         } else if self.polled {
-            // A thread waiting on it in `wait` sees the flag and lets go at
-            // once (or was leaving anyway): then it is ended here.
+            // Ended here, or, if a thread holds it in `wait`, by that thread:
+            // it sees the flag while it waits, or when it leaves (a timeout,
+            // Ctrl-C). Not waiting for it here: this may run in a signal
+            // handler on that very thread.
             self.cancel_asked.store(true, Ordering::SeqCst);
             if let Some(w) = lock(&self.waiter).take() {
                 w.wake();
             }
-            runtime::wait(py, async {
-                let mut g = self.pending.lock().await;
-                if let Some(Pending::Polled(p)) = g.as_mut()
-                    && !self.poll_now(p)
-                {
-                    // Not ended (an outcome already in stays: the
-                    // cancellation lost the race): drop the future, which
-                    // withdraws the receive.
-                    p.cancel();
-                }
-            })?;
+            self.apply_cancel()?;
+            // An event loop awaiting the handle learns of the end.
+            self.hand_back_to_loop();
         }
         if let Some(r) = &self.lent {
             runtime::wait(py, r.clone().wait())?;
@@ -628,6 +637,12 @@ impl Work {
         self.completion.notify(notifier, token);
     }
 
+    /// The event loop stopped awaiting this handle (its task was
+    /// cancelled): no wake-up for it any more.
+    fn unwatch(&self) {
+        lock(&self.loop_waker).take();
+    }
+
     /// After the notifier pushed this handle's token: whether `wait` now
     /// returns without waiting. Always for a task (its token comes only when
     /// it ends); a polled operation is polled now, and its token may also
@@ -637,6 +652,9 @@ impl Work {
         let settled = match self.pending.try_lock() {
             Ok(mut g) => match g.as_mut() {
                 Some(Pending::Polled(p)) => self.poll_now(p),
+                // Taken by a thread's `wait`: settled once it has cached the
+                // outcome (it wakes the loop then).
+                None if self.polled => lock(&self.outcome).is_some(),
                 _ => true,
             },
             // A thread waits on it in `wait`: a task's has ended (its token
@@ -688,9 +706,11 @@ impl Work {
             Some(ended)
         };
         let waited = runtime::wait_for(py, fut, after);
-        if !matches!(waited, Ok(Some(Some(_)))) {
-            // Not ended by this wait (a timeout, Ctrl-C): the loop, if it
+        if self.polled && !matches!(waited, Ok(Some(Some(_)))) {
+            // Not ended by this wait (a timeout, Ctrl-C): a cancel that came
+            // while it held the handle applies now, and the loop, if it
             // awaits this handle too, keeps watching it.
+            self.apply_cancel()?;
             self.hand_back_to_loop();
         }
         let r = match waited? {
@@ -706,13 +726,21 @@ impl Work {
                     self.generation,
                 ));
             }
-            // Another thread took the outcome: it is cached by now, or soon.
+            // Another thread took the outcome: it caches it once it holds
+            // the GIL again, which this thread lets it take.
             Some(None) => {
-                return self.cached(py).unwrap_or_else(|| {
-                    Err(PyRuntimeError::new_err(
-                        "another thread is waiting on this handle",
-                    ))
-                });
+                let until = std::time::Instant::now() + Duration::from_secs(1);
+                loop {
+                    if let Some(r) = self.cached(py) {
+                        return r;
+                    }
+                    if std::time::Instant::now() >= until {
+                        return Err(PyRuntimeError::new_err(
+                            "another thread took this handle's outcome and did not hand it over",
+                        ));
+                    }
+                    py.detach(|| std::thread::sleep(Duration::from_micros(50)));
+                }
             }
             Some(Some(r)) => r,
         };

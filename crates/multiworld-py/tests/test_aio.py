@@ -321,8 +321,8 @@ def test_each_receive_that_waits_wakes_the_loop_once(monkeypatch):
 
 def test_a_handle_the_loop_awaits_and_a_thread_waits_on_still_resolves():
     """A receive's handle is polled by whoever waits: when a thread's wait
-    on it times out, or ends it, the event loop awaiting the same handle
-    still resolves."""
+    on it times out, or ends it, or a thread cancels it, the event loop
+    awaiting the same handle still resolves."""
     async def main():
         a, b, w0, w1 = await pair()
         loop = asyncio.get_running_loop()
@@ -344,6 +344,17 @@ def test_a_handle_the_loop_awaits_and_a_thread_waits_on_still_resolves():
         assert await asyncio.wait_for(waiting, 10) is out
         assert await asyncio.wait_for(awaiting, 10) is out
         assert (out == 7).all()
+        # Cancelled from a thread while the loop awaits it: the loop learns.
+        work = w0.sync.irecv(out, 1, 15)
+        awaiting = asyncio.ensure_future(aio._wait(work))
+        await asyncio.sleep(0.01)
+        await loop.run_in_executor(None, work._w.cancel)
+        with pytest.raises(RuntimeError, match="cancelled"):
+            await asyncio.wait_for(awaiting, 10)
+        # Nothing lost: the next message goes to the next receive.
+        await w1.send(np.full(4, 9, np.int32), 0, 15)
+        await w0.recv_into(out, 1, 15)
+        assert (out == 9).all()
         await asyncio.gather(w0.finish(10), w1.finish(10))
         await a.shutdown()
         await b.shutdown()

@@ -68,7 +68,9 @@ class _Bridge:
         return token, fut
 
     def forget(self, token: int) -> None:
-        self._pending.pop(token, None)
+        entry = self._pending.pop(token, None)
+        if entry is not None:
+            entry[1]._w.unwatch()
 
     def _ready(self) -> None:
         for token in self._notifier.drain():
