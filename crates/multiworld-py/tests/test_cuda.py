@@ -12,6 +12,8 @@ Runs everywhere:
 
 Runs only with a CUDA GPU and torch (skipped here, with the reason):
 - TCP worlds with real CUDA tensors (two members in this process, one GPU);
+- CUDA tensors between processes on one GPU (TCP worlds, host staging), and
+  a SIGKILLed worker breaking only its world;
 - an NCCL world of one on one GPU (a build with the nccl feature);
 - an NCCL world of two processes, one GPU each (NCCL refuses two ranks on
   one GPU, so this needs two GPUs).
@@ -63,8 +65,9 @@ class _Dev:
 
 class FakeCuda:
     """What host staging uses of a torch CUDA tensor, over a numpy array:
-    ``device``, ``shape``, ``dtype``, ``detach()``, ``cpu()`` (a copy),
-    ``new_empty(shape, device="cpu")`` and ``copy_(host)``. It counts the
+    ``device``, ``shape``, ``dtype``, ``detach()``,
+    ``new_empty(shape, device="cpu", pin_memory=True)`` (a FakeHost, whose
+    ``copy_(cuda)`` copies to the host) and ``copy_(host)``. It counts the
     copies each way."""
 
     def __init__(self, a: np.ndarray) -> None:
@@ -84,17 +87,23 @@ class FakeCuda:
     def detach(self) -> "FakeCuda":
         return self
 
-    def cpu(self) -> np.ndarray:
-        self.to_host += 1
-        return self.a.copy()
-
-    def new_empty(self, shape: Any, device: str) -> np.ndarray:
-        assert device == "cpu"
-        return np.empty(shape, self.a.dtype)
+    def new_empty(self, shape: Any, device: str, pin_memory: bool = False) -> "FakeHost":
+        assert device == "cpu" and pin_memory  # staging asks for pinned memory
+        return np.empty(shape, self.a.dtype).view(FakeHost)
 
     def copy_(self, host: np.ndarray) -> "FakeCuda":
         self.to_device += 1
         np.copyto(self.a, host)
+        return self
+
+
+class FakeHost(np.ndarray):
+    """A host stand-in made by ``FakeCuda.new_empty``: ``copy_`` from a
+    FakeCuda counts a copy to the host."""
+
+    def copy_(self, src: FakeCuda) -> "FakeHost":
+        src.to_host += 1
+        np.copyto(self, src.a)
         return self
 
 
@@ -280,6 +289,104 @@ def test_cuda_tensors_in_an_nccl_world_of_one():
         with pytest.raises(ValueError, match="no tags"):
             w.send(t, 0, tag=1)
         w.finish(30)
+
+
+@needs_torch
+@needs_cuda
+def test_cuda_tensors_between_processes_on_one_gpu_and_a_killed_worker_breaks_only_its_world():
+    """A leader with its tensors on cuda:0 in two TCP worlds, one worker
+    process each on the same GPU (host staging): CUDA tensors stream in
+    from both; SIGKILL of one worker breaks its world (peer lost, within
+    5 s) while the other delivers every message in order and echoes a
+    64 MiB CUDA tensor both ways. Prints the staged rate each way."""
+    import signal
+    import time
+
+    from conftest import spawn
+
+    count = 40
+    dev = torch.device("cuda", 0)
+    m = mw.WorldManager()
+    store = m.serve_store("127.0.0.1:0")
+    names = [unique("gpu-a"), unique("gpu-b")]
+    procs = [spawn("cuda_tcp_worker.py", n, store, count) for n in names]
+    try:
+        healthy, broken = (m.join(n, 0, 2, store, timeout=60, heartbeat_interval=0.1, heartbeat_timeout=1.0)
+                           for n in names)
+        buf = torch.empty(256 * 1024, dtype=torch.float32, device=dev)
+
+        def take(w: mw.World, i: int) -> None:
+            buf.fill_(-1.0)
+            assert w.recv_into(buf, 1) == 1
+            assert bool((buf == float(i)).all()), (w.name, i, buf[:4].tolist())
+
+        for w in (healthy, broken):  # both streams are flowing
+            for i in range(5):
+                take(w, i)
+        t0 = time.monotonic()
+        procs[1].send_signal(signal.SIGKILL)
+        err = None
+        for i in range(5, count + 1):
+            try:
+                take(broken, i)
+            except mw.BrokenWorldError as e:
+                err = e
+                break
+        took = time.monotonic() - t0
+        assert err is not None and err.cause == "peer_lost" and err.world == broken.name, err
+        assert took < 5.0, f"took {took:.2f} s"
+        # The other world: every message, in order, then 64 MiB each way.
+        for i in range(5, count):
+            take(healthy, i)
+        big = torch.arange(16 << 20, dtype=torch.float32, device=dev) * 0.5
+        back = torch.full_like(big, -1.0)
+        torch.cuda.synchronize()
+        t1 = time.monotonic()
+        healthy.send(np.array([big.numel()], dtype=np.int64), 1, tag=1)
+        healthy.send(big, 1, tag=1)
+        t2 = time.monotonic()
+        assert healthy.recv_into(back, 1, tag=2) == 1
+        torch.cuda.synchronize()
+        t3 = time.monotonic()
+        assert torch.equal(back, big)
+        # A physical reference in the same run: torch's own copies of the
+        # same tensor to pageable host memory and back.
+        t4 = time.monotonic()
+        host = big.cpu()
+        t5 = time.monotonic()
+        back.copy_(host)
+        torch.cuda.synchronize()
+        t6 = time.monotonic()
+        gb = big.numel() * 4 / 1e9
+        print(f"\n64 MiB cuda:0 -> host -> TCP -> host -> cuda:0 between two processes: sent in "
+              f"{(t2 - t1) * 1e3:.1f} ms, echo received {(t3 - t2) * 1e3:.1f} ms later "
+              f"({2 * gb / (t3 - t1):.2f} GB/s over the round trip); torch's own copies: "
+              f"to host {(t5 - t4) * 1e3:.1f} ms, back {(t6 - t5) * 1e3:.1f} ms; "
+              f"the break seen in {took * 1e3:.0f} ms")
+        healthy.finish(30)
+        out, errs = procs[0].communicate(timeout=60)
+        assert procs[0].returncode == 0 and "ok" in out.split(), errs
+        assert broken.wait_removed(10)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate(timeout=30)
+        m.shutdown()
+
+
+@needs_torch
+@needs_cuda
+def test_the_cuda_staging_benchmark_runs():
+    """``bench/cuda_staging.py`` with one small size: it checks its own
+    echoes (an assertion in the script) and prints one row of positive
+    figures (no timing is checked)."""
+    script = os.path.join(HERE, "..", "..", "..", "bench", "cuda_staging.py")
+    p = subprocess.run([sys.executable, script, "--mib", "0.25", "--iters", "2"],
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout
+    row = p.stdout.strip().splitlines()[-1].replace("|", " ").replace("torch:", " ").split()
+    assert row[0] == "256Ki" and len(row) == 8 and all(float(x) > 0 for x in row[1:]), p.stdout
 
 
 NCCL_WORKER = os.path.join(HERE, "workers", "cuda_nccl_worker.py")
