@@ -28,7 +28,7 @@ use multiworld_nccl::{
     AbortOutcome, CommConfig, DeviceBuffer, NcclComm, NcclError, NcclRuntime, OpHandle, UniqueId,
 };
 use multiworld_store::WorldStore;
-use multiworld_types::{DType, Rank, ReduceOp, Tag, Tensor, TensorView, WorldName};
+use multiworld_types::{DType, Rank, ReduceOp, Tag, Tensor, WorldName};
 
 use crate::{
     config::WorldConfig,
@@ -225,6 +225,47 @@ fn device_call_error(world: &WorldName, err: NcclError) -> WorldError {
     }
 }
 
+/// The host tensors of one world's host-staged transfers
+/// ([`World::send_device`], [`World::recv_device`]), kept from one call to
+/// the next: a stream of transfers then reuses memory whose pages are
+/// mapped already instead of faulting in a fresh buffer each call, which
+/// cost more than the transfer itself (measured on an H100 VM: 64 MiB into
+/// fresh pageable memory at 1.3 GB/s, a round trip of 64 MiB between two
+/// processes 0.80 GB/s each way before). Holds at most [`Self::KEEP`]
+/// tensors, the ones given back last, and hands out only one of the same
+/// dtype and length (the receive checks both against the message).
+#[derive(Debug, Default)]
+pub(crate) struct HostStaging(Mutex<Vec<Tensor>>);
+
+impl HostStaging {
+    /// One for a send and one for a receive in flight at once.
+    const KEEP: usize = 2;
+
+    /// A kept tensor of `dtype` and `len` elements, or a new one (zeroed).
+    fn take(&self, world: &WorldName, dtype: DType, len: usize) -> Result<Tensor, WorldError> {
+        let mut kept = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(i) = kept.iter().position(|t| t.dtype() == dtype && t.numel() == len) {
+            return Ok(kept.remove(i));
+        }
+        drop(kept);
+        Tensor::zeros(dtype, [len]).map_err(|e| WorldError::InvalidArgument {
+            world: world.clone(),
+            detail: e.to_string(),
+        })
+    }
+
+    /// Keeps `t` for a later transfer (dropping the oldest beyond `KEEP`).
+    /// Only tensors whose transfer succeeded come back: one whose receive
+    /// failed may hold anything, or nothing.
+    fn give(&self, t: Tensor) {
+        let mut kept = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        kept.push(t);
+        if kept.len() > Self::KEEP {
+            kept.remove(0);
+        }
+    }
+}
+
 /// Runs a device call that may block (a deadline-bounded host copy, or an
 /// operation's enqueue, which waits for NCCL's `ncclInProgress` to clear for
 /// up to the operation deadline) without stalling the other tasks of the
@@ -274,12 +315,12 @@ impl World {
         w.check()?;
         w.check_tag(tag)?;
         let timeout = w.config.op_timeout.unwrap_or(DEFAULT_DEVICE_OP_TIMEOUT);
-        let host = blocking(|| buf.to_host_vec(timeout)).map_err(|e| device_call_error(&w.name, e))?;
-        let view = TensorView::from_bytes(buf.dtype(), &host).map_err(|e| WorldError::InvalidArgument {
-            world: w.name.clone(),
-            detail: e.to_string(),
-        })?;
-        self.send(dst, tag, view).await
+        let mut host = w.host_staging.take(&w.name, buf.dtype(), buf.len())?;
+        blocking(|| buf.copy_to_host(host.bytes_mut(), timeout))
+            .map_err(|e| device_call_error(&w.name, e))?;
+        let r = self.send(dst, tag, host.view()).await;
+        w.host_staging.give(host);
+        r
     }
 
     /// Receives into a device buffer from `src` over this world's TCP
@@ -288,13 +329,13 @@ impl World {
     /// `Mismatch` and the buffer is untouched.
     pub async fn recv_device(&self, src: Rank, tag: Tag, buf: &mut DeviceBuffer) -> Result<(), WorldError> {
         let w = &self.shared;
-        let mut host = Tensor::zeros(buf.dtype(), [buf.len()]).map_err(|e| WorldError::InvalidArgument {
-            world: w.name.clone(),
-            detail: e.to_string(),
-        })?;
+        let mut host = w.host_staging.take(&w.name, buf.dtype(), buf.len())?;
         self.recv(src, tag, &mut host).await?;
         let timeout = w.config.op_timeout.unwrap_or(DEFAULT_DEVICE_OP_TIMEOUT);
-        blocking(|| buf.copy_from_host(host.as_bytes(), timeout)).map_err(|e| device_call_error(&w.name, e))
+        blocking(|| buf.copy_from_host(host.as_bytes(), timeout))
+            .map_err(|e| device_call_error(&w.name, e))?;
+        w.host_staging.give(host);
+        Ok(())
     }
 }
 
@@ -570,5 +611,47 @@ impl DeviceOp {
                 tokio::time::sleep(Duration::from_millis(1)).await;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn name() -> WorldName {
+        WorldName::new("w").unwrap()
+    }
+
+    #[test]
+    fn host_staging_reuses_a_tensor_of_the_same_dtype_and_length() {
+        let s = HostStaging::default();
+        let mut t = s.take(&name(), DType::F32, 4).unwrap();
+        t.bytes_mut()[0] = 7; // marks this allocation
+        let at = t.as_bytes().as_ptr();
+        s.give(t);
+        // Another dtype or length gets a new, zeroed tensor.
+        let other = s.take(&name(), DType::I32, 4).unwrap();
+        assert_eq!(other.as_bytes(), &[0u8; 16]);
+        let longer = s.take(&name(), DType::F32, 5).unwrap();
+        assert_eq!(longer.numel(), 5);
+        // The same dtype and length gets the kept one back, as it was.
+        let again = s.take(&name(), DType::F32, 4).unwrap();
+        assert_eq!(again.as_bytes().as_ptr(), at);
+        assert_eq!(again.as_bytes()[0], 7);
+        // Taken: the next one is new.
+        let fresh = s.take(&name(), DType::F32, 4).unwrap();
+        assert_ne!(fresh.as_bytes().as_ptr(), at);
+        assert_eq!(fresh.as_bytes()[0], 0);
+    }
+
+    #[test]
+    fn host_staging_keeps_only_the_last_given_back() {
+        let s = HostStaging::default();
+        for len in 1..=3 {
+            s.give(s.take(&name(), DType::U8, len).unwrap());
+        }
+        let kept = s.0.lock().unwrap();
+        assert_eq!(kept.len(), HostStaging::KEEP);
+        assert_eq!(kept.iter().map(|t| t.numel()).collect::<Vec<_>>(), [2, 3]);
     }
 }

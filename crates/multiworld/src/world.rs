@@ -144,6 +144,9 @@ pub(crate) struct WorldShared {
     /// The world's NCCL communicator (NCCL worlds only), set once at join.
     #[cfg(feature = "nccl")]
     pub(crate) device: std::sync::OnceLock<Arc<crate::device::DeviceSide>>,
+    /// Host memory kept for host-staged device transfers (any world).
+    #[cfg(feature = "nccl")]
+    pub(crate) host_staging: crate::device::HostStaging,
 }
 
 /// What a completed join brings to a new [`WorldShared`].
@@ -228,6 +231,8 @@ impl WorldShared {
             span,
             #[cfg(feature = "nccl")]
             device: std::sync::OnceLock::new(),
+            #[cfg(feature = "nccl")]
+            host_staging: crate::device::HostStaging::default(),
         })
     }
 

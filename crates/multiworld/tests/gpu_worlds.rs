@@ -213,6 +213,10 @@ async fn every_device_operation_writes_its_result() {
     m.shutdown().await;
 }
 
+/// Round trips of the host-staged test (the first pays for the host
+/// memory the later ones reuse).
+const STAGED_ROUNDS: usize = 4;
+
 /// The child's half of the host-staged test: rank 1 of a TCP world whose
 /// store address is in `MW_GPU_STORE`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -228,11 +232,15 @@ async fn child_host_staged_rank_1() {
         .join(WorldConfig::new("staged", 1, 2, &store).unwrap())
         .await
         .unwrap();
-    // Poisoned, so the echo is only right if the receive wrote every byte.
-    let mut buf = ctx.upload(DType::F32, &vec![POISON; n * 4], T).unwrap();
-    w.recv_device(Rank(0), Tag(1), &mut buf).await.unwrap();
-    // Echo it back from device memory.
-    w.send_device(Rank(0), Tag(2), &buf).await.unwrap();
+    let poison = vec![POISON; n * 4];
+    let mut buf = ctx.upload(DType::F32, &poison, T).unwrap();
+    for _ in 0..STAGED_ROUNDS {
+        // Poisoned, so the echo is only right if the receive wrote every byte.
+        buf.copy_from_host(&poison, T).unwrap();
+        w.recv_device(Rank(0), Tag(1), &mut buf).await.unwrap();
+        // Echo it back from device memory.
+        w.send_device(Rank(0), Tag(2), &buf).await.unwrap();
+    }
     w.finish(T).await.unwrap();
     m.shutdown().await;
 }
@@ -258,18 +266,28 @@ async fn host_staged_transfer_between_two_processes_on_one_gpu() {
         .unwrap();
     let x = ramp(n, 0.5);
     let src = ctx.upload(DType::F32, &f32_bytes(&x), T).unwrap();
-    let mut back = ctx.upload(DType::F32, &vec![POISON; n * 4], T).unwrap();
-    let t = Instant::now();
-    w.send_device(Rank(1), Tag(1), &src).await.unwrap();
-    w.recv_device(Rank(1), Tag(2), &mut back).await.unwrap();
-    let took = t.elapsed();
+    let poison = vec![POISON; n * 4];
+    let mut back = ctx.upload(DType::F32, &poison, T).unwrap();
+    let mut took = Vec::new();
+    for round in 0..STAGED_ROUNDS {
+        back.copy_from_host(&poison, T).unwrap();
+        let t = Instant::now();
+        w.send_device(Rank(1), Tag(1), &src).await.unwrap();
+        w.recv_device(Rank(1), Tag(2), &mut back).await.unwrap();
+        took.push(t.elapsed());
+        assert!(
+            back.to_host_vec(T).unwrap() == f32_bytes(&x),
+            "echoed data differs in round {round}"
+        );
+    }
+    let gbs = |d: &Duration| 2.0 * (n * 4) as f64 / d.as_secs_f64() / 1e9;
+    let best = took.iter().min().unwrap();
     println!(
-        "64 MiB device -> TCP -> device and back between two processes: {took:?} ({:.2} GB/s each way)",
-        2.0 * (n * 4) as f64 / took.as_secs_f64() / 1e9
-    );
-    assert!(
-        back.to_host_vec(T).unwrap() == f32_bytes(&x),
-        "echoed data differs"
+        "64 MiB device -> TCP -> device and back between two processes, {STAGED_ROUNDS} rounds: first {:?} \
+         ({:.2} GB/s counting both ways), best {best:?} ({:.2} GB/s)",
+        took[0],
+        gbs(&took[0]),
+        gbs(best)
     );
     w.finish(T).await.unwrap();
     let deadline = Instant::now() + T;
