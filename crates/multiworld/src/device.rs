@@ -232,14 +232,18 @@ fn device_call_error(world: &WorldName, err: NcclError) -> WorldError {
 /// cost more than the transfer itself (measured on an H100 VM: 64 MiB into
 /// fresh pageable memory at 1.3 GB/s, a round trip of 64 MiB between two
 /// processes 0.80 GB/s each way before). Holds at most [`Self::KEEP`]
-/// tensors, the ones given back last, and hands out only one of the same
-/// dtype and length (the receive checks both against the message).
+/// tensors and [`Self::KEEP_BYTES`] bytes, the ones given back last, and
+/// hands out only one of the same dtype and length (the receive checks both
+/// against the message). What it holds is freed with the world's last
+/// handle; a larger transfer is staged through memory of its own.
 #[derive(Debug, Default)]
 pub(crate) struct HostStaging(Mutex<Vec<Tensor>>);
 
 impl HostStaging {
-    /// One for a send and one for a receive in flight at once.
+    /// A send and a receive in flight at once each use their own.
     const KEEP: usize = 2;
+    /// What it may hold in all.
+    const KEEP_BYTES: usize = 512 << 20;
 
     /// A kept tensor of `dtype` and `len` elements, or a new one (zeroed).
     fn take(&self, world: &WorldName, dtype: DType, len: usize) -> Result<Tensor, WorldError> {
@@ -254,13 +258,17 @@ impl HostStaging {
         })
     }
 
-    /// Keeps `t` for a later transfer (dropping the oldest beyond `KEEP`).
+    /// Keeps `t` for a later transfer (dropping the oldest beyond `KEEP`
+    /// tensors or `KEEP_BYTES`; one larger than `KEEP_BYTES` is not kept).
     /// Only tensors whose transfer succeeded come back: one whose receive
     /// failed may hold anything, or nothing.
     fn give(&self, t: Tensor) {
+        if t.nbytes() > Self::KEEP_BYTES {
+            return;
+        }
         let mut kept = self.0.lock().unwrap_or_else(|e| e.into_inner());
         kept.push(t);
-        if kept.len() > Self::KEEP {
+        while kept.len() > Self::KEEP || kept.iter().map(Tensor::nbytes).sum::<usize>() > Self::KEEP_BYTES {
             kept.remove(0);
         }
     }
@@ -318,6 +326,14 @@ impl World {
         let mut host = w.host_staging.take(&w.name, buf.dtype(), buf.len())?;
         blocking(|| buf.copy_to_host(host.bytes_mut(), timeout))
             .map_err(|e| device_call_error(&w.name, e))?;
+        if !host.validate_after_write() {
+            // Refused here: the receiver's reader would take such a payload
+            // for a protocol violation and break the world.
+            return Err(WorldError::InvalidArgument {
+                world: w.name.clone(),
+                detail: "a bool device buffer holds bytes other than 0 and 1".into(),
+            });
+        }
         let r = self.send(dst, tag, host.view()).await;
         w.host_staging.give(host);
         r
@@ -653,5 +669,23 @@ mod tests {
         let kept = s.0.lock().unwrap();
         assert_eq!(kept.len(), HostStaging::KEEP);
         assert_eq!(kept.iter().map(|t| t.numel()).collect::<Vec<_>>(), [2, 3]);
+    }
+
+    #[test]
+    fn host_staging_keeps_at_most_its_byte_budget() {
+        let s = HostStaging::default();
+        let half = HostStaging::KEEP_BYTES / 2;
+        s.give(s.take(&name(), DType::U8, 16).unwrap());
+        s.give(s.take(&name(), DType::U8, half + 1).unwrap());
+        // Both together are within budget.
+        assert_eq!(s.0.lock().unwrap().len(), 2);
+        // Another large one pushes the older ones out, the small one first.
+        s.give(s.take(&name(), DType::U8, half).unwrap());
+        let sizes: Vec<usize> = s.0.lock().unwrap().iter().map(Tensor::nbytes).collect();
+        assert_eq!(sizes, [half]);
+        // One over the whole budget is never kept.
+        s.give(s.take(&name(), DType::U8, HostStaging::KEEP_BYTES + 1).unwrap());
+        let sizes: Vec<usize> = s.0.lock().unwrap().iter().map(Tensor::nbytes).collect();
+        assert_eq!(sizes, [half]);
     }
 }

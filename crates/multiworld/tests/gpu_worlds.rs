@@ -217,6 +217,11 @@ async fn every_device_operation_writes_its_result() {
 /// memory the later ones reuse).
 const STAGED_ROUNDS: usize = 4;
 
+/// What the child answers in round `r` of the host-staged test.
+fn answer(n: usize, r: usize) -> Vec<f32> {
+    ramp(n, -1.0 - r as f32)
+}
+
 /// The child's half of the host-staged test: rank 1 of a TCP world whose
 /// store address is in `MW_GPU_STORE`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -227,19 +232,31 @@ async fn child_host_staged_rank_1() {
     // Host-staged transfers need only the CUDA driver, not NCCL.
     let driver = CudaDriver::load().unwrap();
     let ctx = DeviceContext::open(&driver, 0).unwrap();
+    let poison = vec![POISON; n * 4];
+    let mut buf = ctx.upload(DType::F32, &poison, T).unwrap();
+    // The answers, uploaded before joining: the leader's clock starts after
+    // the join.
+    let answers: Vec<_> = (0..STAGED_ROUNDS)
+        .map(|r| ctx.upload(DType::F32, &f32_bytes(&answer(n, r)), T).unwrap())
+        .collect();
     let m = WorldManager::default();
     let w = m
         .join(WorldConfig::new("staged", 1, 2, &store).unwrap())
         .await
         .unwrap();
-    let poison = vec![POISON; n * 4];
-    let mut buf = ctx.upload(DType::F32, &poison, T).unwrap();
-    for _ in 0..STAGED_ROUNDS {
-        // Poisoned, so the echo is only right if the receive wrote every byte.
+    for (r, reply) in answers.iter().enumerate() {
+        // Poisoned, so the check holds only if the receive wrote every byte.
         buf.copy_from_host(&poison, T).unwrap();
         w.recv_device(Rank(0), Tag(1), &mut buf).await.unwrap();
-        // Echo it back from device memory.
-        w.send_device(Rank(0), Tag(2), &buf).await.unwrap();
+        // Answers with other data: the leader's receive reuses host memory
+        // that held what it sent, so an echo of the same bytes would pass
+        // even if that receive wrote nothing.
+        w.send_device(Rank(0), Tag(2), reply).await.unwrap();
+        // Checked once the answer is out, off the leader's clock.
+        assert!(
+            buf.to_host_vec(T).unwrap() == f32_bytes(&ramp(n, 0.5 + r as f32)),
+            "round {r}: received data differs"
+        );
     }
     w.finish(T).await.unwrap();
     m.shutdown().await;
@@ -264,26 +281,27 @@ async fn host_staged_transfer_between_two_processes_on_one_gpu() {
         .join(WorldConfig::new("staged", 0, 2, &store).unwrap())
         .await
         .unwrap();
-    let x = ramp(n, 0.5);
-    let src = ctx.upload(DType::F32, &f32_bytes(&x), T).unwrap();
     let poison = vec![POISON; n * 4];
     let mut back = ctx.upload(DType::F32, &poison, T).unwrap();
     let mut took = Vec::new();
     for round in 0..STAGED_ROUNDS {
+        let src = ctx
+            .upload(DType::F32, &f32_bytes(&ramp(n, 0.5 + round as f32)), T)
+            .unwrap();
         back.copy_from_host(&poison, T).unwrap();
         let t = Instant::now();
         w.send_device(Rank(1), Tag(1), &src).await.unwrap();
         w.recv_device(Rank(1), Tag(2), &mut back).await.unwrap();
         took.push(t.elapsed());
         assert!(
-            back.to_host_vec(T).unwrap() == f32_bytes(&x),
-            "echoed data differs in round {round}"
+            back.to_host_vec(T).unwrap() == f32_bytes(&answer(n, round)),
+            "the answer differs in round {round}"
         );
     }
     let gbs = |d: &Duration| 2.0 * (n * 4) as f64 / d.as_secs_f64() / 1e9;
     let best = took.iter().min().unwrap();
     println!(
-        "64 MiB device -> TCP -> device and back between two processes, {STAGED_ROUNDS} rounds: first {:?} \
+        "64 MiB device -> TCP -> device and an answer back between two processes, {STAGED_ROUNDS} rounds: first {:?} \
          ({:.2} GB/s counting both ways), best {best:?} ({:.2} GB/s)",
         took[0],
         gbs(&took[0]),

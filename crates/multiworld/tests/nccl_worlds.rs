@@ -551,6 +551,25 @@ async fn device_tensors_travel_host_staged_over_a_tcp_world() {
     assert!(matches!(received.unwrap_err(), WorldError::Mismatch { .. }));
     let _ = sent;
 
+    // A bool buffer holding a byte other than 0 or 1 is refused at the
+    // sender (the receiver's reader would take it for a protocol violation
+    // and break the world); a valid one goes through.
+    let bad = ctx_a.upload(DType::Bool, &[1, 2, 0], T).unwrap();
+    let e = a.send_device(Rank(1), Tag(10), &bad).await.unwrap_err();
+    assert!(
+        matches!(&e, WorldError::InvalidArgument { detail, .. } if detail.contains("bool")),
+        "{e}"
+    );
+    let good = ctx_a.upload(DType::Bool, &[1, 0, 1], T).unwrap();
+    let mut flags = ctx_b.alloc(DType::Bool, 3).unwrap();
+    let (sent, received) = tokio::join!(
+        a.send_device(Rank(1), Tag(10), &good),
+        b.recv_device(Rank(0), Tag(10), &mut flags)
+    );
+    sent.unwrap();
+    received.unwrap();
+    assert_eq!(flags.to_host_vec(T).unwrap(), [1, 0, 1]);
+
     // The world still carries traffic both ways.
     let back = ctx_b.upload(DType::F32, &f32_bytes(&[2.0, 4.0]), T).unwrap();
     let mut got = ctx_a.alloc(DType::F32, 2).unwrap();
@@ -564,7 +583,9 @@ async fn device_tensors_travel_host_staged_over_a_tcp_world() {
     assert_eq!(a.state(), WorldState::Ready);
     assert_eq!(b.state(), WorldState::Ready);
 
-    drop((src, dst, wrong, small, ints, back, got, ctx_a, ctx_b, rt));
+    drop((
+        src, dst, wrong, small, ints, bad, good, flags, back, got, ctx_a, ctx_b, rt,
+    ));
     assert_eq!(f.live(), before, "contexts, pinned staging and memory released");
     leader.shutdown().await;
     worker.shutdown().await;
