@@ -12,7 +12,8 @@ every message back. Per size it prints GB/s counting both directions:
   copies device -> host, sends, receives, copies host -> device);
 - `host echo`: the same with numpy arrays (the TCP path alone);
 - torch's copies of the same tensor: to a new pageable host tensor
-  (`.cpu()`, what staging does), into a pinned one, and back from each.
+  (`.cpu()`, what staging did before it used pinned memory), into a
+  pinned one (what it does now), and back from each.
 
 Needs torch with CUDA and the package (installed, or built here with
 `bash crates/multiworld-py/scripts/test.sh`).
@@ -66,12 +67,26 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10)
     a = ap.parse_args()
     sizes = [int(float(x) * (1 << 20)) // 4 for x in a.mib.split(",")]
-    dev = torch.device("cuda", 0)
     m = mw.WorldManager()
     addr = m.serve_store("127.0.0.1:0")
     p = mp.get_context("spawn").Process(target=echo_side, args=(addr, sizes, a.iters))
     p.start()
-    w = m.join("cuda-staging", 0, 2, addr, timeout=60)
+    try:
+        w = m.join("cuda-staging", 0, 2, addr, timeout=60)
+        measure(w, sizes, a.iters)
+        w.finish(30)
+        p.join(60)
+    finally:
+        if p.is_alive():  # this side failed: the echo would wait for ever
+            p.terminate()
+            p.join(10)
+        m.shutdown()
+    if p.exitcode != 0:
+        sys.exit(f"the echo process exited with {p.exitcode}")
+
+
+def measure(w: "mw.World", sizes: list, iters: int) -> None:
+    dev = torch.device("cuda", 0)
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}; GB/s counting both directions")
     print(f"{'size':>8} {'cuda echo':>10} {'host echo':>10} {'ratio':>6} | torch: "
           f"{'to new':>7} {'to pinned':>9} {'from new':>8} {'from pinned':>11}")
@@ -84,7 +99,7 @@ def main() -> None:
             w.send(src, 1)
             w.recv_into(back, 1)
 
-        cuda_s = timed(cuda_echo, a.iters)
+        cuda_s = timed(cuda_echo, iters)
         assert torch.equal(back, src)
         h = src.cpu().numpy()
         hb = np.empty_like(h)
@@ -93,22 +108,19 @@ def main() -> None:
             w.send(h, 1)
             w.recv_into(hb, 1)
 
-        host_s = timed(host_echo, a.iters)
+        host_s = timed(host_echo, iters)
         assert np.array_equal(h, hb)
         pinned = torch.empty(n, dtype=torch.float32, pin_memory=True)
         pageable = src.cpu()
-        to_new = timed(lambda: src.cpu(), a.iters)
-        to_pinned = timed(lambda: pinned.copy_(src), a.iters)
-        from_new = timed(lambda: back.copy_(pageable), a.iters)
-        from_pinned = timed(lambda: back.copy_(pinned), a.iters)
+        to_new = timed(lambda: src.cpu(), iters)
+        to_pinned = timed(lambda: pinned.copy_(src), iters)
+        from_new = timed(lambda: back.copy_(pageable), iters)
+        from_pinned = timed(lambda: back.copy_(pinned), iters)
         gb = nbytes / 1e9
         label = f"{nbytes >> 20}Mi" if nbytes >= 1 << 20 else f"{nbytes >> 10}Ki"
         print(f"{label:>8} {2 * gb / cuda_s:>10.2f} {2 * gb / host_s:>10.2f} "
               f"{host_s / cuda_s:>6.2f} | torch: {gb / to_new:>7.2f} {gb / to_pinned:>9.2f} "
               f"{gb / from_new:>8.2f} {gb / from_pinned:>11.2f}")
-    w.finish(30)
-    p.join(60)
-    m.shutdown()
 
 
 if __name__ == "__main__":

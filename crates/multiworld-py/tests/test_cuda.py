@@ -65,16 +65,18 @@ class _Dev:
 
 class FakeCuda:
     """What host staging uses of a torch CUDA tensor, over a numpy array:
-    ``device``, ``shape``, ``dtype``, ``detach()``,
-    ``new_empty(shape, device="cpu", pin_memory=True)`` (a FakeHost, whose
-    ``copy_(cuda)`` copies to the host) and ``copy_(host)``. It counts the
-    copies each way."""
+    ``device``, ``shape``, ``dtype``, ``numel()``, ``element_size()``,
+    ``detach()``, ``new_empty(shape, device="cpu", pin_memory=...)`` (a
+    FakeHost, whose ``copy_(cuda)`` copies to the host) and
+    ``copy_(host)``. It counts the copies each way."""
 
     def __init__(self, a: np.ndarray) -> None:
         self.a = a
         self.device = _Dev()
         self.to_host = 0
         self.to_device = 0
+        self.hosts: list = []  # every FakeHost staging asked for
+        self.refuse_pinning = False
 
     @property
     def shape(self) -> Any:
@@ -87,27 +89,58 @@ class FakeCuda:
     def detach(self) -> "FakeCuda":
         return self
 
-    def new_empty(self, shape: Any, device: str, pin_memory: bool = False) -> "FakeHost":
-        assert device == "cpu" and pin_memory  # staging asks for pinned memory
-        return np.empty(shape, self.a.dtype).view(FakeHost)
+    def numel(self) -> int:
+        return self.a.size
 
-    def copy_(self, host: np.ndarray) -> "FakeCuda":
+    def element_size(self) -> int:
+        return self.a.itemsize
+
+    def new_empty(self, shape: Any, device: str, pin_memory: bool = False) -> "FakeHost":
+        assert device == "cpu"
+        if pin_memory and self.refuse_pinning:
+            raise RuntimeError("CUDA error: out of memory (pinned)")
+        self.hosts.append(FakeHost(np.empty(shape, self.a.dtype), pin_memory))
+        return self.hosts[-1]
+
+    def copy_(self, host: "FakeHost") -> "FakeCuda":
         self.to_device += 1
-        np.copyto(self.a, host)
+        np.copyto(self.a, host.a)
         return self
 
 
-class FakeHost(np.ndarray):
-    """A host stand-in made by ``FakeCuda.new_empty``: ``copy_`` from a
-    FakeCuda counts a copy to the host."""
+class _Cpu:
+    type = "cpu"
+
+
+class FakeHost:
+    """The host tensor staging gets from ``FakeCuda.new_empty``: a CPU
+    "torch" tensor over a numpy array (so the World methods lend its memory
+    as they would a real one's: ``detach().numpy()`` is a plain array);
+    ``copy_`` from a FakeCuda counts a copy to the host."""
+
+    def __init__(self, a: np.ndarray, pinned: bool) -> None:
+        self.a = a
+        self.pinned = pinned
+        self.device = _Cpu()
+
+    @property
+    def dtype(self) -> Any:
+        return self.a.dtype
+
+    def detach(self) -> "FakeHost":
+        return self
+
+    def numpy(self) -> np.ndarray:
+        return self.a
 
     def copy_(self, src: FakeCuda) -> "FakeHost":
         src.to_host += 1
-        np.copyto(self, src.a)
+        np.copyto(self.a, src.a)
         return self
 
 
 FakeCuda.__module__ = "torch.fake_cuda"  # what device_kind looks at
+FakeHost.__module__ = "torch.fake_host"  # a CPU tensor, as as_array sees it
 
 
 def fc(values: Any, dtype: Any = np.float32) -> FakeCuda:
@@ -177,6 +210,29 @@ def test_p2p_is_staged_through_the_host(pair):
     with pytest.raises(mw.MismatchError):
         both(lambda: w1.send(fc(np.ones(3)), 0), lambda: w0.recv_into(small, 1))
     assert np.array_equal(small.a, [7.0, 7.0]) and small.to_device == 0
+
+
+def test_staging_uses_pinned_memory_up_to_its_cap(pair, monkeypatch):
+    w0, w1 = pair
+
+    def trip(n: int, refuse: bool = False) -> list:
+        src = fc(np.arange(n, dtype=np.float32))
+        dst = fc(np.zeros(n, np.float32))
+        src.refuse_pinning = dst.refuse_pinning = refuse
+        both(lambda: w1.send(src, 0), lambda: w0.recv_into(dst, 1))
+        assert np.array_equal(dst.a, src.a)
+        return [h.pinned for h in src.hosts + dst.hosts]
+
+    assert trip(4) == [True, True]
+    monkeypatch.setattr(D, "PINNED_MAX", 15)  # bytes
+    assert trip(4) == [False, False]  # 16 bytes: over the cap
+    assert trip(3) == [True, True]
+    # Where pinning fails, staging goes on in pageable memory, and stops
+    # asking for pinned memory.
+    monkeypatch.setattr(D, "_pinning_failed", False)
+    assert trip(3, refuse=True) == [False, False]
+    assert D._pinning_failed is True
+    assert trip(3) == [False, False]
 
 
 def test_isend_irecv_copy_back_in_wait(pair):
@@ -309,8 +365,9 @@ def test_cuda_tensors_between_processes_on_one_gpu_and_a_killed_worker_breaks_on
     m = mw.WorldManager()
     store = m.serve_store("127.0.0.1:0")
     names = [unique("gpu-a"), unique("gpu-b")]
-    procs = [spawn("cuda_tcp_worker.py", n, store, count) for n in names]
+    procs: list = []
     try:
+        procs.extend(spawn("cuda_tcp_worker.py", n, store, count) for n in names)
         healthy, broken = (m.join(n, 0, 2, store, timeout=60, heartbeat_interval=0.1, heartbeat_timeout=1.0)
                            for n in names)
         buf = torch.empty(256 * 1024, dtype=torch.float32, device=dev)
@@ -383,10 +440,11 @@ def test_the_cuda_staging_benchmark_runs():
     figures (no timing is checked)."""
     script = os.path.join(HERE, "..", "..", "..", "bench", "cuda_staging.py")
     p = subprocess.run([sys.executable, script, "--mib", "0.25", "--iters", "2"],
-                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
-    assert p.returncode == 0, p.stdout
-    row = p.stdout.strip().splitlines()[-1].replace("|", " ").replace("torch:", " ").split()
-    assert row[0] == "256Ki" and len(row) == 8 and all(float(x) > 0 for x in row[1:]), p.stdout
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = [ln.replace("|", " ").replace("torch:", " ").split() for ln in p.stdout.splitlines()]
+    rows = [r for r in rows if r and r[0] == "256Ki"]
+    assert len(rows) == 1 and len(rows[0]) == 8 and all(float(x) > 0 for x in rows[0][1:]), p.stdout
 
 
 NCCL_WORKER = os.path.join(HERE, "workers", "cuda_nccl_worker.py")

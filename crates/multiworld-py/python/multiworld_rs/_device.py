@@ -10,7 +10,8 @@ anything is sent), and the method hands its arguments to :func:`run`:
   call (or the async ``Work``) completes when the NCCL operation has.
 - **Everything else** (TCP worlds, sub-groups, the list forms NCCL lacks):
   host staging. CUDA inputs are copied to pinned host tensors (torch's
-  host allocator reuses them from call to call), CUDA outputs get one, the
+  host allocator reuses them from call to call; see :data:`PINNED_MAX`),
+  CUDA outputs get one, the
   host path runs, and the results are copied back with ``tensor.copy_()``
   when the call (or ``Work.wait()``) returns.
 
@@ -20,6 +21,7 @@ for a ``try`` block.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Dict, List, Optional, Tuple
 
 from . import _native
@@ -64,18 +66,32 @@ def _stage(value: Any, out: bool, keep_data: bool, copies: List[Tuple[Any, Any]]
     return host
 
 
+#: The largest tensor staged through pinned memory, in bytes
+#: (``MULTIWORLD_PINNED_STAGING_MAX_MIB``, default 256; 0 turns pinned
+#: staging off). torch's host allocator keeps every pinned block it made,
+#: rounded up to a power of two, for reuse until the process ends
+#: (``torch._C._host_emptyCache()`` frees the idle ones): the cap bounds
+#: what one staged tensor can lock.
+PINNED_MAX: int = int(os.environ.get("MULTIWORLD_PINNED_STAGING_MAX_MIB", "256")) << 20
+_pinning_failed = False
+
+
 def _host_like(value: Any) -> Any:
     """A contiguous host tensor of ``value``'s shape and dtype, in pinned
-    (page-locked) memory: torch's host allocator keeps freed pinned blocks
-    for the next call of the same size, so a stream of staged tensors
-    neither faults in fresh pages nor pins memory again, and the copies run
-    at the bus's rate (measured on an H100: 64 MiB to a new pageable tensor
-    1.3 GB/s, into pinned memory 53 GB/s). Pageable memory where pinning
-    fails (a limit on locked memory)."""
-    try:
-        return value.new_empty(value.shape, device="cpu", pin_memory=True)
-    except RuntimeError:
-        return value.new_empty(value.shape, device="cpu")
+    (page-locked) memory up to :data:`PINNED_MAX` bytes: torch's host
+    allocator keeps freed pinned blocks for the next call of the same size,
+    so a stream of staged tensors neither faults in fresh pages nor pins
+    memory again, and the copies run at the bus's rate (measured on an
+    H100: 64 MiB to a new pageable tensor 1.3 GB/s, into pinned memory
+    53 GB/s). Pageable memory above the cap, and from the first time
+    pinning fails (a limit on locked memory) on."""
+    global _pinning_failed
+    if not _pinning_failed and value.numel() * value.element_size() <= PINNED_MAX:
+        try:
+            return value.new_empty(value.shape, device="cpu", pin_memory=True)
+        except RuntimeError:
+            _pinning_failed = True
+    return value.new_empty(value.shape, device="cpu")
 
 
 def staged(world: Any, name: str, args: Dict[str, Any]) -> Any:

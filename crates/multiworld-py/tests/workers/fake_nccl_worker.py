@@ -63,20 +63,42 @@ class Fake:
     def detach(self) -> "Fake":
         return self
 
+    def element_size(self) -> int:
+        return self.a.itemsize
+
     def new_empty(self, shape, device, pin_memory=False):
-        return np.empty(shape, self.a.dtype).view(Host)
+        return Host(np.empty(shape, self.a.dtype))
 
     def copy_(self, host) -> "Fake":
-        np.copyto(self.a, host)
+        np.copyto(self.a, host.a)
         return self
 
 
-class Host(np.ndarray):
-    """A host stand-in of host staging: copies from a Fake."""
+class Cpu:
+    type = "cpu"
+
+
+class Host:
+    """A host tensor of host staging: a CPU "torch" tensor over a numpy
+    array (``detach().numpy()`` is a plain array); copies from a Fake."""
+
+    def __init__(self, a) -> None:
+        self.a = a
+        self.device = Cpu()
+        self.dtype = a.dtype
+
+    def detach(self) -> "Host":
+        return self
+
+    def numpy(self):
+        return self.a
 
     def copy_(self, src: Fake) -> "Host":
-        np.copyto(self, src.a)
+        np.copyto(self.a, src.a)
         return self
+
+
+Host.__module__ = "torch.fake_host"
 
 
 Fake.__module__ = "torch.fake"
