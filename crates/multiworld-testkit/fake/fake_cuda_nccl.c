@@ -166,6 +166,11 @@ void fake_nccl_set(int init_hang, int ops_hang, int abort_hang) {
 void fake_nccl_stall_last(int polls, int sleep_ms) {
   if (g_last) { g_last->stall_polls = polls; g_last->stall_ms = sleep_ms; }
 }
+/* Lets the hung operations of the most recently created communicator
+ * complete (a hung kernel that finished late; it moved no data). */
+void fake_nccl_release_last(void) {
+  if (g_last && g_last->hung_stream) g_last->hung_stream->hung = 0;
+}
 /* Injects an asynchronous error into the most recently created communicator. */
 void fake_nccl_fail_last(int code) { if (g_last) g_last->async_error = code; }
 long fake_nccl_live(void) { return g_comms; }

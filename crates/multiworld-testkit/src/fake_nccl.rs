@@ -136,6 +136,13 @@ impl Fake {
         }
     }
 
+    /// Lets the operations left hanging on the most recently created
+    /// communicator (by `set(_, true, _)`) complete now, moving no data.
+    pub fn release_last(&self) {
+        // SAFETY: signature as in fake_cuda_nccl.c.
+        unsafe { control::<unsafe extern "C" fn()>(&self.nccl, "fake_nccl_release_last")() }
+    }
+
     /// A broken NCCL: operations complete but move no data (to show that
     /// a check can fail).
     pub fn noop(&self, on: bool) {

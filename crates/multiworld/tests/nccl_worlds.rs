@@ -89,6 +89,43 @@ async fn all_reduce_works(world: &multiworld::World) {
     assert_eq!(got, f32_bytes(&x));
 }
 
+/// An operation that completes long after the runtime's eager polls (held
+/// here until released) is seen by the blocking poller, promptly; a wait
+/// dropped while its operation hangs stops polling and leaves the world
+/// working.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_device_operation_that_completes_late_ends_its_wait() {
+    let (_g, f) = fake::fake();
+    let (m, store) = manager(&f).await;
+    let w = m.join(nccl_cfg("late", 0, 1, &store)).await.unwrap();
+    let nccl = w.nccl().unwrap();
+    let mut buf = nccl.upload(DType::F32, &f32_bytes(&ramp(64, 0.5))).unwrap();
+
+    f.set(false, true, false); // the next operations never complete...
+    let op = nccl.all_reduce(&mut buf, ReduceOp::Sum).unwrap();
+    let dropped = nccl.all_reduce(&mut buf, ReduceOp::Sum).unwrap();
+    f.set(false, false, false);
+    let waiting = tokio::spawn(op.wait());
+    // A wait dropped while its operation hangs.
+    assert!(
+        tokio::time::timeout(Duration::from_millis(20), dropped.wait())
+            .await
+            .is_err()
+    );
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(!waiting.is_finished(), "ended before the operation did");
+    f.release_last(); // ...until now
+    let released = Instant::now();
+    tokio::time::timeout(T, waiting).await.unwrap().unwrap().unwrap();
+    println!(
+        "a late operation's wait ended {:?} after it completed",
+        released.elapsed()
+    );
+    assert_eq!(w.state(), WorldState::Ready);
+    all_reduce_works(&w).await;
+    m.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nccl_worlds_run_device_operations_and_an_nccl_error_breaks_only_its_world() {
     let (_g, f) = fake::fake();
