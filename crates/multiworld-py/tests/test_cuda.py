@@ -447,6 +447,23 @@ def test_the_cuda_staging_benchmark_runs():
     assert len(rows) == 1 and len(rows[0]) == 8 and all(float(x) > 0 for x in rows[0][1:]), p.stdout
 
 
+@needs_torch
+@needs_cuda
+@needs_nccl
+def test_the_nccl_call_cost_benchmark_runs():
+    """``bench/nccl_call_cost.py`` with small sizes and few calls: it checks
+    its own results (assertions in the script) and prints positive figures
+    for both tables (no timing is checked)."""
+    script = os.path.join(HERE, "..", "..", "..", "bench", "nccl_call_cost.py")
+    p = subprocess.run([sys.executable, script, "--iters", "3", "--sizes", "4,4096", "--copy-sizes", "65536"],
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=180)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = [ln.split() for ln in p.stdout.splitlines()]
+    rows = [r for r in rows if r and r[0] in ("4", "4096", "65536")]
+    assert [r[0] for r in rows] == ["4", "4096", "65536"], p.stdout
+    assert all(len(r) == 5 and all(float(x) > 0 for x in r[1:]) for r in rows), p.stdout
+
+
 NCCL_WORKER = os.path.join(HERE, "workers", "cuda_nccl_worker.py")
 
 
