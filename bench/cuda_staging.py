@@ -51,6 +51,12 @@ def echo_side(addr: str, sizes: list, iters: int) -> None:
         w.finish(30)
 
 
+def echo(w: "mw.World", out, into) -> None:
+    """One round trip: `out` to rank 1, its echo into `into`."""
+    w.send(out, 1)
+    w.recv_into(into, 1)
+
+
 def timed(f, iters: int) -> float:
     f()  # warm-up
     torch.cuda.synchronize()
@@ -94,21 +100,11 @@ def measure(w: "mw.World", sizes: list, iters: int) -> None:
         nbytes = 4 * n
         src = torch.arange(n, dtype=torch.float32, device=dev)
         back = torch.empty_like(src)
-
-        def cuda_echo() -> None:
-            w.send(src, 1)
-            w.recv_into(back, 1)
-
-        cuda_s = timed(cuda_echo, iters)
+        cuda_s = timed(lambda: echo(w, src, back), iters)
         assert torch.equal(back, src)
         h = src.cpu().numpy()
         hb = np.empty_like(h)
-
-        def host_echo() -> None:
-            w.send(h, 1)
-            w.recv_into(hb, 1)
-
-        host_s = timed(host_echo, iters)
+        host_s = timed(lambda: echo(w, h, hb), iters)
         assert np.array_equal(h, hb)
         pinned = torch.empty(n, dtype=torch.float32, pin_memory=True)
         pageable = src.cpu()
