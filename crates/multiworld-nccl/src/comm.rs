@@ -531,6 +531,21 @@ impl NcclComm {
         &self.shared.config
     }
 
+    /// Orders the operations issued after this call behind everything
+    /// enqueued so far on `stream` (a raw `CUstream`, e.g. torch's
+    /// `torch.cuda.current_stream().cuda_stream`), on the device: an event
+    /// recorded on `stream` that the world's stream waits for. The host does
+    /// not wait, unlike synchronising `stream` first.
+    ///
+    /// # Safety
+    /// `stream` is a live stream of this communicator's device in its
+    /// primary context (where torch's streams live), or 0 for the legacy
+    /// default stream.
+    pub unsafe fn order_after_stream(&self, stream: usize) -> Result<(), NcclError> {
+        // SAFETY: the caller's promise, passed on.
+        unsafe { self.shared.dev.wait_for_stream(stream as *mut std::ffi::c_void) }
+    }
+
     /// Current lifecycle state.
     pub fn state(&self) -> CommState {
         self.shared.state()

@@ -205,6 +205,41 @@ impl WorldDevice {
         Ok(event)
     }
 
+    /// Makes this world's stream wait, on the device, for everything
+    /// enqueued on `stream` so far (an event recorded there, waited for
+    /// here): the host does not wait.
+    ///
+    /// # Safety
+    /// `stream` is a live stream of this device's primary context, or null
+    /// (the legacy default stream).
+    pub(crate) unsafe fn wait_for_stream(
+        self: &Arc<Self>,
+        stream: *mut std::ffi::c_void,
+    ) -> Result<(), NcclError> {
+        self.refuse_if_quarantined("cuStreamWaitEvent")?;
+        self.bind()?;
+        let cuda = self.rt.cuda();
+        let mut ev = std::ptr::null_mut();
+        // SAFETY: context current; writes one CUevent.
+        self.rt.cuda_check("cuEventCreate", unsafe {
+            (cuda.event_create)(&mut ev, ffi::CU_EVENT_DISABLE_TIMING)
+        })?;
+        // Destroyed when this returns: CUDA keeps an event recorded and
+        // waited for until the work behind it is done.
+        let _event = Event {
+            dev: Arc::clone(self),
+            raw: SendPtr(ev),
+        };
+        // SAFETY: `ev` is live; `stream` is live or null (the caller's
+        // promise).
+        self.rt
+            .cuda_check("cuEventRecord", unsafe { (cuda.event_record)(ev, stream.cast()) })?;
+        // SAFETY: both handles are live and belong to this context.
+        self.rt.cuda_check("cuStreamWaitEvent", unsafe {
+            (cuda.stream_wait_event)(self.stream.0, ev, 0)
+        })
+    }
+
     /// Waits, by polling, until everything enqueued on the stream so far has
     /// finished, or `deadline`.
     pub(crate) fn wait_idle(

@@ -418,6 +418,7 @@ pub(crate) struct CudaApi {
     pub(crate) event_create: unsafe extern "C" fn(*mut CuEvent, c_uint) -> CuResult,
     pub(crate) event_record: unsafe extern "C" fn(CuEvent, CuStream) -> CuResult,
     pub(crate) event_query: unsafe extern "C" fn(CuEvent) -> CuResult,
+    pub(crate) stream_wait_event: unsafe extern "C" fn(CuStream, CuEvent, c_uint) -> CuResult,
     /// `cuEventDestroy_v2`.
     pub(crate) event_destroy: unsafe extern "C" fn(CuEvent) -> CuResult,
     /// `cuMemcpyHtoDAsync_v2`.
@@ -500,6 +501,7 @@ impl CudaApi {
                 event_create: symbol(lib, k, path, "cuEventCreate")?,
                 event_record: symbol(lib, k, path, "cuEventRecord")?,
                 event_query: symbol(lib, k, path, "cuEventQuery")?,
+                stream_wait_event: symbol(lib, k, path, "cuStreamWaitEvent")?,
                 event_destroy: symbol(lib, k, path, "cuEventDestroy_v2")?,
                 memcpy_htod_async: symbol(lib, k, path, "cuMemcpyHtoDAsync_v2")?,
                 memcpy_dtoh_async: symbol(lib, k, path, "cuMemcpyDtoHAsync_v2")?,

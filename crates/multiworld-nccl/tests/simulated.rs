@@ -172,6 +172,15 @@ fn operations_run_and_teardown_releases_everything() {
         comm.broadcast(&mut s, 0).unwrap().wait().unwrap();
         assert_eq!(s.to_host_vec(T).unwrap(), shorts);
         comm.barrier().unwrap().wait().unwrap();
+        // Ordered behind another stream (here the legacy default one), on
+        // the device: the event it records is released again (counted below).
+        // SAFETY: 0 is the legacy default stream.
+        unsafe { comm.order_after_stream(0) }.unwrap();
+        comm.all_reduce(&send, &mut recv, ReduceOp::Sum)
+            .unwrap()
+            .wait()
+            .unwrap();
+        assert_eq!(recv.to_host_vec(T).unwrap(), f32_bytes(&x));
         assert!(comm.poll_error().is_none());
     }
     match comm.close(T) {

@@ -13,8 +13,10 @@
 //!   passed), a kernel may still touch the memory until the communicator's
 //!   abort has returned — or forever, if it is quarantined — so `keep` is
 //!   leaked on purpose: those tensors are never freed.
-//! - **Ordered**: the Python side synchronises torch's current stream before
-//!   calling (the tensors' producers are done), and the operation's `Work`
+//! - **Ordered**: the Python side orders the world's stream after torch's
+//!   current stream before calling (`Nccl.after_stream`: an event recorded
+//!   on torch's stream that the world's stream waits for, so the tensors'
+//!   producers are done before NCCL reads them), and the operation's `Work`
 //!   completes only when the operation has completed on the world's stream,
 //!   so torch's later kernels (issued after `wait()`) see the result.
 //! - **Right device and size**: the Python side passes only contiguous
@@ -99,9 +101,10 @@ impl Nccl {
             // (torch allocates in the device's primary context, which the
             // world's communicator uses), and that tensor is in `keep`, which
             // the task below holds until the operation has completed (or
-            // leaks if it failed). Torch's stream was synchronised before
-            // this call, and nothing else runs on these tensors until the
-            // returned Work has completed (documented caller rule).
+            // leaks if it failed). The world's stream was ordered after
+            // torch's before this call (`after_stream`), and nothing else
+            // runs on these tensors until the returned Work has completed
+            // (documented caller rule).
             let buf = unsafe { DeviceBuffer::borrowed(n.comm(), ptr, dtype, len) }
                 .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
             bufs.push(buf);
@@ -189,6 +192,21 @@ impl Nccl {
     #[getter]
     fn device(&self) -> PyResult<usize> {
         Ok(self.n()?.comm().device())
+    }
+
+    /// Orders this world's next operations behind everything enqueued so
+    /// far on `stream`, on the device (an event recorded there that the
+    /// world's stream waits for): the host does not wait. `stream` is a raw
+    /// CUDA stream handle; the package passes torch's current stream on the
+    /// world's device (`cuda_stream`, 0 for the legacy default stream).
+    fn after_stream(&self, py: Python<'_>, stream: usize) -> PyResult<()> {
+        let n = self.n()?;
+        // SAFETY: the package passes `torch.cuda.current_stream(d).cuda_stream`
+        // for this world's device `d` (the tensors were checked to be on it):
+        // a live stream of that device's primary context, where the world's
+        // communicator lives too, or 0, the legacy default stream.
+        py.detach(|| unsafe { n.comm().order_after_stream(stream) })
+            .map_err(|e| pyo3::exceptions::PyRuntimeError::new_err(e.to_string()))
     }
 
     /// In-place all-reduce of `buf`.

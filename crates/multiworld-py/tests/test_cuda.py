@@ -464,6 +464,40 @@ def test_the_nccl_call_cost_benchmark_runs():
     assert all(len(r) == 5 and all(float(x) > 0 for x in r[1:]) for r in rows), p.stdout
 
 
+@needs_torch
+@needs_cuda
+@needs_nccl
+def test_an_nccl_call_is_ordered_after_torchs_stream_without_the_host_waiting():
+    """The input is written on torch's stream behind a kernel that keeps it
+    busy for about half a second (``torch.cuda._sleep``): the async call
+    returns long before that (the host does not wait for torch's stream),
+    and its result is what that stream wrote (NCCL waited for it on the
+    device)."""
+    import time
+
+    dev = torch.device("cuda", 0)
+    with mw.WorldManager() as m:
+        store = m.serve_store("127.0.0.1:0")
+        w = m.join(unique("order"), 0, 1, store, backend="nccl", device=dev, timeout=60, op_timeout=60)
+        src = torch.zeros(1 << 20, device=dev)
+        out = torch.full_like(src, -1.0)
+        torch.cuda.synchronize()
+        t0 = time.monotonic()
+        torch.cuda._sleep(10 ** 8)
+        torch.cuda.synchronize()
+        cycles_per_s = 10 ** 8 / (time.monotonic() - t0)
+        torch.cuda._sleep(int(0.5 * cycles_per_s))  # torch's stream: busy
+        src.fill_(7.0)  # ... then the input
+        t1 = time.monotonic()
+        work = w.all_gather_into_tensor(out, src, async_op=True)
+        issued = time.monotonic() - t1
+        assert work.wait(60) is out
+        done = time.monotonic() - t1
+        assert bool((out == 7.0).all()), out[:4].tolist()
+        assert issued < 0.2 < done, (issued, done)
+        w.finish(30)
+
+
 NCCL_WORKER = os.path.join(HERE, "workers", "cuda_nccl_worker.py")
 
 

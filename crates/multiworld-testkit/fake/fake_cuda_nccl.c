@@ -74,9 +74,16 @@ CUresult cuStreamDestroy_v2(struct fake_stream *s) {
 CUresult cuEventCreate(struct fake_event **e, unsigned flags) {
   (void)flags; *e = calloc(1, sizeof **e); __sync_fetch_and_add(&g_events, 1); return 0;
 }
+/* A NULL stream is the legacy default stream (never hung here). */
 CUresult cuEventRecord(struct fake_event *e, struct fake_stream *s) {
-  if (!s || s->magic != STREAM_MAGIC) return 400;
-  e->stream = s; e->blocked = s->hung; return 0;
+  if (s && s->magic != STREAM_MAGIC) return 400;
+  e->stream = s; e->blocked = s ? s->hung : 0; return 0;
+}
+/* Work is done in order here: nothing to wait for. */
+CUresult cuStreamWaitEvent(struct fake_stream *s, struct fake_event *e, unsigned flags) {
+  (void)flags;
+  if (s && s->magic != STREAM_MAGIC) return 400;
+  return e ? 0 : 400;
 }
 CUresult cuEventQuery(struct fake_event *e) {
   return (e->blocked && e->stream && e->stream->hung) ? 600 : 0;

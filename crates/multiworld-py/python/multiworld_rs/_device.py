@@ -6,7 +6,8 @@ anything is sent), and the method hands its arguments to :func:`run`:
 
 - **NCCL worlds** (``backend="nccl"``, the ``nccl`` build): p2p and the
   collectives NCCL has run on the tensors' own device memory (no copy: the
-  runtime borrows it), after torch's current stream is synchronised; the
+  runtime borrows it), ordered on the device after torch's current stream
+  (the host does not wait for it); the
   call (or the async ``Work``) completes when the NCCL operation has.
 - **Everything else** (TCP worlds, sub-groups, the list forms NCCL lacks):
   host staging. CUDA inputs are copied to pinned host tensors (torch's
@@ -140,12 +141,15 @@ def _mem(t: Any, nccl: Any, what: str, out: bool) -> Tuple[Tuple[int, str, int],
     return (int(t.data_ptr()), name, int(t.numel())), t
 
 
-def _sync(t: Any) -> None:
-    """Waits for torch's current stream on ``t``'s device: the tensors'
-    producers are done before NCCL (on its own stream) reads them."""
+def _order(nccl: Any, t: Any) -> None:
+    """Orders the NCCL world's next operation behind torch's current stream
+    on ``t``'s device, on the device (an event recorded on torch's stream
+    that the world's stream waits for): the tensors' producers are done
+    before NCCL reads them, and the host does not wait for them, as with
+    torch.distributed."""
     import torch
 
-    torch.cuda.current_stream(t.device).synchronize()
+    nccl.after_stream(torch.cuda.current_stream(t.device).cuda_stream)
 
 
 def nccl_run(world: Any, nccl: Any, name: str, args: Dict[str, Any]) -> Any:
@@ -176,7 +180,7 @@ def nccl_run(world: Any, nccl: Any, name: str, args: Dict[str, Any]) -> Any:
                              "travel over the world's TCP mesh with tags)")
         out = name in ("recv_into", "irecv")
         mem, t2 = _mem(t, nccl, "tensor", out)
-        _sync(t)
+        _order(nccl, t)
         if out:
             src = _opt_rank("src", a["src"])
             if src is None:
@@ -195,7 +199,7 @@ def nccl_run(world: Any, nccl: Any, name: str, args: Dict[str, Any]) -> Any:
     if name in ("broadcast", "all_reduce", "reduce"):
         t = a["tensor"]
         mem, _ = _mem(t, nccl, "tensor", True)
-        _sync(t)
+        _order(nccl, t)
         if name == "broadcast":
             native = nccl.broadcast(mem, _u32("src", a["src"]), [t])
         elif name == "all_reduce":
@@ -217,7 +221,7 @@ def nccl_run(world: Any, nccl: Any, name: str, args: Dict[str, Any]) -> Any:
         src, dst = a[i_name], a[o_name]
         smem, s2 = _mem(src, nccl, i_name, False)
         dmem, _ = _mem(dst, nccl, o_name, True)
-        _sync(dst)
+        _order(nccl, dst)
         keep = [src, s2, dst]
         if name == "all_gather_into_tensor":
             native = nccl.all_gather(smem, dmem, keep)

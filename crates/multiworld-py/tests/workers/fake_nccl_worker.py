@@ -103,7 +103,9 @@ Host.__module__ = "torch.fake_host"
 
 Fake.__module__ = "torch.fake"
 syncs = []
-D._sync = lambda t: syncs.append(t)  # no torch here: record the synchronisation instead
+# No torch here: record the ordering, and order after the legacy default
+# stream (0) through the native call.
+D._order = lambda nccl, t: (syncs.append(t), nccl.after_stream(0))
 
 
 def refused(exc, f) -> None:
