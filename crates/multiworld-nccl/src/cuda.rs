@@ -187,22 +187,8 @@ impl WorldDevice {
     /// Records an event on the world's stream: it completes when all work
     /// enqueued so far has.
     pub(crate) fn record_event(self: &Arc<Self>) -> Result<Event, NcclError> {
-        self.refuse_if_quarantined("cuEventRecord")?;
-        self.bind()?;
-        let cuda = self.rt.cuda();
-        let mut ev = std::ptr::null_mut();
-        // SAFETY: context current; writes one CUevent.
-        self.rt.cuda_check("cuEventCreate", unsafe {
-            (cuda.event_create)(&mut ev, ffi::CU_EVENT_DISABLE_TIMING)
-        })?;
-        let event = Event {
-            dev: Arc::clone(self),
-            raw: SendPtr(ev),
-        };
-        // SAFETY: both handles are live and belong to this context.
-        self.rt
-            .cuda_check("cuEventRecord", unsafe { (cuda.event_record)(ev, self.stream.0) })?;
-        Ok(event)
+        // SAFETY: the world's own stream is live while `self` is.
+        unsafe { self.event_on(self.stream.0, "cuEventRecord") }
     }
 
     /// Makes this world's stream wait, on the device, for everything
@@ -216,7 +202,27 @@ impl WorldDevice {
         self: &Arc<Self>,
         stream: *mut std::ffi::c_void,
     ) -> Result<(), NcclError> {
-        self.refuse_if_quarantined("cuStreamWaitEvent")?;
+        // Destroyed when this returns: CUDA keeps an event recorded and
+        // waited for until the work behind it is done.
+        // SAFETY: the caller's promise, passed on.
+        let event = unsafe { self.event_on(stream.cast(), "cuStreamWaitEvent") }?;
+        // SAFETY: both handles are live and belong to this context.
+        self.rt.cuda_check("cuStreamWaitEvent", unsafe {
+            (self.rt.cuda().stream_wait_event)(self.stream.0, event.raw.0, 0)
+        })
+    }
+
+    /// A new event recorded on `stream` (`op` names the call a quarantined
+    /// world refuses).
+    ///
+    /// # Safety
+    /// `stream` is a live stream of this device's primary context, or null.
+    unsafe fn event_on(
+        self: &Arc<Self>,
+        stream: ffi::CuStream,
+        op: &'static str,
+    ) -> Result<Event, NcclError> {
+        self.refuse_if_quarantined(op)?;
         self.bind()?;
         let cuda = self.rt.cuda();
         let mut ev = std::ptr::null_mut();
@@ -224,20 +230,15 @@ impl WorldDevice {
         self.rt.cuda_check("cuEventCreate", unsafe {
             (cuda.event_create)(&mut ev, ffi::CU_EVENT_DISABLE_TIMING)
         })?;
-        // Destroyed when this returns: CUDA keeps an event recorded and
-        // waited for until the work behind it is done.
-        let _event = Event {
+        let event = Event {
             dev: Arc::clone(self),
             raw: SendPtr(ev),
         };
         // SAFETY: `ev` is live; `stream` is live or null (the caller's
         // promise).
         self.rt
-            .cuda_check("cuEventRecord", unsafe { (cuda.event_record)(ev, stream.cast()) })?;
-        // SAFETY: both handles are live and belong to this context.
-        self.rt.cuda_check("cuStreamWaitEvent", unsafe {
-            (cuda.stream_wait_event)(self.stream.0, ev, 0)
-        })
+            .cuda_check("cuEventRecord", unsafe { (cuda.event_record)(ev, stream) })?;
+        Ok(event)
     }
 
     /// Waits, by polling, until everything enqueued on the stream so far has
