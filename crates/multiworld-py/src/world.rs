@@ -617,21 +617,10 @@ impl Work {
     fn notify(&self, notifier: &Notifier, token: u64) {
         if self.polled {
             // The loop's waker brings the token (one push per wake-up; the
-            // completion would push it a second time).
-            let waker = notifier.waker(token);
-            *lock(&self.loop_waker) = Some(waker.clone());
-            // Locked: a thread waits on it in `wait`, and hands back to the
-            // loop when it returns (`hand_back_to_loop`).
-            if let Ok(mut g) = self.pending.try_lock() {
-                match g.as_mut() {
-                    Some(Pending::Polled(p)) => {
-                        if self.poll_now(p) {
-                            waker.wake();
-                        }
-                    }
-                    _ => waker.wake(),
-                }
-            }
+            // completion would push it a second time), woken now if the
+            // operation has ended.
+            *lock(&self.loop_waker) = Some(notifier.waker(token));
+            self.hand_back_to_loop();
             return;
         }
         self.completion.notify(notifier, token);

@@ -223,20 +223,27 @@ def test_messages_already_here_are_taken_at_once_and_the_loop_still_turns():
     asyncio.run(asyncio.wait_for(main(), 60))
 
 
+def count_loop_wakeups(monkeypatch) -> list:
+    """Counts the event loop's wake-ups by the notifier (calls of
+    ``aio._Bridge._ready``) from now on, in a one-element list. Call it
+    before the loop's bridge exists."""
+    count = [0]
+    ready = aio._Bridge._ready
+
+    def counting(self):
+        count[0] += 1
+        ready(self)
+
+    monkeypatch.setattr(aio._Bridge, "_ready", counting)
+    return count
+
+
 def test_sends_that_fit_end_in_the_call_and_the_loop_still_turns(monkeypatch):
     """A small send is written in the call: its handle is finished when
     returned (no task, no round through the event loop) and a lent array is
     free again at once; a coroutine sending many still lets other tasks run;
     nothing is lost or reordered."""
-    wakeups = 0
-    ready = aio._Bridge._ready
-
-    def counting(self):
-        nonlocal wakeups
-        wakeups += 1
-        ready(self)
-
-    monkeypatch.setattr(aio._Bridge, "_ready", counting)  # before the loop's bridge exists
+    wakeups = count_loop_wakeups(monkeypatch)
 
     async def main():
         a, b, w0, w1 = await pair()
@@ -250,14 +257,14 @@ def test_sends_that_fit_end_in_the_call_and_the_loop_still_turns(monkeypatch):
             await w0.recv_into(got, 1, 7)
         n = 64
         ticker = await Ticker.start()
-        before = wakeups
+        before = wakeups[0]
         for i in range(n):
             x[:] = i
             await w1.send(x, 0, 3, copy=bool(i % 2))
             # The lent array is free again: a receive into it is not refused
             # (none is waiting on tag 99, so nothing is taken).
             assert w1.sync._w.recv_into_now(x, 0, 99) is None
-        woke = wakeups - before
+        woke = wakeups[0] - before
         turns = await ticker.stop()
         assert turns >= n // aio._BURST - 1, turns
         # Both forms skip the loop's wake-up (a send that waited for the
@@ -280,15 +287,7 @@ def test_each_receive_that_waits_wakes_the_loop_once(monkeypatch):
     the message is in (a send that fits the socket's buffer, not at all):
     50 round trips of an asyncio ping-pong take at most a few more than 50
     wake-ups of the loop's notifier."""
-    wakeups = 0
-    ready = aio._Bridge._ready
-
-    def counting(self):
-        nonlocal wakeups
-        wakeups += 1
-        ready(self)
-
-    monkeypatch.setattr(aio._Bridge, "_ready", counting)  # before the loop's bridge exists
+    wakeups = count_loop_wakeups(monkeypatch)
 
     async def main():
         a, b, w0, w1 = await pair()
@@ -303,13 +302,13 @@ def test_each_receive_that_waits_wakes_the_loop_once(monkeypatch):
         t = threading.Thread(target=echo, daemon=True)
         t.start()
         x = np.zeros(2, np.int64)
-        before = wakeups
+        before = wakeups[0]
         for i in range(n):
             x[:] = i
             await w0.send(x, 1, 6, copy=False)
             await w0.recv_into(x, 1, 6)
             assert int(x[0]) == i
-        woke = wakeups - before
+        woke = wakeups[0] - before
         t.join(10)
         assert woke <= n + 5, f"{woke} wake-ups of the loop for {n} round trips"
         await asyncio.gather(w0.finish(10), w1.finish(10))
