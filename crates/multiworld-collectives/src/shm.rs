@@ -604,9 +604,16 @@ async fn setup(cx: Ctx<'_>) -> Result<ShmState> {
 /// futex), so no runtime thread is held: other tasks (other ranks in this
 /// runtime, other worlds, the call's guard watching for a lost member or a
 /// deadline) keep running. A call that ends early leaves that thread to finish
-/// its current wait (at most [`BLOCKING_WAIT`]).
+/// its current wait (at most [`BLOCKING_WAIT`]). On a thread that only waits
+/// for this call ([`multiworld_tcp::as_blocking_caller`]: a Python thread in a
+/// blocking call) the sleeping is done on that thread, in slices of
+/// [`WAIT_SLICE`], which saves the hand-off to the pool's thread and back.
 async fn arrive_and_wait(cx: Ctx<'_>, seg: &Arc<Segment>) -> Result<()> {
-    let (n, me) = (cx.n(), cx.me);
+    arrive_and_wait_as(cx.n(), cx.me, seg).await
+}
+
+/// [`arrive_and_wait`] as member `me` of `n`.
+async fn arrive_and_wait_as(n: usize, me: usize, seg: &Arc<Segment>) -> Result<()> {
     let target = seg.arrivals.fetch_add(1, Ordering::Relaxed).wrapping_add(1);
     let mine = seg.counter(me)?;
     mine.store(target, Ordering::Release);
@@ -618,6 +625,16 @@ async fn arrive_and_wait(cx: Ctx<'_>, seg: &Arc<Segment>) -> Result<()> {
         std::hint::spin_loop();
     }
     loop {
+        if multiworld_tcp::on_blocking_caller() {
+            // The caller's own thread, waiting for nothing else: it sleeps
+            // here, woken straight by the last member to arrive, then lets
+            // the call's other branches run between slices.
+            if seg.wait_blocking(n, me, target, WAIT_SLICE)? {
+                return Ok(());
+            }
+            tokio::task::yield_now().await;
+            continue;
+        }
         let s = Arc::clone(seg);
         let done = tokio::task::spawn_blocking(move || s.wait_blocking(n, me, target, BLOCKING_WAIT))
             .await
@@ -1247,6 +1264,107 @@ impl Io<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Member 0's segment and member 1's view of it, in one process.
+    #[cfg(target_os = "linux")]
+    fn two_members() -> (Arc<Segment>, Arc<Segment>, std::fs::File) {
+        let len = HEADER + BUFFERS * 2 * 4096;
+        let (a, file, offer) = Segment::create(len).unwrap();
+        let b = Segment::open(&offer, len).unwrap();
+        (Arc::new(a), Arc::new(b), file)
+    }
+
+    /// A runtime whose only blocking-pool thread is held until the returned
+    /// sender is dropped or sent to: a wait that hands its sleeping to the
+    /// pool cannot end meanwhile.
+    fn runtime_with_its_pool_held() -> (tokio::runtime::Runtime, std::sync::mpsc::Sender<()>) {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .max_blocking_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let (release, held) = std::sync::mpsc::channel::<()>();
+        let (started_tx, started) = std::sync::mpsc::channel::<()>();
+        drop(rt.spawn_blocking(move || {
+            started_tx.send(()).unwrap();
+            let _ = held.recv();
+        }));
+        started.recv().unwrap();
+        (rt, release)
+    }
+
+    /// Member 1 arrives at its next barrier after `after`, on its own thread.
+    #[cfg(target_os = "linux")]
+    fn arrives_late(b: &Arc<Segment>, after: Duration) -> std::thread::JoinHandle<()> {
+        let b = Arc::clone(b);
+        std::thread::spawn(move || {
+            std::thread::sleep(after);
+            let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+            // Member 0 is already there: no waiting, so no blocking pool.
+            rt.block_on(arrive_and_wait_as(2, 1, &b)).unwrap();
+        })
+    }
+
+    /// A barrier waited for on a blocking caller's thread sleeps there, not
+    /// on the blocking pool: it ends when the late member arrives although
+    /// the runtime's only pool thread is held. The same wait from a thread
+    /// that is not a blocking caller needs the pool, so it cannot end while
+    /// the pool is held (the premise of the first half).
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_blocking_callers_barrier_sleeps_on_its_own_thread() {
+        let (a, b, _file) = two_members();
+        let (rt, release) = runtime_with_its_pool_held();
+        let late = arrives_late(&b, Duration::from_millis(100));
+        let t0 = Instant::now();
+        let r = multiworld_tcp::as_blocking_caller(|| {
+            rt.block_on(async {
+                tokio::time::timeout(Duration::from_secs(10), arrive_and_wait_as(2, 0, &a)).await
+            })
+        });
+        let took = t0.elapsed();
+        late.join().unwrap();
+        assert!(matches!(r, Ok(Ok(()))), "{r:?}");
+        assert!(
+            took >= Duration::from_millis(100),
+            "ended before member 1 arrived: {took:?}"
+        );
+        assert!(took < Duration::from_secs(5), "took {took:?}");
+
+        // Not a blocking caller: the wait goes to the held pool.
+        let late = arrives_late(&b, Duration::from_millis(100));
+        let r = rt.block_on(async {
+            tokio::time::timeout(Duration::from_secs(1), arrive_and_wait_as(2, 0, &a)).await
+        });
+        late.join().unwrap();
+        assert!(r.is_err(), "the wait ended while the pool was held: {r:?}");
+        release.send(()).unwrap();
+    }
+
+    /// While a blocking caller sleeps at a barrier that a member never
+    /// reaches, the other branches of its future still run between slices
+    /// (in a call: the guard that sees a lost member or a deadline).
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_blocking_callers_barrier_lets_the_rest_of_its_future_run() {
+        let (a, _b, _file) = two_members();
+        let (rt, _release) = runtime_with_its_pool_held();
+        let t0 = Instant::now();
+        let other_branch = multiworld_tcp::as_blocking_caller(|| {
+            rt.block_on(async {
+                tokio::select! {
+                    r = arrive_and_wait_as(2, 0, &a) => panic!("member 1 never arrives: {r:?}"),
+                    () = tokio::time::sleep(Duration::from_millis(50)) => t0.elapsed(),
+                }
+            })
+        });
+        assert!(other_branch >= Duration::from_millis(50), "{other_branch:?}");
+        assert!(
+            other_branch < Duration::from_secs(2),
+            "the sleeping held the future for {other_branch:?}"
+        );
+    }
 
     /// Non-temporal copies equal plain ones for every alignment of either
     /// side, lengths around the 64-byte body included, and touch nothing

@@ -35,6 +35,10 @@ const LEN: usize = 4 << 20; // 16 MiB of f32: shared memory, or the ring
 enum Route {
     /// Default settings: on one host, through shared memory.
     SharedMemory,
+    /// As [`Route::SharedMemory`], but the surviving children wait at the
+    /// segment's barriers on their own threads, as a Python thread in a
+    /// blocking call does (`multiworld_tcp::as_blocking_caller`).
+    SharedMemoryBlockingCaller,
     /// `Algorithm::Ring`: the data over TCP.
     Ring,
 }
@@ -43,6 +47,7 @@ impl Route {
     fn env(self) -> &'static str {
         match self {
             Route::SharedMemory => "shm",
+            Route::SharedMemoryBlockingCaller => "shm-blocking-caller",
             Route::Ring => "ring",
         }
     }
@@ -50,6 +55,7 @@ impl Route {
     fn from_env(s: &str) -> Route {
         match s {
             "shm" => Route::SharedMemory,
+            "shm-blocking-caller" => Route::SharedMemoryBlockingCaller,
             "ring" => Route::Ring,
             other => panic!("{ROUTE_ENV}={other:?}"),
         }
@@ -57,7 +63,7 @@ impl Route {
 
     fn config(self) -> CollectiveConfig {
         match self {
-            Route::SharedMemory => CollectiveConfig::default(),
+            Route::SharedMemory | Route::SharedMemoryBlockingCaller => CollectiveConfig::default(),
             Route::Ring => CollectiveConfig::default().with_algorithm(Algorithm::Ring),
         }
     }
@@ -94,36 +100,48 @@ fn collectives_kill_child() {
     };
     let rank: u32 = rank.parse().unwrap();
     let route = Route::from_env(&route);
-    runtime().block_on(async {
-        let rdv = FileRendezvous {
-            dir: dir.clone().into(),
-        };
-        let comm = Arc::new(
-            Communicator::join(config("collkill", rank, WORLD), &rdv)
-                .await
-                .unwrap(),
-        );
-        let g = Group::world(&comm).with_config(route.config());
-        let mine = input(rank);
-        let mut done = 0u64;
-        let err = loop {
-            let mut t = mine.clone();
-            match g.all_reduce(&mut t, ReduceOp::Sum).await {
-                Ok(()) if is_complete_result(&t) => done += 1,
-                Ok(()) => break format!("call {done} succeeded with a wrong result"),
-                Err(e) => break e.to_string(),
-            }
-        };
-        let line = format!("{} {done} {err}", now_nanos());
-        let path = Path::new(&dir).join(format!("result-{rank}"));
-        std::fs::write(path.with_extension("tmp"), line).unwrap();
-        std::fs::rename(path.with_extension("tmp"), path).unwrap();
-    });
+    let rt = runtime();
+    let run = || {
+        rt.block_on(async {
+            let rdv = FileRendezvous {
+                dir: dir.clone().into(),
+            };
+            let comm = Arc::new(
+                Communicator::join(config("collkill", rank, WORLD), &rdv)
+                    .await
+                    .unwrap(),
+            );
+            let g = Group::world(&comm).with_config(route.config());
+            let mine = input(rank);
+            let mut done = 0u64;
+            let err = loop {
+                let mut t = mine.clone();
+                match g.all_reduce(&mut t, ReduceOp::Sum).await {
+                    Ok(()) if is_complete_result(&t) => done += 1,
+                    Ok(()) => break format!("call {done} succeeded with a wrong result"),
+                    Err(e) => break e.to_string(),
+                }
+            };
+            let line = format!("{} {done} {err}", now_nanos());
+            let path = Path::new(&dir).join(format!("result-{rank}"));
+            std::fs::write(path.with_extension("tmp"), line).unwrap();
+            std::fs::rename(path.with_extension("tmp"), path).unwrap();
+        })
+    };
+    match route {
+        Route::SharedMemoryBlockingCaller => multiworld_tcp::as_blocking_caller(run),
+        Route::SharedMemory | Route::Ring => run(),
+    }
 }
 
 #[test]
 fn a_rank_killed_mid_collective_fails_every_survivor_shared_memory() {
     killed_mid_collective(Route::SharedMemory);
+}
+
+#[test]
+fn a_rank_killed_mid_collective_fails_every_survivor_waiting_on_their_own_threads() {
+    killed_mid_collective(Route::SharedMemoryBlockingCaller);
 }
 
 #[test]
@@ -180,7 +198,7 @@ fn killed_mid_collective(route: Route) {
             WORLD - 1
         );
         match route {
-            Route::SharedMemory => {
+            Route::SharedMemory | Route::SharedMemoryBlockingCaller => {
                 assert!(
                     matches!(state, SharedMemory::Active { .. }),
                     "shared memory: {state}"
@@ -208,7 +226,9 @@ fn killed_mid_collective(route: Route) {
         let handle = g.all_reduce_handle(mine.clone(), ReduceOp::Sum);
         let flowing = eventually(Duration::from_secs(30), || match route {
             Route::Ring => received() >= before + (1 << 20),
-            Route::SharedMemory => sent().iter().zip(&sent_before).all(|(now, was)| now > was),
+            Route::SharedMemory | Route::SharedMemoryBlockingCaller => {
+                sent().iter().zip(&sent_before).all(|(now, was)| now > was)
+            }
         })
         .await;
         assert!(flowing, "the call never got under way");

@@ -158,7 +158,13 @@ where
         }
     }
     loop {
-        let slice = py.detach(|| rt.block_on(async { tokio::time::timeout(SLICE, fut.as_mut()).await }));
+        // With the GIL released this thread only waits for `fut`: waits that
+        // would sleep on a blocking-pool thread sleep here instead.
+        let slice = py.detach(|| {
+            multiworld::as_blocking_caller(|| {
+                rt.block_on(async { tokio::time::timeout(SLICE, fut.as_mut()).await })
+            })
+        });
         match slice {
             Ok(out) => return Ok(out),
             Err(_) => py.check_signals()?,

@@ -4,6 +4,7 @@ killing or freezing one worker breaks that world only."""
 from __future__ import annotations
 
 import signal
+import threading
 import time
 
 import numpy as np
@@ -74,4 +75,63 @@ def test_one_worker_fails_only_its_world_breaks(how):
             if p.poll() is None:
                 p.kill()
             p.communicate(timeout=30)
+        m.shutdown()
+
+
+def test_a_member_killed_mid_shared_memory_all_reduce_fails_the_others_blocking_calls():
+    """Three processes run 8 MiB all-reduces, whose data go through their
+    shared-memory segment and whose blocking calls wait at its barriers on
+    the calling thread. SIGKILL of one: every survivor's call fails with
+    BrokenWorldError within the bound (never a partial result as success),
+    and a second world between two survivors still delivers."""
+    m = mw.WorldManager()
+    store = m.serve_store("127.0.0.1:0")
+    name, other = unique("shm-kill"), unique("shm-kill-other")
+    procs = {r: spawn("shm_kill_worker.py", r, store, name, other) for r in (1, 2)}
+    try:
+        w = m.join(name, 0, 3, store, timeout=60)
+        o = m.join(other, 0, 2, store, timeout=60)
+        failed = {}
+
+        def calls():
+            t = np.empty(1 << 21, np.float32)
+            n = 0
+            while True:
+                t[:] = 1
+                try:
+                    w.all_reduce(t, "sum")
+                except mw.BrokenWorldError as e:
+                    failed.update(at=time.time(), error=e, calls=n)
+                    return
+                assert (t == 6).all(), f"call {n}: wrong result"
+                n += 1
+
+        th = threading.Thread(target=calls, daemon=True)
+        th.start()
+        for r, p in procs.items():
+            assert p.stdout.readline().strip() == "ready", f"rank {r} never got going"
+        procs[2].send_signal(signal.SIGKILL)
+        killed = time.time()
+        th.join(10)
+        assert not th.is_alive(), "rank 0's call hung after the kill"
+        e = failed["error"]
+        assert e.world == name and e.cause in ("peer_lost", "reported_by_peer"), e
+        assert failed["at"] - killed < 2.0, f"rank 0 failed {failed['at'] - killed:.3f} s after the kill"
+        line = procs[1].stdout.readline().split()
+        assert line[:1] == ["broken"], line
+        assert line[2] in ("peer_lost", "reported_by_peer"), line
+        assert float(line[1]) - killed < 2.0, f"rank 1 failed {float(line[1]) - killed:.3f} s after the kill"
+        # The other world, between the two survivors, is untouched.
+        o.send(np.arange(4, dtype=np.int64), 1)
+        assert o.recv(1, dtype=np.int64, shape=4).tolist() == [0, 2, 4, 6]
+        o.finish(10)
+        out, err = procs[1].communicate(timeout=30)
+        assert procs[1].returncode == 0 and "OK" in out, err
+        print(f"rank 0 failed {failed['at'] - killed:.4f} s, rank 1 {float(line[1]) - killed:.4f} s "
+              f"after the kill ({failed['calls']} calls before)")
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
         m.shutdown()

@@ -354,6 +354,42 @@ pub fn without_pacing<T>(f: impl FnOnce() -> T) -> T {
     f()
 }
 
+thread_local! {
+    /// Set while [`as_blocking_caller`] runs on this thread.
+    static BLOCKING_CALLER: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` (and [`without_pacing`]) on a thread that does nothing but wait
+/// for its own operations: it runs no runtime tasks and no event loop, and
+/// holds no lock that other threads wait for (a foreign language's thread
+/// inside a blocking call, its interpreter lock released, driving its
+/// operation with `block_on`). Waits that would otherwise hand their sleeping
+/// to a blocking-pool thread, to keep a runtime thread free (a shared-memory
+/// barrier of the collectives, a device operation's poller), sleep on this
+/// thread instead: that saves waking the pool's thread and being woken by it,
+/// two hand-offs between threads per wait. Such a sleep lasts a bounded slice
+/// (milliseconds), after which the wait yields once, so whatever else the
+/// same future watches (a lost member, a deadline) keeps its turn.
+///
+/// Never use it on a runtime's thread or an event loop's: a wait there would
+/// hold up everything else that thread runs.
+pub fn as_blocking_caller<T>(f: impl FnOnce() -> T) -> T {
+    struct Reset(bool);
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            BLOCKING_CALLER.with(|b| b.set(self.0));
+        }
+    }
+    let _reset = Reset(BLOCKING_CALLER.with(|b| b.replace(true)));
+    without_pacing(f)
+}
+
+/// Whether this thread is inside [`as_blocking_caller`]: a wait may sleep on
+/// it for a bounded slice instead of on a blocking-pool thread.
+pub fn on_blocking_caller() -> bool {
+    BLOCKING_CALLER.with(std::cell::Cell::get)
+}
+
 /// One rank's communicator for one world: owns that world's listener, connections
 /// and tasks, and nothing else. Dropping it aborts it (use [`Communicator::close`]
 /// for an orderly goodbye). Share it between tasks with an `Arc`.

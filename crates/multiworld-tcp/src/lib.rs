@@ -67,7 +67,7 @@ mod mesh;
 
 pub use comm::{
     CLOSE_LIMIT, Communicator, Health, HealthEvent, PeerLiveness, PeerStats, Received, RecvFailed,
-    RecvHandle, SendHandle, without_pacing,
+    RecvHandle, SendHandle, as_blocking_caller, on_blocking_caller, without_pacing,
 };
 pub use config::{CommConfig, DEFAULT_EAGER_LIMIT, DEFAULT_HELLO_TIMEOUT, DEFAULT_RECV_SPIN};
 pub use error::{Error, MessageDesc, Result, Side};

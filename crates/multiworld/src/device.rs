@@ -621,6 +621,9 @@ impl DeviceOp {
             }
             tokio::task::yield_now().await;
         }
+        if multiworld_tcp::on_blocking_caller() {
+            return self.completion_here().await;
+        }
         // Longer ones: polled on a blocking thread with a fine backoff.
         // Tokio's timer ticks in milliseconds, which rounded every
         // operation past the eager polls up to 1 ms or more (a 300 µs
@@ -658,6 +661,36 @@ impl DeviceOp {
         }
     }
 }
+
+impl DeviceOp {
+    /// The longer operations' waiting on a blocking caller's own thread
+    /// (`multiworld_tcp::as_blocking_caller`: a Python thread in a blocking
+    /// call): polled there with the blocking poller's backoff, which saves
+    /// handing the wait to a pool thread and being woken by it; between
+    /// slices of [`HERE_SLICE`] the wait yields, so the rest of the caller's
+    /// future (its deadline, Ctrl-C checks) keeps its turn.
+    async fn completion_here(&self) -> Result<(), WorldError> {
+        let mut sleep = FIRST_SLEEP;
+        loop {
+            let until = Instant::now() + HERE_SLICE;
+            loop {
+                if self.is_completed()? {
+                    return Ok(());
+                }
+                if Instant::now() >= until {
+                    break;
+                }
+                std::thread::sleep(sleep);
+                sleep = (sleep * 2).min(MAX_SLEEP);
+            }
+            tokio::task::yield_now().await;
+        }
+    }
+}
+
+/// Longest a blocking caller's thread polls a device operation before its
+/// wait yields once (see `DeviceOp::completion_here`).
+const HERE_SLICE: Duration = Duration::from_millis(10);
 
 /// Polls of a device operation on the runtime before a blocking thread
 /// takes over (see `DeviceOp::completion`).

@@ -94,7 +94,7 @@ pub use manager::{ManagerConfig, WorldInfo, WorldManager};
 pub use multiworld_collectives::{CollectiveHandle, Group};
 pub use multiworld_tcp::Error as CommError;
 pub use multiworld_tcp::Received;
-pub use multiworld_tcp::without_pacing;
+pub use multiworld_tcp::{as_blocking_caller, on_blocking_caller, without_pacing};
 pub use multiworld_types::{
     DType, Element, ExternalMemory, Generation, Rank, ReduceOp, Secret, Tag, Tensor, TensorView, WorldName,
     bf16, f16,

@@ -126,6 +126,79 @@ async fn a_device_operation_that_completes_late_ends_its_wait() {
     m.shutdown().await;
 }
 
+/// On a blocking caller's thread (`multiworld::as_blocking_caller`: a Python
+/// thread in a blocking call) a device operation is polled on that thread,
+/// not handed to the blocking pool: a late operation's wait ends promptly
+/// although the runtime's only pool thread is held. The same wait from a
+/// thread that is not a blocking caller does not end while the pool is held
+/// (the premise of the first half).
+#[test]
+fn a_blocking_callers_device_wait_polls_on_its_own_thread() {
+    let (_g, f) = fake::fake();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .max_blocking_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (m, w) = rt.block_on(async {
+        let (m, store) = manager(&f).await;
+        let w = m.join(nccl_cfg("caller", 0, 1, &store)).await.unwrap();
+        (m, w)
+    });
+    let nccl = w.nccl().unwrap();
+    let mut buf = nccl.upload(DType::F32, &f32_bytes(&ramp(64, 0.5))).unwrap();
+    // Hold the runtime's only blocking-pool thread.
+    let (release_pool, held) = std::sync::mpsc::channel::<()>();
+    let (started_tx, started) = std::sync::mpsc::channel::<()>();
+    drop(rt.spawn_blocking(move || {
+        started_tx.send(()).unwrap();
+        let _ = held.recv();
+    }));
+    started.recv().unwrap();
+
+    // Each operation hangs until released 100 ms later, by another thread.
+    let late_op = |nccl: &NcclWorld, buf: &mut DeviceBuffer| {
+        f.set(false, true, false);
+        let op = nccl.all_reduce(buf, ReduceOp::Sum).unwrap();
+        f.set(false, false, false);
+        op
+    };
+    std::thread::scope(|s| {
+        let op = late_op(&nccl, &mut buf);
+        s.spawn(|| {
+            std::thread::sleep(Duration::from_millis(100));
+            f.release_last();
+        });
+        let t0 = Instant::now();
+        let r = multiworld::as_blocking_caller(|| {
+            rt.block_on(async { tokio::time::timeout(T, op.wait()).await })
+        });
+        let took = t0.elapsed();
+        assert!(matches!(r, Ok(Ok(()))), "{r:?}");
+        assert!(
+            took >= Duration::from_millis(100),
+            "ended before the operation: {took:?}"
+        );
+        assert!(took < Duration::from_secs(5), "took {took:?}");
+    });
+    std::thread::scope(|s| {
+        let op = late_op(&nccl, &mut buf);
+        s.spawn(|| {
+            std::thread::sleep(Duration::from_millis(100));
+            f.release_last();
+        });
+        let r = rt.block_on(async { tokio::time::timeout(Duration::from_secs(1), op.wait()).await });
+        assert!(r.is_err(), "the wait ended while the pool was held: {r:?}");
+    });
+    release_pool.send(()).unwrap();
+    assert_eq!(w.state(), WorldState::Ready);
+    rt.block_on(async {
+        all_reduce_works(&w).await;
+        m.shutdown().await;
+    });
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nccl_worlds_run_device_operations_and_an_nccl_error_breaks_only_its_world() {
     let (_g, f) = fake::fake();

@@ -20,7 +20,7 @@ Scenarios (every rank a process of its own, started with ``subprocess``):
   leader runs one thread per world (``threads``) or one asyncio task per
   world through :mod:`multiworld_rs.aio` (``asyncio``) (total GB/s);
 - ``all_reduce``: a float32 tensor summed over 2 or 4 processes (median ms
-  per call).
+  per call; 1 GiB in all, between 5 and 400 calls).
 
 The Rust binary is found through ``--rust-bin``, then ``$MULTIWORLD_BENCH_BIN``,
 then ``$CARGO_TARGET_DIR/release/mw-rank-bench`` and the repository's
@@ -63,7 +63,9 @@ class Load:
     bytes: int = 1 << 30
     min_messages: int = 100
     rounds: int = 20_000
-    max_iters: int = 50
+    # Calls of the 1 MiB all-reduce (a fraction of a millisecond each): with
+    # 50 the median moved by 0.2x between runs.
+    max_iters: int = 400
     min_iters: int = 5
 
     @staticmethod

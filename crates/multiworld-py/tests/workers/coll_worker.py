@@ -133,6 +133,24 @@ out = [None]
 w.scatter_object_list(out, [f"for {r}" for r in range(size)] if rank == 0 else None, src=0)
 check("scatter_object_list", np.array([out[0] == f"for {rank}"]), np.array([True]))
 
+# Large tensors go through the members' shared-memory segment (one host), in
+# 1 MiB pieces with a barrier per piece; a blocking call waits at those
+# barriers on the caller's own thread. Small integers keep the sums exact.
+BIG = 3 << 18  # 3 MiB of float32
+for i in range(4):
+    t = inp(rank + i, "float32", BIG)
+    w.all_reduce(t, "sum")
+    check(f"large all_reduce {i}", t, sum(inp(r + i, "float32", BIG) for r in range(size)))
+t = inp(rank, "int32", BIG) if rank == 1 else np.zeros(BIG, np.int32)
+w.broadcast(t, src=1)
+check("large broadcast", t, inp(1, "int32", BIG))
+out = np.zeros((size, BIG // 2), np.float32)
+w.all_gather_into_tensor(out, inp(rank, "float32", BIG // 2))
+check("large all_gather_into_tensor", out, np.stack([inp(r, "float32", BIG // 2) for r in range(size)]))
+t = inp(rank, "float32", BIG)
+w.all_reduce(t, "max", async_op=True).wait(30)
+check("large all_reduce async", t, ref("float32", "max", BIG))
+
 # A mismatch is an error on every rank, never garbage.
 try:
     w.all_reduce(np.zeros(N + rank, np.float32), "sum")
