@@ -196,9 +196,20 @@ impl WorldShared {
     /// error; a world-fatal one breaks the world.
     pub(crate) fn fail_device(self: &Arc<Self>, err: NcclError) -> WorldError {
         if err.is_world_fatal() {
-            self.break_with(BreakCause::Device {
-                reason: err.to_string(),
-            });
+            let cause = match &err {
+                // An operation, its enqueue or a bounded copy that did not
+                // finish within the device operation deadline: the cause the
+                // watchdog gives an operation past its deadline, so the world
+                // breaks alike whichever of the two sees it first.
+                NcclError::Timeout { op, after } => BreakCause::OpDeadline {
+                    op: (*op).to_owned(),
+                    after: *after,
+                },
+                _ => BreakCause::Device {
+                    reason: err.to_string(),
+                },
+            };
+            self.break_with(cause);
             return self.unusable();
         }
         device_call_error(&self.name, err)
