@@ -330,6 +330,8 @@ fn finished_work(
 enum InPlace {
     AllReduce(ReduceOp),
     Broadcast(Rank),
+    /// The root's tensor gets the result; the others' are left as they were.
+    Reduce(Rank, ReduceOp),
 }
 
 impl World {
@@ -342,9 +344,44 @@ impl World {
         let r = match what {
             InPlace::AllReduce(op) => self.coll(py, g.all_reduce(&mut loan.tensor, op)),
             InPlace::Broadcast(root) => self.coll(py, g.broadcast(&mut loan.tensor, root)),
+            InPlace::Reduce(root, op) => self.coll(py, g.reduce(&mut loan.tensor, root, op)),
         };
         loan.settle(py);
         r
+    }
+
+    /// An in-place collective in the background on a plain, writeable numpy
+    /// array (`lent::plain`): the collective works on the array itself,
+    /// lent to its task (no copy in, none out). The handle yields `None`,
+    /// and only once the runtime has let go of the array (also after a
+    /// failure; dropping the handle does not cancel a collective). `None`
+    /// (nothing started) for any other argument: the Python layer then
+    /// takes the copying path.
+    fn in_place_lent(
+        &self,
+        obj: &Bound<'_, PyAny>,
+        what: &str,
+        start: impl FnOnce(&Group, Tensor) -> CollectiveHandle<Tensor>,
+    ) -> PyResult<Option<Work>> {
+        let Some(a) = lent::plain(obj) else {
+            return Ok(None);
+        };
+        let (w, g) = (self.w()?.clone(), self.g()?);
+        let Some((t, released)) = a.lend_to_task(what)? else {
+            return Ok(None);
+        };
+        let h = runtime::enter(|| start(&g, t))?;
+        let op = async move {
+            match h.wait().await {
+                // Dropping the tensor ends the loan.
+                Ok(t) => {
+                    drop(t);
+                    Ok(Done::Unit)
+                }
+                Err(e) => Err(errors::from_comm(&w, e).await),
+            }
+        };
+        self.lent_work(op, released, false).map(Some)
     }
 
     /// Starts a collective's handle form on this world's group as a `Work`.
@@ -920,6 +957,24 @@ impl World {
         self.in_place(py, loan, InPlace::Broadcast(Rank(root)))
     }
 
+    /// Reduce to `root` of the caller's C-contiguous array `out` (its bytes,
+    /// as `uint8`) in place, the array lent to the runtime for the call (no
+    /// copy): the root's gets the result, the others' are left as they
+    /// were. On failure the root's may hold partial results.
+    fn reduce_into(
+        &self,
+        py: Python<'_>,
+        mut out: PyReadwriteArray1<'_, u8>,
+        dtype: &str,
+        shape: Vec<usize>,
+        root: u32,
+        op: &str,
+    ) -> PyResult<()> {
+        let op = reduce_op(op)?;
+        let loan = Loan::new(&mut out, tensor::dtype(dtype)?, shape, "reduce")?;
+        self.in_place(py, loan, InPlace::Reduce(Rank(root), op))
+    }
+
     /// The asyncio API's send of a plain numpy array (`lent::plain`) from
     /// its own memory, lent to the send's task: the handle yields `None`,
     /// and only once the runtime has let go of the array (also after a
@@ -1189,6 +1244,27 @@ impl World {
     fn all_reduce_async(&self, t: Input<'_>, op: &str) -> PyResult<Work> {
         let (t, op) = (t.tensor()?, reduce_op(op)?);
         self.start(|g| g.all_reduce_handle(t, op), Done::Tensor)
+    }
+
+    /// `all_reduce(async_op=True)` on a plain numpy array, in place and
+    /// without a copy (see `in_place_lent`); `None` for anything else.
+    fn all_reduce_lent(&self, obj: &Bound<'_, PyAny>, op: &str) -> PyResult<Option<Work>> {
+        let op = reduce_op(op)?;
+        self.in_place_lent(obj, "all_reduce", |g, t| g.all_reduce_handle(t, op))
+    }
+
+    /// `broadcast(async_op=True)` on a plain numpy array, in place and
+    /// without a copy (see `in_place_lent`); `None` for anything else.
+    fn broadcast_lent(&self, obj: &Bound<'_, PyAny>, root: u32) -> PyResult<Option<Work>> {
+        self.in_place_lent(obj, "broadcast", |g, t| g.broadcast_handle(t, Rank(root)))
+    }
+
+    /// `reduce(async_op=True)` on a plain numpy array, in place (the root's
+    /// array gets the result) and without a copy (see `in_place_lent`);
+    /// `None` for anything else.
+    fn reduce_lent(&self, obj: &Bound<'_, PyAny>, root: u32, op: &str) -> PyResult<Option<Work>> {
+        let op = reduce_op(op)?;
+        self.in_place_lent(obj, "reduce", |g, t| g.reduce_handle(t, Rank(root), op))
     }
 
     /// Starts a broadcast in the background; the handle yields the result.

@@ -105,3 +105,21 @@ def test_the_asyncio_paths_benchmark_runs():
     finally:
         sys.path.pop(0)
     assert len(out) == 7 and all(v > 0 for v in out.values()), out
+
+
+def test_the_async_all_reduce_benchmark_runs():
+    """``bench/async_all_reduce.py`` with two small runs: its ranks check
+    every result; a positive median comes back (no timing is checked)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    sys.path.insert(0, str(root / "bench"))
+    try:
+        import async_all_reduce as script
+
+        for mode in script.MODES:
+            assert script.measure(2, 1 << 16, 5, mode) > 0
+        with pytest.raises(ValueError, match="mode must be"):
+            script.measure(2, 1 << 16, 5, "threads")
+    finally:
+        sys.path.pop(0)

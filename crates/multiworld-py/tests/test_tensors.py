@@ -385,7 +385,60 @@ def test_large_results_come_back_aligned_without_a_copy(pair, name):
     _, s = both(lambda: w1.send(small, 0), lambda: w0.recv(1, dtype=name, shape=(3,)))
     assert s.tobytes() == small.tobytes()
     if name != "bool":
-        a, b = both(lambda: w0.all_reduce(x, "max", async_op=True).wait(),
-                    lambda: w1.all_reduce(x, "max", async_op=True).wait())
+        xa, xb = x.copy(), x.copy()
+        a, b = both(lambda: w0.all_reduce(xa, "max", async_op=True).wait(),
+                    lambda: w1.all_reduce(xb, "max", async_op=True).wait())
+        assert a is xa and b is xb  # in place, as in the blocking form
         for r in (a, b):
-            assert r is not None and r.tobytes() == x.tobytes() and r.dtype == x.dtype
+            assert r.tobytes() == x.tobytes() and r.dtype == x.dtype
+
+
+def test_in_place_collectives_in_the_background_work_on_the_array_itself(pair):
+    """all_reduce, broadcast and reduce with async_op=True lend a plain
+    array to the runtime until they end (no copy in or out): the runtime
+    holds a reference meanwhile, another call is refused the array, wait()
+    returns the array itself with the result in it; a reduce leaves the
+    non-root's array as it was (blocking too); a strided or bool array
+    takes the copying path with the same results."""
+    import sys
+
+    w0, w1 = pair
+    n = 1 << 16
+    a, b = np.arange(n, dtype=np.float32), np.full(n, 2, np.float32)
+    before = sys.getrefcount(a)
+    wa = w0.all_reduce(a, "sum", async_op=True)
+    assert sys.getrefcount(a) > before  # lent to the runtime until the call ends
+    with pytest.raises(ValueError, match="in use by another call"):
+        w0.send(a, 1, tag=3)
+    wb = w1.all_reduce(b, "sum", async_op=True)
+    assert wa.wait(10) is a and wb.wait(10) is b
+    want = np.arange(n, dtype=np.float32) + 2
+    assert (a == want).all() and (b == want).all()
+    assert wa.wait() is a  # again: the same result
+    w0.send(a, 1, tag=3)  # given back: usable by any call
+    assert (w1.recv(0, dtype=np.float32, shape=n, tag=3) == want).all()
+
+    root, other = np.arange(10, dtype=np.int64), np.zeros(10, np.int64)
+    works = both(lambda: w0.broadcast(root, 0, async_op=True), lambda: w1.broadcast(other, 0, async_op=True))
+    assert works[0].wait(10) is root and works[1].wait(10) is other
+    assert (other == np.arange(10)).all() and (root == np.arange(10)).all()
+
+    for async_op in (True, False):
+        r, x = np.full(6, 3, np.int32), np.full(6, 4, np.int32)
+        works = both(lambda: w0.reduce(r, 1, "product", async_op=async_op),
+                     lambda: w1.reduce(x, 1, "product", async_op=async_op))
+        if async_op:
+            assert works[0].wait(10) is r and works[1].wait(10) is x
+        assert (x == 12).all(), (async_op, x)  # the root's: the result
+        assert (r == 3).all(), (async_op, r)  # the other's: as it was
+
+    # Not lendable: copied in and out, same results.
+    src, strided = np.ones(4, np.float64), np.zeros((4, 2), np.float64)[:, 0]
+    flags = np.array([True, False, True, False])
+    works = both(lambda: w0.broadcast(src, 0, async_op=True), lambda: w1.broadcast(strided, 0, async_op=True))
+    assert works[0].wait(10) is src and works[1].wait(10) is strided and (strided == 1).all()
+    mine, theirs = flags.copy(), ~flags
+    works = both(lambda: w0.all_reduce(mine, "max", async_op=True),
+                 lambda: w1.all_reduce(theirs, "max", async_op=True))
+    assert [w.wait(10) is t for w, t in zip(works, (mine, theirs))] == [True, True]
+    assert mine.all() and theirs.all()

@@ -91,6 +91,20 @@ def test_collectives_in_place_on_torch_tensors_with_torch_reduce_ops(pair):
     t1 = torch.ones(2)
     w1.all_reduce(t1)
     assert torch.equal(work.wait(30), torch.full((2,), 2.0)) and torch.equal(t1, torch.full((2,), 2.0))
+    # In the background, in place on the tensor's own memory (lent through
+    # its numpy view: refused to another call until the collective ends).
+    a, b = torch.arange(4.0), torch.full((4,), 1.0)
+    wa = w0.all_reduce(a, dist.ReduceOp.SUM, async_op=True)
+    with pytest.raises(ValueError, match="in use by another call"):
+        w0.send(a, 1, tag=9)
+    wb = w1.all_reduce(b, dist.ReduceOp.SUM, async_op=True)
+    assert wa.wait(30) is a and wb.wait(30) is b
+    assert a.tolist() == [1.0, 2.0, 3.0, 4.0] and torch.equal(a, b)
+    r, x = torch.full((3,), 2, dtype=torch.int64), torch.full((3,), 5, dtype=torch.int64)
+    works = both(lambda: w0.reduce(r, 0, dist.ReduceOp.SUM, async_op=True),
+                 lambda: w1.reduce(x, 0, dist.ReduceOp.SUM, async_op=True))
+    assert works[0].wait(30) is r and works[1].wait(30) is x
+    assert r.tolist() == [7, 7, 7] and x.tolist() == [5, 5, 5]
 
 
 def test_tensors_not_on_the_cpu_are_refused_clearly(pair):

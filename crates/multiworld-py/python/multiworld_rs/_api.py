@@ -436,8 +436,22 @@ class World:
         finish(getattr(self._w, name)(*args))
         return None
 
+    def _lent(self, name: str, tensor: Any, *args: Any) -> Optional[Work]:
+        """An in-place collective with ``async_op=True`` on ``tensor``'s own
+        memory (a plain numpy array, or a CPU torch tensor through its numpy
+        view), lent to the runtime until it ends: no copy in or out. ``None``
+        when the memory cannot be lent; the caller then copies."""
+        if isinstance(tensor, np.generic):  # a scalar: no memory of its own to write
+            return None
+        native = getattr(self._w, name + "_lent")(_lendable(tensor), *args)
+        return None if native is None else Work(native, lambda _: tensor)
+
     def broadcast(self, tensor: Any, src: int, async_op: bool = False) -> Optional[Work]:
         """Copies rank ``src``'s ``tensor`` into every member's ``tensor``."""
+        if async_op:
+            work = self._lent("broadcast", tensor, _u32("src", src))
+            if work is not None:
+                return work
         try:
             arr, (dtype, shp) = T.out_spec(tensor)
             raw = None if async_op else T.writable_bytes(arr)
@@ -452,6 +466,10 @@ class World:
     def all_reduce(self, tensor: Any, op: Any = ReduceOp.SUM, async_op: bool = False) -> Optional[Work]:
         """Reduces ``tensor`` over every member with ``op``; every member gets
         the result in ``tensor``."""
+        if async_op:
+            work = self._lent("all_reduce", tensor, _op(op))
+            if work is not None:
+                return work
         try:
             arr, (dtype, shp) = T.out_spec(tensor)
             raw = None if async_op else T.writable_bytes(arr)
@@ -465,9 +483,17 @@ class World:
     def reduce(self, tensor: Any, dst: int, op: Any = ReduceOp.SUM, async_op: bool = False) -> Optional[Work]:
         """Reduces ``tensor`` over every member with ``op`` into rank
         ``dst``'s ``tensor`` (the others' are left as they were)."""
+        if async_op:
+            work = self._lent("reduce", tensor, _u32("dst", dst), _op(op))
+            if work is not None:
+                return work
         try:
-            arr, _ = T.out_spec(tensor)
+            arr, (dtype, shp) = T.out_spec(tensor)
             dst = _u32("dst", dst)
+            raw = None if async_op else T.writable_bytes(arr)
+            if raw is not None:  # in place, the array's memory lent for the call
+                self._w.reduce_into(raw, dtype, list(shp), dst, _op(op))
+                return None
             mine = self.rank == dst
 
             def finish(flat: np.ndarray) -> Any:
