@@ -957,6 +957,25 @@ impl World {
         self.in_place(py, loan, InPlace::Broadcast(Rank(root)))
     }
 
+    /// All-gather into the caller's C-contiguous array `out` (its bytes, as
+    /// `uint8`), lent to the runtime for the call (no copy out); the input
+    /// is copied first (it may lie in the output). On failure `out` may hold
+    /// part of the result.
+    fn all_gather_into_tensor_into(
+        &self,
+        py: Python<'_>,
+        mut out: PyReadwriteArray1<'_, u8>,
+        dtype: &str,
+        shape: Vec<usize>,
+        input: Input<'_>,
+    ) -> PyResult<()> {
+        let (input, g) = (input.tensor()?, self.g()?);
+        let mut loan = Loan::new(&mut out, tensor::dtype(dtype)?, shape, "all_gather_into_tensor")?;
+        let r = self.coll(py, g.all_gather_into_tensor(&mut loan.tensor, &input));
+        loan.settle(py);
+        r
+    }
+
     /// Reduce to `root` of the caller's C-contiguous array `out` (its bytes,
     /// as `uint8`) in place, the array lent to the runtime for the call (no
     /// copy): the root's gets the result, the others' are left as they
@@ -1287,6 +1306,20 @@ impl World {
 
     /// Starts an all-gather into one tensor in the background; the handle
     /// yields the output.
+    /// `all_gather_into_tensor(async_op=True)` into a plain numpy array,
+    /// written in place without a copy (see `in_place_lent`); the input is
+    /// copied first (it may lie in the output). `None` for anything else.
+    fn all_gather_into_tensor_lent(
+        &self,
+        obj: &Bound<'_, PyAny>,
+        input: Input<'_>,
+    ) -> PyResult<Option<Work>> {
+        let input = input.tensor()?;
+        self.in_place_lent(obj, "all_gather_into_tensor", |g, out| {
+            g.all_gather_into_tensor_handle(out, input)
+        })
+    }
+
     fn all_gather_into_tensor_async(&self, output: Output, input: Input<'_>) -> PyResult<Work> {
         let (out, input) = (output.tensor()?, input.tensor()?);
         self.start(|g| g.all_gather_into_tensor_handle(out, input), Done::Tensor)

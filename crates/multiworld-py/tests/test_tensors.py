@@ -442,3 +442,45 @@ def test_in_place_collectives_in_the_background_work_on_the_array_itself(pair):
                  lambda: w1.all_reduce(theirs, "max", async_op=True))
     assert [w.wait(10) is t for w, t in zip(works, (mine, theirs))] == [True, True]
     assert mine.all() and theirs.all()
+
+
+def test_all_gather_into_tensor_writes_the_output_array_itself(pair):
+    """all_gather_into_tensor lends its output (blocking, and with async_op
+    until the handle's operation ends): the result lands in the caller's
+    array; the input may be a part of that same array (copied first)."""
+    w0, w1 = pair
+    n = 1 << 12
+    outs = [np.zeros((2, n), np.float64) for _ in range(2)]
+    for r, o in enumerate(outs):
+        o[r] = np.arange(n) + 1000 * r
+    both(lambda: w0.all_gather_into_tensor(outs[0], outs[0][0]),
+         lambda: w1.all_gather_into_tensor(outs[1], outs[1][1]))
+    want = np.stack([np.arange(n) + 1000 * r for r in range(2)])
+    assert (outs[0] == want).all() and (outs[1] == want).all()
+
+    o0, o1 = np.zeros(2 * n, np.int32), np.zeros((2, n), np.int32)
+    w_0 = w0.all_gather_into_tensor(o0, np.full(n, 3, np.int32), async_op=True)
+    with pytest.raises(ValueError, match="in use by another call"):
+        w0.send(o0, 1, tag=4)
+    w_1 = w1.all_gather_into_tensor(o1, np.full(n, 4, np.int32), async_op=True)
+    assert w_0.wait(10) is o0 and w_1.wait(10) is o1
+    assert (o0 == np.repeat([3, 4], n)).all() and (o1.reshape(-1) == o0).all()
+    # An output of the wrong size: that member's call fails with
+    # InvalidArgumentError (the other's matching call fails too), the arrays
+    # are given back untouched, and the group stays in step.
+    bad, good = np.zeros(3, np.int32), np.zeros(2 * n, np.int32)
+
+    def call(w, out):
+        try:
+            w.all_gather_into_tensor(out, np.ones(n, np.int32))
+        except mw.MultiworldError as e:
+            return e
+
+    e0, e1 = both(lambda: call(w0, bad), lambda: call(w1, good))
+    assert isinstance(e0, mw.InvalidArgumentError) and isinstance(e1, mw.MultiworldError), (e0, e1)
+    assert (bad == 0).all() and (good == 0).all()
+    w0.send(bad, 1, tag=4)  # not lent any more
+    assert w1.recv(0, dtype=np.int32, shape=3, tag=4).tolist() == [0, 0, 0]
+    both(lambda: w0.all_gather_into_tensor(o0, np.full(n, 5, np.int32)),
+         lambda: w1.all_gather_into_tensor(o1, np.full(n, 6, np.int32)))
+    assert (o0 == np.repeat([5, 6], n)).all()

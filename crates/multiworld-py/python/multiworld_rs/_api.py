@@ -522,8 +522,18 @@ class World:
         """Gathers every member's ``input_tensor`` into ``output_tensor``
         (``size`` times as many elements), concatenated in rank order."""
         try:
-            arr, spec = T.out_spec(output_tensor, "output_tensor")
             view = T.send_view(input_tensor, "input_tensor")
+            if async_op:
+                work = self._lent("all_gather_into_tensor", output_tensor, view)
+                if work is not None:
+                    return work
+            arr, spec = T.out_spec(output_tensor, "output_tensor")
+            raw = None if async_op else T.writable_bytes(arr)
+            if raw is not None:  # written in place, the array's memory lent for the call
+                if np.may_share_memory(raw, view[0]):  # the input is a part of the output
+                    view = (view[0].copy(), view[1], view[2])
+                self._w.all_gather_into_tensor_into(raw, spec[0], list(spec[1]), view)
+                return None
             return self._run("all_gather_into_tensor", (spec, view), _writer(arr, output_tensor), async_op)
         except T.DeviceTensor:
             return self._device("all_gather_into_tensor", {
