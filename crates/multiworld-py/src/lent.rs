@@ -29,7 +29,7 @@ use tokio::sync::watch;
 
 use multiworld::{DType, ExternalMemory, Tensor};
 use numpy::{
-    PyArrayDescrMethods, PyReadwriteArray1, PyUntypedArray, PyUntypedArrayMethods,
+    PyArrayDescrMethods, PyReadonlyArray1, PyReadwriteArray1, PyUntypedArray, PyUntypedArrayMethods,
     npyffi::NPY_ARRAY_WRITEABLE,
 };
 use pyo3::{exceptions::PyValueError, prelude::*};
@@ -217,6 +217,34 @@ impl Loan {
             Lend::InUse => in_use(what),
             Lend::Refused(e) => PyValueError::new_err(format!("{what}: {e}")),
         })
+    }
+
+    /// Lends `array` (a flat `uint8` view of a C-contiguous array) as a
+    /// tensor of `dtype` and `shape` to one call that only reads it (a
+    /// collective's input, passed as `&Tensor`: nothing can write through
+    /// it, so a read-only array is fine). `Ok(None)` for memory
+    /// `Tensor::from_external` refuses (misaligned, a `bool` byte other than
+    /// 0 or 1): the caller copies it instead; `ValueError` while a call that
+    /// writes the memory holds it.
+    pub fn read(
+        array: &PyReadonlyArray1<'_, u8>,
+        dtype: DType,
+        shape: Vec<usize>,
+        what: &str,
+    ) -> PyResult<Option<Loan>> {
+        let bytes = array
+            .as_slice()
+            .map_err(|e| PyValueError::new_err(format!("{what}: {e}")))?;
+        let (tx, held) = mpsc::channel();
+        let lent = lend_tensor(
+            bytes.as_ptr().cast_mut(),
+            bytes.len(),
+            dtype,
+            shape,
+            Held::Call(tx),
+            Access::Read,
+        );
+        fast(lent.map(|tensor| Loan { tensor, held }), what)
     }
 
     /// The loan of `len` bytes at `ptr`, which must stay valid and otherwise

@@ -41,7 +41,46 @@ impl Input<'_> {
     /// The owned tensor (one copy of the array's bytes).
     pub fn tensor(&self) -> PyResult<Tensor> {
         let bytes = self.0.as_slice().map_err(invalid)?;
+        // Copying reads the array: refused (`ValueError`) while a call that
+        // writes it holds it, as a send of it is.
+        crate::lent::check_not_lent(bytes, "input")?;
         Tensor::from_bytes(dtype(&self.1)?, self.2.clone(), bytes).map_err(invalid)
+    }
+
+    /// The input for one blocking call that only reads it: the array lent
+    /// as it is (no copy) where it can be, else the owned copy.
+    pub fn for_call(&self, what: &str) -> PyResult<CallInput> {
+        Ok(
+            match crate::lent::Loan::read(&self.0, dtype(&self.1)?, self.2.clone(), what)? {
+                Some(loan) => CallInput::Lent(loan),
+                None => CallInput::Copied(self.tensor()?),
+            },
+        )
+    }
+}
+
+/// A blocking call's input: lent, or copied (see [`Input::for_call`]).
+pub enum CallInput {
+    /// The caller's array itself, lent for the call.
+    Lent(crate::lent::Loan),
+    /// A copy (memory that could not be lent).
+    Copied(Tensor),
+}
+
+impl CallInput {
+    /// The tensor to pass to the call.
+    pub fn tensor(&self) -> &Tensor {
+        match self {
+            CallInput::Lent(loan) => &loan.tensor,
+            CallInput::Copied(t) => t,
+        }
+    }
+
+    /// Ends a loan once the call has returned (see `Loan::settle`).
+    pub fn settle(self, py: Python<'_>) {
+        if let CallInput::Lent(loan) = self {
+            loan.settle(py);
+        }
     }
 }
 

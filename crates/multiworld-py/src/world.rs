@@ -363,7 +363,9 @@ impl World {
         what: &str,
         start: impl FnOnce(&Group, Tensor) -> CollectiveHandle<Tensor>,
     ) -> PyResult<Option<Work>> {
-        let Some(a) = lent::plain(obj) else {
+        // `bool` arrays are copied, as by the blocking forms: the runtime
+        // would read as `bool` bytes that another thread may set to anything.
+        let Some(a) = lent::plain(obj).filter(|a| a.dtype != multiworld::DType::Bool) else {
             return Ok(None);
         };
         let (w, g) = (self.w()?.clone(), self.g()?);
@@ -958,9 +960,10 @@ impl World {
     }
 
     /// All-gather into the caller's C-contiguous array `out` (its bytes, as
-    /// `uint8`), lent to the runtime for the call (no copy out); the input
-    /// is copied first (it may lie in the output). On failure `out` may hold
-    /// part of the result.
+    /// `uint8`), lent to the runtime for the call, from `input`, lent too
+    /// where it can be (no copy either way; the Python layer copies an
+    /// input that lies in the output first). On failure `out` may hold part
+    /// of the result.
     fn all_gather_into_tensor_into(
         &self,
         py: Python<'_>,
@@ -969,10 +972,35 @@ impl World {
         shape: Vec<usize>,
         input: Input<'_>,
     ) -> PyResult<()> {
-        let (input, g) = (input.tensor()?, self.g()?);
-        let mut loan = Loan::new(&mut out, tensor::dtype(dtype)?, shape, "all_gather_into_tensor")?;
-        let r = self.coll(py, g.all_gather_into_tensor(&mut loan.tensor, &input));
+        let what = "all_gather_into_tensor";
+        let (input, g) = (input.for_call(what)?, self.g()?);
+        let mut loan = Loan::new(&mut out, tensor::dtype(dtype)?, shape, what)?;
+        let r = self.coll(py, g.all_gather_into_tensor(&mut loan.tensor, input.tensor()));
         loan.settle(py);
+        input.settle(py);
+        r
+    }
+
+    /// Reduce-scatter of `input` into the caller's C-contiguous array `out`
+    /// (its bytes, as `uint8`), both lent to the runtime for the call where
+    /// they can be (no copy; the Python layer copies an input that shares
+    /// memory with the output first). On failure `out` may hold part of the
+    /// result.
+    fn reduce_scatter_tensor_into(
+        &self,
+        py: Python<'_>,
+        mut out: PyReadwriteArray1<'_, u8>,
+        dtype: &str,
+        shape: Vec<usize>,
+        input: Input<'_>,
+        op: &str,
+    ) -> PyResult<()> {
+        let what = "reduce_scatter_tensor";
+        let (op, input, g) = (reduce_op(op)?, input.for_call(what)?, self.g()?);
+        let mut loan = Loan::new(&mut out, tensor::dtype(dtype)?, shape, what)?;
+        let r = self.coll(py, g.reduce_scatter_tensor(&mut loan.tensor, input.tensor(), op));
+        loan.settle(py);
+        input.settle(py);
         r
     }
 

@@ -406,17 +406,24 @@ def test_in_place_collectives_in_the_background_work_on_the_array_itself(pair):
     n = 1 << 16
     a, b = np.arange(n, dtype=np.float32), np.full(n, 2, np.float32)
     before = sys.getrefcount(a)
-    wa = w0.all_reduce(a, "sum", async_op=True)
-    assert sys.getrefcount(a) > before  # lent to the runtime until the call ends
+    native = w0._w.all_reduce_lent(a, "sum")
+    assert sys.getrefcount(a) > before  # the runtime holds the array until the call ends
     with pytest.raises(ValueError, match="in use by another call"):
         w0.send(a, 1, tag=3)
+    with pytest.raises(ValueError, match="in use by another call"):
+        w0.isend(a, 1, tag=3)  # a copy reads it too
     wb = w1.all_reduce(b, "sum", async_op=True)
-    assert wa.wait(10) is a and wb.wait(10) is b
+    assert native.wait(10) is None and wb.wait(10) is b
     want = np.arange(n, dtype=np.float32) + 2
     assert (a == want).all() and (b == want).all()
+    a[:] = 1
+    wa = w0.all_reduce(a, "sum", async_op=True)
+    b[:] = 2
+    wb = w1.all_reduce(b, "sum", async_op=True)
+    assert wa.wait(10) is a and wb.wait(10) is b and (a == 3).all()
     assert wa.wait() is a  # again: the same result
     w0.send(a, 1, tag=3)  # given back: usable by any call
-    assert (w1.recv(0, dtype=np.float32, shape=n, tag=3) == want).all()
+    assert (w1.recv(0, dtype=np.float32, shape=n, tag=3) == 3).all()
 
     root, other = np.arange(10, dtype=np.int64), np.zeros(10, np.int64)
     works = both(lambda: w0.broadcast(root, 0, async_op=True), lambda: w1.broadcast(other, 0, async_op=True))
@@ -484,3 +491,27 @@ def test_all_gather_into_tensor_writes_the_output_array_itself(pair):
     both(lambda: w0.all_gather_into_tensor(o0, np.full(n, 5, np.int32)),
          lambda: w1.all_gather_into_tensor(o1, np.full(n, 6, np.int32)))
     assert (o0 == np.repeat([5, 6], n)).all()
+
+
+def test_reduce_scatter_tensor_and_all_gather_into_tensor_take_any_input_in_place(pair):
+    """The blocking reduce_scatter_tensor and all_gather_into_tensor write
+    the caller's output and read the caller's input where they can (read-only,
+    misaligned, bool and overlapping inputs included), exactly."""
+    w0, w1 = pair
+    n = 1 << 10
+    ro = np.arange(2 * n, dtype=np.int64)
+    ro.flags.writeable = False
+    raw = bytearray(8 * 2 * n + 1)
+    odd = np.frombuffer(raw, dtype=np.int64, offset=1)  # misaligned, copied
+    odd[:] = 1
+    o0, o1 = np.zeros(n, np.int64), np.zeros(n, np.int64)
+    both(lambda: w0.reduce_scatter_tensor(o0, ro, "sum"), lambda: w1.reduce_scatter_tensor(o1, odd, "sum"))
+    assert (o0 == np.arange(n) + 1).all() and (o1 == np.arange(n, 2 * n) + 1).all()
+    # The output is a part of the input: the input is read as it was.
+    b0, b1 = np.arange(2 * n, dtype=np.float32), np.ones(2 * n, np.float32)
+    both(lambda: w0.reduce_scatter_tensor(b0[:n], b0, "max"), lambda: w1.reduce_scatter_tensor(b1[n:], b1, "max"))
+    assert (b0[:n] == np.maximum(np.arange(n), 1)).all() and (b1[n:] == np.arange(n, 2 * n)).all()
+    # all_gather_into_tensor from a read-only input.
+    g0, g1 = np.zeros(4 * n, np.int64), np.zeros(4 * n, np.int64)
+    both(lambda: w0.all_gather_into_tensor(g0, ro), lambda: w1.all_gather_into_tensor(g1, ro))
+    assert (g0 == np.tile(np.arange(2 * n), 2)).all() and (g1 == g0).all()

@@ -372,7 +372,9 @@ thread_local! {
 /// same future watches (a lost member, a deadline) keeps its turn.
 ///
 /// Never use it on a runtime's thread or an event loop's: a wait there would
-/// hold up everything else that thread runs.
+/// hold up everything else that thread runs. (A task the thread runs, as a
+/// current-thread runtime's `block_on` runs its tasks, is not the caller's
+/// future: [`on_blocking_caller`] is false inside it.)
 pub fn as_blocking_caller<T>(f: impl FnOnce() -> T) -> T {
     struct Reset(bool);
     impl Drop for Reset {
@@ -384,10 +386,11 @@ pub fn as_blocking_caller<T>(f: impl FnOnce() -> T) -> T {
     without_pacing(f)
 }
 
-/// Whether this thread is inside [`as_blocking_caller`]: a wait may sleep on
-/// it for a bounded slice instead of on a blocking-pool thread.
+/// Whether this thread is inside [`as_blocking_caller`], outside any task
+/// (in the future `block_on` drives): a wait may sleep on it for a bounded
+/// slice instead of on a blocking-pool thread.
 pub fn on_blocking_caller() -> bool {
-    BLOCKING_CALLER.with(std::cell::Cell::get)
+    BLOCKING_CALLER.with(std::cell::Cell::get) && tokio::task::try_id().is_none()
 }
 
 /// One rank's communicator for one world: owns that world's listener, connections
@@ -2017,6 +2020,29 @@ mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
     use tokio::net::TcpStream;
+
+    /// A blocking caller is the future its thread drives with `block_on`,
+    /// not the tasks that thread may also run (a current-thread runtime's),
+    /// and only inside `as_blocking_caller`.
+    #[test]
+    fn only_the_future_block_on_drives_is_a_blocking_caller() {
+        let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        assert!(!on_blocking_caller());
+        let (root, task) = as_blocking_caller(|| {
+            rt.block_on(async {
+                let root = on_blocking_caller();
+                let task = tokio::spawn(async { on_blocking_caller() }).await.unwrap();
+                (root, task)
+            })
+        });
+        assert!(root, "the future block_on drives");
+        assert!(!task, "a task of the runtime");
+        assert!(!on_blocking_caller(), "after as_blocking_caller");
+        assert!(
+            !rt.block_on(async { on_blocking_caller() }),
+            "outside as_blocking_caller"
+        );
+    }
 
     /// A connected loopback pair: the reading half (buffered like a reader
     /// task's) and the writing stream.

@@ -427,9 +427,11 @@ class World:
 
     # -- collectives --------------------------------------------------------
     # Each takes ``async_op``: False runs the call and writes its result in
-    # place; True starts it and returns a :class:`Work` whose ``wait()``
-    # writes the result (do not use the output arrays until then; inputs are
-    # copied at the start, so the caller may reuse them at once).
+    # place; True starts it and returns a :class:`Work`, after whose
+    # ``wait()`` the outputs hold the result. In-place collectives (and
+    # all_gather_into_tensor's output) work in the caller's array until then
+    # (do not touch it before); the others' inputs are copied at the start,
+    # so the caller may reuse those at once.
     def _run(self, name: str, args: Tuple[Any, ...], finish: Any, async_op: bool) -> Optional[Work]:
         if async_op:
             return Work(getattr(self._w, name + "_async")(*args), finish)
@@ -597,8 +599,14 @@ class World:
         segment i in ``output``."""
         try:
             arr, spec = T.out_spec(output, "output")
-            return self._run("reduce_scatter_tensor", (spec, T.send_view(input, "input"), _op(op)),
-                             _writer(arr, output), async_op)
+            view = T.send_view(input, "input")
+            raw = None if async_op else T.writable_bytes(arr)
+            if raw is not None:  # written in place, both arrays lent for the call
+                if np.may_share_memory(raw, view[0]):
+                    view = (view[0].copy(), view[1], view[2])
+                self._w.reduce_scatter_tensor_into(raw, spec[0], list(spec[1]), view, _op(op))
+                return None
+            return self._run("reduce_scatter_tensor", (spec, view, _op(op)), _writer(arr, output), async_op)
         except T.DeviceTensor:
             return self._device("reduce_scatter_tensor", {
                 "output": output, "input": input, "op": op, "async_op": async_op})
