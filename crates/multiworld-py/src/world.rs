@@ -36,7 +36,7 @@ use crate::{
     notify::{Completion, Notifier},
     polled::{Ended, Polled},
     runtime,
-    tensor::{self, Input, Output},
+    tensor::{self, CallInput, Input, Output},
 };
 
 /// One membership of a world (see `multiworld_rs.World`), or a sub-group of
@@ -332,6 +332,10 @@ enum InPlace {
     Broadcast(Rank),
     /// The root's tensor gets the result; the others' are left as they were.
     Reduce(Rank, ReduceOp),
+    /// Every member's input (this one's given), gathered into the tensor.
+    AllGatherFrom(CallInput),
+    /// Every member's input reduced, this member's segment into the tensor.
+    ReduceScatterFrom(CallInput, ReduceOp),
 }
 
 impl World {
@@ -341,12 +345,24 @@ impl World {
     /// processes).
     fn in_place(&self, py: Python<'_>, mut loan: Loan, what: InPlace) -> PyResult<()> {
         let g = self.g()?;
-        let r = match what {
-            InPlace::AllReduce(op) => self.coll(py, g.all_reduce(&mut loan.tensor, op)),
-            InPlace::Broadcast(root) => self.coll(py, g.broadcast(&mut loan.tensor, root)),
-            InPlace::Reduce(root, op) => self.coll(py, g.reduce(&mut loan.tensor, root, op)),
+        let out = &mut loan.tensor;
+        let (r, input) = match what {
+            InPlace::AllReduce(op) => (self.coll(py, g.all_reduce(out, op)), None),
+            InPlace::Broadcast(root) => (self.coll(py, g.broadcast(out, root)), None),
+            InPlace::Reduce(root, op) => (self.coll(py, g.reduce(out, root, op)), None),
+            InPlace::AllGatherFrom(input) => {
+                let r = self.coll(py, g.all_gather_into_tensor(out, input.tensor()));
+                (r, Some(input))
+            }
+            InPlace::ReduceScatterFrom(input, op) => {
+                let r = self.coll(py, g.reduce_scatter_tensor(out, input.tensor(), op));
+                (r, Some(input))
+            }
         };
         loan.settle(py);
+        if let Some(input) = input {
+            input.settle(py);
+        }
         r
     }
 
@@ -973,12 +989,9 @@ impl World {
         input: Input<'_>,
     ) -> PyResult<()> {
         let what = "all_gather_into_tensor";
-        let (input, g) = (input.for_call(what)?, self.g()?);
-        let mut loan = Loan::new(&mut out, tensor::dtype(dtype)?, shape, what)?;
-        let r = self.coll(py, g.all_gather_into_tensor(&mut loan.tensor, input.tensor()));
-        loan.settle(py);
-        input.settle(py);
-        r
+        let input = input.for_call(what)?;
+        let loan = Loan::new(&mut out, tensor::dtype(dtype)?, shape, what)?;
+        self.in_place(py, loan, InPlace::AllGatherFrom(input))
     }
 
     /// Reduce-scatter of `input` into the caller's C-contiguous array `out`
@@ -996,12 +1009,9 @@ impl World {
         op: &str,
     ) -> PyResult<()> {
         let what = "reduce_scatter_tensor";
-        let (op, input, g) = (reduce_op(op)?, input.for_call(what)?, self.g()?);
-        let mut loan = Loan::new(&mut out, tensor::dtype(dtype)?, shape, what)?;
-        let r = self.coll(py, g.reduce_scatter_tensor(&mut loan.tensor, input.tensor(), op));
-        loan.settle(py);
-        input.settle(py);
-        r
+        let (op, input) = (reduce_op(op)?, input.for_call(what)?);
+        let loan = Loan::new(&mut out, tensor::dtype(dtype)?, shape, what)?;
+        self.in_place(py, loan, InPlace::ReduceScatterFrom(input, op))
     }
 
     /// Reduce to `root` of the caller's C-contiguous array `out` (its bytes,
