@@ -336,6 +336,9 @@ enum InPlace {
     AllGatherFrom(CallInput),
     /// Every member's input reduced, this member's segment into the tensor.
     ReduceScatterFrom(CallInput, ReduceOp),
+    /// Parts of every member's input exchanged into the tensor (splits in
+    /// elements: the output's, then the input's; `None`: even).
+    AllToAllFrom(CallInput, Option<Vec<usize>>, Option<Vec<usize>>),
 }
 
 impl World {
@@ -357,6 +360,11 @@ impl World {
             InPlace::ReduceScatterFrom(input, op) => {
                 let r = self.coll(py, g.reduce_scatter_tensor(out, input.tensor(), op));
                 (r, Some(input))
+            }
+            InPlace::AllToAllFrom(input, out_splits, in_splits) => {
+                let call =
+                    g.all_to_all_single(out, input.tensor(), out_splits.as_deref(), in_splits.as_deref());
+                (self.coll(py, call), Some(input))
             }
         };
         loan.settle(py);
@@ -1012,6 +1020,27 @@ impl World {
         let (op, input) = (reduce_op(op)?, input.for_call(what)?);
         let loan = Loan::new(&mut out, tensor::dtype(dtype)?, shape, what)?;
         self.in_place(py, loan, InPlace::ReduceScatterFrom(input, op))
+    }
+
+    /// All-to-all of `input`'s parts into the caller's C-contiguous array
+    /// `out` (its bytes, as `uint8`), both lent to the runtime for the call
+    /// where they can be (no copy; the Python layer copies an input that
+    /// shares memory with the output first); `splits` in elements, the
+    /// output's then the input's, as for `all_to_all_single`. On failure
+    /// `out` may hold part of the result.
+    fn all_to_all_single_into(
+        &self,
+        py: Python<'_>,
+        mut out: PyReadwriteArray1<'_, u8>,
+        dtype: &str,
+        shape: Vec<usize>,
+        input: Input<'_>,
+        splits: (Option<Vec<usize>>, Option<Vec<usize>>),
+    ) -> PyResult<()> {
+        let what = "all_to_all_single";
+        let input = input.for_call(what)?;
+        let loan = Loan::new(&mut out, tensor::dtype(dtype)?, shape, what)?;
+        self.in_place(py, loan, InPlace::AllToAllFrom(input, splits.0, splits.1))
     }
 
     /// Reduce to `root` of the caller's C-contiguous array `out` (its bytes,

@@ -515,3 +515,22 @@ def test_reduce_scatter_tensor_and_all_gather_into_tensor_take_any_input_in_plac
     g0, g1 = np.zeros(4 * n, np.int64), np.zeros(4 * n, np.int64)
     both(lambda: w0.all_gather_into_tensor(g0, ro), lambda: w1.all_gather_into_tensor(g1, ro))
     assert (g0 == np.tile(np.arange(2 * n), 2)).all() and (g1 == g0).all()
+
+
+def test_all_to_all_single_writes_the_output_and_reads_the_input_in_place(pair):
+    """The blocking all_to_all_single lends its output and its input (a
+    read-only one too), even and uneven splits; an output that is the
+    input itself gets what the input held before."""
+    w0, w1 = pair
+    ro = np.array([[0, 0], [1, 1], [2, 2]], np.int32)
+    ro.flags.writeable = False
+    mine = np.array([[10, 10], [11, 11], [12, 12], [13, 13]], np.int32)
+    o0, o1 = np.zeros((2, 2), np.int32), np.zeros((5, 2), np.int32)
+    # Rank 0 sends 1 row to itself and 2 to rank 1; rank 1 sends 1 to rank 0 and 3 to itself.
+    both(lambda: w0.all_to_all_single(o0, ro, [1, 1], [1, 2]),
+         lambda: w1.all_to_all_single(o1, mine, [2, 3], [1, 3]))
+    assert o0.tolist() == [[0, 0], [10, 10]]
+    assert o1.tolist() == [[1, 1], [2, 2], [11, 11], [12, 12], [13, 13]]
+    a, b = np.arange(4, dtype=np.float64), np.arange(4, 8, dtype=np.float64)
+    both(lambda: w0.all_to_all_single(a, a), lambda: w1.all_to_all_single(b, b))
+    assert a.tolist() == [0.0, 1.0, 4.0, 5.0] and b.tolist() == [2.0, 3.0, 6.0, 7.0]

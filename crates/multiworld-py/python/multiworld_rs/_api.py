@@ -642,9 +642,16 @@ class World:
                 row = int(np.prod(shape[1:])) if len(shape) > 1 else 1
                 return [_u32(what, s) * row for s in splits]
 
-            args = (spec, (flat_in, dname, list(in_shape)),
-                    elements(output_split_sizes, arr.shape, "output_split_sizes"),
-                    elements(input_split_sizes, in_shape, "input_split_sizes"))
+            out_splits = elements(output_split_sizes, arr.shape, "output_split_sizes")
+            in_splits = elements(input_split_sizes, in_shape, "input_split_sizes")
+            raw = None if async_op else T.writable_bytes(arr)
+            if raw is not None:  # written in place, both arrays lent for the call
+                if np.may_share_memory(raw, flat_in):
+                    flat_in = flat_in.copy()
+                self._w.all_to_all_single_into(raw, spec[0], list(spec[1]), (flat_in, dname, list(in_shape)),
+                                               (out_splits, in_splits))
+                return None
+            args = (spec, (flat_in, dname, list(in_shape)), out_splits, in_splits)
             return self._run("all_to_all_single", args, _writer(arr, output), async_op)
         except T.DeviceTensor:
             return self._device("all_to_all_single", {
