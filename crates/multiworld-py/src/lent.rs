@@ -101,13 +101,16 @@ fn registry() -> MutexGuard<'static, Vec<(usize, usize, Access)>> {
     LENT.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// Whether `access` of `len` bytes at `start` races with a loan in `lent`.
+/// Whether `access` of `len` bytes at `start` races with a loan in `lent`
+/// (no byte, nothing to race over: empty ranges never do).
 fn conflicts(lent: &[(usize, usize, Access)], start: usize, len: usize, access: Access) -> bool {
-    lent.iter().any(|&(s, l, a)| {
-        (a == Access::Write || access == Access::Write)
-            && start < s.saturating_add(l.max(1))
-            && s < start.saturating_add(len.max(1))
-    })
+    len > 0
+        && lent.iter().any(|&(s, l, a)| {
+            l > 0
+                && (a == Access::Write || access == Access::Write)
+                && start < s.saturating_add(l)
+                && s < start.saturating_add(len)
+        })
 }
 
 /// Refuses `bytes` (about to be read by a send) while any of it is lent to

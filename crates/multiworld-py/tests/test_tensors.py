@@ -534,3 +534,17 @@ def test_all_to_all_single_writes_the_output_and_reads_the_input_in_place(pair):
     a, b = np.arange(4, dtype=np.float64), np.arange(4, 8, dtype=np.float64)
     both(lambda: w0.all_to_all_single(a, a), lambda: w1.all_to_all_single(b, b))
     assert a.tolist() == [0.0, 1.0, 4.0, 5.0] and b.tolist() == [2.0, 3.0, 6.0, 7.0]
+
+
+def test_an_empty_view_of_a_lent_array_is_not_in_use(pair):
+    """No byte, nothing to race over: an empty view of an array lent to a
+    background collective may be sent meanwhile, and lent itself."""
+    w0, w1 = pair
+    a, b = np.ones(1 << 12, np.float32), np.ones(1 << 12, np.float32)
+    wa = w0.all_reduce(a, "sum", async_op=True)
+    w0.send(a[5:5], 1, tag=6)  # an empty message, not a ValueError
+    assert w1.recv(0, dtype=np.float32, shape=0, tag=6).size == 0
+    with pytest.raises(ValueError, match="in use by another call"):
+        w0.send(a[5:6], 1, tag=6)  # one byte in is in use
+    wb = w1.all_reduce(b, "sum", async_op=True)
+    assert wa.wait(10) is a and wb.wait(10) is b and (a == 2).all()
