@@ -1427,6 +1427,37 @@ impl World {
         self.start(|g| g.all_to_all_handle(outs, ins), Done::Tensors)
     }
 
+    /// `all_to_all_single(async_op=True)` into a plain numpy array, written
+    /// in place without a copy (see `in_place_lent`); the input is copied
+    /// first (the caller may change it once the call returns). `splits` as
+    /// for `all_to_all_single_into`. `None` for anything else.
+    fn all_to_all_single_lent(
+        &self,
+        obj: &Bound<'_, PyAny>,
+        input: Input<'_>,
+        splits: (Option<Vec<usize>>, Option<Vec<usize>>),
+    ) -> PyResult<Option<Work>> {
+        let input = input.tensor()?;
+        self.in_place_lent(obj, "all_to_all_single", |g, out| {
+            g.all_to_all_single_handle(out, input, splits.0, splits.1)
+        })
+    }
+
+    /// `reduce_scatter_tensor(async_op=True)` into a plain numpy array,
+    /// written in place without a copy (see `in_place_lent`); the input is
+    /// copied first. `None` for anything else.
+    fn reduce_scatter_tensor_lent(
+        &self,
+        obj: &Bound<'_, PyAny>,
+        input: Input<'_>,
+        op: &str,
+    ) -> PyResult<Option<Work>> {
+        let (input, op) = (input.tensor()?, reduce_op(op)?);
+        self.in_place_lent(obj, "reduce_scatter_tensor", |g, out| {
+            g.reduce_scatter_tensor_handle(out, input, op)
+        })
+    }
+
     /// Starts an all-to-all of one tensor in the background.
     #[pyo3(signature = (output, input, output_splits=None, input_splits=None))]
     fn all_to_all_single_async(

@@ -548,3 +548,24 @@ def test_an_empty_view_of_a_lent_array_is_not_in_use(pair):
         w0.send(a[5:6], 1, tag=6)  # one byte in is in use
     wb = w1.all_reduce(b, "sum", async_op=True)
     assert wa.wait(10) is a and wb.wait(10) is b and (a == 2).all()
+
+
+def test_background_all_to_all_single_and_reduce_scatter_tensor_write_the_output_in_place(pair):
+    """With async_op=True, all_to_all_single and reduce_scatter_tensor copy
+    their input at the call (the caller may change it at once) and write
+    the caller's output itself, lent until the operation ends."""
+    w0, w1 = pair
+    a, b = np.arange(4, dtype=np.float64), np.arange(4, 8, dtype=np.float64)
+    wa = w0.all_to_all_single(a, a, async_op=True)  # the output is the input itself
+    with pytest.raises(ValueError, match="in use by another call"):
+        w0.send(a, 1, tag=8)
+    wb = w1.all_to_all_single(b, b, async_op=True)
+    assert wa.wait(10) is a and wb.wait(10) is b
+    assert a.tolist() == [0.0, 1.0, 4.0, 5.0] and b.tolist() == [2.0, 3.0, 6.0, 7.0]
+    i0, i1 = np.arange(6, dtype=np.int32), np.full(6, 10, np.int32)
+    o0, o1 = np.zeros(3, np.int32), np.zeros(3, np.int32)
+    works = both(lambda: w0.reduce_scatter_tensor(o0, i0, "sum", async_op=True),
+                 lambda: w1.reduce_scatter_tensor(o1, i1, "sum", async_op=True))
+    i0[:] = -1  # copied at the call: changing it now changes nothing
+    assert works[0].wait(10) is o0 and works[1].wait(10) is o1
+    assert o0.tolist() == [10, 11, 12] and o1.tolist() == [13, 14, 15]

@@ -428,10 +428,10 @@ class World:
     # -- collectives --------------------------------------------------------
     # Each takes ``async_op``: False runs the call and writes its result in
     # place; True starts it and returns a :class:`Work`, after whose
-    # ``wait()`` the outputs hold the result. In-place collectives (and
-    # all_gather_into_tensor's output) work in the caller's array until then
-    # (do not touch it before); the others' inputs are copied at the start,
-    # so the caller may reuse those at once.
+    # ``wait()`` the outputs hold the result. In-place collectives, and the
+    # outputs of the *_tensor / *_single forms, work in the caller's array
+    # until then (do not touch it before); other inputs are copied at the
+    # start, so the caller may reuse those at once.
     def _run(self, name: str, args: Tuple[Any, ...], finish: Any, async_op: bool) -> Optional[Work]:
         if async_op:
             return Work(getattr(self._w, name + "_async")(*args), finish)
@@ -600,6 +600,10 @@ class World:
         try:
             arr, spec = T.out_spec(output, "output")
             view = T.send_view(input, "input")
+            if async_op:
+                work = self._lent("reduce_scatter_tensor", output, view, _op(op))
+                if work is not None:
+                    return work
             raw = None if async_op else T.writable_bytes(arr)
             if raw is not None:  # written in place, both arrays lent for the call
                 if np.may_share_memory(raw, view[0]):
@@ -644,6 +648,11 @@ class World:
 
             out_splits = elements(output_split_sizes, arr.shape, "output_split_sizes")
             in_splits = elements(input_split_sizes, in_shape, "input_split_sizes")
+            if async_op:
+                work = self._lent("all_to_all_single", output, (flat_in, dname, list(in_shape)),
+                                  (out_splits, in_splits))
+                if work is not None:
+                    return work
             raw = None if async_op else T.writable_bytes(arr)
             if raw is not None:  # written in place, both arrays lent for the call
                 if np.may_share_memory(raw, flat_in):

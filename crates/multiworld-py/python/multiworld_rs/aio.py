@@ -14,8 +14,9 @@ cancellation came returns it instead of raising (the cancellation lost the
 race; nothing is dropped). A send or a collective that has started cannot be cut off
 without breaking its world, so cancelling its task only stops the waiting;
 the operation finishes in the background (its error, if any, is dropped).
-An in-place collective (``all_reduce``, ``broadcast``, ``reduce``,
-``all_gather_into_tensor``'s output) cancelled that way keeps working in
+An in-place collective (``all_reduce``, ``broadcast``, ``reduce``, the
+output of ``all_gather_into_tensor``, ``reduce_scatter_tensor`` and
+``all_to_all_single``) cancelled that way keeps working in
 the caller's array until it ends: another call on that array meanwhile
 raises ``ValueError`` ("in use by another call"), and the array gets the
 result whenever the collective finishes.
