@@ -387,6 +387,14 @@ impl<'a> Plain<'a> {
         fast(lent.map(|t| (t, Released(rx))), what)
     }
 
+    /// Whether a background operation may be lent this array for writing:
+    /// writeable and not `bool` (whose bytes the runtime would read as
+    /// `bool` while another thread may change them); the loan itself may
+    /// still refuse misaligned memory.
+    pub fn lendable_to_task(&self) -> bool {
+        self.writeable() && self.dtype != DType::Bool
+    }
+
     fn writeable(&self) -> bool {
         // SAFETY: as in `plain`.
         let flags = unsafe { (*self.array.as_array_ptr()).fields.flags };

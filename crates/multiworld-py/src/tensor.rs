@@ -50,8 +50,15 @@ impl Input<'_> {
     /// The input for one blocking call that only reads it: the array lent
     /// as it is (no copy) where it can be, else the owned copy.
     pub fn for_call(&self, what: &str) -> PyResult<CallInput> {
+        let dtype = dtype(&self.1)?;
+        // `bool` inputs are copied (checked once), as the background forms'
+        // are: the call would read as `bool` bytes another thread may change.
+        if dtype == DType::Bool {
+            return Ok(CallInput::Copied(self.tensor()?));
+        }
+        let what = format!("{what} input");
         Ok(
-            match crate::lent::Loan::read(&self.0, dtype(&self.1)?, self.2.clone(), what)? {
+            match crate::lent::Loan::read(&self.0, dtype, self.2.clone(), &what)? {
                 Some(loan) => CallInput::Lent(loan),
                 None => CallInput::Copied(self.tensor()?),
             },

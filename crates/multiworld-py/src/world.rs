@@ -246,6 +246,12 @@ impl World {
     }
 }
 
+/// Whether `obj` is an array a background collective may write in place
+/// (`lent::Plain::lendable_to_task`).
+fn lendable_to_task(obj: &Bound<'_, PyAny>) -> bool {
+    lent::plain(obj).is_some_and(|a| a.lendable_to_task())
+}
+
 /// `op`, ending only once the loan `released` watches has ended too.
 async fn until_released(
     op: impl Future<Output = Result<Done, WorldError>>,
@@ -387,9 +393,7 @@ impl World {
         what: &str,
         start: impl FnOnce(&Group, Tensor) -> CollectiveHandle<Tensor>,
     ) -> PyResult<Option<Work>> {
-        // `bool` arrays are copied, as by the blocking forms: the runtime
-        // would read as `bool` bytes that another thread may set to anything.
-        let Some(a) = lent::plain(obj).filter(|a| a.dtype != multiworld::DType::Bool) else {
+        let Some(a) = lent::plain(obj).filter(lent::Plain::lendable_to_task) else {
             return Ok(None);
         };
         let (w, g) = (self.w()?.clone(), self.g()?);
@@ -998,7 +1002,7 @@ impl World {
     ) -> PyResult<()> {
         let what = "all_gather_into_tensor";
         let input = input.for_call(what)?;
-        let loan = Loan::new(&mut out, tensor::dtype(dtype)?, shape, what)?;
+        let loan = Loan::new(&mut out, tensor::dtype(dtype)?, shape, &format!("{what} output"))?;
         self.in_place(py, loan, InPlace::AllGatherFrom(input))
     }
 
@@ -1018,7 +1022,7 @@ impl World {
     ) -> PyResult<()> {
         let what = "reduce_scatter_tensor";
         let (op, input) = (reduce_op(op)?, input.for_call(what)?);
-        let loan = Loan::new(&mut out, tensor::dtype(dtype)?, shape, what)?;
+        let loan = Loan::new(&mut out, tensor::dtype(dtype)?, shape, &format!("{what} output"))?;
         self.in_place(py, loan, InPlace::ReduceScatterFrom(input, op))
     }
 
@@ -1039,7 +1043,7 @@ impl World {
     ) -> PyResult<()> {
         let what = "all_to_all_single";
         let input = input.for_call(what)?;
-        let loan = Loan::new(&mut out, tensor::dtype(dtype)?, shape, what)?;
+        let loan = Loan::new(&mut out, tensor::dtype(dtype)?, shape, &format!("{what} output"))?;
         self.in_place(py, loan, InPlace::AllToAllFrom(input, splits.0, splits.1))
     }
 
@@ -1371,8 +1375,6 @@ impl World {
         self.start(|g| g.all_gather_handle(outs, input), Done::Tensors)
     }
 
-    /// Starts an all-gather into one tensor in the background; the handle
-    /// yields the output.
     /// `all_gather_into_tensor(async_op=True)` into a plain numpy array,
     /// written in place without a copy (see `in_place_lent`); the input is
     /// copied first (it may lie in the output). `None` for anything else.
@@ -1381,12 +1383,17 @@ impl World {
         obj: &Bound<'_, PyAny>,
         input: Input<'_>,
     ) -> PyResult<Option<Work>> {
+        if !lendable_to_task(obj) {
+            return Ok(None); // before copying the input: the general path copies it
+        }
         let input = input.tensor()?;
         self.in_place_lent(obj, "all_gather_into_tensor", |g, out| {
             g.all_gather_into_tensor_handle(out, input)
         })
     }
 
+    /// Starts an all-gather into one tensor in the background; the handle
+    /// yields the output.
     fn all_gather_into_tensor_async(&self, output: Output, input: Input<'_>) -> PyResult<Work> {
         let (out, input) = (output.tensor()?, input.tensor()?);
         self.start(|g| g.all_gather_into_tensor_handle(out, input), Done::Tensor)
@@ -1437,6 +1444,9 @@ impl World {
         input: Input<'_>,
         splits: (Option<Vec<usize>>, Option<Vec<usize>>),
     ) -> PyResult<Option<Work>> {
+        if !lendable_to_task(obj) {
+            return Ok(None); // before copying the input: the general path copies it
+        }
         let input = input.tensor()?;
         self.in_place_lent(obj, "all_to_all_single", |g, out| {
             g.all_to_all_single_handle(out, input, splits.0, splits.1)
@@ -1452,7 +1462,11 @@ impl World {
         input: Input<'_>,
         op: &str,
     ) -> PyResult<Option<Work>> {
-        let (input, op) = (input.tensor()?, reduce_op(op)?);
+        let op = reduce_op(op)?;
+        if !lendable_to_task(obj) {
+            return Ok(None); // before copying the input: the general path copies it
+        }
+        let input = input.tensor()?;
         self.in_place_lent(obj, "reduce_scatter_tensor", |g, out| {
             g.reduce_scatter_tensor_handle(out, input, op)
         })

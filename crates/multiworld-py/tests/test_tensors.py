@@ -569,3 +569,45 @@ def test_background_all_to_all_single_and_reduce_scatter_tensor_write_the_output
     i0[:] = -1  # copied at the call: changing it now changes nothing
     assert works[0].wait(10) is o0 and works[1].wait(10) is o1
     assert o0.tolist() == [10, 11, 12] and o1.tolist() == [13, 14, 15]
+
+
+@pytest.mark.parametrize("op", ["all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single"])
+def test_blocking_tensor_collectives_lend_their_output_and_their_input(pair, op):
+    """While rank 0's blocking call waits for rank 1, its output is lent for
+    writing and its input for reading: a receive into either is refused
+    (a probe that would write them); both are given back when the call
+    returns. bool arrays are never lent to a background collective."""
+    import threading
+
+    w0, w1 = pair
+    n = 1 << 10
+    in_n, out_n = {"all_gather_into_tensor": (n, 2 * n), "reduce_scatter_tensor": (2 * n, n),
+                   "all_to_all_single": (2 * n, 2 * n)}[op]
+    ins = [np.full(in_n, r + 1, np.float32) for r in range(2)]
+    outs = [np.zeros(out_n, np.float32) for _ in range(2)]
+    t = threading.Thread(target=lambda: getattr(w0, op)(outs[0], ins[0]))
+    t.start()
+
+    def in_use(arr) -> bool:
+        try:
+            assert w0._w.recv_into_now(arr, 1, 6) is None  # no message on tag 6
+            return False
+        except ValueError as e:
+            assert "in use by another call" in str(e)
+            return True
+
+    deadline = time.monotonic() + 10
+    while not in_use(outs[0]):
+        assert time.monotonic() < deadline, "the call never took its output"
+        time.sleep(0.001)
+    assert in_use(ins[0]), "the input is lent for reading"
+    getattr(w1, op)(outs[1], ins[1])
+    t.join(10)
+    assert not in_use(outs[0]) and not in_use(ins[0])
+    if op == "reduce_scatter_tensor":
+        assert (outs[0] == 3).all() and (outs[1] == 3).all()
+    else:
+        assert (outs[0].reshape(2, -1) == [[1], [2]]).all() and (outs[1] == outs[0]).all()
+    assert w0._w.all_reduce_lent(np.zeros(4, np.bool_), "max") is None
+    assert w0._w.all_to_all_single_lent(np.zeros(4, np.bool_), (np.zeros(4, np.uint8), "bool", [4]),
+                                        (None, None)) is None

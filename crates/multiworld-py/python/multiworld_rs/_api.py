@@ -238,6 +238,14 @@ def _lendable(tensor: Any) -> Any:
         return tensor
 
 
+def _may_overlap(out: np.ndarray, inp: np.ndarray) -> bool:
+    """Whether a call that lends ``out`` for writing and ``inp`` for reading
+    must copy ``inp`` first: they may share memory (the native side would
+    refuse two borrows of it), or one is empty (numpy's borrow tracking
+    counts an empty view inside the other array as overlapping)."""
+    return out.size == 0 or inp.size == 0 or bool(np.may_share_memory(out, inp))
+
+
 def _writer(arr: np.ndarray, tensor: Any) -> Any:
     """A finisher that writes a flat result into ``arr`` and returns ``tensor``."""
 
@@ -532,7 +540,7 @@ class World:
             arr, spec = T.out_spec(output_tensor, "output_tensor")
             raw = None if async_op else T.writable_bytes(arr)
             if raw is not None:  # written in place, the array's memory lent for the call
-                if np.may_share_memory(raw, view[0]):  # the input is a part of the output
+                if _may_overlap(raw, view[0]):  # e.g. the input is a part of the output
                     view = (view[0].copy(), view[1], view[2])
                 self._w.all_gather_into_tensor_into(raw, spec[0], list(spec[1]), view)
                 return None
@@ -606,7 +614,7 @@ class World:
                     return work
             raw = None if async_op else T.writable_bytes(arr)
             if raw is not None:  # written in place, both arrays lent for the call
-                if np.may_share_memory(raw, view[0]):
+                if _may_overlap(raw, view[0]):
                     view = (view[0].copy(), view[1], view[2])
                 self._w.reduce_scatter_tensor_into(raw, spec[0], list(spec[1]), view, _op(op))
                 return None
@@ -655,7 +663,7 @@ class World:
                     return work
             raw = None if async_op else T.writable_bytes(arr)
             if raw is not None:  # written in place, both arrays lent for the call
-                if np.may_share_memory(raw, flat_in):
+                if _may_overlap(raw, flat_in):
                     flat_in = flat_in.copy()
                 self._w.all_to_all_single_into(raw, spec[0], list(spec[1]), (flat_in, dname, list(in_shape)),
                                                (out_splits, in_splits))
