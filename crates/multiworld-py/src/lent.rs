@@ -262,8 +262,27 @@ impl Loan {
     /// runtime holds the array's memory (at once, unless the call was
     /// cancelled while a message was being read into it).
     pub fn settle(self, py: Python<'_>) {
-        let Loan { tensor, held } = self;
+        let (tensor, end) = self.into_parts();
         drop(tensor);
+        end.settle(py);
+    }
+
+    /// The loan's tensor and what ends the loan, for calls that take their
+    /// tensors as a slice (a list collective's outputs): drop the tensor,
+    /// then [`LoanEnd::settle`].
+    pub fn into_parts(self) -> (Tensor, LoanEnd) {
+        (self.tensor, LoanEnd(self.held))
+    }
+}
+
+/// The end of a loan whose tensor was taken out ([`Loan::into_parts`]).
+pub struct LoanEnd(mpsc::Receiver<()>);
+
+impl LoanEnd {
+    /// Returns once nothing in the runtime holds the array's memory (drop
+    /// the tensor first).
+    pub fn settle(self, py: Python<'_>) {
+        let held = self.0;
         if let Err(mpsc::TryRecvError::Empty) = held.try_recv() {
             // Nothing is ever sent: this returns when the memory is dropped.
             py.detach(move || {

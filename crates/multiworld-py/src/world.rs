@@ -1047,6 +1047,44 @@ impl World {
         self.in_place(py, loan, InPlace::AllToAllFrom(input, splits.0, splits.1))
     }
 
+    /// All-gather into the caller's C-contiguous arrays (each as its bytes,
+    /// `uint8`, with its dtype and shape), lent to the runtime for the call,
+    /// from `input`, lent too where it can be (no copy; the Python layer
+    /// passes arrays that share no memory). On failure the outputs may hold
+    /// part of the result.
+    fn all_gather_into_list(
+        &self,
+        py: Python<'_>,
+        mut outputs: Vec<(PyReadwriteArray1<'_, u8>, String, Vec<usize>)>,
+        input: Input<'_>,
+    ) -> PyResult<()> {
+        let what = "all_gather";
+        let input = input.for_call(what)?;
+        let (mut outs, mut ends) = (
+            Vec::with_capacity(outputs.len()),
+            Vec::with_capacity(outputs.len()),
+        );
+        for (i, (array, dtype, shape)) in outputs.iter_mut().enumerate() {
+            let loan = Loan::new(
+                array,
+                tensor::dtype(dtype)?,
+                shape.clone(),
+                &format!("{what} output {i}"),
+            )?;
+            let (t, end) = loan.into_parts();
+            outs.push(t);
+            ends.push(end);
+        }
+        let g = self.g()?;
+        let r = self.coll(py, g.all_gather(&mut outs, input.tensor()));
+        drop(outs);
+        for end in ends {
+            end.settle(py);
+        }
+        input.settle(py);
+        r
+    }
+
     /// Reduce to `root` of the caller's C-contiguous array `out` (its bytes,
     /// as `uint8`) in place, the array lent to the runtime for the call (no
     /// copy): the root's gets the result, the others' are left as they

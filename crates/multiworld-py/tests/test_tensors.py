@@ -611,3 +611,43 @@ def test_blocking_tensor_collectives_lend_their_output_and_their_input(pair, op)
     assert w0._w.all_reduce_lent(np.zeros(4, np.bool_), "max") is None
     assert w0._w.all_to_all_single_lent(np.zeros(4, np.bool_), (np.zeros(4, np.uint8), "bool", [4]),
                                         (None, None)) is None
+
+
+def test_all_gather_into_a_list_lends_every_array(pair):
+    """The blocking all_gather writes every array of the list in place and
+    reads the input where it lies: while rank 0's call waits for rank 1,
+    a probe that would write any of them is refused. Views of one buffer
+    work (disjoint ones lent, overlapping ones copied)."""
+    import threading
+
+    w0, w1 = pair
+    n = 1 << 10
+    ins = [np.full(n, r + 1, np.int64) for r in range(2)]
+    outs = [[np.zeros(n, np.int64) for _ in range(2)] for _ in range(2)]
+    t = threading.Thread(target=lambda: w0.all_gather(outs[0], ins[0]))
+    t.start()
+
+    def in_use(arr) -> bool:
+        try:
+            assert w0._w.recv_into_now(arr, 1, 6) is None  # no message on tag 6
+            return False
+        except ValueError as e:
+            assert "in use by another call" in str(e)
+            return True
+
+    deadline = time.monotonic() + 10
+    while not in_use(outs[0][1]):
+        assert time.monotonic() < deadline, "the call never took its outputs"
+        time.sleep(0.001)
+    assert in_use(outs[0][0]) and in_use(ins[0])
+    w1.all_gather(outs[1], ins[1])
+    t.join(10)
+    assert not any(in_use(a) for a in outs[0] + [ins[0]])
+    for o in outs:
+        assert (o[0] == 1).all() and (o[1] == 2).all()
+    # Disjoint views of one buffer (lent), and overlapping ones (copied).
+    base, other = np.zeros(2 * n, np.int64), np.zeros(n + 1, np.int64)
+    both(lambda: w0.all_gather([base[:n], base[n:]], ins[0]),
+         lambda: w1.all_gather([other[:n], other[1:]], ins[1]))
+    assert (base == np.repeat([1, 2], n)).all()
+    assert other[0] == 1 and (other[1:] == 2).all()

@@ -246,6 +246,12 @@ def _may_overlap(out: np.ndarray, inp: np.ndarray) -> bool:
     return out.size == 0 or inp.size == 0 or bool(np.may_share_memory(out, inp))
 
 
+def _any_overlap(arrays: List[np.ndarray]) -> bool:
+    """Whether any two of ``arrays`` may share memory, or one is empty (see
+    :func:`_may_overlap`): a call that lends them all must not get them."""
+    return any(_may_overlap(a, b) for i, a in enumerate(arrays) for b in arrays[i + 1:])
+
+
 def _writer(arr: np.ndarray, tensor: Any) -> Any:
     """A finisher that writes a flat result into ``arr`` and returns ``tensor``."""
 
@@ -521,8 +527,13 @@ class World:
         per member, in rank order; sizes may differ by member)."""
         try:
             outs = [T.out_spec(t, f"tensor_list[{i}]") for i, t in enumerate(tensor_list)]
-            return self._run("all_gather", ([s for _, s in outs], T.send_view(tensor)),
-                             _list_writer(outs, tensor_list), async_op)
+            view = T.send_view(tensor)
+            raws = [] if async_op else [T.writable_bytes(arr) for arr, _ in outs]
+            if raws and all(r is not None for r in raws) and not _any_overlap(raws + [view[0]]):
+                # Written in place, every array lent for the call.
+                self._w.all_gather_into_list([(r, s[0], list(s[1])) for r, (_, s) in zip(raws, outs)], view)
+                return None
+            return self._run("all_gather", ([s for _, s in outs], view), _list_writer(outs, tensor_list), async_op)
         except T.DeviceTensor:
             return self._device("all_gather", {
                 "tensor_list": tensor_list, "tensor": tensor, "async_op": async_op})
