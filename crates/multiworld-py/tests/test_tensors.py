@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 
 import numpy as np
@@ -571,6 +572,18 @@ def test_background_all_to_all_single_and_reduce_scatter_tensor_write_the_output
     assert o0.tolist() == [10, 11, 12] and o1.tolist() == [13, 14, 15]
 
 
+def _in_use(w, arr) -> bool:
+    """Whether ``arr`` is lent to a call of ``w``'s member: a probe that
+    would write it (a receive of a message on tag 6, of which there is
+    none) is refused."""
+    try:
+        assert w._w.recv_into_now(arr, 1, 6) is None
+        return False
+    except ValueError as e:
+        assert "in use by another call" in str(e)
+        return True
+
+
 @pytest.mark.parametrize("op", ["all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single"])
 def test_blocking_tensor_collectives_lend_their_output_and_their_input(pair, op):
     """While rank 0's blocking call waits for rank 1, its output is lent for
@@ -588,13 +601,7 @@ def test_blocking_tensor_collectives_lend_their_output_and_their_input(pair, op)
     t = threading.Thread(target=lambda: getattr(w0, op)(outs[0], ins[0]))
     t.start()
 
-    def in_use(arr) -> bool:
-        try:
-            assert w0._w.recv_into_now(arr, 1, 6) is None  # no message on tag 6
-            return False
-        except ValueError as e:
-            assert "in use by another call" in str(e)
-            return True
+    in_use = functools.partial(_in_use, w0)
 
     deadline = time.monotonic() + 10
     while not in_use(outs[0]):
@@ -627,13 +634,7 @@ def test_all_gather_into_a_list_lends_every_array(pair):
     t = threading.Thread(target=lambda: w0.all_gather(outs[0], ins[0]))
     t.start()
 
-    def in_use(arr) -> bool:
-        try:
-            assert w0._w.recv_into_now(arr, 1, 6) is None  # no message on tag 6
-            return False
-        except ValueError as e:
-            assert "in use by another call" in str(e)
-            return True
+    in_use = functools.partial(_in_use, w0)
 
     deadline = time.monotonic() + 10
     while not in_use(outs[0][1]):
