@@ -89,6 +89,18 @@ impl CallInput {
             loan.settle(py);
         }
     }
+
+    /// The tensor, and the end of its loan if it is lent, for calls that
+    /// take their inputs as a slice (see `Loan::into_parts`).
+    pub fn into_parts(self) -> (Tensor, Option<crate::lent::LoanEnd>) {
+        match self {
+            CallInput::Lent(loan) => {
+                let (t, end) = loan.into_parts();
+                (t, Some(end))
+            }
+            CallInput::Copied(t) => (t, None),
+        }
+    }
 }
 
 /// An output tensor given as `(dtype name, shape)`: allocated zeroed.

@@ -246,6 +246,37 @@ impl World {
     }
 }
 
+/// An output array given with its dtype and shape: a flat `uint8` view of
+/// a C-contiguous array, lent to the runtime for one call.
+type LentArray<'py> = (PyReadwriteArray1<'py, u8>, String, Vec<usize>);
+
+/// Lends every array of `list` for one call: their tensors, and the ends of
+/// their loans for [`settle_all`] once the tensors are dropped. The arrays
+/// must share no memory (the Python layer checks); an array that cannot be
+/// lent is an error naming its place in the list.
+fn lend_list(list: &mut [LentArray<'_>], what: &str) -> PyResult<(Vec<Tensor>, Vec<lent::LoanEnd>)> {
+    let (mut tensors, mut ends) = (Vec::with_capacity(list.len()), Vec::with_capacity(list.len()));
+    for (i, (array, dtype, shape)) in list.iter_mut().enumerate() {
+        let loan = Loan::new(
+            array,
+            tensor::dtype(dtype)?,
+            shape.clone(),
+            &format!("{what} output {i}"),
+        )?;
+        let (t, end) = loan.into_parts();
+        tensors.push(t);
+        ends.push(end);
+    }
+    Ok((tensors, ends))
+}
+
+/// Ends every loan of a list (see [`lent::LoanEnd::settle`]).
+fn settle_all(py: Python<'_>, ends: Vec<lent::LoanEnd>) {
+    for end in ends {
+        end.settle(py);
+    }
+}
+
 /// Whether `obj` is an array a background collective may write in place
 /// (`lent::Plain::lendable_to_task`).
 fn lendable_to_task(obj: &Bound<'_, PyAny>) -> bool {
@@ -1055,33 +1086,81 @@ impl World {
     fn all_gather_into_list(
         &self,
         py: Python<'_>,
-        mut outputs: Vec<(PyReadwriteArray1<'_, u8>, String, Vec<usize>)>,
+        mut outputs: Vec<LentArray<'_>>,
         input: Input<'_>,
     ) -> PyResult<()> {
         let what = "all_gather";
         let input = input.for_call(what)?;
-        let (mut outs, mut ends) = (
-            Vec::with_capacity(outputs.len()),
-            Vec::with_capacity(outputs.len()),
-        );
-        for (i, (array, dtype, shape)) in outputs.iter_mut().enumerate() {
-            let loan = Loan::new(
-                array,
-                tensor::dtype(dtype)?,
-                shape.clone(),
-                &format!("{what} output {i}"),
-            )?;
-            let (t, end) = loan.into_parts();
-            outs.push(t);
-            ends.push(end);
-        }
+        let (mut outs, ends) = lend_list(&mut outputs, what)?;
         let g = self.g()?;
         let r = self.coll(py, g.all_gather(&mut outs, input.tensor()));
         drop(outs);
-        for end in ends {
-            end.settle(py);
-        }
+        settle_all(py, ends);
         input.settle(py);
+        r
+    }
+
+    /// Gather to `root` of `input` (lent where it can be) into the root's
+    /// C-contiguous arrays `outputs` (as for `all_gather_into_list`; `None`
+    /// on the other members), lent for the call (no copy). On failure the
+    /// outputs may hold part of the result.
+    #[pyo3(signature = (input, outputs, root))]
+    fn gather_into_list(
+        &self,
+        py: Python<'_>,
+        input: Input<'_>,
+        mut outputs: Option<Vec<LentArray<'_>>>,
+        root: u32,
+    ) -> PyResult<()> {
+        let what = "gather";
+        let input = input.for_call(what)?;
+        let (mut outs, ends) = match outputs.as_mut() {
+            Some(list) => {
+                let (outs, ends) = lend_list(list, what)?;
+                (Some(outs), ends)
+            }
+            None => (None, Vec::new()),
+        };
+        let g = self.g()?;
+        let r = self.coll(py, g.gather(input.tensor(), outs.as_deref_mut(), Rank(root)));
+        drop(outs);
+        settle_all(py, ends);
+        input.settle(py);
+        r
+    }
+
+    /// Scatter from `root` of its `inputs` (lent where they can be; `None`
+    /// on the other members) into the caller's C-contiguous array `out`
+    /// (its bytes, as `uint8`), lent for the call (no copy). On failure
+    /// `out` may hold part of its part.
+    #[pyo3(signature = (out, dtype, shape, inputs, root))]
+    fn scatter_into(
+        &self,
+        py: Python<'_>,
+        mut out: PyReadwriteArray1<'_, u8>,
+        dtype: &str,
+        shape: Vec<usize>,
+        inputs: Option<Vec<Input<'_>>>,
+        root: u32,
+    ) -> PyResult<()> {
+        let what = "scatter";
+        let (mut ins, mut ends) = (None, Vec::new());
+        if let Some(list) = &inputs {
+            let mut v = Vec::with_capacity(list.len());
+            for input in list {
+                let (t, end) = input.for_call(what)?.into_parts();
+                v.push(t);
+                ends.extend(end);
+            }
+            ins = Some(v);
+        }
+        let loan = Loan::new(&mut out, tensor::dtype(dtype)?, shape, &format!("{what} output"))?;
+        let (mut t, end) = loan.into_parts();
+        let g = self.g()?;
+        let r = self.coll(py, g.scatter(&mut t, ins.as_deref(), Rank(root)));
+        drop((t, ins));
+        end.settle(py);
+        settle_all(py, ends);
         r
     }
 

@@ -652,3 +652,39 @@ def test_all_gather_into_a_list_lends_every_array(pair):
          lambda: w1.all_gather([other[:n], other[1:]], ins[1]))
     assert (base == np.repeat([1, 2], n)).all()
     assert other[0] == 1 and (other[1:] == 2).all()
+
+
+def test_gather_and_scatter_lend_their_arrays(pair):
+    """The blocking gather and scatter write the root's list (gather) or
+    each member's output (scatter) in place and read the inputs where they
+    lie: while the root's call waits for the other member, a probe that
+    would write any of its arrays is refused; the results are exact."""
+    import threading
+
+    w0, w1 = pair
+    n = 1 << 10
+    in_use = functools.partial(_in_use, w0)
+    for op in ("gather", "scatter"):
+        mine = [np.full(n, 1, np.int32), np.full(n, 2, np.int32)]  # rank 0's list
+        single = np.full(n, 7, np.int32) if op == "gather" else np.zeros(n, np.int32)
+        if op == "gather":
+            t = threading.Thread(target=lambda: w0.gather(single, mine, dst=0))
+        else:
+            t = threading.Thread(target=lambda: w0.scatter(single, mine, src=0))
+        t.start()
+        deadline = time.monotonic() + 10
+        while not in_use(single):
+            assert time.monotonic() < deadline, f"{op} never took its arrays"
+            time.sleep(0.001)
+        assert in_use(mine[0]) and in_use(mine[1])
+        other = np.full(n, 8, np.int32) if op == "gather" else np.zeros(n, np.int32)
+        if op == "gather":
+            w1.gather(other, None, dst=0)
+        else:
+            w1.scatter(other, None, src=0)
+        t.join(10)
+        assert not any(in_use(a) for a in mine + [single])
+        if op == "gather":
+            assert (mine[0] == 7).all() and (mine[1] == 8).all() and (other == 8).all()
+        else:
+            assert (single == 1).all() and (other == 2).all()

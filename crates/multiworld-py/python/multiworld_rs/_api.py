@@ -578,7 +578,15 @@ class World:
                         T.write(arr, flat)
                 return gather_list
 
-            return self._run("gather", (T.send_view(tensor), None if outs is None else [s for _, s in outs], dst),
+            view = T.send_view(tensor)
+            if not async_op:
+                raws = [] if outs is None else [T.writable_bytes(arr) for arr, _ in outs]
+                if all(r is not None for r in raws) and not _any_overlap(raws + [view[0]]):
+                    # Written in place, every array lent for the call.
+                    lent = None if outs is None else [(r, s[0], list(s[1])) for r, (_, s) in zip(raws, outs)]
+                    self._w.gather_into_list(view, lent, dst)
+                    return None
+            return self._run("gather", (view, None if outs is None else [s for _, s in outs], dst),
                              finish, async_op)
         except T.DeviceTensor:
             return self._device("gather", {
@@ -596,6 +604,11 @@ class World:
                 if scatter_list is None:
                     raise ValueError("scatter: scatter_list is required on the source rank")
                 ins = [T.send_view(t, f"scatter_list[{i}]") for i, t in enumerate(scatter_list)]
+            raw = None if async_op else T.writable_bytes(arr)
+            if raw is not None and not _any_overlap([raw] + [v[0] for v in ins or []]):
+                # Written in place, every array lent for the call.
+                self._w.scatter_into(raw, spec[0], list(spec[1]), ins, src)
+                return None
             return self._run("scatter", (spec, ins, src), _writer(arr, tensor), async_op)
         except T.DeviceTensor:
             return self._device("scatter", {
