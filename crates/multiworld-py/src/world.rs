@@ -277,12 +277,6 @@ fn settle_all(py: Python<'_>, ends: Vec<lent::LoanEnd>) {
     }
 }
 
-/// Whether `obj` is an array a background collective may write in place
-/// (`lent::Plain::lendable_to_task`).
-fn lendable_to_task(obj: &Bound<'_, PyAny>) -> bool {
-    lent::plain(obj).is_some_and(|a| a.lendable_to_task())
-}
-
 /// `op`, ending only once the loan `released` watches has ended too.
 async fn until_released(
     op: impl Future<Output = Result<Done, WorldError>>,
@@ -416,22 +410,25 @@ impl World {
     /// lent to its task (no copy in, none out). The handle yields `None`,
     /// and only once the runtime has let go of the array (also after a
     /// failure; dropping the handle does not cancel a collective). `None`
-    /// (nothing started) for any other argument: the Python layer then
-    /// takes the copying path.
-    fn in_place_lent(
+    /// (nothing started, `input` not called) for any other argument: the
+    /// Python layer then takes the copying path. `input` makes what else
+    /// `start` takes (a copy of a separate input) once the array is known to
+    /// be lendable and before it is lent, since that input may lie in it.
+    fn in_place_lent<I>(
         &self,
         obj: &Bound<'_, PyAny>,
         what: &str,
-        start: impl FnOnce(&Group, Tensor) -> CollectiveHandle<Tensor>,
+        input: impl FnOnce() -> PyResult<I>,
+        start: impl FnOnce(&Group, Tensor, I) -> CollectiveHandle<Tensor>,
     ) -> PyResult<Option<Work>> {
         let Some(a) = lent::plain(obj).filter(lent::Plain::lendable_to_task) else {
             return Ok(None);
         };
-        let (w, g) = (self.w()?.clone(), self.g()?);
+        let (w, g, input) = (self.w()?.clone(), self.g()?, input()?);
         let Some((t, released)) = a.lend_to_task(what)? else {
             return Ok(None);
         };
-        let h = runtime::enter(|| start(&g, t))?;
+        let h = runtime::enter(|| start(&g, t, input))?;
         let op = async move {
             match h.wait().await {
                 // Dropping the tensor ends the loan.
@@ -1457,13 +1454,23 @@ impl World {
     /// without a copy (see `in_place_lent`); `None` for anything else.
     fn all_reduce_lent(&self, obj: &Bound<'_, PyAny>, op: &str) -> PyResult<Option<Work>> {
         let op = reduce_op(op)?;
-        self.in_place_lent(obj, "all_reduce", |g, t| g.all_reduce_handle(t, op))
+        self.in_place_lent(
+            obj,
+            "all_reduce",
+            || Ok(()),
+            |g, t, ()| g.all_reduce_handle(t, op),
+        )
     }
 
     /// `broadcast(async_op=True)` on a plain numpy array, in place and
     /// without a copy (see `in_place_lent`); `None` for anything else.
     fn broadcast_lent(&self, obj: &Bound<'_, PyAny>, root: u32) -> PyResult<Option<Work>> {
-        self.in_place_lent(obj, "broadcast", |g, t| g.broadcast_handle(t, Rank(root)))
+        self.in_place_lent(
+            obj,
+            "broadcast",
+            || Ok(()),
+            |g, t, ()| g.broadcast_handle(t, Rank(root)),
+        )
     }
 
     /// `reduce(async_op=True)` on a plain numpy array, in place (the root's
@@ -1471,7 +1478,12 @@ impl World {
     /// `None` for anything else.
     fn reduce_lent(&self, obj: &Bound<'_, PyAny>, root: u32, op: &str) -> PyResult<Option<Work>> {
         let op = reduce_op(op)?;
-        self.in_place_lent(obj, "reduce", |g, t| g.reduce_handle(t, Rank(root), op))
+        self.in_place_lent(
+            obj,
+            "reduce",
+            || Ok(()),
+            |g, t, ()| g.reduce_handle(t, Rank(root), op),
+        )
     }
 
     /// Starts a broadcast in the background; the handle yields the result.
@@ -1500,13 +1512,12 @@ impl World {
         obj: &Bound<'_, PyAny>,
         input: Input<'_>,
     ) -> PyResult<Option<Work>> {
-        if !lendable_to_task(obj) {
-            return Ok(None); // before copying the input: the general path copies it
-        }
-        let input = input.tensor()?;
-        self.in_place_lent(obj, "all_gather_into_tensor", |g, out| {
-            g.all_gather_into_tensor_handle(out, input)
-        })
+        self.in_place_lent(
+            obj,
+            "all_gather_into_tensor",
+            || input.tensor(),
+            |g, out, input| g.all_gather_into_tensor_handle(out, input),
+        )
     }
 
     /// Starts an all-gather into one tensor in the background; the handle
@@ -1561,13 +1572,12 @@ impl World {
         input: Input<'_>,
         splits: (Option<Vec<usize>>, Option<Vec<usize>>),
     ) -> PyResult<Option<Work>> {
-        if !lendable_to_task(obj) {
-            return Ok(None); // before copying the input: the general path copies it
-        }
-        let input = input.tensor()?;
-        self.in_place_lent(obj, "all_to_all_single", |g, out| {
-            g.all_to_all_single_handle(out, input, splits.0, splits.1)
-        })
+        self.in_place_lent(
+            obj,
+            "all_to_all_single",
+            || input.tensor(),
+            |g, out, input| g.all_to_all_single_handle(out, input, splits.0, splits.1),
+        )
     }
 
     /// `reduce_scatter_tensor(async_op=True)` into a plain numpy array,
@@ -1580,13 +1590,12 @@ impl World {
         op: &str,
     ) -> PyResult<Option<Work>> {
         let op = reduce_op(op)?;
-        if !lendable_to_task(obj) {
-            return Ok(None); // before copying the input: the general path copies it
-        }
-        let input = input.tensor()?;
-        self.in_place_lent(obj, "reduce_scatter_tensor", |g, out| {
-            g.reduce_scatter_tensor_handle(out, input, op)
-        })
+        self.in_place_lent(
+            obj,
+            "reduce_scatter_tensor",
+            || input.tensor(),
+            |g, out, input| g.reduce_scatter_tensor_handle(out, input, op),
+        )
     }
 
     /// Starts an all-to-all of one tensor in the background.

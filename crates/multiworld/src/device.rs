@@ -645,18 +645,13 @@ impl DeviceOp {
         let dropped = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let _stop = StopOnDrop(Arc::clone(&dropped));
         let poll = tokio::task::spawn_blocking(move || {
-            let mut sleep = FIRST_SLEEP;
-            loop {
+            let completed = || {
                 world.check()?;
-                if handle.is_completed().map_err(|e| world.fail_device(e))? {
-                    return Ok(true);
-                }
-                if dropped.load(std::sync::atomic::Ordering::Relaxed) {
-                    return Ok(false);
-                }
-                std::thread::sleep(sleep);
-                sleep = (sleep * 2).min(MAX_SLEEP);
-            }
+                handle.is_completed().map_err(|e| world.fail_device(e))
+            };
+            let stop = || dropped.load(std::sync::atomic::Ordering::Relaxed);
+            let mut sleep = FIRST_SLEEP;
+            poll_with_backoff(&mut sleep, completed, stop)
         });
         match poll.await {
             Ok(Ok(_)) => Ok(()),
@@ -684,18 +679,31 @@ impl DeviceOp {
         let mut sleep = FIRST_SLEEP;
         loop {
             let until = Instant::now() + HERE_SLICE;
-            loop {
-                if self.is_completed()? {
-                    return Ok(());
-                }
-                if Instant::now() >= until {
-                    break;
-                }
-                std::thread::sleep(sleep);
-                sleep = (sleep * 2).min(MAX_SLEEP);
+            if poll_with_backoff(&mut sleep, || self.is_completed(), || Instant::now() >= until)? {
+                return Ok(());
             }
             tokio::task::yield_now().await;
         }
+    }
+}
+
+/// Polls `completed` until it is true (`Ok(true)`) or `stop` is (`Ok(false)`),
+/// sleeping between polls from `sleep` on, doubled each time up to
+/// [`MAX_SLEEP`] (`sleep` keeps the last one, for a caller that goes on).
+fn poll_with_backoff(
+    sleep: &mut Duration,
+    mut completed: impl FnMut() -> Result<bool, WorldError>,
+    mut stop: impl FnMut() -> bool,
+) -> Result<bool, WorldError> {
+    loop {
+        if completed()? {
+            return Ok(true);
+        }
+        if stop() {
+            return Ok(false);
+        }
+        std::thread::sleep(*sleep);
+        *sleep = (*sleep * 2).min(MAX_SLEEP);
     }
 }
 

@@ -246,6 +246,12 @@ def _may_overlap(out: np.ndarray, inp: np.ndarray) -> bool:
     return out.size == 0 or inp.size == 0 or bool(np.may_share_memory(out, inp))
 
 
+def _apart(out: np.ndarray, inp: np.ndarray) -> np.ndarray:
+    """``inp``, or a copy of it where a call lending ``out`` for writing and
+    ``inp`` for reading must not get it as it is (see :func:`_may_overlap`)."""
+    return inp.copy() if _may_overlap(out, inp) else inp
+
+
 def _any_overlap(arrays: List[np.ndarray]) -> bool:
     """Whether any two of ``arrays`` may share memory, or one is empty (see
     :func:`_may_overlap`): a call that lends them all must not get them."""
@@ -551,8 +557,7 @@ class World:
             arr, spec = T.out_spec(output_tensor, "output_tensor")
             raw = None if async_op else T.writable_bytes(arr)
             if raw is not None:  # written in place, the array's memory lent for the call
-                if _may_overlap(raw, view[0]):  # e.g. the input is a part of the output
-                    view = (view[0].copy(), view[1], view[2])
+                view = (_apart(raw, view[0]), view[1], view[2])  # e.g. the input is a part of the output
                 self._w.all_gather_into_tensor_into(raw, spec[0], list(spec[1]), view)
                 return None
             return self._run("all_gather_into_tensor", (spec, view), _writer(arr, output_tensor), async_op)
@@ -638,8 +643,7 @@ class World:
                     return work
             raw = None if async_op else T.writable_bytes(arr)
             if raw is not None:  # written in place, both arrays lent for the call
-                if _may_overlap(raw, view[0]):
-                    view = (view[0].copy(), view[1], view[2])
+                view = (_apart(raw, view[0]), view[1], view[2])
                 self._w.reduce_scatter_tensor_into(raw, spec[0], list(spec[1]), view, _op(op))
                 return None
             return self._run("reduce_scatter_tensor", (spec, view, _op(op)), _writer(arr, output), async_op)
@@ -687,8 +691,7 @@ class World:
                     return work
             raw = None if async_op else T.writable_bytes(arr)
             if raw is not None:  # written in place, both arrays lent for the call
-                if _may_overlap(raw, flat_in):
-                    flat_in = flat_in.copy()
+                flat_in = _apart(raw, flat_in)
                 self._w.all_to_all_single_into(raw, spec[0], list(spec[1]), (flat_in, dname, list(in_shape)),
                                                (out_splits, in_splits))
                 return None
