@@ -1278,19 +1278,8 @@ mod tests {
     /// sender is dropped or sent to: a wait that hands its sleeping to the
     /// pool cannot end meanwhile.
     fn runtime_with_its_pool_held() -> (tokio::runtime::Runtime, std::sync::mpsc::Sender<()>) {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .max_blocking_threads(1)
-            .enable_all()
-            .build()
-            .unwrap();
-        let (release, held) = std::sync::mpsc::channel::<()>();
-        let (started_tx, started) = std::sync::mpsc::channel::<()>();
-        drop(rt.spawn_blocking(move || {
-            started_tx.send(()).unwrap();
-            let _ = held.recv();
-        }));
-        started.recv().unwrap();
+        let rt = multiworld_testkit::runtime_with_one_blocking_thread(1);
+        let release = multiworld_testkit::hold_blocking_pool(&rt);
         (rt, release)
     }
 

@@ -66,6 +66,32 @@ pub fn runtime() -> tokio::runtime::Runtime {
         .unwrap()
 }
 
+/// A runtime of `workers` worker threads whose blocking pool has a single
+/// thread, for [`hold_blocking_pool`].
+pub fn runtime_with_one_blocking_thread(workers: usize) -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(workers)
+        .max_blocking_threads(1)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// Occupies the only blocking-pool thread of `rt` (made by
+/// [`runtime_with_one_blocking_thread`]) until the returned sender is sent
+/// to or dropped: a wait that hands its sleeping to the pool cannot end
+/// meanwhile. Returns once the thread is taken.
+pub fn hold_blocking_pool(rt: &tokio::runtime::Runtime) -> std::sync::mpsc::Sender<()> {
+    let (release, held) = std::sync::mpsc::channel::<()>();
+    let (started_tx, started) = std::sync::mpsc::channel::<()>();
+    drop(rt.spawn_blocking(move || {
+        started_tx.send(()).unwrap();
+        let _ = held.recv();
+    }));
+    started.recv().unwrap();
+    release
+}
+
 /// A world name (panics on an invalid one).
 pub fn world(name: &str) -> WorldName {
     WorldName::new(name).unwrap()

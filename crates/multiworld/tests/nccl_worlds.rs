@@ -135,12 +135,7 @@ async fn a_device_operation_that_completes_late_ends_its_wait() {
 #[test]
 fn a_blocking_callers_device_wait_polls_on_its_own_thread() {
     let (_g, f) = fake::fake();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .max_blocking_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = multiworld_testkit::runtime_with_one_blocking_thread(2);
     let (m, w) = rt.block_on(async {
         let (m, store) = manager(&f).await;
         let w = m.join(nccl_cfg("caller", 0, 1, &store)).await.unwrap();
@@ -149,13 +144,7 @@ fn a_blocking_callers_device_wait_polls_on_its_own_thread() {
     let nccl = w.nccl().unwrap();
     let mut buf = nccl.upload(DType::F32, &f32_bytes(&ramp(64, 0.5))).unwrap();
     // Hold the runtime's only blocking-pool thread.
-    let (release_pool, held) = std::sync::mpsc::channel::<()>();
-    let (started_tx, started) = std::sync::mpsc::channel::<()>();
-    drop(rt.spawn_blocking(move || {
-        started_tx.send(()).unwrap();
-        let _ = held.recv();
-    }));
-    started.recv().unwrap();
+    let release_pool = multiworld_testkit::hold_blocking_pool(&rt);
 
     // Each operation hangs until released 100 ms later, by another thread.
     let late_op = |nccl: &NcclWorld, buf: &mut DeviceBuffer| {
