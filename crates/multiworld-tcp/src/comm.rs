@@ -344,13 +344,19 @@ fn paced_here() -> bool {
 /// polling them, or calling `block_on`): nothing shares its turn, so the
 /// yield would only cost time. Tokio's cooperative budget still applies.
 pub fn without_pacing<T>(f: impl FnOnce() -> T) -> T {
-    struct Reset(bool);
+    with_flag(&UNPACED, f)
+}
+
+/// Runs `f` with the thread-local `flag` set, then restores what it was
+/// (also when `f` unwinds).
+fn with_flag<T>(flag: &'static std::thread::LocalKey<std::cell::Cell<bool>>, f: impl FnOnce() -> T) -> T {
+    struct Reset(&'static std::thread::LocalKey<std::cell::Cell<bool>>, bool);
     impl Drop for Reset {
         fn drop(&mut self) {
-            UNPACED.with(|u| u.set(self.0));
+            self.0.with(|v| v.set(self.1));
         }
     }
-    let _reset = Reset(UNPACED.with(|u| u.replace(true)));
+    let _reset = Reset(flag, flag.with(|v| v.replace(true)));
     f()
 }
 
@@ -376,14 +382,7 @@ thread_local! {
 /// current-thread runtime's `block_on` runs its tasks, is not the caller's
 /// future: [`on_blocking_caller`] is false inside it.)
 pub fn as_blocking_caller<T>(f: impl FnOnce() -> T) -> T {
-    struct Reset(bool);
-    impl Drop for Reset {
-        fn drop(&mut self) {
-            BLOCKING_CALLER.with(|b| b.set(self.0));
-        }
-    }
-    let _reset = Reset(BLOCKING_CALLER.with(|b| b.replace(true)));
-    without_pacing(f)
+    with_flag(&BLOCKING_CALLER, || without_pacing(f))
 }
 
 /// Whether this thread is inside [`as_blocking_caller`], outside any task
