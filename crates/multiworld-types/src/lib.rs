@@ -10,6 +10,7 @@
 //! | `tags` | the tag partition: user tags, the collectives' reserved range, the runtime's own tags |
 //! | `tensor` | [`DType`], [`Element`], [`Tensor`], [`TensorView`], [`ExternalMemory`]: typed host memory, zero-copy from/to `Vec<T>`, slices and lent memory |
 //! | `reduce` | [`ReduceOp`], which dtype each is defined for, and the element kernels ([`Kernel`], [`with_type!`]) |
+//! | `huge_pages` | large tensors ask the kernel for huge pages ([`HUGE_PAGES_FROM`]): a memory hint, the crate's one system call |
 //! | `error` | [`InvalidArgument`], the one error of this crate |
 
 // Tensor payloads go on the wire as their in-memory bytes, and the wire format is
@@ -18,6 +19,7 @@
 compile_error!("multiworld supports little-endian targets only");
 
 mod error;
+mod huge_pages;
 mod id;
 mod reduce;
 mod tags;
@@ -32,5 +34,6 @@ pub use tags::{
     collective_tag, is_internal_tag, runtime_tag,
 };
 pub use tensor::{
-    ALIGNED_FROM, ALIGNMENT, DType, Element, ExternalMemory, Tensor, TensorView, valid_bool_bytes,
+    ALIGNED_FROM, ALIGNMENT, DType, Element, ExternalMemory, HUGE_PAGES_FROM, Tensor, TensorView,
+    valid_bool_bytes,
 };

@@ -379,6 +379,8 @@ pub use storage::Storage;
 /// (see docs/benchmarks.md).
 pub const ALIGNED_FROM: usize = 4096;
 
+pub use crate::huge_pages::HUGE_PAGES_FROM;
+
 /// Alignment of [`AlignedBytes`]: a cache line.
 pub const ALIGNMENT: usize = 64;
 
@@ -393,9 +395,13 @@ pub struct AlignedBytes {
 }
 
 impl AlignedBytes {
-    /// `len` zero bytes, aligned.
+    /// `len` zero bytes, aligned; from [`HUGE_PAGES_FROM`] bytes on, in
+    /// huge pages where the system has them (see `huge_pages`).
     pub fn zeroed(len: usize) -> Self {
         let buf = vec![0u8; len.saturating_add(ALIGNMENT - 1)];
+        if len >= HUGE_PAGES_FROM {
+            crate::huge_pages::advise(&buf);
+        }
         // Always below ALIGNMENT for a byte pointer; `min` keeps the slice in
         // bounds even if it were not (the data would then merely be unaligned).
         let at = buf.as_ptr().align_offset(ALIGNMENT).min(ALIGNMENT - 1);
