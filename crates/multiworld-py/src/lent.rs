@@ -57,16 +57,23 @@ enum Held {
     Task(watch::Sender<()>, Py<PyAny>),
 }
 
-/// Resolves when a background operation's loan has ended: the runtime no
-/// longer touches the array.
+/// Resolves when a background operation's loans have ended: the runtime
+/// no longer touches the arrays.
 #[derive(Clone)]
-pub struct Released(watch::Receiver<()>);
+pub struct Released(Vec<watch::Receiver<()>>);
 
 impl Released {
-    /// Waits until the loan has ended (at once if it has).
-    pub async fn wait(mut self) {
-        // Nothing is ever sent: `changed` fails once the sender is dropped.
-        while self.0.changed().await.is_ok() {}
+    /// Waits until every loan has ended (at once if they have).
+    pub async fn wait(self) {
+        for mut rx in self.0 {
+            // Nothing is ever sent: `changed` fails once the sender is dropped.
+            while rx.changed().await.is_ok() {}
+        }
+    }
+
+    /// Resolves once all of `each` have.
+    pub fn all(each: impl IntoIterator<Item = Released>) -> Released {
+        Released(each.into_iter().flat_map(|r| r.0).collect())
     }
 }
 
@@ -403,7 +410,7 @@ impl<'a> Plain<'a> {
         let (tx, rx) = watch::channel(());
         let held = Held::Task(tx, self.array.clone().into_any().unbind());
         let lent = lend_tensor(self.ptr, self.len, self.dtype, self.shape(), held, access);
-        fast(lent.map(|t| (t, Released(rx))), what)
+        fast(lent.map(|t| (t, Released(vec![rx]))), what)
     }
 
     /// Whether a background operation may be lent this array for writing:

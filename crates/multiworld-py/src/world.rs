@@ -270,6 +270,19 @@ fn lend_list(list: &mut [LentArray<'_>], what: &str) -> PyResult<(Vec<Tensor>, V
     Ok((tensors, ends))
 }
 
+/// Every input of a list for one blocking call that only reads them:
+/// lent where they can be (see [`Input::for_call`]), with the ends of
+/// their loans for [`settle_all`] once the tensors are dropped.
+fn lend_inputs(list: &[Input<'_>], what: &str) -> PyResult<(Vec<Tensor>, Vec<lent::LoanEnd>)> {
+    let (mut tensors, mut ends) = (Vec::with_capacity(list.len()), Vec::new());
+    for input in list {
+        let (t, end) = input.for_call(what)?.into_parts();
+        tensors.push(t);
+        ends.extend(end);
+    }
+    Ok((tensors, ends))
+}
+
 /// Ends every loan of a list (see [`lent::LoanEnd::settle`]).
 fn settle_all(py: Python<'_>, ends: Vec<lent::LoanEnd>) {
     for end in ends {
@@ -414,24 +427,69 @@ impl World {
     /// Python layer then takes the copying path. `input` makes what else
     /// `start` takes (a copy of a separate input) once the array is known to
     /// be lendable and before it is lent, since that input may lie in it.
-    fn in_place_lent<I>(
+    fn in_place_lent<I, T: Send + 'static>(
         &self,
         obj: &Bound<'_, PyAny>,
         what: &str,
         input: impl FnOnce() -> PyResult<I>,
-        start: impl FnOnce(&Group, Tensor, I) -> CollectiveHandle<Tensor>,
+        start: impl FnOnce(&Group, Tensor, I) -> CollectiveHandle<T>,
     ) -> PyResult<Option<Work>> {
         let Some(a) = lent::plain(obj).filter(lent::Plain::lendable_to_task) else {
             return Ok(None);
         };
-        let (w, g, input) = (self.w()?.clone(), self.g()?, input()?);
-        let Some((t, released)) = a.lend_to_task(what)? else {
+        self.background_lent(|| a.lend_to_task(what), input, start)
+    }
+
+    /// [`World::in_place_lent`] for a collective whose outputs are a list:
+    /// every array of `objs` (plain and writeable, sharing no memory: the
+    /// Python layer checks) is lent to the collective's task; `None` if any
+    /// of them cannot be.
+    fn list_lent<I, T: Send + 'static>(
+        &self,
+        objs: &[Bound<'_, PyAny>],
+        what: &str,
+        input: impl FnOnce() -> PyResult<I>,
+        start: impl FnOnce(&Group, Vec<Tensor>, I) -> CollectiveHandle<T>,
+    ) -> PyResult<Option<Work>> {
+        let Some(arrays) = objs
+            .iter()
+            .map(|o| lent::plain(o).filter(lent::Plain::lendable_to_task))
+            .collect::<Option<Vec<_>>>()
+        else {
             return Ok(None);
         };
-        let h = runtime::enter(|| start(&g, t, input))?;
+        let lend = || {
+            let (mut tensors, mut released) = (Vec::with_capacity(arrays.len()), Vec::new());
+            for (i, a) in arrays.iter().enumerate() {
+                // Those lent before a refusal end their loans when dropped.
+                let Some((t, r)) = a.lend_to_task(&format!("{what} output {i}"))? else {
+                    return Ok(None);
+                };
+                tensors.push(t);
+                released.push(r);
+            }
+            Ok(Some((tensors, Released::all(released))))
+        };
+        self.background_lent(lend, input, start)
+    }
+
+    /// Makes `input`, then lends (`lend`: what is lent and the end of its
+    /// loans, `None` if it cannot be) and starts the collective on it; the
+    /// handle ends once the collective has and the loans have too.
+    fn background_lent<L, I, T: Send + 'static>(
+        &self,
+        lend: impl FnOnce() -> PyResult<Option<(L, Released)>>,
+        input: impl FnOnce() -> PyResult<I>,
+        start: impl FnOnce(&Group, L, I) -> CollectiveHandle<T>,
+    ) -> PyResult<Option<Work>> {
+        let (w, g, input) = (self.w()?.clone(), self.g()?, input()?);
+        let Some((lent, released)) = lend()? else {
+            return Ok(None);
+        };
+        let h = runtime::enter(|| start(&g, lent, input))?;
         let op = async move {
             match h.wait().await {
-                // Dropping the tensor ends the loan.
+                // Dropping the tensors ends the loans.
                 Ok(t) => {
                     drop(t);
                     Ok(Done::Unit)
@@ -1141,22 +1199,65 @@ impl World {
         root: u32,
     ) -> PyResult<()> {
         let what = "scatter";
-        let (mut ins, mut ends) = (None, Vec::new());
-        if let Some(list) = &inputs {
-            let mut v = Vec::with_capacity(list.len());
-            for input in list {
-                let (t, end) = input.for_call(what)?.into_parts();
-                v.push(t);
-                ends.extend(end);
+        let (ins, ends) = match &inputs {
+            Some(list) => {
+                let (ins, ends) = lend_inputs(list, what)?;
+                (Some(ins), ends)
             }
-            ins = Some(v);
-        }
+            None => (None, Vec::new()),
+        };
         let loan = Loan::new(&mut out, tensor::dtype(dtype)?, shape, &format!("{what} output"))?;
         let (mut t, end) = loan.into_parts();
         let g = self.g()?;
         let r = self.coll(py, g.scatter(&mut t, ins.as_deref(), Rank(root)));
         drop((t, ins));
         end.settle(py);
+        settle_all(py, ends);
+        r
+    }
+
+    /// Reduce-scatter of `inputs` (one per member, lent where they can be)
+    /// into the caller's C-contiguous array `out` (its bytes, as `uint8`),
+    /// lent for the call (no copy; the Python layer passes arrays that share
+    /// no memory). On failure `out` may hold part of the result.
+    fn reduce_scatter_into(
+        &self,
+        py: Python<'_>,
+        mut out: PyReadwriteArray1<'_, u8>,
+        dtype: &str,
+        shape: Vec<usize>,
+        inputs: Vec<Input<'_>>,
+        op: &str,
+    ) -> PyResult<()> {
+        let (what, op) = ("reduce_scatter", reduce_op(op)?);
+        let (ins, mut ends) = lend_inputs(&inputs, what)?;
+        let loan = Loan::new(&mut out, tensor::dtype(dtype)?, shape, &format!("{what} output"))?;
+        let (mut t, end) = loan.into_parts();
+        ends.push(end);
+        let g = self.g()?;
+        let r = self.coll(py, g.reduce_scatter(&mut t, &ins, op));
+        drop((t, ins));
+        settle_all(py, ends);
+        r
+    }
+
+    /// All-to-all of lists: `inputs` (one per member, lent where they can
+    /// be) into the caller's C-contiguous arrays `outputs` (as for
+    /// `all_gather_into_list`), lent for the call (no copy). On failure the
+    /// outputs may hold part of the result.
+    fn all_to_all_into_list(
+        &self,
+        py: Python<'_>,
+        mut outputs: Vec<LentArray<'_>>,
+        inputs: Vec<Input<'_>>,
+    ) -> PyResult<()> {
+        let what = "all_to_all";
+        let (ins, mut ends) = lend_inputs(&inputs, what)?;
+        let (mut outs, out_ends) = lend_list(&mut outputs, what)?;
+        ends.extend(out_ends);
+        let g = self.g()?;
+        let r = self.coll(py, g.all_to_all(&mut outs, &ins));
+        drop((outs, ins));
         settle_all(py, ends);
         r
     }
@@ -1554,6 +1655,86 @@ impl World {
     fn reduce_scatter_tensor_async(&self, output: Output, input: Input<'_>, op: &str) -> PyResult<Work> {
         let (out, input, op) = (output.tensor()?, input.tensor()?, reduce_op(op)?);
         self.start(|g| g.reduce_scatter_tensor_handle(out, input, op), Done::Tensor)
+    }
+
+    /// `all_gather(async_op=True)` into a list of plain numpy arrays, each
+    /// written in place without a copy (see `list_lent`); the input is
+    /// copied first (it may be one of the outputs). `None` for anything else.
+    fn all_gather_lent(&self, outputs: Vec<Bound<'_, PyAny>>, input: Input<'_>) -> PyResult<Option<Work>> {
+        self.list_lent(
+            &outputs,
+            "all_gather",
+            || input.tensor(),
+            |g, outs, input| g.all_gather_handle(outs, input),
+        )
+    }
+
+    /// `gather(async_op=True)` on the root into a list of plain numpy
+    /// arrays (as for `all_gather_lent`). `None` for anything else.
+    fn gather_lent(
+        &self,
+        input: Input<'_>,
+        outputs: Vec<Bound<'_, PyAny>>,
+        root: u32,
+    ) -> PyResult<Option<Work>> {
+        self.list_lent(
+            &outputs,
+            "gather",
+            || input.tensor(),
+            |g, outs, input| g.gather_handle(input, Some(outs), Rank(root)),
+        )
+    }
+
+    /// `scatter(async_op=True)` into a plain numpy array, written in place
+    /// without a copy (see `in_place_lent`); the root's inputs are copied
+    /// first. `None` for anything else.
+    #[pyo3(signature = (obj, inputs, root))]
+    fn scatter_lent(
+        &self,
+        obj: &Bound<'_, PyAny>,
+        inputs: Option<Vec<Input<'_>>>,
+        root: u32,
+    ) -> PyResult<Option<Work>> {
+        self.in_place_lent(
+            obj,
+            "scatter",
+            || inputs.as_deref().map(tensor::inputs).transpose(),
+            |g, out, ins| g.scatter_handle(out, ins, Rank(root)),
+        )
+    }
+
+    /// `reduce_scatter(async_op=True)` of a list into a plain numpy array,
+    /// written in place without a copy (see `in_place_lent`); the inputs
+    /// are copied first. `None` for anything else.
+    fn reduce_scatter_lent(
+        &self,
+        obj: &Bound<'_, PyAny>,
+        inputs: Vec<Input<'_>>,
+        op: &str,
+    ) -> PyResult<Option<Work>> {
+        let op = reduce_op(op)?;
+        self.in_place_lent(
+            obj,
+            "reduce_scatter",
+            || tensor::inputs(&inputs),
+            |g, out, ins| g.reduce_scatter_handle(out, ins, op),
+        )
+    }
+
+    /// `all_to_all(async_op=True)` into a list of plain numpy arrays (as
+    /// for `all_gather_lent`); the inputs are copied first. `None` for
+    /// anything else.
+    fn all_to_all_lent(
+        &self,
+        outputs: Vec<Bound<'_, PyAny>>,
+        inputs: Vec<Input<'_>>,
+    ) -> PyResult<Option<Work>> {
+        self.list_lent(
+            &outputs,
+            "all_to_all",
+            || tensor::inputs(&inputs),
+            |g, outs, ins| g.all_to_all_handle(outs, ins),
+        )
     }
 
     /// Starts an all-to-all of lists in the background.

@@ -123,3 +123,24 @@ def test_the_async_all_reduce_benchmark_runs():
             script.measure(2, 1 << 16, 5, "threads")
     finally:
         sys.path.pop(0)
+
+
+def test_the_list_collectives_benchmark_runs():
+    """``bench/list_collectives.py``: every collective of lists, each in one
+    of the three modes, with small runs; the ranks check every result and a
+    positive median comes back (no timing is checked)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    sys.path.insert(0, str(root / "bench"))
+    try:
+        import list_collectives as script
+
+        for i, op in enumerate(script.OPS):
+            assert script.measure(2, op, 1 << 16, 3, script.MODES[i % len(script.MODES)]) > 0
+        with pytest.raises(ValueError, match="op must be"):
+            script.measure(2, "all_reduce", 1 << 16, 3, "work")
+        with pytest.raises(ValueError, match="mode must be"):
+            script.measure(2, "gather", 1 << 16, 3, "threads")
+    finally:
+        sys.path.pop(0)

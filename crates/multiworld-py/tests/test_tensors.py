@@ -688,3 +688,120 @@ def test_gather_and_scatter_lend_their_arrays(pair):
             assert (mine[0] == 7).all() and (mine[1] == 8).all() and (other == 8).all()
         else:
             assert (single == 1).all() and (other == 2).all()
+
+
+def test_reduce_scatter_and_all_to_all_of_lists_lend_their_arrays(pair):
+    """The blocking reduce_scatter and all_to_all of lists write the
+    output(s) in place and read the inputs where they lie: while rank 0's
+    call waits for rank 1, a probe that would write any of its arrays is
+    refused; the results are exact. Overlapping arrays (an input that is a
+    view of the output) take the copying path, with the same results."""
+    import threading
+
+    w0, w1 = pair
+    n = 1 << 10
+    in_use = functools.partial(_in_use, w0)
+    for op in ("reduce_scatter", "all_to_all"):
+        ins = [[np.full(n, 10 * r + q, np.int64) for q in range(2)] for r in range(2)]
+        if op == "reduce_scatter":
+            outs = [np.zeros(n, np.int64) for _ in range(2)]
+            mine = [outs[0]]
+        else:
+            outs = [[np.zeros(n, np.int64) for _ in range(2)] for _ in range(2)]
+            mine = outs[0]
+        t = threading.Thread(target=lambda: getattr(w0, op)(outs[0], ins[0]))
+        t.start()
+        deadline = time.monotonic() + 10
+        while not in_use(mine[-1]):
+            assert time.monotonic() < deadline, f"{op} never took its arrays"
+            time.sleep(0.001)
+        assert all(in_use(a) for a in mine + ins[0]), op
+        getattr(w1, op)(outs[1], ins[1])
+        t.join(10)
+        assert not any(in_use(a) for a in mine + ins[0]), op
+        if op == "reduce_scatter":
+            assert (outs[0] == 0 + 10).all() and (outs[1] == 1 + 11).all()
+        else:
+            for r in range(2):
+                assert [int(o[0]) for o in outs[r]] == [r, 10 + r] and all((o == o[0]).all() for o in outs[r])
+    # An input that is a view of the output: copied, exact.
+    buf0, buf1 = np.arange(2 * n, dtype=np.int64), np.arange(2 * n, dtype=np.int64)
+    both(lambda: w0.reduce_scatter(buf0[:n], [buf0[:n], buf0[n:]]),
+         lambda: w1.reduce_scatter(buf1[n:], [buf1[:n], buf1[n:]]))
+    assert (buf0[:n] == 2 * np.arange(n)).all() and (buf1[n:] == 2 * np.arange(n, 2 * n)).all()
+
+
+@pytest.mark.parametrize("op", ["all_gather", "gather", "scatter", "reduce_scatter", "all_to_all"])
+def test_list_collectives_in_the_background_write_their_outputs_in_place(pair, op):
+    """With async_op=True, the collectives of lists copy their inputs at the
+    call (the caller may change them at once) and write the caller's own
+    output arrays, lent until the operation ends: meanwhile a probe that
+    would write an output is refused; wait() returns the caller's list (or
+    array) with the result in it. Outputs that share memory, and bool
+    outputs, take the copying path with the same results."""
+    w0, w1 = pair
+    n = 1 << 10
+    in_use = functools.partial(_in_use, w0)
+
+    k = 1 if op in ("scatter", "reduce_scatter") else 2  # outputs per member
+
+    def run(dtype, outs_of):
+        """Starts rank 0's call, then rank 1's; returns both handles, the
+        outputs, what they should hold, and whether rank 0's outputs were
+        in use between the two calls (rank 0's cannot end before rank 1's
+        has started)."""
+        ins = [[np.full(n, 10 * r + q, dtype) for q in range(2)] for r in range(2)]
+        one = [np.full(n, 5 + r, dtype) for r in range(2)]
+        outs = [outs_of(r) for r in range(2)]
+        call = {
+            "all_gather": lambda w, r: w.all_gather(outs[r], one[r], async_op=True),
+            "gather": lambda w, r: w.gather(one[r], outs[r] if r == 0 else None, 0, async_op=True),
+            "scatter": lambda w, r: w.scatter(outs[r][0], ins[r] if r == 0 else None, 0, async_op=True),
+            "reduce_scatter": lambda w, r: w.reduce_scatter(outs[r][0], ins[r], async_op=True),
+            "all_to_all": lambda w, r: w.all_to_all(outs[r], ins[r], async_op=True),
+        }[op]
+        works = [call(w0, 0)]
+        held = [in_use(a) for a in outs[0][:k]]
+        # Copied at the call: changing them now changes nothing.
+        saved = [a.copy() for a in ins[0] + [one[0]]]
+        for a in ins[0] + [one[0]]:
+            a[:] = 0 if dtype == np.bool_ else 99
+        works.append(call(w1, 1))
+        for a, s in zip(ins[0] + [one[0]], saved):
+            a[:] = s
+        want = {
+            "all_gather": lambda r: [one[0], one[1]],
+            "gather": lambda r: [one[0], one[1]] if r == 0 else [np.zeros(n, dtype)] * 2,
+            "scatter": lambda r: [ins[0][r]],
+            "reduce_scatter": lambda r: [ins[0][r] + ins[1][r]],
+            "all_to_all": lambda r: [ins[0][r], ins[1][r]],
+        }[op]
+        return works, outs, want, held
+
+    # Separate int32 arrays: lent.
+    works, outs, want, held = run(np.int32, lambda r: [np.zeros(n, np.int32) for _ in range(2)])
+    assert held == [True] * k, "the outputs are the call's until it ends"
+    got = [w.wait(10) for w in works]
+    assert not any(in_use(a) for a in outs[0][:k])
+    for r in range(2):
+        if op in ("scatter", "reduce_scatter"):
+            assert got[r] is outs[r][0]
+        elif op != "gather" or r == 0:
+            assert got[r] is outs[r]
+        for o, w in zip(outs[r][:k], want(r)):
+            assert np.array_equal(o, w), (op, r, o[:4], w[:4])
+
+    # Views of one buffer that overlap (copied), and bool arrays (copied).
+    if op in ("all_gather", "gather", "all_to_all"):
+        def overlapping(r):
+            b = np.zeros(n + 1, np.int32)
+            return [b[:n], b[1:]]
+        works, outs, want, held = run(np.int32, overlapping)
+        assert held == [False, False]
+        got = [w.wait(10) for w in works]
+        assert got[0] is outs[0] and np.array_equal(outs[0][1], want(0)[1])
+    works, outs, want, held = run(np.bool_, lambda r: [np.zeros(n, np.bool_) for _ in range(2)])
+    assert held == [False] * k
+    got = [w.wait(10) for w in works]
+    for o, w in zip(outs[0][:k], want(0)):
+        assert np.array_equal(o, w.astype(np.bool_)), op

@@ -468,6 +468,20 @@ class World:
         native = getattr(self._w, name + "_lent")(_lendable(tensor), *args)
         return None if native is None else Work(native, lambda _: tensor)
 
+    @staticmethod
+    def _lent_list(tensors: List[Any], start: Any) -> Optional[Work]:
+        """A collective with ``async_op=True`` whose outputs, ``tensors``,
+        are written in their own memory (plain numpy arrays or CPU torch
+        tensors through their numpy views, sharing no memory), lent to the
+        runtime until it ends: ``start(arrays)`` calls the native
+        ``*_lent``. ``None`` when they cannot all be lent; the caller then
+        copies."""
+        arrays = [_lendable(t) for t in tensors]
+        if not arrays or any(type(a) is not np.ndarray for a in arrays) or _any_overlap(arrays):
+            return None
+        native = start(arrays)
+        return None if native is None else Work(native, lambda _: tensors)
+
     def broadcast(self, tensor: Any, src: int, async_op: bool = False) -> Optional[Work]:
         """Copies rank ``src``'s ``tensor`` into every member's ``tensor``."""
         if async_op:
@@ -534,6 +548,10 @@ class World:
         try:
             outs = [T.out_spec(t, f"tensor_list[{i}]") for i, t in enumerate(tensor_list)]
             view = T.send_view(tensor)
+            if async_op:
+                work = self._lent_list(tensor_list, lambda arrays: self._w.all_gather_lent(arrays, view))
+                if work is not None:
+                    return work
             raws = [] if async_op else [T.writable_bytes(arr) for arr, _ in outs]
             if raws and all(r is not None for r in raws) and not _any_overlap(raws + [view[0]]):
                 # Written in place, every array lent for the call.
@@ -584,6 +602,10 @@ class World:
                 return gather_list
 
             view = T.send_view(tensor)
+            if async_op and outs is not None:
+                work = self._lent_list(gather_list, lambda arrays: self._w.gather_lent(view, arrays, dst))
+                if work is not None:
+                    return work
             if not async_op:
                 raws = [] if outs is None else [T.writable_bytes(arr) for arr, _ in outs]
                 if all(r is not None for r in raws) and not _any_overlap(raws + [view[0]]):
@@ -609,6 +631,10 @@ class World:
                 if scatter_list is None:
                     raise ValueError("scatter: scatter_list is required on the source rank")
                 ins = [T.send_view(t, f"scatter_list[{i}]") for i, t in enumerate(scatter_list)]
+            if async_op:
+                work = self._lent("scatter", tensor, ins, src)
+                if work is not None:
+                    return work
             raw = None if async_op else T.writable_bytes(arr)
             if raw is not None and not _any_overlap([raw] + [v[0] for v in ins or []]):
                 # Written in place, every array lent for the call.
@@ -625,6 +651,15 @@ class World:
         try:
             arr, spec = T.out_spec(output, "output")
             ins = [T.send_view(t, f"input_list[{i}]") for i, t in enumerate(input_list)]
+            if async_op:
+                work = self._lent("reduce_scatter", output, ins, _op(op))
+                if work is not None:
+                    return work
+            raw = None if async_op else T.writable_bytes(arr)
+            if raw is not None and not _any_overlap([raw] + [v[0] for v in ins]):
+                # Written in place, every array lent for the call.
+                self._w.reduce_scatter_into(raw, spec[0], list(spec[1]), ins, _op(op))
+                return None
             return self._run("reduce_scatter", (spec, ins, _op(op)), _writer(arr, output), async_op)
         except T.DeviceTensor:
             return self._device("reduce_scatter", {
@@ -658,6 +693,15 @@ class World:
         try:
             outs = [T.out_spec(t, f"output_tensor_list[{i}]") for i, t in enumerate(output_tensor_list)]
             ins = [T.send_view(t, f"input_tensor_list[{i}]") for i, t in enumerate(input_tensor_list)]
+            if async_op:
+                work = self._lent_list(output_tensor_list, lambda arrays: self._w.all_to_all_lent(arrays, ins))
+                if work is not None:
+                    return work
+            raws = [] if async_op else [T.writable_bytes(arr) for arr, _ in outs]
+            if raws and all(r is not None for r in raws) and not _any_overlap(raws + [v[0] for v in ins]):
+                # Written in place, every array lent for the call.
+                self._w.all_to_all_into_list([(r, s[0], list(s[1])) for r, (_, s) in zip(raws, outs)], ins)
+                return None
             return self._run("all_to_all", ([s for _, s in outs], ins),
                              _list_writer(outs, output_tensor_list), async_op)
         except T.DeviceTensor:
