@@ -20,7 +20,7 @@ use std::{
 };
 
 use multiworld::{
-    CollectiveHandle, CommError, Group, Rank, ReduceOp, Tag, Tensor, TensorView, WorldError, WorldState,
+    CollectiveHandle, CommError, Group, Rank, ReduceOp, SharedMemory, Tag, Tensor, TensorView, WorldError, WorldState,
 };
 use numpy::{PyReadonlyArray1, PyReadwriteArray1};
 use pyo3::{
@@ -945,6 +945,22 @@ impl World {
             _ => None,
         };
         Ok((s.label(), cause))
+    }
+
+    /// `(state, detail)` of the shared memory this world's (or sub-group's)
+    /// collectives use between members on one host: `("untried", None)`
+    /// until the first call that would use it, then `("active", None)` or
+    /// `("unavailable", reason)` for good, the same on every member. Waits
+    /// for the group's turn (a collective running now ends first).
+    fn shared_memory(&self, py: Python<'_>) -> PyResult<(&'static str, Option<String>)> {
+        let g = self.g()?;
+        Ok(match runtime::wait(py, async move { g.shared_memory().await })? {
+            SharedMemory::Untried => ("untried", None),
+            SharedMemory::Active { .. } => ("active", None),
+            SharedMemory::Unavailable { reason } => ("unavailable", Some(reason)),
+            // A state added later: named by its description.
+            other => ("unknown", Some(other.to_string())),
+        })
     }
 
     /// `World.send`'s fast path: a plain numpy array (`lent::plain`) sent

@@ -110,6 +110,9 @@ def test_a_member_killed_mid_shared_memory_all_reduce_fails_the_others_blocking_
         th.start()
         for r, p in procs.items():
             assert p.stdout.readline().strip() == "ready", f"rank {r} never got going"
+        # The calls go through the members' shared memory (waits for a turn
+        # between two of rank 0's calls).
+        assert w.shared_memory() == ("active", None)
         procs[2].send_signal(signal.SIGKILL)
         killed = time.time()
         th.join(10)

@@ -91,7 +91,7 @@ pub use error::{JoinFailure, WorldError};
 pub use events::WorldEvent;
 pub use lifecycle::{BreakCause, WorldState};
 pub use manager::{ManagerConfig, WorldInfo, WorldManager};
-pub use multiworld_collectives::{CollectiveHandle, Group};
+pub use multiworld_collectives::{CollectiveHandle, Group, SharedMemory};
 pub use multiworld_tcp::Error as CommError;
 pub use multiworld_tcp::Received;
 pub use multiworld_tcp::{as_blocking_caller, on_blocking_caller, without_pacing};

@@ -343,6 +343,15 @@ class World:
         """The break cause's kind while the world is broken, else ``None``."""
         return self._w.state()[1]
 
+    def shared_memory(self) -> Tuple[str, Optional[str]]:
+        """Whether this world's collectives move their data through memory
+        shared by its members on one host: ``("untried", None)`` until the
+        first call that would use it, then ``("active", None)``, or
+        ``("unavailable", reason)`` (members on other hosts, or shared
+        memory turned off), the same on every member. Waits for a
+        collective running now to end."""
+        return self._w.shared_memory()
+
     # -- point to point -----------------------------------------------------
     def send(self, tensor: Any, dst: int, tag: int = 0) -> None:
         """Sends ``tensor`` to rank ``dst`` on ``tag``. Blocks until the data

@@ -14,6 +14,8 @@ rank, size, store = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 m = mw.WorldManager()
 w = m.join("coll", rank, size, store, timeout=60)
 N = 10
+if w.shared_memory() != ("untried", None):
+    raise SystemExit(f"rank {rank}: shared memory {w.shared_memory()} before any collective")
 
 
 def inp(r, dtype, n=N):
@@ -150,6 +152,8 @@ check("large all_gather_into_tensor", out, np.stack([inp(r, "float32", BIG // 2)
 t = inp(rank, "float32", BIG)
 w.all_reduce(t, "max", async_op=True).wait(30)
 check("large all_reduce async", t, ref("float32", "max", BIG))
+if w.shared_memory() != ("active", None):
+    raise SystemExit(f"rank {rank}: the large collectives left shared memory {w.shared_memory()}")
 
 # A mismatch is an error on every rank, never garbage.
 try:
