@@ -29,10 +29,10 @@ use tokio::sync::watch;
 
 use multiworld::{DType, ExternalMemory, Tensor};
 use numpy::{
-    PyArrayDescrMethods, PyReadonlyArray1, PyReadwriteArray1, PyUntypedArray, PyUntypedArrayMethods,
-    npyffi::NPY_ARRAY_WRITEABLE,
+    PyArray1, PyArrayDescrMethods, PyArrayMethods, PyReadonlyArray1, PyReadwriteArray1, PyUntypedArray,
+    PyUntypedArrayMethods, npyffi::NPY_ARRAY_WRITEABLE,
 };
-use pyo3::{exceptions::PyValueError, prelude::*};
+use pyo3::{Borrowed, exceptions::PyValueError, prelude::*};
 
 /// The array's memory as the runtime sees it. Dropping it (with the tensor
 /// that holds it) ends the loan: its range leaves the registry of lent
@@ -118,6 +118,33 @@ fn conflicts(lent: &[(usize, usize, Access)], start: usize, len: usize, access: 
                 && start < s.saturating_add(l)
                 && s < start.saturating_add(len)
         })
+}
+
+/// A flat `uint8` view of a C-contiguous array, as the Python layer passes
+/// it, borrowed for reading for one call. While another thread's call holds
+/// the array for writing, extracting it is the registry's `ValueError` ("in
+/// use by another call"), not rust-numpy's borrow `TypeError`.
+pub struct Readable<'py>(pub PyReadonlyArray1<'py, u8>);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Readable<'py> {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        let array = obj.extract::<Bound<'py, PyArray1<u8>>>()?;
+        array.try_readonly().map(Readable).map_err(|_| in_use("input"))
+    }
+}
+
+/// [`Readable`] for writing: an output array lent to one call.
+pub struct Writable<'py>(pub PyReadwriteArray1<'py, u8>);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Writable<'py> {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        let array = obj.extract::<Bound<'py, PyArray1<u8>>>()?;
+        array.try_readwrite().map(Writable).map_err(|_| in_use("output"))
+    }
 }
 
 /// Refuses `bytes` (about to be read by a send) while any of it is lent to
@@ -214,13 +241,9 @@ impl Loan {
     /// Lends `array` (a flat `uint8` view of a C-contiguous array) as a
     /// tensor of `dtype` and `shape`. `ValueError` if the sizes disagree, the
     /// memory is misaligned for `dtype`, or a `bool` byte is not 0 or 1.
-    pub fn new(
-        array: &mut PyReadwriteArray1<'_, u8>,
-        dtype: DType,
-        shape: Vec<usize>,
-        what: &str,
-    ) -> PyResult<Loan> {
+    pub fn new(array: &mut Writable<'_>, dtype: DType, shape: Vec<usize>, what: &str) -> PyResult<Loan> {
         let bytes = array
+            .0
             .as_slice_mut()
             .map_err(|e| PyValueError::new_err(format!("{what}: {e}")))?;
         Loan::of(bytes.as_mut_ptr(), bytes.len(), dtype, shape).map_err(|e| match e {

@@ -13,7 +13,9 @@
 
 use multiworld::{DType, Tensor, TensorView, bf16, f16};
 use numpy::{PyArray1, PyReadonlyArray1};
-use pyo3::{exceptions::PyValueError, prelude::*, types::PySlice};
+use pyo3::{Borrowed, exceptions::PyValueError, prelude::*, types::PySlice};
+
+use crate::lent::Readable;
 
 /// The dtype of a torch/numpy dtype name (`"float32"`, `"bool"`, `"bfloat16"`, ...).
 pub fn dtype(name: &str) -> PyResult<DType> {
@@ -33,9 +35,19 @@ pub fn view<'a>(bytes: &'a [u8], dtype: DType) -> PyResult<TensorView<'a>> {
 }
 
 /// An input tensor given as `(uint8 view, dtype name, shape)`: copied into an
-/// owned tensor.
-#[derive(FromPyObject)]
+/// owned tensor, or lent to a blocking call ([`Input::for_call`]).
 pub struct Input<'py>(PyReadonlyArray1<'py, u8>, String, Vec<usize>);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Input<'py> {
+    type Error = PyErr;
+
+    /// The tuple's own errors, unwrapped: an array another call is writing
+    /// is a `ValueError` (see [`Readable`]).
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        let (Readable(array), dtype, shape) = obj.extract::<(Readable<'py>, String, Vec<usize>)>()?;
+        Ok(Input(array, dtype, shape))
+    }
+}
 
 impl Input<'_> {
     /// The owned tensor (one copy of the array's bytes).

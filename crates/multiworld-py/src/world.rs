@@ -20,9 +20,9 @@ use std::{
 };
 
 use multiworld::{
-    CollectiveHandle, CommError, Group, Rank, ReduceOp, SharedMemory, Tag, Tensor, TensorView, WorldError, WorldState,
+    CollectiveHandle, CommError, Group, Rank, ReduceOp, SharedMemory, Tag, Tensor, TensorView, WorldError,
+    WorldState,
 };
-use numpy::{PyReadonlyArray1, PyReadwriteArray1};
 use pyo3::{
     exceptions::{PyRuntimeError, PyValueError},
     prelude::*,
@@ -32,7 +32,7 @@ use tokio::task::JoinHandle;
 
 use crate::{
     errors,
-    lent::{self, Loan, Released},
+    lent::{self, Loan, Readable, Released, Writable},
     notify::{Completion, Notifier},
     polled::{Ended, Polled},
     runtime,
@@ -248,7 +248,7 @@ impl World {
 
 /// An output array given with its dtype and shape: a flat `uint8` view of
 /// a C-contiguous array, lent to the runtime for one call.
-type LentArray<'py> = (PyReadwriteArray1<'py, u8>, String, Vec<usize>);
+type LentArray<'py> = (Writable<'py>, String, Vec<usize>);
 
 /// Lends every array of `list` for one call: their tensors, and the ends of
 /// their loans for [`settle_all`] once the tensors are dropped. The arrays
@@ -1006,15 +1006,9 @@ impl World {
     }
 
     /// Sends a flat byte view of `dtype` elements to `dst` (no copy).
-    fn send(
-        &self,
-        py: Python<'_>,
-        data: PyReadonlyArray1<'_, u8>,
-        dtype: &str,
-        dst: u32,
-        tag: u32,
-    ) -> PyResult<()> {
+    fn send(&self, py: Python<'_>, data: Readable<'_>, dtype: &str, dst: u32, tag: u32) -> PyResult<()> {
         let bytes = data
+            .0
             .as_slice()
             .map_err(|e| PyValueError::new_err(e.to_string()))?;
         lent::check_not_lent(bytes, "send")?;
@@ -1046,7 +1040,7 @@ impl World {
     fn recv_into(
         &self,
         py: Python<'_>,
-        mut out: PyReadwriteArray1<'_, u8>,
+        mut out: Writable<'_>,
         dtype: &str,
         shape: Vec<usize>,
         src: Option<u32>,
@@ -1064,7 +1058,7 @@ impl World {
     fn all_reduce_into(
         &self,
         py: Python<'_>,
-        mut out: PyReadwriteArray1<'_, u8>,
+        mut out: Writable<'_>,
         dtype: &str,
         shape: Vec<usize>,
         op: &str,
@@ -1080,7 +1074,7 @@ impl World {
     fn broadcast_into(
         &self,
         py: Python<'_>,
-        mut out: PyReadwriteArray1<'_, u8>,
+        mut out: Writable<'_>,
         dtype: &str,
         shape: Vec<usize>,
         root: u32,
@@ -1097,7 +1091,7 @@ impl World {
     fn all_gather_into_tensor_into(
         &self,
         py: Python<'_>,
-        mut out: PyReadwriteArray1<'_, u8>,
+        mut out: Writable<'_>,
         dtype: &str,
         shape: Vec<usize>,
         input: Input<'_>,
@@ -1116,7 +1110,7 @@ impl World {
     fn reduce_scatter_tensor_into(
         &self,
         py: Python<'_>,
-        mut out: PyReadwriteArray1<'_, u8>,
+        mut out: Writable<'_>,
         dtype: &str,
         shape: Vec<usize>,
         input: Input<'_>,
@@ -1137,7 +1131,7 @@ impl World {
     fn all_to_all_single_into(
         &self,
         py: Python<'_>,
-        mut out: PyReadwriteArray1<'_, u8>,
+        mut out: Writable<'_>,
         dtype: &str,
         shape: Vec<usize>,
         input: Input<'_>,
@@ -1208,7 +1202,7 @@ impl World {
     fn scatter_into(
         &self,
         py: Python<'_>,
-        mut out: PyReadwriteArray1<'_, u8>,
+        mut out: Writable<'_>,
         dtype: &str,
         shape: Vec<usize>,
         inputs: Option<Vec<Input<'_>>>,
@@ -1239,7 +1233,7 @@ impl World {
     fn reduce_scatter_into(
         &self,
         py: Python<'_>,
-        mut out: PyReadwriteArray1<'_, u8>,
+        mut out: Writable<'_>,
         dtype: &str,
         shape: Vec<usize>,
         inputs: Vec<Input<'_>>,
@@ -1285,7 +1279,7 @@ impl World {
     fn reduce_into(
         &self,
         py: Python<'_>,
-        mut out: PyReadwriteArray1<'_, u8>,
+        mut out: Writable<'_>,
         dtype: &str,
         shape: Vec<usize>,
         root: u32,

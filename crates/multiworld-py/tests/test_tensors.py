@@ -805,3 +805,38 @@ def test_list_collectives_in_the_background_write_their_outputs_in_place(pair, o
     got = [w.wait(10) for w in works]
     for o, w in zip(outs[0][:k], want(0)):
         assert np.array_equal(o, w.astype(np.bool_)), op
+
+
+def test_an_array_held_by_a_blocking_collective_is_refused_to_other_threads_with_value_error(pair):
+    """While a blocking in-place collective holds an array (rank 0's
+    all_reduce waits for rank 1), another thread's call that would read or
+    write it, by any path (copied, lent, in a list), gets the registry's
+    ValueError naming the conflict, not a TypeError of the array library."""
+    import threading
+
+    w0, w1 = pair
+    n = 1024
+    arr = np.ones(n, np.float32)
+    t = threading.Thread(target=lambda: w0.all_reduce(arr))
+    t.start()
+    deadline = time.monotonic() + 10
+    while not _in_use(w0, arr):
+        assert time.monotonic() < deadline, "the all_reduce never took the array"
+        time.sleep(0.001)
+    other = np.zeros(n, np.float32)
+    calls = {
+        "isend (copies)": lambda: w0.isend(arr, 1, tag=5),
+        "blocking broadcast": lambda: w0.broadcast(arr, 0),
+        "background broadcast": lambda: w0.broadcast(arr, 0, async_op=True),
+        "all_gather input": lambda: w0.all_gather([other, other.copy()], arr),
+        "all_gather output": lambda: w0.all_gather([arr, other], other.copy()),
+        "reduce_scatter input": lambda: w0.reduce_scatter(other, [arr, other.copy()]),
+        "scatter output": lambda: w0.scatter(arr, [other, other.copy()], 0),
+    }
+    for what, call in calls.items():
+        with pytest.raises(ValueError, match="in use by another call"):
+            call()
+            pytest.fail(f"{what} took the array")
+    w1.all_reduce(np.ones(n, np.float32))
+    t.join(10)
+    assert (arr == 2).all()
