@@ -6,13 +6,14 @@
 //! communicator: the runtime's NCCL operations read and write the tensor's
 //! memory in place and never free it. What makes that sound:
 //! - **Alive**: every method takes `keep`, the Python objects that own the
-//!   memory (the tensors); the operation's task holds them until the
-//!   operation has completed. A `Work` that is cancelled or dropped, or a
-//!   caller interrupted by Ctrl-C, does not end that task early (it runs
-//!   detached). If the operation fails (the world broke, its deadline
-//!   passed), a kernel may still touch the memory until the communicator's
-//!   abort has returned — or forever, if it is quarantined — so `keep` is
-//!   leaked on purpose: those tensors are never freed.
+//!   memory (the tensors); `InFlight` holds them until the operation has
+//!   completed: in a detached task for a `Work` (cancelling or dropping the
+//!   `Work` does not end that task early), or on a blocking caller's own
+//!   thread (`wait=True`), which hands them to such a task if it is
+//!   interrupted by Ctrl-C. If the operation fails (the world broke, its
+//!   deadline passed), a kernel may still touch the memory until the
+//!   communicator's abort has returned — or forever, if it is quarantined —
+//!   so `keep` is leaked on purpose: those tensors are never freed.
 //! - **Ordered**: the Python side orders the world's stream after torch's
 //!   current stream before calling (`Nccl.after_stream`: an event recorded
 //!   on torch's stream that the world's stream waits for, so the tensors'
@@ -31,7 +32,7 @@ use pyo3::prelude::*;
 
 use crate::{
     errors, runtime, tensor,
-    world::{Done, Work, World, reduce_op, spawn_work},
+    world::{Done, Work, World, finished_work, reduce_op, spawn_work},
 };
 
 /// A tensor's device memory as Python describes it: device address, dtype
@@ -85,11 +86,15 @@ impl Nccl {
     /// Borrows `mems` as buffers of this world, issues `issue` on them (the
     /// GIL released: the enqueue may wait for NCCL) and returns a `Work`
     /// that completes with the operation; `keep` stays alive until then.
+    /// With `wait` (a blocking call), this thread waits for the operation
+    /// itself, GIL released (polled here: no task, no hand-off between
+    /// threads), and the `Work` returned has finished.
     fn run(
         &self,
         py: Python<'_>,
         keep: Vec<Py<PyAny>>,
         mems: Vec<Mem>,
+        wait: bool,
         issue: impl FnOnce(&NcclWorld, &mut [DeviceBuffer]) -> Result<DeviceOp, WorldError> + Send,
     ) -> PyResult<Work> {
         let n = self.n()?;
@@ -100,11 +105,11 @@ impl Nccl {
             // CUDA tensor of `len` elements of `dtype` on this world's device
             // (torch allocates in the device's primary context, which the
             // world's communicator uses), and that tensor is in `keep`, which
-            // the task below holds until the operation has completed (or
-            // leaks if it failed). The world's stream was ordered after
-            // torch's before this call (`after_stream`), and nothing else
-            // runs on these tensors until the returned Work has completed
-            // (documented caller rule).
+            // `InFlight` holds until the operation has completed (or leaks if
+            // it failed). The world's stream was ordered after torch's before
+            // this call (`after_stream`), and nothing else runs on these
+            // tensors until the returned Work has completed (documented
+            // caller rule).
             let buf = unsafe { DeviceBuffer::borrowed(n.comm(), ptr, dtype, len) }
                 .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
             bufs.push(buf);
@@ -112,34 +117,79 @@ impl Nccl {
         let op = py
             .detach(|| runtime::enter(|| issue(n, &mut bufs)))?
             .map_err(|e| errors::world(py, e, Some(self.generation)))?;
-        let name = self.name.clone();
-        // A detached task: cancelling or dropping the Work (or interrupting a
-        // wait) does not end it, so `keep` outlives the operation.
-        let waiter = runtime::runtime()?.spawn(async move {
-            let done = op.wait().await;
-            drop(bufs);
-            match done {
-                Ok(()) => drop(keep),
-                // The device may still write these tensors until the abort
-                // returns (or forever, if the world is quarantined).
-                Err(_) => std::mem::forget(keep),
-            }
-            done
-        });
+        let in_flight = InFlight(Some((op, bufs, keep)));
+        if wait {
+            let done = runtime::wait(py, in_flight.wait())?.map(|()| Done::Unit);
+            return Ok(finished_work(
+                py,
+                self.name.to_string(),
+                Some(self.generation),
+                done,
+            ));
+        }
+        // Cancelling the Work drops its task's `InFlight`, which hands the
+        // operation on to a task of its own: `keep` outlives it.
         spawn_work(
             self.name.to_string(),
             Some(self.generation),
-            async move {
-                match waiter.await {
-                    Ok(done) => done.map(|()| Done::Unit),
-                    Err(e) => Err(WorldError::Device {
-                        world: name,
-                        detail: format!("the device operation's task failed: {e}"),
-                    }),
-                }
-            },
+            async move { in_flight.wait().await.map(|()| Done::Unit) },
             false,
         )
+    }
+}
+
+/// An issued operation on borrowed device memory, the buffers over that
+/// memory, and the Python objects that own it (see the module docs):
+/// dropped before the operation has completed (a blocking caller
+/// interrupted by Ctrl-C), it hands all three to a detached task that
+/// waits for the operation, so the memory outlives it.
+struct InFlight(Option<(DeviceOp, Vec<DeviceBuffer>, Vec<Py<PyAny>>)>);
+
+impl InFlight {
+    /// Waits for the operation, then lets go of the memory (or leaks the
+    /// owners, if the operation failed).
+    async fn wait(mut self) -> Result<(), WorldError> {
+        let done = match self.0.as_mut() {
+            Some((op, _, _)) => op.completed().await,
+            // Only `Drop` takes the parts out.
+            None => Ok(()),
+        };
+        if let Some((op, bufs, keep)) = self.0.take() {
+            let_go(op, bufs, keep, &done);
+        }
+        done
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let Some((mut op, bufs, keep)) = self.0.take() else {
+            return;
+        };
+        match runtime::runtime() {
+            Ok(rt) => {
+                rt.spawn(async move {
+                    let done = op.completed().await;
+                    let_go(op, bufs, keep, &done);
+                });
+            }
+            // No runtime to wait on: the device may use the memory forever.
+            Err(_) => std::mem::forget((op, bufs, keep)),
+        }
+    }
+}
+
+/// The end of an operation's hold on its memory: the buffers and the
+/// owners are dropped once it has completed; if it failed, a kernel may
+/// still touch the memory until the communicator's abort has returned (or
+/// forever, if the world is quarantined), so the owners are leaked on
+/// purpose and those tensors are never freed.
+fn let_go(op: DeviceOp, bufs: Vec<DeviceBuffer>, keep: Vec<Py<PyAny>>, done: &Result<(), WorldError>) {
+    drop(op);
+    drop(bufs);
+    match done {
+        Ok(()) => drop(keep),
+        Err(_) => std::mem::forget(keep),
     }
 }
 
@@ -160,10 +210,11 @@ impl Nccl {
         py: Python<'_>,
         keep: Vec<Py<PyAny>>,
         buf: Mem,
+        wait: bool,
         issue: impl FnOnce(&NcclWorld, &mut DeviceBuffer) -> Result<DeviceOp, WorldError> + Send,
     ) -> PyResult<Work> {
         let name = self.name.clone();
-        self.run(py, keep, vec![buf], move |n, b| match b {
+        self.run(py, keep, vec![buf], wait, move |n, b| match b {
             [b] => issue(n, b),
             _ => Err(buffers(&name, 1, b.len())),
         })
@@ -176,10 +227,11 @@ impl Nccl {
         keep: Vec<Py<PyAny>>,
         send: Mem,
         recv: Mem,
+        wait: bool,
         issue: impl FnOnce(&NcclWorld, &DeviceBuffer, &mut DeviceBuffer) -> Result<DeviceOp, WorldError> + Send,
     ) -> PyResult<Work> {
         let name = self.name.clone();
-        self.run(py, keep, vec![send, recv], move |n, b| match b {
+        self.run(py, keep, vec![send, recv], wait, move |n, b| match b {
             [s, r] => issue(n, s, r),
             _ => Err(buffers(&name, 2, b.len())),
         })
@@ -210,28 +262,62 @@ impl Nccl {
     }
 
     /// In-place all-reduce of `buf`.
-    fn all_reduce(&self, py: Python<'_>, buf: Mem, op: &str, keep: Vec<Py<PyAny>>) -> PyResult<Work> {
+    #[pyo3(signature = (buf, op, keep, wait=false))]
+    fn all_reduce(
+        &self,
+        py: Python<'_>,
+        buf: Mem,
+        op: &str,
+        keep: Vec<Py<PyAny>>,
+        wait: bool,
+    ) -> PyResult<Work> {
         let op = reduce_op(op)?;
-        self.run1(py, keep, buf, move |n, b| n.all_reduce(b, op))
+        self.run1(py, keep, buf, wait, move |n, b| n.all_reduce(b, op))
     }
 
     /// In-place broadcast of `root`'s `buf`.
-    fn broadcast(&self, py: Python<'_>, buf: Mem, root: u32, keep: Vec<Py<PyAny>>) -> PyResult<Work> {
-        self.run1(py, keep, buf, move |n, b| n.broadcast(b, Rank(root)))
+    #[pyo3(signature = (buf, root, keep, wait=false))]
+    fn broadcast(
+        &self,
+        py: Python<'_>,
+        buf: Mem,
+        root: u32,
+        keep: Vec<Py<PyAny>>,
+        wait: bool,
+    ) -> PyResult<Work> {
+        self.run1(py, keep, buf, wait, move |n, b| n.broadcast(b, Rank(root)))
     }
 
     /// In-place reduce into `root`'s `buf`.
-    fn reduce(&self, py: Python<'_>, buf: Mem, root: u32, op: &str, keep: Vec<Py<PyAny>>) -> PyResult<Work> {
+    #[pyo3(signature = (buf, root, op, keep, wait=false))]
+    fn reduce(
+        &self,
+        py: Python<'_>,
+        buf: Mem,
+        root: u32,
+        op: &str,
+        keep: Vec<Py<PyAny>>,
+        wait: bool,
+    ) -> PyResult<Work> {
         let op = reduce_op(op)?;
-        self.run1(py, keep, buf, move |n, b| n.reduce(b, op, Rank(root)))
+        self.run1(py, keep, buf, wait, move |n, b| n.reduce(b, op, Rank(root)))
     }
 
     /// All-gather of every rank's `send` into `recv` (rank order).
-    fn all_gather(&self, py: Python<'_>, send: Mem, recv: Mem, keep: Vec<Py<PyAny>>) -> PyResult<Work> {
-        self.run2(py, keep, send, recv, |n, s, r| n.all_gather(s, r))
+    #[pyo3(signature = (send, recv, keep, wait=false))]
+    fn all_gather(
+        &self,
+        py: Python<'_>,
+        send: Mem,
+        recv: Mem,
+        keep: Vec<Py<PyAny>>,
+        wait: bool,
+    ) -> PyResult<Work> {
+        self.run2(py, keep, send, recv, wait, |n, s, r| n.all_gather(s, r))
     }
 
     /// Reduce-scatter of every rank's `send`; this rank's slice into `recv`.
+    #[pyo3(signature = (send, recv, op, keep, wait=false))]
     fn reduce_scatter(
         &self,
         py: Python<'_>,
@@ -239,28 +325,42 @@ impl Nccl {
         recv: Mem,
         op: &str,
         keep: Vec<Py<PyAny>>,
+        wait: bool,
     ) -> PyResult<Work> {
         let op = reduce_op(op)?;
-        self.run2(py, keep, send, recv, move |n, s, r| n.reduce_scatter(s, r, op))
+        self.run2(py, keep, send, recv, wait, move |n, s, r| {
+            n.reduce_scatter(s, r, op)
+        })
     }
 
     /// All-to-all with equal slices of `send` and `recv`.
-    fn all_to_all(&self, py: Python<'_>, send: Mem, recv: Mem, keep: Vec<Py<PyAny>>) -> PyResult<Work> {
-        self.run2(py, keep, send, recv, |n, s, r| n.all_to_all(s, r))
+    #[pyo3(signature = (send, recv, keep, wait=false))]
+    fn all_to_all(
+        &self,
+        py: Python<'_>,
+        send: Mem,
+        recv: Mem,
+        keep: Vec<Py<PyAny>>,
+        wait: bool,
+    ) -> PyResult<Work> {
+        self.run2(py, keep, send, recv, wait, |n, s, r| n.all_to_all(s, r))
     }
 
     /// Sends `buf` to `peer`.
-    fn send(&self, py: Python<'_>, buf: Mem, peer: u32, keep: Vec<Py<PyAny>>) -> PyResult<Work> {
-        self.run1(py, keep, buf, move |n, b| n.send(b, Rank(peer)))
+    #[pyo3(signature = (buf, peer, keep, wait=false))]
+    fn send(&self, py: Python<'_>, buf: Mem, peer: u32, keep: Vec<Py<PyAny>>, wait: bool) -> PyResult<Work> {
+        self.run1(py, keep, buf, wait, move |n, b| n.send(b, Rank(peer)))
     }
 
     /// Receives into `buf` from `peer`.
-    fn recv(&self, py: Python<'_>, buf: Mem, peer: u32, keep: Vec<Py<PyAny>>) -> PyResult<Work> {
-        self.run1(py, keep, buf, move |n, b| n.recv(b, Rank(peer)))
+    #[pyo3(signature = (buf, peer, keep, wait=false))]
+    fn recv(&self, py: Python<'_>, buf: Mem, peer: u32, keep: Vec<Py<PyAny>>, wait: bool) -> PyResult<Work> {
+        self.run1(py, keep, buf, wait, move |n, b| n.recv(b, Rank(peer)))
     }
 
     /// A barrier on the device (an all-reduce of one element).
-    fn barrier(&self, py: Python<'_>) -> PyResult<Work> {
-        self.run(py, Vec::new(), Vec::new(), |n, _| n.barrier())
+    #[pyo3(signature = (wait=false))]
+    fn barrier(&self, py: Python<'_>, wait: bool) -> PyResult<Work> {
+        self.run(py, Vec::new(), Vec::new(), wait, |n, _| n.barrier())
     }
 }

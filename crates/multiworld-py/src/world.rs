@@ -355,7 +355,7 @@ fn polled_work(world: String, generation: Option<u64>, op: crate::polled::Op) ->
 }
 
 /// A `Work` whose operation finished before it was handed out (no task).
-fn finished_work(
+pub(crate) fn finished_work(
     py: Python<'_>,
     world: String,
     generation: Option<u64>,

@@ -619,6 +619,15 @@ impl DeviceOp {
     /// `WorldError::Broken` as soon as the world breaks (the watchdog breaks
     /// it when the operation passes its deadline).
     pub async fn wait(mut self) -> Result<(), WorldError> {
+        self.completed().await
+    }
+
+    /// [`wait`](Self::wait) that leaves the operation with its owner: a
+    /// wait dropped before the end (its caller interrupted) leaves the
+    /// operation as it was, to be waited for again or handed on, e.g. to a
+    /// task that keeps its memory alive until it completes. Once this has
+    /// returned, dropping the operation records it as ended.
+    pub async fn completed(&mut self) -> Result<(), WorldError> {
         let r = self.completion().await;
         self.op.finish(&r);
         r

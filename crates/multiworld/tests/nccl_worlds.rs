@@ -189,6 +189,29 @@ fn a_blocking_callers_device_wait_polls_on_its_own_thread() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_device_wait_dropped_before_the_end_leaves_the_operation_to_wait_for_again() {
+    let (_g, f) = fake::fake();
+    let (m, store) = manager(&f).await;
+    let w = m.join(nccl_cfg("again", 0, 1, &store)).await.unwrap();
+    let nccl = w.nccl().unwrap();
+    let mut buf = nccl.upload(DType::F32, &f32_bytes(&ramp(64, 0.5))).unwrap();
+    f.set(false, true, false);
+    let mut op = nccl.all_reduce(&mut buf, ReduceOp::Sum).unwrap();
+    f.set(false, false, false);
+    // The operation hangs on the device: an interrupted wait changes nothing.
+    let r = tokio::time::timeout(Duration::from_millis(200), op.completed()).await;
+    assert!(r.is_err(), "a hanging operation completed: {r:?}");
+    assert!(!op.is_completed().unwrap());
+    f.release_last();
+    let r = tokio::time::timeout(T, op.completed()).await;
+    assert!(matches!(r, Ok(Ok(()))), "{r:?}");
+    drop(op);
+    assert_eq!(w.state(), WorldState::Ready);
+    all_reduce_works(&w).await;
+    m.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nccl_worlds_run_device_operations_and_an_nccl_error_breaks_only_its_world() {
     let (_g, f) = fake::fake();
     let before = f.live();

@@ -160,6 +160,8 @@ def nccl_run(world: Any, nccl: Any, name: str, args: Dict[str, Any]) -> Any:
     a = args
     async_op = bool(a.get("async_op", False))
     p2p = name in ("send", "isend", "recv_into", "irecv")
+    # A blocking call waits in the native call, on this thread (no task).
+    wait = not async_op and name not in ("isend", "irecv")
 
     def finish(native: Any, result: Any, on_done: Any = None) -> Any:
         def fin(_raw: Any) -> Any:
@@ -185,7 +187,7 @@ def nccl_run(world: Any, nccl: Any, name: str, args: Dict[str, Any]) -> Any:
             src = _opt_rank("src", a["src"])
             if src is None:
                 raise ValueError(f"{name}: an NCCL receive needs src (NCCL cannot receive from any rank)")
-            native = nccl.recv(mem, src, [t])
+            native = nccl.recv(mem, src, [t], wait)
             if name == "recv_into":
                 Work(native).wait()
                 return src
@@ -193,7 +195,7 @@ def nccl_run(world: Any, nccl: Any, name: str, args: Dict[str, Any]) -> Any:
             w.source = src  # type: ignore[attr-defined]
             w._finish = lambda _raw: t
             return w
-        native = nccl.send(mem, _u32("dst", a["dst"]), [t, t2])
+        native = nccl.send(mem, _u32("dst", a["dst"]), [t, t2], wait)
         return finish(native, None)
 
     if name in ("broadcast", "all_reduce", "reduce"):
@@ -201,11 +203,11 @@ def nccl_run(world: Any, nccl: Any, name: str, args: Dict[str, Any]) -> Any:
         mem, _ = _mem(t, nccl, "tensor", True)
         _order(nccl, t)
         if name == "broadcast":
-            native = nccl.broadcast(mem, _u32("src", a["src"]), [t])
+            native = nccl.broadcast(mem, _u32("src", a["src"]), [t], wait)
         elif name == "all_reduce":
-            native = nccl.all_reduce(mem, _op(a["op"]), [t])
+            native = nccl.all_reduce(mem, _op(a["op"]), [t], wait)
         else:
-            native = nccl.reduce(mem, _u32("dst", a["dst"]), _op(a["op"]), [t])
+            native = nccl.reduce(mem, _u32("dst", a["dst"]), _op(a["op"]), [t], wait)
         return finish(native, t)
 
     pairs = {
@@ -224,11 +226,11 @@ def nccl_run(world: Any, nccl: Any, name: str, args: Dict[str, Any]) -> Any:
         _order(nccl, dst)
         keep = [src, s2, dst]
         if name == "all_gather_into_tensor":
-            native = nccl.all_gather(smem, dmem, keep)
+            native = nccl.all_gather(smem, dmem, keep, wait)
         elif name == "reduce_scatter_tensor":
-            native = nccl.reduce_scatter(smem, dmem, _op(a["op"]), keep)
+            native = nccl.reduce_scatter(smem, dmem, _op(a["op"]), keep, wait)
         else:
-            native = nccl.all_to_all(smem, dmem, keep)
+            native = nccl.all_to_all(smem, dmem, keep, wait)
         return finish(native, dst)
     return NotImplemented
 

@@ -188,5 +188,43 @@ with mw.WorldManager() as m:
     w.all_reduce(h)
     assert h.tolist() == [2.0]
     w.barrier()
+
+    # A blocking NCCL call waits on this thread; interrupted by Ctrl-C while
+    # the operation hangs on the device, it raises KeyboardInterrupt within
+    # the package's 100 ms, and the operation keeps its tensor alive until
+    # it completes; then the world goes on.
+    import ctypes
+    import os
+    import signal
+    import threading
+    import time
+
+    fake = ctypes.CDLL(os.environ["NCCL_LIBRARY"])  # the library the runtime loaded
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    D._order = lambda nccl, t: nccl.after_stream(0)  # holds no reference
+    t = Fake([1.0, 2.0])
+    held = sys.getrefcount(t)
+    fake.fake_nccl_set(0, 1, 0)  # operations hang on the device
+    timer = threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    start = time.monotonic()
+    try:
+        w.all_reduce(t)
+        raise AssertionError("an all_reduce hanging on the device returned")
+    except KeyboardInterrupt:
+        waited = time.monotonic() - start
+    timer.join()
+    assert 0.25 < waited < 0.3 + 2.0, waited
+    assert sys.getrefcount(t) > held, "the interrupted operation let go of its tensor"
+    fake.fake_nccl_set(0, 0, 0)
+    fake.fake_nccl_release_last()
+    deadline = time.monotonic() + 10
+    while sys.getrefcount(t) > held:
+        assert time.monotonic() < deadline, "the completed operation never let go of its tensor"
+        time.sleep(0.01)
+        w.state  # a native call: releases references dropped off the GIL
+    t2 = Fake([3.0])
+    w.all_reduce(t2)
+    assert t2.a.tolist() == [3.0] and w.state == "ready"
     w.finish(20)
 print("ok", flush=True)
