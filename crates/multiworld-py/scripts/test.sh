@@ -9,8 +9,11 @@
 # ml_dtypes come from the package registry when missing. The extension is
 # built with `maturin develop` (debug; MW_PY_RELEASE=1 for an optimized
 # build) into $CARGO_TARGET_DIR (default: the repository's target/).
-# MW_PY_FEATURES=nccl builds the NCCL-capable extension (it builds without
-# CUDA or NCCL installed; tests that need a GPU skip without one).
+# The extension is built with the `nccl` feature by default (it builds
+# without CUDA or NCCL installed), so the NCCL path runs against the test
+# kit's fake CUDA driver and NCCL, as the Rust tests' does; tests that need
+# a GPU skip without one. MW_PY_FEATURES names other features; set it empty
+# (MW_PY_FEATURES=) for the default wheel's build, without NCCL.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -35,7 +38,8 @@ echo "== building multiworld_rs"
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$root/target}"
 release=()
 if [ "${MW_PY_RELEASE:-0}" = 1 ]; then release=(--release); fi
-if [ -n "${MW_PY_FEATURES:-}" ]; then release+=(--features "$MW_PY_FEATURES"); fi
+features="${MW_PY_FEATURES-nccl}"
+if [ -n "$features" ]; then release+=(--features "$features"); fi
 (cd "$crate" && VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH" \
     "$venv/bin/maturin" develop --quiet ${release[@]+"${release[@]}"} 2>&1 | tail -n 20) || {
     echo "maturin develop failed" >&2
