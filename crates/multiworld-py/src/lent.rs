@@ -29,8 +29,8 @@ use tokio::sync::watch;
 
 use multiworld::{DType, ExternalMemory, Tensor};
 use numpy::{
-    PyArray1, PyArrayDescrMethods, PyArrayMethods, PyReadonlyArray1, PyReadwriteArray1, PyUntypedArray,
-    PyUntypedArrayMethods, npyffi::NPY_ARRAY_WRITEABLE,
+    BorrowError, PyArray1, PyArrayDescrMethods, PyArrayMethods, PyReadonlyArray1, PyReadwriteArray1,
+    PyUntypedArray, PyUntypedArrayMethods, npyffi::NPY_ARRAY_WRITEABLE,
 };
 use pyo3::{Borrowed, exceptions::PyValueError, prelude::*};
 
@@ -79,13 +79,15 @@ impl Released {
 
 impl Drop for Memory {
     fn drop(&mut self) {
-        let mut lent = registry();
-        if let Some(i) = lent
-            .iter()
-            .position(|&r| r == (self.ptr as usize, self.len, self.access))
-        {
-            lent.swap_remove(i);
-        }
+        unregister(self.ptr as usize, self.len, self.access);
+    }
+}
+
+/// Takes one entry `(start, len, access)` out of the registry.
+fn unregister(start: usize, len: usize, access: Access) {
+    let mut lent = registry();
+    if let Some(i) = lent.iter().position(|&r| r == (start, len, access)) {
+        lent.swap_remove(i);
     }
 }
 
@@ -143,7 +145,33 @@ impl<'a, 'py> FromPyObject<'a, 'py> for Writable<'py> {
 
     fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
         let array = obj.extract::<Bound<'py, PyArray1<u8>>>()?;
-        array.try_readwrite().map(Writable).map_err(|_| in_use("output"))
+        array.try_readwrite().map(Writable).map_err(|e| match e {
+            BorrowError::NotWriteable => PyValueError::new_err("output: the array is read-only"),
+            _ => in_use("output"),
+        })
+    }
+}
+
+/// `bytes`, read by a blocking send with the GIL released, registered as
+/// read for as long as the guard lives: a call that would write them meanwhile
+/// (a receive or a collective lent them from another thread) is refused,
+/// and `ValueError` ("in use") if one writes them now.
+pub fn reading(bytes: &[u8], what: &str) -> PyResult<Reading> {
+    let (start, len) = (bytes.as_ptr() as usize, bytes.len());
+    let mut lent = registry();
+    if conflicts(&lent, start, len, Access::Read) {
+        return Err(in_use(what));
+    }
+    lent.push((start, len, Access::Read));
+    Ok(Reading(start, len))
+}
+
+/// Bytes registered as read by [`reading`] until dropped.
+pub struct Reading(usize, usize);
+
+impl Drop for Reading {
+    fn drop(&mut self) {
+        unregister(self.0, self.1, Access::Read);
     }
 }
 
@@ -158,7 +186,7 @@ pub fn check_not_lent(bytes: &[u8], what: &str) -> PyResult<()> {
 
 fn in_use(what: &str) -> PyErr {
     PyValueError::new_err(format!(
-        "{what}: the array is in use by another call right now (a receive or an in-place collective writes it)"
+        "{what}: the array is in use by another call right now (a receive or a collective writes it, or a send reads it)"
     ))
 }
 

@@ -980,7 +980,7 @@ impl World {
         let Ok(view) = TensorView::from_bytes(a.dtype, a.bytes()) else {
             return Ok(false);
         };
-        lent::check_not_lent(view.as_bytes(), "send")?;
+        let _reading = lent::reading(view.as_bytes(), "send")?;
         let w = self.w()?;
         self.op(py, w.send(Rank(dst), Tag(tag), view))?;
         Ok(true)
@@ -1011,7 +1011,7 @@ impl World {
             .0
             .as_slice()
             .map_err(|e| PyValueError::new_err(e.to_string()))?;
-        lent::check_not_lent(bytes, "send")?;
+        let _reading = lent::reading(bytes, "send")?;
         let view = tensor::view(bytes, tensor::dtype(dtype)?)?;
         let w = self.w()?;
         self.op(py, w.send(Rank(dst), Tag(tag), view))

@@ -111,8 +111,12 @@ def test_a_member_killed_mid_shared_memory_all_reduce_fails_the_others_blocking_
         for r, p in procs.items():
             assert p.stdout.readline().strip() == "ready", f"rank {r} never got going"
         # The calls go through the members' shared memory (waits for a turn
-        # between two of rank 0's calls).
-        assert w.shared_memory() == ("active", None)
+        # between two of rank 0's calls), unless this system keeps the
+        # processes from mapping each other's memory.
+        shm = w.shared_memory()
+        if shm[0] == "unavailable":
+            pytest.skip(f"shared memory is unavailable here: {shm[1]}")
+        assert shm == ("active", None), shm
         procs[2].send_signal(signal.SIGKILL)
         killed = time.time()
         th.join(10)

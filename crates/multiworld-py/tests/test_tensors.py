@@ -718,6 +718,7 @@ def test_reduce_scatter_and_all_to_all_of_lists_lend_their_arrays(pair):
         assert all(in_use(a) for a in mine + ins[0]), op
         getattr(w1, op)(outs[1], ins[1])
         t.join(10)
+        assert not t.is_alive(), op
         assert not any(in_use(a) for a in mine + ins[0]), op
         if op == "reduce_scatter":
             assert (outs[0] == 0 + 10).all() and (outs[1] == 1 + 11).all()
@@ -834,9 +835,48 @@ def test_an_array_held_by_a_blocking_collective_is_refused_to_other_threads_with
         "scatter output": lambda: w0.scatter(arr, [other, other.copy()], 0),
     }
     for what, call in calls.items():
-        with pytest.raises(ValueError, match="in use by another call"):
-            call()
-            pytest.fail(f"{what} took the array")
+        # On a thread of its own: a probe wrongly let through would wait for
+        # rank 1 instead of failing.
+        got = []
+
+        def probe():
+            try:
+                call()
+                got.append(None)
+            except Exception as e:  # noqa: BLE001 - reported below
+                got.append(e)
+
+        p = threading.Thread(target=probe, daemon=True)
+        p.start()
+        p.join(10)
+        assert got, f"{what} took the array and waits"
+        assert isinstance(got[0], ValueError) and "in use by another call" in str(got[0]), (what, got[0])
     w1.all_reduce(np.ones(n, np.float32))
     t.join(10)
-    assert (arr == 2).all()
+    assert not t.is_alive() and (arr == 2).all()
+
+
+def test_a_blocking_send_holds_its_array_for_reading_until_it_returns(pair):
+    """A blocking send reads the caller's array with the GIL released: while
+    it runs (rank 1 not receiving yet, 64 MiB: more than the sockets hold),
+    calls that would write the array from another thread (a receive into
+    it, a collective in the background) are refused, and it arrives
+    intact."""
+    import threading
+
+    w0, w1 = pair
+    arr = np.arange(16 << 20, dtype=np.float32)
+    t = threading.Thread(target=lambda: w0.send(arr, 1, tag=3))
+    t.start()
+    deadline = time.monotonic() + 10
+    while not _in_use(w0, arr):
+        assert time.monotonic() < deadline, "the send never registered its array"
+        time.sleep(0.001)
+    with pytest.raises(ValueError, match="in use by another call"):
+        w0.all_reduce(arr, async_op=True)
+    with pytest.raises(ValueError, match="in use by another call"):
+        w0.all_gather([arr[:8], np.zeros(8, np.float32)], np.zeros(8, np.float32), async_op=True)
+    got = w1.recv(0, tag=3, dtype=np.float32, shape=arr.shape)
+    t.join(10)
+    assert not t.is_alive() and np.array_equal(got, arr)
+    assert not _in_use(w0, arr)

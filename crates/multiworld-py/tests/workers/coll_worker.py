@@ -152,7 +152,9 @@ check("large all_gather_into_tensor", out, np.stack([inp(r, "float32", BIG // 2)
 t = inp(rank, "float32", BIG)
 w.all_reduce(t, "max", async_op=True).wait(30)
 check("large all_reduce async", t, ref("float32", "max", BIG))
-if w.shared_memory() != ("active", None):
+# Active on one host; unavailable where the processes cannot map each
+# other's memory (another user, no /proc access): the TCP paths ran then.
+if w.shared_memory()[0] not in ("active", "unavailable"):
     raise SystemExit(f"rank {rank}: the large collectives left shared memory {w.shared_memory()}")
 
 # A mismatch is an error on every rank, never garbage.
