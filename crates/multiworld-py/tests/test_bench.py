@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+import multiworld_rs as mw
 from multiworld_rs import bench
 
 
@@ -142,5 +143,26 @@ def test_the_list_collectives_benchmark_runs():
             script.measure(2, "all_reduce", 1 << 16, 3, "work")
         with pytest.raises(ValueError, match="mode must be"):
             script.measure(2, "gather", 1 << 16, 3, "threads")
+    finally:
+        sys.path.pop(0)
+
+
+def test_the_fake_nccl_call_cost_benchmark_runs():
+    """``bench/fake_nccl_call_cost.py`` with a small run: both forms of the
+    call come back with a positive cost (no timing is checked)."""
+    import shutil
+    from pathlib import Path
+
+    if not mw.NCCL_BUILT:
+        pytest.skip("this multiworld_rs was built without the nccl feature")
+    if shutil.which(os.environ.get("CC", "cc")) is None:
+        pytest.skip("needs a C compiler for the fake CUDA driver and NCCL")
+    root = Path(__file__).resolve().parents[3]
+    sys.path.insert(0, str(root / "bench"))
+    try:
+        import fake_nccl_call_cost as script
+
+        got = script.measure(200)
+        assert set(got) == set(script.MODES) and all(us > 0 for us in got.values()), got
     finally:
         sys.path.pop(0)
