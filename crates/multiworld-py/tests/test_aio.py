@@ -61,6 +61,13 @@ def test_p2p_and_collectives():
         t0, t1 = np.array([1, 2], np.int64), np.array([10, 20], np.int64)
         await asyncio.gather(w0.all_reduce(t0), w1.all_reduce(t1, "sum"))
         assert (t0 == [11, 22]).all() and (t1 == [11, 22]).all()
+        # Small collectives go over TCP; a large one sets up shared memory.
+        assert await w0.shared_memory() == ("untried", None)
+        big = [np.full(1 << 18, r + 1, np.float32) for r in range(2)]  # 1 MiB each
+        await asyncio.gather(w0.all_reduce(big[0]), w1.all_reduce(big[1]))
+        assert (big[0] == 3).all() and (big[1] == 3).all()
+        states = await asyncio.gather(w0.shared_memory(), w1.shared_memory())
+        assert states[0] == states[1] and states[0][0] in ("active", "unavailable"), states
         await asyncio.gather(w0.barrier(), w1.barrier())
         # The loop stays responsive while a receive waits.
         ticks = 0

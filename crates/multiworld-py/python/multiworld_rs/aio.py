@@ -322,6 +322,11 @@ class AsyncWorld:
         """A sub-group (see :meth:`multiworld_rs.World.new_group`)."""
         return AsyncGroup(await _call(self.sync.new_group, ranks))
 
+    async def shared_memory(self) -> Tuple[str, Optional[str]]:
+        """See :meth:`World.shared_memory` (it waits for a collective running
+        now, off the event loop)."""
+        return await _call(self.sync.shared_memory)
+
     # -- end ----------------------------------------------------------------
     async def finish(self, timeout: float = 30.0) -> None:
         """Orderly end for every member (see :meth:`World.finish`)."""
