@@ -880,3 +880,28 @@ def test_a_blocking_send_holds_its_array_for_reading_until_it_returns(pair):
     t.join(10)
     assert not t.is_alive() and np.array_equal(got, arr)
     assert not _in_use(w0, arr)
+
+
+def test_any_overlap_of_long_lists_agrees_with_every_pair():
+    """Lists of more than 8 arrays (a collective of many members) are checked
+    by sorted byte bounds instead of every pair: the same answer as the
+    pairwise check, on views of one buffer (strided, empty, overlapping or
+    not) mixed with separate arrays."""
+    import random
+
+    from multiworld_rs._api import _any_overlap, _may_overlap
+
+    rng = random.Random(7)
+    base = np.zeros(4096, np.uint8)
+    seen = set()
+    for _ in range(2000):
+        arrays = []
+        for _ in range(rng.randint(9, 20)):
+            lo, n, step = rng.randrange(0, 4000), rng.randint(0, 60), rng.choice([1, 1, 2, 3])
+            arrays.append(base[lo:lo + n:step] if rng.random() < 0.9 else np.zeros(n + 1, np.uint8))
+        want = any(_may_overlap(a, b) for i, a in enumerate(arrays) for b in arrays[i + 1:])
+        assert _any_overlap(arrays) == want
+        seen.add(want)
+    assert seen == {True, False}
+    apart = [np.zeros(8, np.float32) for _ in range(64)]
+    assert not _any_overlap(apart) and _any_overlap(apart + [apart[5][2:4]])

@@ -252,10 +252,24 @@ def _apart(out: np.ndarray, inp: np.ndarray) -> np.ndarray:
     return inp.copy() if _may_overlap(out, inp) else inp
 
 
+try:
+    from numpy.lib.array_utils import byte_bounds as _byte_bounds
+except ImportError:  # numpy < 2
+    _byte_bounds = np.byte_bounds
+
+
 def _any_overlap(arrays: List[np.ndarray]) -> bool:
     """Whether any two of ``arrays`` may share memory, or one is empty (see
-    :func:`_may_overlap`): a call that lends them all must not get them."""
-    return any(_may_overlap(a, b) for i, a in enumerate(arrays) for b in arrays[i + 1:])
+    :func:`_may_overlap`): a call that lends them all must not get them.
+    Longer lists (a collective of many members) compare the arrays' byte
+    bounds, sorted, instead of every pair: the same answer as
+    ``np.may_share_memory``'s bounds check, in n log n."""
+    if len(arrays) <= 8:
+        return any(_may_overlap(a, b) for i, a in enumerate(arrays) for b in arrays[i + 1:])
+    if any(a.size == 0 for a in arrays):
+        return True
+    spans = sorted(_byte_bounds(a) for a in arrays)
+    return any(nxt[0] < cur[1] for cur, nxt in zip(spans, spans[1:]))
 
 
 def _writer(arr: np.ndarray, tensor: Any) -> Any:
