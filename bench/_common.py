@@ -27,3 +27,27 @@ def rust_bin(a: argparse.Namespace) -> Path:
     if not binary.is_file():
         sys.exit(f"{binary} not found: cargo build --release -p multiworld-bench --bin mw-rank-bench")
     return binary
+
+
+def rank0_output(script: str, n: int, args: list, timeout: float = 300) -> str:
+    """Runs `python SCRIPT _rank R N STORE *ARGS` for ranks 0..n-1, each a
+    process of its own (rank 0 hosts the world's store on a free port);
+    returns rank 0's standard output. Raises `RuntimeError` naming the ranks
+    that failed, with the end of their errors; kills every rank it started
+    if anything goes wrong."""
+    import subprocess
+
+    store = f"127.0.0.1:{free_port()}"
+    ps = [subprocess.Popen([sys.executable, script, "_rank", str(r), str(n), store, *map(str, args)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(n)]
+    try:
+        outs = [p.communicate(timeout=timeout) for p in ps]
+    finally:
+        for p in ps:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    failed = [(r, p.returncode, outs[r][1][-2000:]) for r, p in enumerate(ps) if p.returncode != 0]
+    if failed:
+        raise RuntimeError(f"ranks failed: {failed}")
+    return outs[0][0]

@@ -8,9 +8,7 @@ median ms per call. Each rank checks every result.
     target/py-venv/bin/python bench/async_all_reduce.py N SIZE ITERS asyncio|work
 """
 import asyncio
-import socket
 import statistics
-import subprocess
 import sys
 import time
 
@@ -18,6 +16,8 @@ import numpy as np
 
 import multiworld_rs as mw
 from multiworld_rs import aio
+
+from _common import rank0_output
 
 MODES = ("asyncio", "work")
 
@@ -64,22 +64,8 @@ def measure(n: int, size: int, iters: int, mode: str) -> float:
     """Rank 0's median ms per call, the ranks run as processes of their own."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    with socket.socket() as so:
-        so.bind(("127.0.0.1", 0))
-        store = f"127.0.0.1:{so.getsockname()[1]}"
-    ps = [subprocess.Popen([sys.executable, __file__, "_rank", str(r), str(n), store, str(size), str(iters), mode],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(n)]
-    try:
-        outs = [p.communicate(timeout=300) for p in ps]
-    finally:
-        for p in ps:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-    failed = [(r, p.returncode, outs[r][1][-2000:]) for r, p in enumerate(ps) if p.returncode != 0]
-    if failed:
-        raise RuntimeError(f"ranks failed: {failed}")
-    return float(outs[0][0].strip())
+    out = rank0_output(__file__, n, [size, iters, mode])
+    return float(out.strip())
 
 
 def main(argv: list) -> int:

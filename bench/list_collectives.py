@@ -13,9 +13,7 @@ OP: all_gather, gather, scatter, reduce_scatter, all_to_all.
 MODE: blocking, work, asyncio.
 """
 import asyncio
-import socket
 import statistics
-import subprocess
 import sys
 import time
 
@@ -23,6 +21,8 @@ import numpy as np
 
 import multiworld_rs as mw
 from multiworld_rs import aio
+
+from _common import rank0_output
 
 OPS = ("all_gather", "gather", "scatter", "reduce_scatter", "all_to_all")
 MODES = ("blocking", "work", "asyncio")
@@ -119,23 +119,8 @@ def measure(n: int, op: str, size: int, iters: int, mode: str) -> float:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    with socket.socket() as so:
-        so.bind(("127.0.0.1", 0))
-        store = f"127.0.0.1:{so.getsockname()[1]}"
-    args = [op, str(size), str(iters), mode]
-    ps = [subprocess.Popen([sys.executable, __file__, "_rank", str(r), str(n), store, *args],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(n)]
-    try:
-        outs = [p.communicate(timeout=300) for p in ps]
-    finally:
-        for p in ps:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-    failed = [(r, p.returncode, outs[r][1][-2000:]) for r, p in enumerate(ps) if p.returncode != 0]
-    if failed:
-        raise RuntimeError(f"ranks failed: {failed}")
-    return float(outs[0][0].strip())
+    out = rank0_output(__file__, n, [op, size, iters, mode])
+    return float(out.strip())
 
 
 def main(argv: list) -> int:
