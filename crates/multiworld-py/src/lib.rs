@@ -7,12 +7,12 @@
 //! | `runtime` | the process-wide Tokio runtime, GIL-free waits in slices (Ctrl-C), the fork guard |
 //! | `errors` | runtime errors → the Python exception classes of `multiworld_rs.errors` |
 //! | `tensor` | numpy bytes ↔ tensors: borrowed views for sends, owned `Vec`s handed to numpy |
-//! | `lent` | a caller's array lent to the runtime for one blocking call (receives and in-place collectives write into it; no copy) |
+//! | `lent` | a caller's array lent to the runtime, for one blocking call or to a background operation (receives and collectives write into it, sends and collectives read it; no copy), and the registry that refuses calls that would race (`ValueError`) |
 //! | `manager` | `Manager`, `EventStream`, `Event` |
 //! | `world` | `World` (p2p, collectives, object collectives, sub-groups), `Work` (handles) |
 //! | `notify` | `Notifier`: wake-ups of an asyncio loop when background operations end |
 //! | `polled` | an operation whose handle needs no task (a posted receive): polled by whoever waits on it |
-//! | `device` | (feature `nccl`) `Nccl`: an NCCL world's operations on torch CUDA tensors' memory, borrowed in place |
+//! | `device` | (feature `nccl`) `Nccl`: an NCCL world's operations on torch CUDA tensors' memory, borrowed in place; `InFlight` holds the tensors until the operation completes |
 
 #[cfg(feature = "nccl")]
 mod device;
