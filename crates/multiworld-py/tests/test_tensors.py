@@ -905,3 +905,34 @@ def test_any_overlap_of_long_lists_agrees_with_every_pair():
     assert seen == {True, False}
     apart = [np.zeros(8, np.float32) for _ in range(64)]
     assert not _any_overlap(apart) and _any_overlap(apart + [apart[5][2:4]])
+
+
+@pytest.mark.parametrize("op", ["all_gather", "all_to_all", "reduce_scatter"])
+def test_a_lent_background_collective_whose_peer_breaks_raises_and_gives_its_arrays_back(pair, op):
+    """Rank 0 starts a list collective with async_op=True (its outputs lent
+    to the runtime), then rank 1 aborts instead of joining the call: rank
+    0's wait() raises BrokenWorldError within the transport's bound, not a
+    hang, and the arrays are given back (usable by any call again)."""
+    w0, w1 = pair
+    n = 1 << 12
+    outs = [np.zeros(n, np.int32) for _ in range(2)]
+    ins = [np.ones(n, np.int32) for _ in range(2)]
+    if op == "all_gather":
+        work = w0.all_gather(outs, ins[0], async_op=True)
+    elif op == "all_to_all":
+        work = w0.all_to_all(outs, ins, async_op=True)
+    else:
+        work = w0.reduce_scatter(outs[0], ins, async_op=True)
+    lent = outs if op != "reduce_scatter" else outs[:1]
+    assert all(_in_use(w0, a) for a in lent)
+    start = time.monotonic()
+    w1.abort()
+    with pytest.raises(mw.BrokenWorldError) as info:
+        work.wait(10)
+    assert time.monotonic() - start < 5, "the broken call took too long to fail"
+    assert info.value.cause in ("peer_lost", "reported_by_peer"), info.value
+    for a in lent:
+        # Given back: a receive may lend it again (the world is broken, so
+        # the probe's call itself fails, but not for the array).
+        with pytest.raises(mw.BrokenWorldError):
+            w0._w.recv_into_now(a, 1, 6)
