@@ -140,18 +140,24 @@ where
     }
     let spin = spin();
     if !spin.is_zero() {
+        // As in the slices below, this thread only waits for `fut`: waits
+        // that would sleep on a blocking-pool thread sleep here instead (a
+        // device wait would otherwise spend its eager polls here and then
+        // hand itself to the pool).
         let done = py.detach(|| {
             let _guard = rt.enter();
             let until = std::time::Instant::now() + spin;
-            loop {
-                if let Poll::Ready(out) = fut.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
-                    return Some(out);
+            multiworld::as_blocking_caller(|| {
+                loop {
+                    if let Poll::Ready(out) = fut.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
+                        return Some(out);
+                    }
+                    if std::time::Instant::now() >= until {
+                        return None;
+                    }
+                    std::thread::yield_now();
                 }
-                if std::time::Instant::now() >= until {
-                    return None;
-                }
-                std::thread::yield_now();
-            }
+            })
         });
         if let Some(out) = done {
             return Ok(out);
