@@ -128,13 +128,17 @@ impl Nccl {
             ));
         }
         // Cancelling the Work drops its task's `InFlight`, which hands the
-        // operation on to a task of its own: `keep` outlives it.
-        spawn_work(
+        // operation on to a task of its own: `keep` outlives it. A thread in
+        // `Work.wait` sees the end itself through the probe.
+        let probe = in_flight.0.as_ref().map(|(op, _, _)| op.probe());
+        let mut work = spawn_work(
             self.name.to_string(),
             Some(self.generation),
             async move { in_flight.wait().await.map(|()| Done::Unit) },
             false,
-        )
+        )?;
+        work.device = probe;
+        Ok(work)
     }
 }
 

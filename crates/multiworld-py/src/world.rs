@@ -608,8 +608,46 @@ pub struct Work {
     waiter: Mutex<Option<Waker>>,
     /// Whether the operation is polled (`Pending::Polled`), not a task's.
     polled: bool,
+    /// For a task that waits for a device operation (the `nccl` build): a
+    /// view of its completion, which a thread in `wait` polls itself
+    /// instead of waiting for the task to notice and wake it.
+    pub(crate) device: Option<DeviceProbe>,
     generation: Option<u64>,
     world: String,
+}
+
+/// A device operation's completion as a `Work` sees it (`multiworld`'s,
+/// in the `nccl` build; there are none without it).
+#[cfg(feature = "nccl")]
+pub(crate) type DeviceProbe = multiworld::DeviceProbe;
+#[cfg(not(feature = "nccl"))]
+pub(crate) enum DeviceProbe {}
+
+/// How a task's operation ended: what the task returned, or, for a device
+/// operation's task (`probe`), as soon as the device has completed it,
+/// seen by this thread's own polls (the task, which owns the operation's
+/// memory, ends on its own).
+async fn task_end(j: &mut JoinHandle<Result<Done, WorldError>>, probe: Option<&DeviceProbe>) -> Ended {
+    let joined = async {
+        match j.await {
+            Ok(r) => Ended::Done(r),
+            Err(e) if e.is_cancelled() => Ended::Cancelled,
+            Err(e) => Ended::Failed(e.to_string()),
+        }
+    };
+    let Some(probe) = probe else {
+        return joined.await;
+    };
+    #[cfg(feature = "nccl")]
+    {
+        tokio::select! {
+            biased;
+            ended = joined => ended,
+            done = probe.completed() => Ended::Done(done.map(|()| Done::Unit)),
+        }
+    }
+    #[cfg(not(feature = "nccl"))]
+    match *probe {}
 }
 
 /// What runs a `Work`'s operation.
@@ -660,6 +698,7 @@ impl Work {
             cancel_asked: AtomicBool::new(false),
             waiter: Mutex::new(None),
             polled,
+            device: None,
             generation,
             world,
         }
@@ -823,11 +862,7 @@ impl Work {
         let fut = async {
             let mut g = self.pending.lock().await;
             let ended = match g.as_mut()? {
-                Pending::Task(j) => match j.await {
-                    Ok(r) => Ended::Done(r),
-                    Err(e) if e.is_cancelled() => Ended::Cancelled,
-                    Err(e) => Ended::Failed(e.to_string()),
-                },
+                Pending::Task(j) => task_end(j, self.device.as_ref()).await,
                 Pending::Polled(p) => {
                     std::future::poll_fn(|cx| {
                         *lock(&self.waiter) = Some(cx.waker().clone());

@@ -471,8 +471,10 @@ impl NcclWorld {
             .unwrap_or_else(|e| e.into_inner())
             .push(Arc::clone(&handle));
         Ok(DeviceOp {
-            handle,
-            world: Arc::clone(w),
+            probe: DeviceProbe {
+                handle,
+                world: Arc::clone(w),
+            },
             op,
         })
     }
@@ -591,8 +593,7 @@ impl NcclWorld {
 /// Dropping it does not cancel the operation (the device runs it anyway);
 /// the watchdog keeps watching its deadline either way.
 pub struct DeviceOp {
-    handle: Arc<OpHandle>,
-    world: Arc<WorldShared>,
+    probe: DeviceProbe,
     /// The operation's flight record and timing; dropped un-waited, it is
     /// recorded as cancelled (the device runs it anyway).
     op: OpGuard,
@@ -601,9 +602,28 @@ pub struct DeviceOp {
 impl std::fmt::Debug for DeviceOp {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DeviceOp")
+            .field("world", &self.probe.world.name)
+            .field("op", &self.probe.handle.op())
+            .field("deadline", &self.probe.handle.deadline())
+            .finish()
+    }
+}
+
+/// A view of a [`DeviceOp`]'s completion that does not own the operation
+/// ([`DeviceOp::probe`]): its holder can see or wait for the end (e.g. a
+/// thread that waits on a handle while a task owns the operation and the
+/// memory it uses). It records nothing; the operation's owner does.
+#[derive(Clone)]
+pub struct DeviceProbe {
+    handle: Arc<OpHandle>,
+    world: Arc<WorldShared>,
+}
+
+impl std::fmt::Debug for DeviceProbe {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceProbe")
             .field("world", &self.world.name)
             .field("op", &self.handle.op())
-            .field("deadline", &self.handle.deadline())
             .finish()
     }
 }
@@ -611,8 +631,13 @@ impl std::fmt::Debug for DeviceOp {
 impl DeviceOp {
     /// Whether the operation has completed (never blocks).
     pub fn is_completed(&self) -> Result<bool, WorldError> {
-        self.world.check()?;
-        self.handle.is_completed().map_err(|e| self.world.fail_device(e))
+        self.probe.is_completed()
+    }
+
+    /// A view of this operation's completion for another waiter (see
+    /// [`DeviceProbe`]).
+    pub fn probe(&self) -> DeviceProbe {
+        self.probe.clone()
     }
 
     /// Waits for completion without blocking the runtime. Fails with
@@ -628,12 +653,23 @@ impl DeviceOp {
     /// task that keeps its memory alive until it completes. Once this has
     /// returned, dropping the operation records it as ended.
     pub async fn completed(&mut self) -> Result<(), WorldError> {
-        let r = self.completion().await;
+        let r = self.probe.completed().await;
         self.op.finish(&r);
         r
     }
+}
 
-    async fn completion(&self) -> Result<(), WorldError> {
+impl DeviceProbe {
+    /// Whether the operation has completed (never blocks).
+    pub fn is_completed(&self) -> Result<bool, WorldError> {
+        self.world.check()?;
+        self.handle.is_completed().map_err(|e| self.world.fail_device(e))
+    }
+
+    /// Waits for the operation's completion as [`DeviceOp::wait`] does
+    /// (on the caller's own thread under `as_blocking_caller`), recording
+    /// nothing. Can be dropped and called again.
+    pub async fn completed(&self) -> Result<(), WorldError> {
         // Short operations: polled eagerly on the runtime.
         for _ in 0..EAGER_POLLS {
             if self.is_completed()? {
@@ -677,7 +713,7 @@ impl DeviceOp {
     }
 }
 
-impl DeviceOp {
+impl DeviceProbe {
     /// The longer operations' waiting on a blocking caller's own thread
     /// (`multiworld_tcp::as_blocking_caller`: a Python thread in a blocking
     /// call): polled there with the blocking poller's backoff, which saves

@@ -26,7 +26,8 @@
 //!   `MULTIWORLD_METRICS_ADDR`); [`WorldManager::metrics_text`].
 //! - `rendezvous`: the TCP backend's rendezvous over a world's store.
 //! - `device` (with the `nccl` feature): a world's GPU side — the NCCL
-//!   communicator of an NCCL world ([`NcclWorld`], [`DeviceOp`]), watched by
+//!   communicator of an NCCL world ([`NcclWorld`], [`DeviceOp`] and its
+//!   [`DeviceProbe`]), watched by
 //!   the world's watchdog, and host-staged device tensors over TCP
 //!   ([`World::send_device`], [`World::recv_device`]).
 //! - `error`: the error type, [`WorldError`].
@@ -86,7 +87,7 @@ pub use multiworld_nccl as nccl;
 
 pub use config::{Backend, ConfigError, DEFAULT_READ_AHEAD, WorldConfig};
 #[cfg(feature = "nccl")]
-pub use device::{DEFAULT_DEVICE_OP_TIMEOUT, DeviceOp, NcclWorld};
+pub use device::{DEFAULT_DEVICE_OP_TIMEOUT, DeviceOp, DeviceProbe, NcclWorld};
 pub use error::{JoinFailure, WorldError};
 pub use events::WorldEvent;
 pub use lifecycle::{BreakCause, WorldState};

@@ -202,10 +202,17 @@ async fn a_device_wait_dropped_before_the_end_leaves_the_operation_to_wait_for_a
     let r = tokio::time::timeout(Duration::from_millis(200), op.completed()).await;
     assert!(r.is_err(), "a hanging operation completed: {r:?}");
     assert!(!op.is_completed().unwrap());
+    // A probe sees the same operation without owning it.
+    let probe = op.probe();
+    let r = tokio::time::timeout(Duration::from_millis(100), probe.completed()).await;
+    assert!(r.is_err(), "a probe of a hanging operation completed: {r:?}");
     f.release_last();
+    let r = tokio::time::timeout(T, probe.completed()).await;
+    assert!(matches!(r, Ok(Ok(()))), "{r:?}");
     let r = tokio::time::timeout(T, op.completed()).await;
     assert!(matches!(r, Ok(Ok(()))), "{r:?}");
     drop(op);
+    assert!(probe.is_completed().unwrap(), "the probe outlives the operation");
     assert_eq!(w.state(), WorldState::Ready);
     all_reduce_works(&w).await;
     m.shutdown().await;

@@ -227,5 +227,36 @@ with mw.WorldManager() as m:
     t2 = Fake([3.0])
     w.all_reduce(t2)
     assert t2.a.tolist() == [3.0] and w.state == "ready"
+
+    # An async_op=True call whose operation hangs: wait() with a timeout
+    # raises WorldTimeoutError and leaves it running (the thread polls the
+    # device itself, the task keeps the tensor); once the device is done, a
+    # second wait() returns the tensor, and the task lets go of it.
+    t3 = Fake([5.0, 6.0])
+    held = sys.getrefcount(t3)
+    fake.fake_nccl_set(0, 1, 0)
+    work = w.all_reduce(t3, async_op=True)
+    fake.fake_nccl_set(0, 0, 0)
+    start = time.monotonic()
+    refused(mw.WorldTimeoutError, lambda: work.wait(0.2))
+    assert 0.15 < time.monotonic() - start < 5
+    assert not work.is_completed() and sys.getrefcount(t3) > held
+    fake.fake_nccl_release_last()
+    assert work.wait(10) is t3 and t3.a.tolist() == [5.0, 6.0]
+    del work  # its result holds the tensor too
+    deadline = time.monotonic() + 10
+    while sys.getrefcount(t3) > held:
+        assert time.monotonic() < deadline, "the completed operation's task never let go of its tensor"
+        time.sleep(0.01)
+        w.state  # a native call: releases references dropped off the GIL
+    # Cancelled while it hangs: wait() says so; the device still finishes.
+    fake.fake_nccl_set(0, 1, 0)
+    work = w.all_reduce(t3, async_op=True)
+    fake.fake_nccl_set(0, 0, 0)
+    work._w.cancel()
+    refused(RuntimeError, lambda: work.wait(5))
+    fake.fake_nccl_release_last()
+    w.all_reduce(t2)
+    assert w.state == "ready"
     w.finish(20)
 print("ok", flush=True)
