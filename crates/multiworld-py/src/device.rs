@@ -32,7 +32,7 @@ use pyo3::prelude::*;
 
 use crate::{
     errors, runtime, tensor,
-    world::{Done, Work, World, finished_work, reduce_op, spawn_work},
+    world::{Done, Work, World, finished_work, reduce_op, spawn_work_probed},
 };
 
 /// A tensor's device memory as Python describes it: device address, dtype
@@ -131,14 +131,13 @@ impl Nccl {
         // operation on to a task of its own: `keep` outlives it. A thread in
         // `Work.wait` sees the end itself through the probe.
         let probe = in_flight.0.as_ref().map(|(op, _, _)| op.probe());
-        let mut work = spawn_work(
+        spawn_work_probed(
             self.name.to_string(),
             Some(self.generation),
             async move { in_flight.wait().await.map(|()| Done::Unit) },
             false,
-        )?;
-        work.device = probe;
-        Ok(work)
+            probe,
+        )
     }
 }
 

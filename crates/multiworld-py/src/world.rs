@@ -24,8 +24,9 @@ use multiworld::{
     WorldState,
 };
 use pyo3::{
-    exceptions::{PyRuntimeError, PyValueError},
+    exceptions::{PyBaseException, PyRuntimeError, PyValueError},
     prelude::*,
+    pyclass::{PyTraverseError, PyVisit},
     types::PyBytes,
 };
 use tokio::task::JoinHandle;
@@ -321,6 +322,19 @@ pub(crate) fn spawn_work(
     fut: impl Future<Output = Result<Done, WorldError>> + Send + 'static,
     cancel_on_drop: bool,
 ) -> PyResult<Work> {
+    spawn_work_probed(world, generation, fut, cancel_on_drop, None)
+}
+
+/// [`spawn_work`] for a task that waits for a device operation, with a
+/// view of its completion (`probe`) that a thread in `Work.wait` polls
+/// itself instead of waiting for the task to notice (see [`task_end`]).
+pub(crate) fn spawn_work_probed(
+    world: String,
+    generation: Option<u64>,
+    fut: impl Future<Output = Result<Done, WorldError>> + Send + 'static,
+    cancel_on_drop: bool,
+    probe: Option<DeviceProbe>,
+) -> PyResult<Work> {
     let completion = Completion::default();
     let guard = completion.guard();
     let task = runtime::runtime()?.spawn(async move {
@@ -329,7 +343,7 @@ pub(crate) fn spawn_work(
     });
     Ok(Work::new(
         completion,
-        Some(Pending::Task(task)),
+        Some(Pending::Task(task, probe)),
         cancel_on_drop,
         None,
         generation,
@@ -367,6 +381,7 @@ pub(crate) fn finished_work(
     };
     let completion = Completion::default();
     drop(completion.guard()); // marks it finished: a later `notify` fires at once
+    let outcome = keep_outcome(py, &outcome);
     Work::new(completion, None, false, Some(outcome), generation, world)
 }
 
@@ -596,8 +611,10 @@ pub struct Work {
     lent: Option<Released>,
     cancel_on_drop: bool,
     /// The outcome once waited for (returned again by later waits). Locked
-    /// only with the GIL held and never across a wait.
-    outcome: Mutex<Option<Result<Py<PyAny>, PyErr>>>,
+    /// only with the GIL held and never across a wait. Seen by Python's
+    /// garbage collector (`__traverse__`): a raised error's traceback holds
+    /// the frames that hold this handle, a cycle through it.
+    outcome: Mutex<Option<Outcome>>,
     /// A polled operation's waker when no one waits in `wait`: the event
     /// loop's, once `notify` gave it (every other poll passes it on, so the
     /// loop's wake-up stays registered).
@@ -608,10 +625,6 @@ pub struct Work {
     waiter: Mutex<Option<Waker>>,
     /// Whether the operation is polled (`Pending::Polled`), not a task's.
     polled: bool,
-    /// For a task that waits for a device operation (the `nccl` build): a
-    /// view of its completion, which a thread in `wait` polls itself
-    /// instead of waiting for the task to notice and wake it.
-    pub(crate) device: Option<DeviceProbe>,
     generation: Option<u64>,
     world: String,
 }
@@ -623,11 +636,16 @@ pub(crate) type DeviceProbe = multiworld::DeviceProbe;
 #[cfg(not(feature = "nccl"))]
 pub(crate) enum DeviceProbe {}
 
-/// How a task's operation ended: what the task returned, or, for a device
-/// operation's task (`probe`), as soon as the device has completed it,
-/// seen by this thread's own polls (the task, which owns the operation's
-/// memory, ends on its own).
-async fn task_end(j: &mut JoinHandle<Result<Done, WorldError>>, probe: Option<&DeviceProbe>) -> Ended {
+/// How a task's operation ended: what the task returned; for a device
+/// operation's task (`probe`), success as soon as this thread's own polls
+/// see the device complete it, unless the handle was cancelled meanwhile
+/// (`cancelled`). Anything but that success is the task's to say (the
+/// task, which owns the operation's memory, ends on its own).
+async fn task_end(
+    j: &mut JoinHandle<Result<Done, WorldError>>,
+    probe: Option<&DeviceProbe>,
+    cancelled: &AtomicBool,
+) -> Ended {
     let joined = async {
         match j.await {
             Ok(r) => Ended::Done(r),
@@ -640,20 +658,40 @@ async fn task_end(j: &mut JoinHandle<Result<Done, WorldError>>, probe: Option<&D
     };
     #[cfg(feature = "nccl")]
     {
-        tokio::select! {
+        let mut joined = std::pin::pin!(joined);
+        let probed = tokio::select! {
             biased;
-            ended = joined => ended,
-            done = probe.completed() => Ended::Done(done.map(|()| Done::Unit)),
+            ended = &mut joined => return ended,
+            done = probe.completed() => done,
+        };
+        if probed.is_ok() && !cancelled.load(Ordering::SeqCst) {
+            return Ended::Done(Ok(Done::Unit));
         }
+        joined.await
     }
     #[cfg(not(feature = "nccl"))]
-    match *probe {}
+    {
+        let _ = cancelled;
+        match *probe {}
+    }
+}
+
+/// A `Work`'s outcome as kept: the result, or the exception raised for it.
+type Outcome = Result<Py<PyAny>, Py<PyBaseException>>;
+
+/// `r` as kept in a `Work` (the same objects: a later wait returns them).
+fn keep_outcome(py: Python<'_>, r: &PyResult<Py<PyAny>>) -> Outcome {
+    match r {
+        Ok(v) => Ok(v.clone_ref(py)),
+        Err(e) => Err(e.value(py).clone().unbind()),
+    }
 }
 
 /// What runs a `Work`'s operation.
 enum Pending {
-    /// A task of the runtime.
-    Task(JoinHandle<Result<Done, WorldError>>),
+    /// A task of the runtime; for a device operation's task, a view of
+    /// its completion (see [`task_end`]).
+    Task(JoinHandle<Result<Done, WorldError>>, Option<DeviceProbe>),
     /// Whoever waits on the handle (`crate::polled`).
     Polled(Polled),
 }
@@ -678,12 +716,12 @@ impl Work {
         completion: Completion,
         pending: Option<Pending>,
         cancel_on_drop: bool,
-        outcome: Option<PyResult<Py<PyAny>>>,
+        outcome: Option<Outcome>,
         generation: Option<u64>,
         world: String,
     ) -> Work {
         let abort = match &pending {
-            Some(Pending::Task(j)) => Some(j.abort_handle()),
+            Some(Pending::Task(j, _)) => Some(j.abort_handle()),
             _ => None,
         };
         let polled = matches!(pending, Some(Pending::Polled(_)));
@@ -698,7 +736,6 @@ impl Work {
             cancel_asked: AtomicBool::new(false),
             waiter: Mutex::new(None),
             polled,
-            device: None,
             generation,
             world,
         }
@@ -749,7 +786,7 @@ impl Work {
                 }
                 // Ended, and its outcome taken by the wait just done.
                 None => waker.wake(),
-                Some(Pending::Task(_)) => {}
+                Some(Pending::Task(..)) => {}
             }
         }
     }
@@ -758,19 +795,42 @@ impl Work {
         let g = self.outcome.lock().unwrap_or_else(|e| e.into_inner());
         g.as_ref().map(|r| match r {
             Ok(v) => Ok(v.clone_ref(py)),
-            Err(e) => Err(e.clone_ref(py)),
+            Err(e) => Err(PyErr::from_value(e.bind(py).clone().into_any())),
         })
     }
 }
 
 #[pymethods]
 impl Work {
+    /// What this handle holds of Python's, for the garbage collector: the
+    /// kept outcome (a raised error's traceback leads back to this handle
+    /// through the frames of its `wait`). Skipped while another thread
+    /// holds the lock (it never waits with it held).
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        if let Ok(g) = self.outcome.try_lock()
+            && let Some(r) = g.as_ref()
+        {
+            match r {
+                Ok(v) => visit.call(v)?,
+                Err(e) => visit.call(e)?,
+            }
+        }
+        Ok(())
+    }
+
+    /// Breaks a reference cycle through the kept outcome (the collector
+    /// calls it on a handle that nothing outside the cycle reaches, so no
+    /// one waits on it again).
+    fn __clear__(&self) {
+        lock(&self.outcome).take();
+    }
+
     /// Whether the operation has finished (successfully or not).
     fn is_completed(&self) -> bool {
         match self.pending.try_lock() {
             Ok(mut g) => match g.as_mut() {
                 None => true,
-                Some(Pending::Task(j)) => j.is_finished(),
+                Some(Pending::Task(j, _)) => j.is_finished(),
                 Some(Pending::Polled(p)) => self.poll_now(p),
             },
             // Someone is waiting on it right now.
@@ -784,6 +844,9 @@ impl Work {
     /// array (at once, unless its message was arriving: then once it has).
     fn cancel(&self, py: Python<'_>) -> PyResult<()> {
         if let Some(a) = &self.abort {
+            // A thread in `wait` that sees a device complete meanwhile
+            // leaves the outcome to the task (see `task_end`).
+            self.cancel_asked.store(true, Ordering::SeqCst);
             a.abort();
         } else if self.polled {
             // Ended here, or, if a thread holds it in `wait`, by that thread:
@@ -862,7 +925,7 @@ impl Work {
         let fut = async {
             let mut g = self.pending.lock().await;
             let ended = match g.as_mut()? {
-                Pending::Task(j) => task_end(j, self.device.as_ref()).await,
+                Pending::Task(j, probe) => task_end(j, probe.as_ref(), &self.cancel_asked).await,
                 Pending::Polled(p) => {
                     std::future::poll_fn(|cx| {
                         *lock(&self.waiter) = Some(cx.waker().clone());
@@ -929,10 +992,7 @@ impl Work {
                 "the operation's task failed: {why}"
             ))),
         };
-        *lock(&self.outcome) = Some(match &out {
-            Ok(v) => Ok(v.clone_ref(py)),
-            Err(e) => Err(e.clone_ref(py)),
-        });
+        *lock(&self.outcome) = Some(keep_outcome(py, &out));
         // Cached first: a loop woken now takes it from the cache.
         self.hand_back_to_loop();
         out

@@ -936,3 +936,26 @@ def test_a_lent_background_collective_whose_peer_breaks_raises_and_gives_its_arr
         # the probe's call itself fails, but not for the array).
         with pytest.raises(mw.BrokenWorldError):
             w0._w.recv_into_now(a, 1, 6)
+
+
+def test_a_handle_whose_wait_raised_is_collected_with_what_it_holds(pair):
+    """A Work keeps its outcome for later waits; when that outcome is an
+    error, the error's traceback holds the frames that hold the handle, a
+    reference cycle through the native handle. The garbage collector sees
+    it: once the handle is dropped, the array it lent is free again (no
+    reference left), whichever way the wait failed."""
+    import gc
+    import sys
+
+    w0, w1 = pair
+    arrays = [np.zeros(1000, np.float32) for _ in range(2)]
+    held = [sys.getrefcount(a) for a in arrays]
+    works = [w0.all_reduce(arrays[0], async_op=True), w0.irecv(arrays[1], 1, tag=9)]
+    w1.abort()
+    for work in works:
+        for _ in range(2):  # the kept outcome, raised again
+            with pytest.raises(mw.BrokenWorldError):
+                work.wait(10)
+    del works, work
+    gc.collect()
+    assert [sys.getrefcount(a) for a in arrays] == held

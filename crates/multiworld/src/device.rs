@@ -753,11 +753,11 @@ fn poll_with_backoff(
 }
 
 /// Longest a blocking caller's thread polls a device operation before its
-/// wait yields once (see `DeviceOp::completion_here`).
+/// wait yields once (see `DeviceProbe::completion_here`).
 const HERE_SLICE: Duration = Duration::from_millis(10);
 
 /// Polls of a device operation on the runtime before a blocking thread
-/// takes over (see `DeviceOp::completion`).
+/// takes over (see `DeviceProbe::completed`).
 const EAGER_POLLS: u32 = 64;
 /// The blocking poller's first and longest sleep between polls: a wait
 /// ends at most this long after the operation (and one `cuEventQuery`

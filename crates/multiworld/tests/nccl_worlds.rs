@@ -216,6 +216,10 @@ async fn a_device_wait_dropped_before_the_end_leaves_the_operation_to_wait_for_a
     assert_eq!(w.state(), WorldState::Ready);
     all_reduce_works(&w).await;
     m.shutdown().await;
+    // After the world is gone, a probe says so at once.
+    assert!(probe.is_completed().is_err());
+    let r = tokio::time::timeout(T, probe.completed()).await;
+    assert!(matches!(r, Ok(Err(_))), "{r:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -515,8 +515,15 @@ async fn a_reset_in_the_middle_of_a_frame_breaks_the_world_at_once() {
     );
     let t0 = mesh.last_reset().unwrap();
     let b = f.broken(&mut events, t0).await;
-    assert!(is_peer_lost(&b.causes[0], 1), "{:?}", b.causes[0]);
-    assert!(is_peer_lost(&b.causes[1], 0), "{:?}", b.causes[1]);
+    // Each member sees its connection fail; the one that sees it second may
+    // first read the other's announcement of the same loss (a race both
+    // ways, seen about once in a few dozen runs): either is the reset.
+    let lost_or_told = |cause: &BreakCause, other: u32| {
+        is_peer_lost(cause, other)
+            || matches!(cause, BreakCause::ReportedByPeer { reason, .. } if reason.contains("lost"))
+    };
+    assert!(lost_or_told(&b.causes[0], 1), "{:?}", b.causes[0]);
+    assert!(lost_or_told(&b.causes[1], 0), "{:?}", b.causes[1]);
     for (r, after) in b.after.iter().enumerate() {
         assert!(*after < PROMPT_BOUND, "rank {r} broke {after:?} after the reset");
     }

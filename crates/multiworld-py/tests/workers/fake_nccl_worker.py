@@ -194,6 +194,7 @@ with mw.WorldManager() as m:
     # the package's 100 ms, and the operation keeps its tensor alive until
     # it completes; then the world goes on.
     import ctypes
+    import gc
     import os
     import signal
     import threading
@@ -249,13 +250,27 @@ with mw.WorldManager() as m:
         assert time.monotonic() < deadline, "the completed operation's task never let go of its tensor"
         time.sleep(0.01)
         w.state  # a native call: releases references dropped off the GIL
-    # Cancelled while it hangs: wait() says so; the device still finishes.
+    # Cancelled while it hangs: wait() says so, and the tensor stays held
+    # until the device has finished with it.
     fake.fake_nccl_set(0, 1, 0)
     work = w.all_reduce(t3, async_op=True)
     fake.fake_nccl_set(0, 0, 0)
     work._w.cancel()
-    refused(RuntimeError, lambda: work.wait(5))
+    try:
+        work.wait(5)
+        raise AssertionError("a cancelled operation's wait returned")
+    except RuntimeError as e:
+        assert "cancelled" in str(e), e
+    del work
+    gc.collect()  # the raised error's traceback and the handle form a cycle
+    w.state
+    assert sys.getrefcount(t3) > held, "a cancelled operation let go of its tensor before the device"
     fake.fake_nccl_release_last()
+    deadline = time.monotonic() + 10
+    while sys.getrefcount(t3) > held:
+        assert time.monotonic() < deadline, "the cancelled operation never let go of its tensor"
+        time.sleep(0.01)
+        w.state
     w.all_reduce(t2)
     assert w.state == "ready"
     w.finish(20)
