@@ -40,7 +40,9 @@ use pyo3::{Borrowed, exceptions::PyValueError, prelude::*};
 struct Memory {
     ptr: *mut u8,
     len: usize,
-    access: Access,
+    /// Dropped before `_held`: the range has left the registry by the
+    /// time a settling caller sees the loan end.
+    _entry: Entry,
     _held: Held,
 }
 
@@ -77,17 +79,33 @@ impl Released {
     }
 }
 
-impl Drop for Memory {
-    fn drop(&mut self) {
-        unregister(self.ptr as usize, self.len, self.access);
+/// One range of the registry, taken out when dropped.
+struct Entry {
+    start: usize,
+    len: usize,
+    access: Access,
+}
+
+impl Entry {
+    /// Registers `len` bytes at `start` for `access`; `None` if that races
+    /// with a range there (see [`conflicts`]).
+    fn new(start: usize, len: usize, access: Access) -> Option<Entry> {
+        let mut lent = registry();
+        if conflicts(&lent, start, len, access) {
+            return None;
+        }
+        lent.push((start, len, access));
+        Some(Entry { start, len, access })
     }
 }
 
-/// Takes one entry `(start, len, access)` out of the registry.
-fn unregister(start: usize, len: usize, access: Access) {
-    let mut lent = registry();
-    if let Some(i) = lent.iter().position(|&r| r == (start, len, access)) {
-        lent.swap_remove(i);
+impl Drop for Entry {
+    fn drop(&mut self) {
+        let mut lent = registry();
+        let me = (self.start, self.len, self.access);
+        if let Some(i) = lent.iter().position(|&r| r == me) {
+            lent.swap_remove(i);
+        }
     }
 }
 
@@ -157,22 +175,14 @@ impl<'a, 'py> FromPyObject<'a, 'py> for Writable<'py> {
 /// (a receive or a collective lent them from another thread) is refused,
 /// and `ValueError` ("in use") if one writes them now.
 pub fn reading(bytes: &[u8], what: &str) -> PyResult<Reading> {
-    let (start, len) = (bytes.as_ptr() as usize, bytes.len());
-    let mut lent = registry();
-    if conflicts(&lent, start, len, Access::Read) {
-        return Err(in_use(what));
-    }
-    lent.push((start, len, Access::Read));
-    Ok(Reading(start, len))
+    Entry::new(bytes.as_ptr() as usize, bytes.len(), Access::Read)
+        .map(|entry| Reading { _entry: entry })
+        .ok_or_else(|| in_use(what))
 }
 
 /// Bytes registered as read by [`reading`] until dropped.
-pub struct Reading(usize, usize);
-
-impl Drop for Reading {
-    fn drop(&mut self) {
-        unregister(self.0, self.1, Access::Read);
-    }
+pub struct Reading {
+    _entry: Entry,
 }
 
 /// Refuses `bytes` (about to be read by a send) while any of it is lent to
@@ -222,17 +232,11 @@ fn lend_tensor(
     held: Held,
     access: Access,
 ) -> Result<Tensor, Lend> {
-    {
-        let mut lent = registry();
-        if conflicts(&lent, ptr as usize, len, access) {
-            return Err(Lend::InUse);
-        }
-        lent.push((ptr as usize, len, access));
-    }
+    let entry = Entry::new(ptr as usize, len, access).ok_or(Lend::InUse)?;
     let mem = Memory {
         ptr,
         len,
-        access,
+        _entry: entry,
         _held: held,
     };
     // A refused loan drops `mem`, which leaves the registry.

@@ -1304,7 +1304,7 @@ impl World {
         root: u32,
     ) -> PyResult<()> {
         let what = "scatter";
-        let (ins, ends) = match &inputs {
+        let (ins, mut ends) = match &inputs {
             Some(list) => {
                 let (ins, ends) = lend_inputs(list, what)?;
                 (Some(ins), ends)
@@ -1313,10 +1313,10 @@ impl World {
         };
         let loan = Loan::new(&mut out, tensor::dtype(dtype)?, shape, &format!("{what} output"))?;
         let (mut t, end) = loan.into_parts();
+        ends.push(end);
         let g = self.g()?;
         let r = self.coll(py, g.scatter(&mut t, ins.as_deref(), Rank(root)));
         drop((t, ins));
-        end.settle(py);
         settle_all(py, ends);
         r
     }

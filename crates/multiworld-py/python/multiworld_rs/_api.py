@@ -272,6 +272,17 @@ def _any_overlap(arrays: List[np.ndarray]) -> bool:
     return any(nxt[0] < cur[1] for cur, nxt in zip(spans, spans[1:]))
 
 
+def _lent_outputs(outs: List[Tuple[np.ndarray, Any]], reads: List[np.ndarray]) -> Optional[List[Tuple[Any, ...]]]:
+    """``(bytes, dtype, shape)`` of every output of ``outs`` (as
+    ``T.out_spec`` gives them) for a blocking call that lends them, or
+    ``None`` when one cannot be lent or they and the inputs the call reads
+    (``reads``) may share memory: the call then copies."""
+    raws = [T.writable_bytes(arr) for arr, _ in outs]
+    if any(r is None for r in raws) or _any_overlap(raws + reads):
+        return None
+    return [(r, s[0], list(s[1])) for r, (_, s) in zip(raws, outs)]
+
+
 def _writer(arr: np.ndarray, tensor: Any) -> Any:
     """A finisher that writes a flat result into ``arr`` and returns ``tensor``."""
 
@@ -575,10 +586,9 @@ class World:
                 work = self._lent_list(tensor_list, lambda arrays: self._w.all_gather_lent(arrays, view))
                 if work is not None:
                     return work
-            raws = [] if async_op else [T.writable_bytes(arr) for arr, _ in outs]
-            if raws and all(r is not None for r in raws) and not _any_overlap(raws + [view[0]]):
-                # Written in place, every array lent for the call.
-                self._w.all_gather_into_list([(r, s[0], list(s[1])) for r, (_, s) in zip(raws, outs)], view)
+            lent = _lent_outputs(outs, [view[0]]) if outs and not async_op else None
+            if lent is not None:  # written in place, every array lent for the call
+                self._w.all_gather_into_list(lent, view)
                 return None
             return self._run("all_gather", ([s for _, s in outs], view), _list_writer(outs, tensor_list), async_op)
         except T.DeviceTensor:
@@ -630,10 +640,8 @@ class World:
                 if work is not None:
                     return work
             if not async_op:
-                raws = [] if outs is None else [T.writable_bytes(arr) for arr, _ in outs]
-                if all(r is not None for r in raws) and not _any_overlap(raws + [view[0]]):
-                    # Written in place, every array lent for the call.
-                    lent = None if outs is None else [(r, s[0], list(s[1])) for r, (_, s) in zip(raws, outs)]
+                lent = None if outs is None else _lent_outputs(outs, [view[0]])
+                if outs is None or lent is not None:  # every array lent for the call
                     self._w.gather_into_list(view, lent, dst)
                     return None
             return self._run("gather", (view, None if outs is None else [s for _, s in outs], dst),
@@ -720,10 +728,9 @@ class World:
                 work = self._lent_list(output_tensor_list, lambda arrays: self._w.all_to_all_lent(arrays, ins))
                 if work is not None:
                     return work
-            raws = [] if async_op else [T.writable_bytes(arr) for arr, _ in outs]
-            if raws and all(r is not None for r in raws) and not _any_overlap(raws + [v[0] for v in ins]):
-                # Written in place, every array lent for the call.
-                self._w.all_to_all_into_list([(r, s[0], list(s[1])) for r, (_, s) in zip(raws, outs)], ins)
+            lent = _lent_outputs(outs, [v[0] for v in ins]) if outs and not async_op else None
+            if lent is not None:  # written in place, every array lent for the call
+                self._w.all_to_all_into_list(lent, ins)
                 return None
             return self._run("all_to_all", ([s for _, s in outs], ins),
                              _list_writer(outs, output_tensor_list), async_op)
