@@ -29,7 +29,7 @@ use std::{
 
 use anyhow::{Context, bail};
 use clap::{Args, Subcommand};
-use multiworld_store::{ClientConfig, OpenOptions, StoreClient, WorldStore};
+use multiworld_store::{ClientConfig, OpenOptions, StoreClient, WireProtocol, WorldStore};
 use serde::Serialize;
 
 /// The benchmarks.
@@ -155,6 +155,10 @@ pub struct StoreBenchArgs {
     /// set+get pairs per client.
     #[arg(long, default_value_t = 2000)]
     pub iterations: usize,
+    /// Wire protocols of the round-trip measurement, each measured in turn
+    /// (comma separated; the other measurements use the default, framed).
+    #[arg(long, value_delimiter = ',', default_value = "framed,grpc")]
+    pub protocols: Vec<BenchProtocol>,
     /// Clients waiting on one key for the wake-up measurement.
     #[arg(long, default_value_t = 256)]
     pub waiters: usize,
@@ -164,6 +168,31 @@ pub struct StoreBenchArgs {
     /// Write the results as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
+}
+
+/// A store client's wire protocol, as the command line names it.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub enum BenchProtocol {
+    /// The store's own framing (the default of every client).
+    Framed,
+    /// gRPC over HTTP/2.
+    Grpc,
+}
+
+impl BenchProtocol {
+    fn wire(self) -> WireProtocol {
+        match self {
+            BenchProtocol::Framed => WireProtocol::Framed,
+            BenchProtocol::Grpc => WireProtocol::Grpc,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            BenchProtocol::Framed => "framed",
+            BenchProtocol::Grpc => "grpc",
+        }
+    }
 }
 
 /// A `--plot` file name: plots are drawn as SVG only (plotters' bitmap
@@ -204,6 +233,7 @@ pub async fn run(cmd: BenchCommand) -> anyhow::Result<()> {
 
 #[derive(Serialize)]
 struct RoundTrip {
+    protocol: &'static str,
     clients: usize,
     pairs: usize,
     median_us: f64,
@@ -263,7 +293,15 @@ impl StoreProcess {
 }
 
 async fn open(addr: &str, world: &str) -> anyhow::Result<WorldStore> {
-    let client = StoreClient::connect(addr, ClientConfig::default()).await?;
+    open_with(addr, world, WireProtocol::default()).await
+}
+
+async fn open_with(addr: &str, world: &str, protocol: WireProtocol) -> anyhow::Result<WorldStore> {
+    let config = ClientConfig {
+        protocol,
+        ..ClientConfig::default()
+    };
+    let client = StoreClient::connect(addr, config).await?;
     let options = OpenOptions {
         create: true,
         ..OpenOptions::default()
@@ -319,10 +357,15 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
-async fn round_trips(addr: &str, clients: usize, iterations: usize) -> anyhow::Result<RoundTrip> {
+async fn round_trips(
+    addr: &str,
+    protocol: BenchProtocol,
+    clients: usize,
+    iterations: usize,
+) -> anyhow::Result<RoundTrip> {
     let mut stores = Vec::with_capacity(clients);
     for _ in 0..clients {
-        stores.push(open(addr, "bench-rtt").await?);
+        stores.push(open_with(addr, "bench-rtt", protocol.wire()).await?);
     }
     let started = Instant::now();
     let mut tasks = Vec::with_capacity(clients);
@@ -347,6 +390,7 @@ async fn round_trips(addr: &str, clients: usize, iterations: usize) -> anyhow::R
     let wall = started.elapsed();
     all.sort();
     Ok(RoundTrip {
+        protocol: protocol.name(),
         clients,
         pairs: all.len(),
         median_us: percentile(&all, 0.5).as_secs_f64() * 1e6,
@@ -427,20 +471,23 @@ async fn store(args: StoreBenchArgs) -> anyhow::Result<()> {
     println!("raw TCP ping-pong round trip (reference): median {raw_us:.1} µs");
     let mut round_trips_out = Vec::new();
     println!(
-        "\nset+get round trip     clients   pairs   median µs   p99 µs   pairs/s   median / (2 × raw RTT)"
+        "\nset+get round trip   protocol   clients   pairs   median µs   p99 µs   pairs/s   median / (2 × raw RTT)"
     );
     for &c in &args.clients {
-        let r = round_trips(&server.addr, c, args.iterations).await?;
-        println!(
-            "                       {:>7} {:>7} {:>11.1} {:>8.1} {:>9.0} {:>10.2}",
-            r.clients,
-            r.pairs,
-            r.median_us,
-            r.p99_us,
-            r.pairs_per_s,
-            r.median_us / (2.0 * raw_us)
-        );
-        round_trips_out.push(r);
+        for &p in &args.protocols {
+            let r = round_trips(&server.addr, p, c, args.iterations).await?;
+            println!(
+                "                     {:>8} {:>9} {:>7} {:>11.1} {:>8.1} {:>9.0} {:>10.2}",
+                r.protocol,
+                r.clients,
+                r.pairs,
+                r.median_us,
+                r.p99_us,
+                r.pairs_per_s,
+                r.median_us / (2.0 * raw_us)
+            );
+            round_trips_out.push(r);
+        }
     }
     let mut wake_last = Vec::new();
     for round in 0..args.rounds {

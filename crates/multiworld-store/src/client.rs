@@ -2,21 +2,25 @@
 //! (made with retry and backoff until a deadline), and [`WorldStore`] is one
 //! world's store over it. Both are cheap to clone and safe to share.
 //!
+//! A client speaks the framed protocol by default, or gRPC
+//! ([`ClientConfig::protocol`]); the server answers both on one port, with
+//! the same operations, bounds and errors.
+//!
 //! Every call has a client-side deadline (the wait's own timeout plus a grace
 //! for waiting calls, [`ClientConfig::op_timeout`] for the others), so a
 //! frozen server never hangs a caller. When the call's future is dropped or
-//! its deadline passes, the HTTP/2 stream is reset and the server forgets the
-//! wait. When the server's process dies, its connection closes and every
-//! in-flight call fails with `Unavailable` at once.
+//! its deadline passes, the server is told (a `Cancel` frame, or the HTTP/2
+//! stream is reset) and forgets the wait. When the server's process dies,
+//! its connection closes and every in-flight call fails with `Unavailable`
+//! at once.
 
 use std::{
-    future::Future,
     sync::Arc,
     time::{Duration, Instant},
 };
 
 use bytes::Bytes;
-use multiworld_proto::store::v1::{self as pb, store_client};
+use multiworld_proto::store::v1 as pb;
 use tonic::{
     Request, Response, Status,
     metadata::{Ascii, MetadataValue},
@@ -28,10 +32,26 @@ use crate::{
     auth::{AUTH_METADATA, StoreProof, WORLD_METADATA, encode_world},
     conn::{Conn, ConnSettings},
     error::{Limit, StoreError},
+    framed::{MAX_PROOF_LEN, Method},
+    framed_conn::FramedConn,
     table::CasOutcome,
 };
 
-type Rpc = store_client::StoreClient<Conn>;
+/// Which wire protocol a client speaks. A server answers both on one port
+/// (it tells them apart by a connection's first byte), with the same
+/// operations, bounds and errors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum WireProtocol {
+    /// The store's own framing: a 9-byte header and the request's protobuf
+    /// message, no HTTP/2 (docs/protocol.md, "The framed protocol"). The
+    /// default: a round trip costs about half of gRPC's.
+    #[default]
+    Framed,
+    /// gRPC over HTTP/2 (the `multiworld.store.v1` service), for clients and
+    /// tools that speak gRPC.
+    Grpc,
+}
 
 /// How a client connects and how long it waits. `Default` gives the
 /// documented defaults.
@@ -56,6 +76,8 @@ pub struct ClientConfig {
     pub keepalive_timeout: Duration,
     /// Largest reply decoded (default 64 MiB).
     pub max_message_bytes: usize,
+    /// The wire protocol (default [`WireProtocol::Framed`]).
+    pub protocol: WireProtocol,
 }
 
 impl Default for ClientConfig {
@@ -69,6 +91,7 @@ impl Default for ClientConfig {
             keepalive_interval: Duration::from_secs(1),
             keepalive_timeout: Duration::from_secs(3),
             max_message_bytes: 64 << 20,
+            protocol: WireProtocol::default(),
         }
     }
 }
@@ -99,9 +122,50 @@ impl Default for OpenOptions {
 /// One connection to a store server.
 #[derive(Clone)]
 pub struct StoreClient {
-    rpc: Rpc,
+    transport: Transport,
     addr: Arc<str>,
     config: Arc<ClientConfig>,
+}
+
+/// The connection, in the protocol the client speaks.
+#[derive(Clone)]
+enum Transport {
+    Framed(FramedConn),
+    Grpc { conn: Conn, origin: http::Uri },
+}
+
+/// What names a world's requests and proves its secret, in the forms both
+/// protocols send.
+struct WorldAuth {
+    name: String,
+    proof: Option<String>,
+    world_meta: MetadataValue<Ascii>,
+    auth_meta: Option<MetadataValue<Ascii>>,
+}
+
+impl WorldAuth {
+    fn new(name: &str, secret: Option<&Secret>) -> Result<WorldAuth, StoreError> {
+        let proof = secret.map(|s| s.proof(name));
+        let auth_meta = match &proof {
+            Some(p) => Some(
+                MetadataValue::try_from(p.as_str())
+                    .map_err(|e| StoreError::Protocol(format!("proof is not ASCII: {e}")))?,
+            ),
+            None => None,
+        };
+        if proof.as_ref().is_some_and(|p| p.len() > MAX_PROOF_LEN) || name.len() > usize::from(u16::MAX) {
+            return Err(StoreError::InvalidArgument(format!(
+                "world name of {} bytes, or its proof, too long to send",
+                name.len()
+            )));
+        }
+        Ok(WorldAuth {
+            name: name.to_string(),
+            proof,
+            world_meta: world_metadata(name)?,
+            auth_meta,
+        })
+    }
 }
 
 impl std::fmt::Debug for StoreClient {
@@ -129,14 +193,23 @@ impl StoreClient {
         loop {
             attempts += 1;
             let remaining = deadline.saturating_duration_since(Instant::now());
-            let attempt = try_connect(&shared_addr, &settings, remaining.min(Duration::from_secs(2)));
+            let attempt = try_connect(
+                &shared_addr,
+                &settings,
+                &config,
+                remaining.min(Duration::from_secs(2)),
+            );
             let last_error = match attempt.await {
                 Ok(conn) => {
-                    let rpc = store_client::StoreClient::with_origin(conn, origin.clone())
-                        .max_decoding_message_size(config.max_message_bytes)
-                        .max_encoding_message_size(config.max_message_bytes);
+                    let transport = match conn {
+                        Dialed::Framed(c) => Transport::Framed(c),
+                        Dialed::Grpc(conn) => Transport::Grpc {
+                            conn,
+                            origin: origin.clone(),
+                        },
+                    };
                     let client = StoreClient {
-                        rpc,
+                        transport,
                         addr: Arc::clone(&shared_addr),
                         config: Arc::new(config.clone()),
                     };
@@ -171,12 +244,51 @@ impl StoreClient {
         &self.addr
     }
 
+    /// The wire protocol this client speaks.
+    pub fn protocol(&self) -> WireProtocol {
+        match self.transport {
+            Transport::Framed(_) => WireProtocol::Framed,
+            Transport::Grpc { .. } => WireProtocol::Grpc,
+        }
+    }
+
+    /// Sends one request (naming `world`, with its proof, if given) and
+    /// returns the reply's message, in the protocol the client speaks.
+    async fn unary<Q, R>(&self, method: Method, world: Option<&WorldAuth>, message: Q) -> Result<R, Status>
+    where
+        Q: prost::Message + Send + Sync + 'static,
+        R: prost::Message + Default + Send + 'static,
+    {
+        match &self.transport {
+            Transport::Framed(conn) => {
+                let (name, proof) = world.map_or(("", None), |w| (w.name.as_str(), w.proof.as_deref()));
+                let reply = conn.call(method, name, proof, &message).await?;
+                R::decode(reply).map_err(|e| Status::internal(format!("undecodable reply: {e}")))
+            }
+            Transport::Grpc { conn, origin } => {
+                let mut req = Request::new(message);
+                if let Some(w) = world {
+                    req.metadata_mut().insert(WORLD_METADATA, w.world_meta.clone());
+                    if let Some(a) = &w.auth_meta {
+                        req.metadata_mut().insert(AUTH_METADATA, a.clone());
+                    }
+                }
+                let mut grpc = tonic::client::Grpc::with_origin(conn.clone(), origin.clone())
+                    .max_decoding_message_size(self.config.max_message_bytes)
+                    .max_encoding_message_size(self.config.max_message_bytes);
+                grpc.ready().await?;
+                let path = http::uri::PathAndQuery::from_static(method.path());
+                grpc.unary(req, path, tonic_prost::ProstCodec::default())
+                    .await
+                    .map(Response::into_inner)
+            }
+        }
+    }
+
     /// Round trip to the server (not to any world).
     pub async fn ping(&self) -> Result<Duration, StoreError> {
         let started = Instant::now();
-        let req = Request::new(pb::PingRequest { world: None });
-        let mut rpc = self.rpc.clone();
-        let fut = rpc.ping(req);
+        let fut = self.unary::<_, pb::PingResponse>(Method::Ping, None, pb::PingRequest { world: None });
         match tokio::time::timeout(self.config.op_timeout, fut).await {
             Ok(Ok(_)) => Ok(started.elapsed()),
             Ok(Err(status)) => Err(StoreError::from_status(&status, "", &self.addr)),
@@ -187,37 +299,24 @@ impl StoreClient {
     /// Opens a world's store on this server: waits (up to `options.timeout`)
     /// until the world is open there, or creates it if asked and allowed.
     pub async fn open(&self, name: &str, options: OpenOptions) -> Result<WorldStore, StoreError> {
-        let auth = match &options.secret {
-            Some(secret) => Some(
-                MetadataValue::try_from(secret.proof(name))
-                    .map_err(|e| StoreError::Protocol(format!("proof is not ASCII: {e}")))?,
-            ),
-            None => None,
-        };
-        let world_meta = world_metadata(name)?;
+        let auth = Arc::new(WorldAuth::new(name, options.secret.as_ref())?);
         let started = Instant::now();
         let mut pause = self.config.backoff_initial;
         loop {
-            let mut req = Request::new(pb::OpenRequest {
+            let req = pb::OpenRequest {
                 name: name.to_string(),
                 create: options.create,
-            });
-            req.metadata_mut().insert(WORLD_METADATA, world_meta.clone());
-            if let Some(a) = &auth {
-                req.metadata_mut().insert(AUTH_METADATA, a.clone());
-            }
-            let mut rpc = self.rpc.clone();
-            let fut = rpc.open(req);
+            };
+            let fut = self.unary::<_, pb::OpenResponse>(Method::Open, Some(&auth), req);
             let err = match tokio::time::timeout(self.config.op_timeout, fut).await {
                 Ok(Ok(resp)) => {
                     return Ok(WorldStore {
                         client: self.clone(),
                         world: pb::WorldRef {
                             name: name.to_string(),
-                            generation: resp.into_inner().generation,
+                            generation: resp.generation,
                         },
                         auth,
-                        world_meta,
                     });
                 }
                 Ok(Err(status)) => StoreError::from_status(&status, name, &self.addr),
@@ -246,8 +345,30 @@ impl StoreClient {
     }
 }
 
-async fn try_connect(addr: &Arc<str>, settings: &ConnSettings, limit: Duration) -> Result<Conn, String> {
-    let attempt = Conn::connect(Arc::clone(addr), settings.clone());
+/// A new connection, in either protocol.
+enum Dialed {
+    Framed(FramedConn),
+    Grpc(Conn),
+}
+
+async fn try_connect(
+    addr: &Arc<str>,
+    settings: &ConnSettings,
+    config: &ClientConfig,
+    limit: Duration,
+) -> Result<Dialed, String> {
+    let attempt = async {
+        match config.protocol {
+            WireProtocol::Framed => {
+                FramedConn::connect(Arc::clone(addr), settings.clone(), config.max_message_bytes)
+                    .await
+                    .map(Dialed::Framed)
+            }
+            WireProtocol::Grpc => Conn::connect(Arc::clone(addr), settings.clone())
+                .await
+                .map(Dialed::Grpc),
+        }
+    };
     match tokio::time::timeout(limit.max(Duration::from_millis(1)), attempt).await {
         Ok(result) => result,
         Err(_) => Err(format!("connect attempt took longer than {limit:?}")),
@@ -273,8 +394,7 @@ fn wire_ms(timeout: Duration) -> u64 {
 pub struct WorldStore {
     client: StoreClient,
     world: pb::WorldRef,
-    auth: Option<MetadataValue<Ascii>>,
-    world_meta: MetadataValue<Ascii>,
+    auth: Arc<WorldAuth>,
 }
 
 /// The `mw-world` entry naming `name`, which lets the server check a
@@ -330,11 +450,10 @@ impl WorldStore {
     }
 
     /// Sends one request with this world's proof and a client-side deadline.
-    async fn call<Q, R, F, Fut>(&self, message: Q, waited: Option<Duration>, rpc: F) -> Result<R, StoreError>
+    async fn call<Q, R>(&self, method: Method, message: Q, waited: Option<Duration>) -> Result<R, StoreError>
     where
-        Q: prost::Message,
-        F: FnOnce(Rpc, Request<Q>) -> Fut,
-        Fut: Future<Output = Result<Response<R>, Status>>,
+        Q: prost::Message + Send + Sync + 'static,
+        R: prost::Message + Default + Send + 'static,
     {
         // Over this client's own bound the gRPC encoder would fail halfway
         // through the request body, which reaches us as an opaque HTTP/2
@@ -347,18 +466,14 @@ impl WorldStore {
                 requested: len as u64,
             });
         }
-        let mut req = Request::new(message);
-        req.metadata_mut().insert(WORLD_METADATA, self.world_meta.clone());
-        if let Some(a) = &self.auth {
-            req.metadata_mut().insert(AUTH_METADATA, a.clone());
-        }
         let config = &self.client.config;
         let deadline = match waited {
             Some(w) => w.saturating_add(config.wait_grace),
             None => config.op_timeout,
         };
-        match tokio::time::timeout(deadline, rpc(self.client.rpc.clone(), req)).await {
-            Ok(Ok(resp)) => Ok(resp.into_inner()),
+        let fut = self.client.unary(method, Some(&self.auth), message);
+        match tokio::time::timeout(deadline, fut).await {
+            Ok(Ok(reply)) => Ok(reply),
             Ok(Err(status)) => Err(self.error(&status, waited)),
             Err(_) => Err(self.client.deadline_passed(deadline)),
         }
@@ -371,8 +486,7 @@ impl WorldStore {
             key: key(k),
             value: value.into(),
         };
-        self.call(m, None, |mut c, r| async move { c.set(r).await })
-            .await?;
+        self.call::<_, pb::SetResponse>(Method::Set, m, None).await?;
         Ok(())
     }
 
@@ -384,7 +498,7 @@ impl WorldStore {
             timeout_ms: wire_ms(timeout),
         };
         let r = self
-            .call(m, Some(timeout), |mut c, r| async move { c.get(r).await })
+            .call::<_, pb::GetResponse>(Method::Get, m, Some(timeout))
             .await?;
         Ok(r.value)
     }
@@ -396,7 +510,7 @@ impl WorldStore {
             key: key(k),
         };
         let r = self
-            .call(m, None, |mut c, r| async move { c.try_get(r).await })
+            .call::<_, pb::TryGetResponse>(Method::TryGet, m, None)
             .await?;
         Ok(r.value)
     }
@@ -409,9 +523,7 @@ impl WorldStore {
             key: key(k),
             delta,
         };
-        let r = self
-            .call(m, None, |mut c, r| async move { c.add(r).await })
-            .await?;
+        let r = self.call::<_, pb::AddResponse>(Method::Add, m, None).await?;
         Ok(r.value)
     }
 
@@ -430,7 +542,7 @@ impl WorldStore {
             desired: desired.into(),
         };
         let r = self
-            .call(m, None, |mut c, r| async move { c.compare_and_set(r).await })
+            .call::<_, pb::CompareAndSetResponse>(Method::CompareAndSet, m, None)
             .await?;
         Ok(CasOutcome {
             swapped: r.swapped,
@@ -445,7 +557,7 @@ impl WorldStore {
             keys: keys(ks),
             timeout_ms: wire_ms(timeout),
         };
-        self.call(m, Some(timeout), |mut c, r| async move { c.wait(r).await })
+        self.call::<_, pb::WaitResponse>(Method::Wait, m, Some(timeout))
             .await?;
         Ok(())
     }
@@ -456,9 +568,7 @@ impl WorldStore {
             world: self.world(),
             keys: keys(ks),
         };
-        let r = self
-            .call(m, None, |mut c, r| async move { c.check(r).await })
-            .await?;
+        let r = self.call::<_, pb::CheckResponse>(Method::Check, m, None).await?;
         Ok(r.all_present)
     }
 
@@ -469,7 +579,7 @@ impl WorldStore {
             key: key(k),
         };
         let r = self
-            .call(m, None, |mut c, r| async move { c.delete(r).await })
+            .call::<_, pb::DeleteResponse>(Method::Delete, m, None)
             .await?;
         Ok(r.existed)
     }
@@ -487,7 +597,7 @@ impl WorldStore {
             timeout_ms: wire_ms(timeout),
         };
         let r = self
-            .call(m, Some(timeout), |mut c, r| async move { c.multi_get(r).await })
+            .call::<_, pb::MultiGetResponse>(Method::MultiGet, m, Some(timeout))
             .await?;
         if r.values.len() != ks.len() {
             return Err(StoreError::Protocol(format!(
@@ -515,7 +625,7 @@ impl WorldStore {
                 })
                 .collect(),
         };
-        self.call(m, None, |mut c, r| async move { c.multi_set(r).await })
+        self.call::<_, pb::MultiSetResponse>(Method::MultiSet, m, None)
             .await?;
         Ok(())
     }
@@ -528,7 +638,7 @@ impl WorldStore {
             value: value.into(),
         };
         let r = self
-            .call(m, None, |mut c, r| async move { c.append(r).await })
+            .call::<_, pb::AppendResponse>(Method::Append, m, None)
             .await?;
         Ok(r.length)
     }
@@ -537,7 +647,7 @@ impl WorldStore {
     pub async fn num_keys(&self) -> Result<u64, StoreError> {
         let m = pb::NumKeysRequest { world: self.world() };
         let r = self
-            .call(m, None, |mut c, r| async move { c.num_keys(r).await })
+            .call::<_, pb::NumKeysResponse>(Method::NumKeys, m, None)
             .await?;
         Ok(r.count)
     }
@@ -546,8 +656,7 @@ impl WorldStore {
     pub async fn ping(&self) -> Result<Duration, StoreError> {
         let started = Instant::now();
         let m = pb::PingRequest { world: self.world() };
-        self.call(m, None, |mut c, r| async move { c.ping(r).await })
-            .await?;
+        self.call::<_, pb::PingResponse>(Method::Ping, m, None).await?;
         Ok(started.elapsed())
     }
 
@@ -555,9 +664,7 @@ impl WorldStore {
     /// waiters with `Closed`). Returns whether this call closed it.
     pub async fn close(&self) -> Result<bool, StoreError> {
         let m = pb::CloseRequest { world: self.world() };
-        let r = self
-            .call(m, None, |mut c, r| async move { c.close(r).await })
-            .await?;
+        let r = self.call::<_, pb::CloseResponse>(Method::Close, m, None).await?;
         Ok(r.closed)
     }
 }

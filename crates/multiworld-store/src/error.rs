@@ -53,6 +53,10 @@ pub enum Limit {
     /// Concurrent requests on one connection that are not (yet) tied to an
     /// authenticated world (`Open`, world-less `Ping`).
     UnauthenticatedStreams,
+    /// Waiting requests (get, wait, multi-get) in flight on one connection
+    /// of the framed protocol, `ServerConfig::max_streams_per_connection`
+    /// (HTTP/2 bounds its streams itself).
+    ConnectionRequests,
     /// Bytes of one encoded request or reply (the gRPC layer's message
     /// bound: `ServerConfig::max_message_bytes` on the server,
     /// `ClientConfig::max_message_bytes` on the client), enforced before the
@@ -61,7 +65,7 @@ pub enum Limit {
 }
 
 impl Limit {
-    const ALL: [Limit; 14] = [
+    const ALL: [Limit; 15] = [
         Limit::KeyLen,
         Limit::ValueLen,
         Limit::Keys,
@@ -76,6 +80,7 @@ impl Limit {
         Limit::ReplyBytes,
         Limit::RequestMemory,
         Limit::UnauthenticatedStreams,
+        Limit::ConnectionRequests,
     ];
 
     /// The stable wire code of the limit.
@@ -95,6 +100,7 @@ impl Limit {
             Limit::ReplyBytes => "reply-bytes",
             Limit::RequestMemory => "request-memory",
             Limit::UnauthenticatedStreams => "unauthenticated-streams",
+            Limit::ConnectionRequests => "connection-requests",
         }
     }
 
@@ -119,6 +125,7 @@ impl Limit {
             Limit::ReplyBytes => "reply size",
             Limit::RequestMemory => "request memory per server",
             Limit::UnauthenticatedStreams => "unauthenticated streams per connection",
+            Limit::ConnectionRequests => "waiting requests per connection",
         }
     }
 }

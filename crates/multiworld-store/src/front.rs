@@ -47,6 +47,8 @@ use tokio::{
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tonic::{Status, body::Body, codegen::Service, transport::server::TcpConnectInfo};
 
+mod framed;
+
 use crate::{
     auth::{AUTH_METADATA, WORLD_METADATA, decode_world},
     error::{Limit, StoreError},
@@ -358,7 +360,39 @@ pub(crate) async fn accept_loop<S: Grpc>(
     tracker.wait().await;
 }
 
+/// Serves one connection in the protocol its first byte names: `M` (the
+/// framed protocol's preface) or anything else (HTTP/2's starts with `P`).
 async fn serve_connection<S: Grpc>(
+    stream: TcpStream,
+    remote: SocketAddr,
+    conn: Arc<Conn>,
+    shared: &Arc<Shared>,
+    grpc: S,
+    stop: CancellationToken,
+    kill: CancellationToken,
+) {
+    let mut first = [0u8; 1];
+    let peeked = tokio::select! {
+        r = stream.peek(&mut first) => r,
+        _ = kill.cancelled() => return,
+        _ = stop.cancelled() => return,
+        _ = tokio::time::sleep_until(conn.accepted + shared.config.first_request_timeout) => {
+            tracing::debug!(%remote, "closing store connection: nothing sent within first_request_timeout");
+            return;
+        }
+        // An eviction while nothing was sent yet.
+        _ = conn.changed.notified() => return,
+    };
+    match peeked {
+        Ok(0) | Err(_) => {}
+        Ok(_) if first[0] == crate::framed::PREFACE[0] => {
+            framed::serve(stream, remote, conn, shared, stop, kill).await;
+        }
+        Ok(_) => serve_http2(stream, remote, conn, shared, grpc, stop, kill).await,
+    }
+}
+
+async fn serve_http2<S: Grpc>(
     stream: TcpStream,
     remote: SocketAddr,
     conn: Arc<Conn>,

@@ -12,18 +12,27 @@
 //! - `limits`: the bounds a world's store enforces, with their defaults.
 //! - `auth`: shared-secret proofs (HMAC-SHA256; the secret never crosses
 //!   the wire).
-//! - `server`: the gRPC service hosting many worlds' tables
-//!   ([`StoreServer`]), embedded in a process or run standalone.
-//! - `front` (private): the accept loop and each connection's HTTP/2 driver;
-//!   bounds connections, their deadlines, request bodies and request memory
-//!   before a request reaches the service.
+//! - `server`: the server hosting many worlds' tables ([`StoreServer`]),
+//!   embedded in a process or run standalone; the store's operations,
+//!   written once for both wire protocols, and the gRPC service over them.
+//! - `front` (private): the accept loop, which tells a connection's protocol
+//!   from its first byte, and each connection's driver (HTTP/2, or
+//!   `front::framed` for the framed protocol); bounds connections, their
+//!   deadlines, request bodies and request memory before a request reaches
+//!   an operation.
+//! - `framed` (private): the framed protocol's codec (pure) and the I/O
+//!   pieces both of its ends share.
+//! - `framed_conn` (private): the client's framed connection (the caller
+//!   writes its request, a driver task reads the answers), keepalive, cancel,
+//!   redial.
 //! - `gate` (private): the pure decision about a request from its headers
 //!   alone (admit, pre-authentication bounds, or refuse without reading the
 //!   body), and the rate limit on refusal log lines.
 //! - `conn` (private): the client's HTTP/2 connection on `h2` directly
 //!   (one write per request, no task hand-off before it), keepalive, redial.
-//! - `client`: [`StoreClient`] (one connection, retrying with backoff) and
-//!   [`WorldStore`] (one world's store over it).
+//! - `client`: [`StoreClient`] (one connection in either protocol,
+//!   [`WireProtocol`], retrying with backoff) and [`WorldStore`] (one
+//!   world's store over it).
 //! - `error`: [`StoreError`] and its mapping to gRPC statuses.
 //!
 //! ```
@@ -52,6 +61,8 @@ mod auth;
 mod client;
 mod conn;
 mod error;
+mod framed;
+mod framed_conn;
 mod front;
 mod gate;
 mod limits;
@@ -62,7 +73,7 @@ mod table;
 mod fuzz_tests;
 
 pub use auth::StoreProof;
-pub use client::{ClientConfig, OpenOptions, StoreClient, WorldStore};
+pub use client::{ClientConfig, OpenOptions, StoreClient, WireProtocol, WorldStore};
 pub use error::{Limit, StoreError};
 pub use limits::Limits;
 pub use multiworld_types::Secret;

@@ -34,14 +34,15 @@ use dashmap::{DashMap, mapref::entry::Entry};
 use multiworld_proto::store::v1::{self as pb, store_server};
 use tokio::{net::TcpListener, sync::oneshot, task::JoinHandle};
 use tokio_util::sync::CancellationToken;
-use tonic::{Request, Response, Status, metadata::MetadataMap};
+use tonic::{Request, Response, Status};
 
 use multiworld_types::Secret;
 
 use crate::{
     auth::{AUTH_METADATA, StoreProof, WORLD_METADATA, decode_world},
     error::{Limit, StoreError},
-    front::{self, Budget, Connections},
+    framed::{self, Method},
+    front::{self, Budget, Connections, Reservation},
     gate::LogLimiter,
     limits::{Limits, over},
     table::{ClientId, Completion, TableStats, WaitPoll, WaitResult, WaiterId, WorldTable},
@@ -55,7 +56,8 @@ type Table = WorldTable<Waker>;
 pub struct ServerConfig {
     /// Bounds of worlds created without their own (default: [`Limits::default`]).
     pub limits: Limits,
-    /// Largest request the gRPC layer decodes (default: derived from `limits`).
+    /// Largest request message decoded, gRPC or framed (default: derived
+    /// from `limits`).
     pub max_message_bytes: usize,
     /// Most worlds open at once (default 4,096).
     pub max_worlds: usize,
@@ -71,23 +73,28 @@ pub struct ServerConfig {
     /// valid proof it gets the same `unauthenticated` answer as a request for
     /// an open world with a secret, and world names cannot be enumerated.
     pub remote_create_secret: Option<Secret>,
-    /// HTTP/2 keepalive ping interval, which also notices dead clients and
-    /// releases their waits (default 1 s).
+    /// Keepalive ping interval, HTTP/2 or framed, which also notices dead or
+    /// frozen clients and releases their waits (default 1 s). A framed
+    /// connection is pinged only when nothing arrived for this long.
     pub keepalive_interval: Duration,
-    /// How long an unanswered keepalive ping may stay unanswered (default 5 s).
+    /// How long an unanswered keepalive ping may stay unanswered (default
+    /// 5 s; on a framed connection, any byte arriving counts as an answer).
     pub keepalive_timeout: Duration,
     /// Most client connections open at once (default 1,024). At the cap, a
     /// new connection evicts one that never sent a request (oldest first),
     /// else the one idle longest (no request in flight); if every connection
     /// has a request in flight, the new one is closed at once.
     pub max_connections: usize,
-    /// Most concurrent requests (HTTP/2 streams) on one connection (default
-    /// `limits.max_waiters_per_client + 64` = 1,088).
+    /// Most concurrent requests (HTTP/2 streams) on one connection; on a
+    /// framed connection, most waiting requests (get, wait, multi-get) at
+    /// once, more refused with `LimitExceeded { ConnectionRequests }`
+    /// (default `limits.max_waiters_per_client + 64` = 1,088).
     pub max_streams_per_connection: u32,
     /// Most concurrent requests on one connection that are not tied to an
     /// authenticated world: `Open` of a world the server cannot judge, a
     /// world-less `Ping` (default 16). More are refused with
-    /// `LimitExceeded { UnauthenticatedStreams }`.
+    /// `LimitExceeded { UnauthenticatedStreams }`. (A framed connection runs
+    /// such requests one at a time.)
     pub max_unauthenticated_streams: usize,
     /// Largest message of an `Open`, a world-less `Ping` or an unknown
     /// method, all of which are read before any proof is checked (default
@@ -96,7 +103,8 @@ pub struct ServerConfig {
     /// Bytes of request bodies received and decoded at once, all connections
     /// together (default 64 MiB). Each request reserves twice its declared
     /// message size (the body and its decoded copy) once its 5-byte gRPC
-    /// prefix has arrived, before the rest is buffered; the reservation ends
+    /// prefix (or its framed head) has arrived, before the rest is
+    /// buffered; the reservation ends
     /// when the handler has the decoded request, so waits hold none.
     pub max_buffered_request_bytes: usize,
     /// How long a request may wait for its reservation before it is refused
@@ -109,7 +117,8 @@ pub struct ServerConfig {
     /// server takes to answer, so long-poll waits are unaffected.
     pub request_body_timeout: Duration,
     /// How long a new connection has to deliver its first complete request
-    /// header (HTTP/2 preface and all) before it is closed (default 5 s).
+    /// header (HTTP/2 preface and all; the framed preface and a request's
+    /// frame header) before it is closed (default 5 s).
     pub first_request_timeout: Duration,
     /// How long a connection may have no request in flight before it is
     /// closed with GOAWAY (default 120 s). Bytes and pings do not count, so a
@@ -321,9 +330,9 @@ impl Shared {
 
     /// Finds the open slot a request names and checks its proof first (so a
     /// stranger learns nothing about generations), then its generation.
-    fn resolve(&self, world: Option<pb::WorldRef>, meta: &MetadataMap) -> Result<Arc<Slot>, Status> {
+    fn resolve(&self, world: Option<pb::WorldRef>, caller: &Caller) -> Result<Arc<Slot>, StoreError> {
         let world = world.ok_or_else(|| StoreError::InvalidArgument("no world given".into()))?;
-        self.check_world_header(&world.name, meta)?;
+        self.check_world_header(&world.name, caller)?;
         let slot = self
             .worlds
             .get(&world.name)
@@ -331,46 +340,37 @@ impl Shared {
             .ok_or_else(|| StoreError::WorldNotFound {
                 world: world.name.clone(),
             })?;
-        self.authenticate(&slot.name, slot.secret.as_ref(), meta)?;
+        self.authenticate(&slot.name, slot.secret.as_ref(), caller)?;
         if slot.generation != world.generation {
             return Err(StoreError::StaleGeneration {
                 world: world.name,
                 requested: world.generation,
                 current: Some(slot.generation),
-            }
-            .into());
+            });
         }
         Ok(slot)
     }
 
-    /// The front admitted the request for the world named in `mw-world`;
-    /// the body must name the same one.
-    fn check_world_header(&self, name: &str, meta: &MetadataMap) -> Result<(), StoreError> {
-        let header = meta
-            .get(WORLD_METADATA)
-            .map(|v| decode_world(v.as_bytes(), self.config.max_name_len));
-        match header {
-            Some(Ok(h)) if h == name => Ok(()),
-            _ => Err(StoreError::InvalidArgument(
-                "the mw-world metadata entry does not name the request's world".into(),
-            )),
+    /// The front admitted the request for the world its header names (the
+    /// `mw-world` entry, or the framed request's head); the body must name
+    /// the same one.
+    fn check_world_header(&self, name: &str, caller: &Caller) -> Result<(), StoreError> {
+        if caller.world.as_deref() == Some(name) {
+            return Ok(());
         }
+        Err(StoreError::InvalidArgument(
+            "the request's header does not name the world of its body".into(),
+        ))
     }
 
     /// Checks a request's proof (again: the front checked it from the
     /// headers, but the world may have been replaced since). Refusals are
     /// logged at most once per interval.
-    fn authenticate(
-        &self,
-        world: &str,
-        secret: Option<&Secret>,
-        meta: &MetadataMap,
-    ) -> Result<(), StoreError> {
+    fn authenticate(&self, world: &str, secret: Option<&Secret>, caller: &Caller) -> Result<(), StoreError> {
         let Some(secret) = secret else {
             return Ok(());
         };
-        let proof = meta.get(AUTH_METADATA).and_then(|v| v.to_str().ok());
-        secret.verify(world, proof).map_err(|reason| {
+        secret.verify(world, caller.proof.as_deref()).map_err(|reason| {
             if let Some(held_back) = self.auth_log.admit(Instant::now()) {
                 tracing::warn!(
                     world,
@@ -404,9 +404,39 @@ impl Drop for WaiterPlace<'_> {
     }
 }
 
-fn client_id<T>(request: &Request<T>) -> ClientId {
+/// Who sent a request, as either front tells it: the world its header
+/// names, its proof, and its connection.
+#[derive(Debug, Clone)]
+pub(crate) struct Caller {
+    /// The world named outside the body (`mw-world`, or the framed head).
+    pub(crate) world: Option<String>,
+    /// The proof (`mw-auth`, or the framed head's).
+    pub(crate) proof: Option<String>,
+    /// The connection, for the table's per-client bounds.
+    pub(crate) client: ClientId,
+}
+
+impl Caller {
+    /// The caller of a gRPC request, from its metadata and connection.
+    fn of<T>(request: &Request<T>, max_name_len: usize) -> Caller {
+        let meta = request.metadata();
+        Caller {
+            world: meta
+                .get(WORLD_METADATA)
+                .and_then(|v| decode_world(v.as_bytes(), max_name_len).ok()),
+            proof: meta
+                .get(AUTH_METADATA)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string),
+            client: client_id(request.remote_addr()),
+        }
+    }
+}
+
+/// The table's name for the client behind a connection.
+pub(crate) fn client_id(remote: Option<SocketAddr>) -> ClientId {
     let mut h = DefaultHasher::new();
-    request.remote_addr().hash(&mut h);
+    remote.hash(&mut h);
     ClientId(h.finish())
 }
 
@@ -475,212 +505,345 @@ async fn wait_on(
     }
 }
 
-/// The gRPC service over the shared state.
-struct Service {
-    shared: Arc<Shared>,
-}
-
-impl Service {
+/// The store's operations, once for both fronts: each takes the caller and
+/// the decoded request and gives the response or a [`StoreError`]. The gRPC
+/// service and the framed protocol's dispatch ([`Shared::dispatch`]) only
+/// translate.
+impl Shared {
     /// Runs one non-waiting table operation and delivers what it completed.
     fn with_table<T>(
         &self,
         world: Option<pb::WorldRef>,
-        meta: &MetadataMap,
+        caller: &Caller,
         op: impl FnOnce(&mut Table) -> Result<(T, Vec<Completion<Waker>>), StoreError>,
-    ) -> Result<T, Status> {
-        let slot = self.shared.resolve(world, meta)?;
+    ) -> Result<T, StoreError> {
+        let slot = self.resolve(world, caller)?;
         let (out, done) = op(&mut slot.lock())?;
         deliver(done);
         Ok(out)
     }
 
-    async fn wait<T>(
+    async fn wait_keys(
         &self,
-        request: Request<T>,
-        world: impl FnOnce(&T) -> Option<pb::WorldRef>,
-        keys: impl FnOnce(T) -> (Vec<Bytes>, u64),
+        world: Option<pb::WorldRef>,
+        caller: &Caller,
+        keys: Vec<Bytes>,
+        timeout_ms: u64,
         want_values: bool,
-    ) -> Result<Vec<Bytes>, Status> {
-        let client = client_id(&request);
-        let slot = self
-            .shared
-            .resolve(world(request.get_ref()), request.metadata())?;
-        let (keys, timeout_ms) = keys(request.into_inner());
-        Ok(wait_on(&self.shared, &slot, client, keys, want_values, timeout_ms).await?)
+    ) -> Result<Vec<Bytes>, StoreError> {
+        let slot = self.resolve(world, caller)?;
+        wait_on(self, &slot, caller.client, keys, want_values, timeout_ms).await
+    }
+
+    fn op_open(&self, caller: &Caller, req: pb::OpenRequest) -> Result<pb::OpenResponse, StoreError> {
+        self.check_name(&req.name)?;
+        self.check_world_header(&req.name, caller)?;
+        let existing = self.worlds.get(&req.name).map(|e| Arc::clone(e.value()));
+        let generation = match existing {
+            Some(slot) => {
+                self.authenticate(&slot.name, slot.secret.as_ref(), caller)?;
+                slot.generation
+            }
+            None if req.create && self.config.allow_remote_create => {
+                let secret = self.config.remote_create_secret.clone();
+                self.authenticate(&req.name, secret.as_ref(), caller)?;
+                match self.open(&req.name, WorldOptions { secret, limits: None }) {
+                    Ok(g) => g,
+                    // Another client created it in between: attach to it.
+                    Err(StoreError::AlreadyOpen { generation, .. }) => generation,
+                    Err(e) => return Err(e),
+                }
+            }
+            None => return Err(StoreError::WorldNotFound { world: req.name }),
+        };
+        Ok(pb::OpenResponse { generation })
+    }
+
+    fn op_close(&self, caller: &Caller, req: pb::CloseRequest) -> Result<pb::CloseResponse, StoreError> {
+        let slot = self.resolve(req.world, caller)?;
+        let closed = self.close(&slot.name, Some(slot.generation));
+        Ok(pb::CloseResponse { closed })
+    }
+
+    fn op_set(&self, caller: &Caller, req: pb::SetRequest) -> Result<pb::SetResponse, StoreError> {
+        self.with_table(req.world, caller, |t| Ok(((), t.set(req.key, req.value)?)))?;
+        Ok(pb::SetResponse {})
+    }
+
+    async fn op_get(&self, caller: &Caller, req: pb::GetRequest) -> Result<pb::GetResponse, StoreError> {
+        let values = self
+            .wait_keys(req.world, caller, vec![req.key], req.timeout_ms, true)
+            .await?;
+        let value = values
+            .into_iter()
+            .next()
+            .ok_or_else(|| StoreError::Protocol("a satisfied get returned no value".into()))?;
+        Ok(pb::GetResponse { value })
+    }
+
+    fn op_try_get(&self, caller: &Caller, req: pb::TryGetRequest) -> Result<pb::TryGetResponse, StoreError> {
+        let value = self.with_table(req.world, caller, |t| Ok((t.try_get(&req.key)?, Vec::new())))?;
+        Ok(pb::TryGetResponse { value })
+    }
+
+    fn op_add(&self, caller: &Caller, req: pb::AddRequest) -> Result<pb::AddResponse, StoreError> {
+        let value = self.with_table(req.world, caller, |t| t.add(req.key, req.delta))?;
+        Ok(pb::AddResponse { value })
+    }
+
+    fn op_compare_and_set(
+        &self,
+        caller: &Caller,
+        req: pb::CompareAndSetRequest,
+    ) -> Result<pb::CompareAndSetResponse, StoreError> {
+        let outcome = self.with_table(req.world, caller, |t| {
+            t.compare_and_set(req.key, req.expected.as_deref(), req.desired)
+        })?;
+        Ok(pb::CompareAndSetResponse {
+            swapped: outcome.swapped,
+            current: outcome.current,
+        })
+    }
+
+    async fn op_wait(&self, caller: &Caller, req: pb::WaitRequest) -> Result<pb::WaitResponse, StoreError> {
+        self.wait_keys(req.world, caller, req.keys, req.timeout_ms, false)
+            .await?;
+        Ok(pb::WaitResponse {})
+    }
+
+    fn op_check(&self, caller: &Caller, req: pb::CheckRequest) -> Result<pb::CheckResponse, StoreError> {
+        let all_present = self.with_table(req.world, caller, |t| Ok((t.check(&req.keys)?, Vec::new())))?;
+        Ok(pb::CheckResponse { all_present })
+    }
+
+    fn op_delete(&self, caller: &Caller, req: pb::DeleteRequest) -> Result<pb::DeleteResponse, StoreError> {
+        let existed = self.with_table(req.world, caller, |t| Ok((t.delete(&req.key)?, Vec::new())))?;
+        Ok(pb::DeleteResponse { existed })
+    }
+
+    async fn op_multi_get(
+        &self,
+        caller: &Caller,
+        req: pb::MultiGetRequest,
+    ) -> Result<pb::MultiGetResponse, StoreError> {
+        let values = self
+            .wait_keys(req.world, caller, req.keys, req.timeout_ms, true)
+            .await?;
+        Ok(pb::MultiGetResponse { values })
+    }
+
+    fn op_multi_set(
+        &self,
+        caller: &Caller,
+        req: pb::MultiSetRequest,
+    ) -> Result<pb::MultiSetResponse, StoreError> {
+        let entries = req.entries.into_iter().map(|kv| (kv.key, kv.value)).collect();
+        self.with_table(req.world, caller, |t| Ok(((), t.multi_set(entries)?)))?;
+        Ok(pb::MultiSetResponse {})
+    }
+
+    fn op_append(&self, caller: &Caller, req: pb::AppendRequest) -> Result<pb::AppendResponse, StoreError> {
+        let length = self.with_table(req.world, caller, |t| t.append(req.key, &req.value))?;
+        Ok(pb::AppendResponse {
+            length: length as u64,
+        })
+    }
+
+    fn op_num_keys(
+        &self,
+        caller: &Caller,
+        req: pb::NumKeysRequest,
+    ) -> Result<pb::NumKeysResponse, StoreError> {
+        let count = self.with_table(req.world, caller, |t| Ok((t.num_keys()?, Vec::new())))?;
+        Ok(pb::NumKeysResponse { count: count as u64 })
+    }
+
+    fn op_ping(&self, caller: &Caller, req: pb::PingRequest) -> Result<pb::PingResponse, StoreError> {
+        if req.world.is_some() {
+            self.resolve(req.world, caller)?;
+        }
+        let server_time_us = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_micros() as u64);
+        Ok(pb::PingResponse { server_time_us })
+    }
+
+    /// Runs one request of the framed protocol: decodes `message` as the
+    /// method's request (then gives back its memory reservation, as the
+    /// gRPC path does once the handler has the decoded message), runs it,
+    /// and encodes the reply frame for request `id`.
+    pub(crate) async fn dispatch(
+        &self,
+        id: u32,
+        method: Method,
+        caller: &Caller,
+        message: Bytes,
+        reservation: Option<Reservation>,
+    ) -> Bytes {
+        fn decode<Q: prost::Message + Default>(
+            message: Bytes,
+            held: Option<Reservation>,
+        ) -> Result<Q, StoreError> {
+            let decoded = Q::decode(message)
+                .map_err(|e| StoreError::InvalidArgument(format!("undecodable request: {e}")));
+            drop(held);
+            decoded
+        }
+        fn reply<R: prost::Message>(id: u32, result: Result<R, StoreError>) -> Bytes {
+            match result {
+                Ok(r) => framed::encode_reply(id, &r),
+                Err(e) => framed::encode_error(id, e),
+            }
+        }
+        let held = reservation;
+        macro_rules! run {
+            ($op:ident) => {
+                match decode(message, held) {
+                    Ok(req) => reply(id, self.$op(caller, req)),
+                    Err(e) => framed::encode_error(id, e),
+                }
+            };
+            (await $op:ident) => {
+                match decode(message, held) {
+                    Ok(req) => reply(id, self.$op(caller, req).await),
+                    Err(e) => framed::encode_error(id, e),
+                }
+            };
+        }
+        match method {
+            Method::Open => run!(op_open),
+            Method::Close => run!(op_close),
+            Method::Set => run!(op_set),
+            Method::Get => run!(await op_get),
+            Method::TryGet => run!(op_try_get),
+            Method::Add => run!(op_add),
+            Method::CompareAndSet => run!(op_compare_and_set),
+            Method::Wait => run!(await op_wait),
+            Method::Check => run!(op_check),
+            Method::Delete => run!(op_delete),
+            Method::MultiGet => run!(await op_multi_get),
+            Method::MultiSet => run!(op_multi_set),
+            Method::Append => run!(op_append),
+            Method::NumKeys => run!(op_num_keys),
+            Method::Ping => run!(op_ping),
+        }
     }
 }
 
-fn ok<T>(value: T) -> Result<Response<T>, Status> {
-    Ok(Response::new(value))
+/// The gRPC service over the shared state: each method takes its caller from
+/// the request's metadata, gives back the request's memory reservation (it
+/// travels in the extensions, dropped with them here) and runs the operation.
+struct Service {
+    shared: Arc<Shared>,
+}
+
+impl Service {
+    fn take<T>(&self, request: Request<T>) -> (Caller, T) {
+        let caller = Caller::of(&request, self.shared.config.max_name_len);
+        (caller, request.into_inner())
+    }
+}
+
+fn answer<T>(result: Result<T, StoreError>) -> Result<Response<T>, Status> {
+    result.map(Response::new).map_err(Status::from)
 }
 
 #[tonic::async_trait]
 impl store_server::Store for Service {
     async fn open(&self, request: Request<pb::OpenRequest>) -> Result<Response<pb::OpenResponse>, Status> {
-        let shared = &self.shared;
-        let req = request.get_ref();
-        shared.check_name(&req.name)?;
-        shared.check_world_header(&req.name, request.metadata())?;
-        let existing = shared.worlds.get(&req.name).map(|e| Arc::clone(e.value()));
-        let generation = match existing {
-            Some(slot) => {
-                shared.authenticate(&slot.name, slot.secret.as_ref(), request.metadata())?;
-                slot.generation
-            }
-            None if req.create && shared.config.allow_remote_create => {
-                let secret = shared.config.remote_create_secret.clone();
-                shared.authenticate(&req.name, secret.as_ref(), request.metadata())?;
-                match shared.open(&req.name, WorldOptions { secret, limits: None }) {
-                    Ok(g) => g,
-                    // Another client created it in between: attach to it.
-                    Err(StoreError::AlreadyOpen { generation, .. }) => generation,
-                    Err(e) => return Err(e.into()),
-                }
-            }
-            None => {
-                return Err(StoreError::WorldNotFound {
-                    world: req.name.clone(),
-                }
-                .into());
-            }
-        };
-        ok(pb::OpenResponse { generation })
+        let (caller, req) = self.take(request);
+        answer(self.shared.op_open(&caller, req))
     }
 
     async fn close(&self, request: Request<pb::CloseRequest>) -> Result<Response<pb::CloseResponse>, Status> {
-        let world = request.get_ref().world.clone();
-        let slot = self.shared.resolve(world, request.metadata())?;
-        let closed = self.shared.close(&slot.name, Some(slot.generation));
-        ok(pb::CloseResponse { closed })
+        let (caller, req) = self.take(request);
+        answer(self.shared.op_close(&caller, req))
     }
 
     async fn set(&self, request: Request<pb::SetRequest>) -> Result<Response<pb::SetResponse>, Status> {
-        let (meta, _, req) = request.into_parts();
-        self.with_table(req.world, &meta, |t| Ok(((), t.set(req.key, req.value)?)))?;
-        ok(pb::SetResponse {})
+        let (caller, req) = self.take(request);
+        answer(self.shared.op_set(&caller, req))
     }
 
     async fn get(&self, request: Request<pb::GetRequest>) -> Result<Response<pb::GetResponse>, Status> {
-        let values = self
-            .wait(
-                request,
-                |r| r.world.clone(),
-                |r| (vec![r.key], r.timeout_ms),
-                true,
-            )
-            .await?;
-        let value = values
-            .into_iter()
-            .next()
-            .ok_or_else(|| Status::internal("a satisfied get returned no value"))?;
-        ok(pb::GetResponse { value })
+        let (caller, req) = self.take(request);
+        answer(self.shared.op_get(&caller, req).await)
     }
 
     async fn try_get(
         &self,
         request: Request<pb::TryGetRequest>,
     ) -> Result<Response<pb::TryGetResponse>, Status> {
-        let (meta, _, req) = request.into_parts();
-        let value = self.with_table(req.world, &meta, |t| Ok((t.try_get(&req.key)?, Vec::new())))?;
-        ok(pb::TryGetResponse { value })
+        let (caller, req) = self.take(request);
+        answer(self.shared.op_try_get(&caller, req))
     }
 
     async fn add(&self, request: Request<pb::AddRequest>) -> Result<Response<pb::AddResponse>, Status> {
-        let (meta, _, req) = request.into_parts();
-        let value = self.with_table(req.world, &meta, |t| t.add(req.key, req.delta))?;
-        ok(pb::AddResponse { value })
+        let (caller, req) = self.take(request);
+        answer(self.shared.op_add(&caller, req))
     }
 
     async fn compare_and_set(
         &self,
         request: Request<pb::CompareAndSetRequest>,
     ) -> Result<Response<pb::CompareAndSetResponse>, Status> {
-        let (meta, _, req) = request.into_parts();
-        let outcome = self.with_table(req.world, &meta, |t| {
-            t.compare_and_set(req.key, req.expected.as_deref(), req.desired)
-        })?;
-        ok(pb::CompareAndSetResponse {
-            swapped: outcome.swapped,
-            current: outcome.current,
-        })
+        let (caller, req) = self.take(request);
+        answer(self.shared.op_compare_and_set(&caller, req))
     }
 
     async fn wait(&self, request: Request<pb::WaitRequest>) -> Result<Response<pb::WaitResponse>, Status> {
-        Service::wait(
-            self,
-            request,
-            |r| r.world.clone(),
-            |r| (r.keys, r.timeout_ms),
-            false,
-        )
-        .await?;
-        ok(pb::WaitResponse {})
+        let (caller, req) = self.take(request);
+        answer(self.shared.op_wait(&caller, req).await)
     }
 
     async fn check(&self, request: Request<pb::CheckRequest>) -> Result<Response<pb::CheckResponse>, Status> {
-        let (meta, _, req) = request.into_parts();
-        let all_present = self.with_table(req.world, &meta, |t| Ok((t.check(&req.keys)?, Vec::new())))?;
-        ok(pb::CheckResponse { all_present })
+        let (caller, req) = self.take(request);
+        answer(self.shared.op_check(&caller, req))
     }
 
     async fn delete(
         &self,
         request: Request<pb::DeleteRequest>,
     ) -> Result<Response<pb::DeleteResponse>, Status> {
-        let (meta, _, req) = request.into_parts();
-        let existed = self.with_table(req.world, &meta, |t| Ok((t.delete(&req.key)?, Vec::new())))?;
-        ok(pb::DeleteResponse { existed })
+        let (caller, req) = self.take(request);
+        answer(self.shared.op_delete(&caller, req))
     }
 
     async fn multi_get(
         &self,
         request: Request<pb::MultiGetRequest>,
     ) -> Result<Response<pb::MultiGetResponse>, Status> {
-        let values = self
-            .wait(request, |r| r.world.clone(), |r| (r.keys, r.timeout_ms), true)
-            .await?;
-        ok(pb::MultiGetResponse { values })
+        let (caller, req) = self.take(request);
+        answer(self.shared.op_multi_get(&caller, req).await)
     }
 
     async fn multi_set(
         &self,
         request: Request<pb::MultiSetRequest>,
     ) -> Result<Response<pb::MultiSetResponse>, Status> {
-        let (meta, _, req) = request.into_parts();
-        let entries = req.entries.into_iter().map(|kv| (kv.key, kv.value)).collect();
-        self.with_table(req.world, &meta, |t| Ok(((), t.multi_set(entries)?)))?;
-        ok(pb::MultiSetResponse {})
+        let (caller, req) = self.take(request);
+        answer(self.shared.op_multi_set(&caller, req))
     }
 
     async fn append(
         &self,
         request: Request<pb::AppendRequest>,
     ) -> Result<Response<pb::AppendResponse>, Status> {
-        let (meta, _, req) = request.into_parts();
-        let length = self.with_table(req.world, &meta, |t| t.append(req.key, &req.value))?;
-        ok(pb::AppendResponse {
-            length: length as u64,
-        })
+        let (caller, req) = self.take(request);
+        answer(self.shared.op_append(&caller, req))
     }
 
     async fn num_keys(
         &self,
         request: Request<pb::NumKeysRequest>,
     ) -> Result<Response<pb::NumKeysResponse>, Status> {
-        let (meta, _, req) = request.into_parts();
-        let count = self.with_table(req.world, &meta, |t| Ok((t.num_keys()?, Vec::new())))?;
-        ok(pb::NumKeysResponse { count: count as u64 })
+        let (caller, req) = self.take(request);
+        answer(self.shared.op_num_keys(&caller, req))
     }
 
     async fn ping(&self, request: Request<pb::PingRequest>) -> Result<Response<pb::PingResponse>, Status> {
-        let (meta, _, req) = request.into_parts();
-        if req.world.is_some() {
-            self.shared.resolve(req.world, &meta)?;
-        }
-        let server_time_us = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_micros() as u64);
-        ok(pb::PingResponse { server_time_us })
+        let (caller, req) = self.take(request);
+        answer(self.shared.op_ping(&caller, req))
     }
 }
 

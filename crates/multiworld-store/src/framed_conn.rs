@@ -1,0 +1,392 @@
+//! The client's connection in the framed protocol (codec in
+//! [`crate::framed`]), the default.
+//!
+//! A call is written by the caller's own task, under the connection's writer
+//! lock, as one frame in one write; its answer is read by the connection's
+//! driver task and handed over through a oneshot channel. The driver never
+//! waits on the writer lock to go on reading (its pongs, pings and cancels
+//! go out from a branch of their own), so two large frames crossing cannot
+//! stop both ends. What the HTTP/2
+//! connection ([`crate::conn`]) gives is kept: TCP_NODELAY, keepalive pings
+//! (a frozen server fails the calls), replies bounded before allocation, a
+//! dropped call tells the server (a `Cancel` frame, so the server forgets
+//! the wait), a dead connection fails every call on it at once, and the next
+//! call after that dials again.
+
+use std::{
+    collections::HashMap,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU32, Ordering},
+    },
+};
+
+use bytes::{Buf, Bytes, BytesMut};
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::{TcpStream, tcp::OwnedReadHalf},
+    sync::{mpsc, oneshot, watch},
+};
+use tokio_util::sync::CancellationToken;
+use tonic::Status;
+
+use crate::{
+    conn::ConnSettings,
+    framed::{
+        self, Counted, HEADER, Kind, MAX_BODY, MAX_ERROR_BODY, Method, Out, PREFACE, keepalive, read_message,
+    },
+};
+
+/// What a call gets back: the reply's message, or the status of an error
+/// frame or of the connection's end.
+type Answer = Result<Bytes, Status>;
+
+#[derive(Default)]
+struct Calls {
+    waiting: HashMap<u32, oneshot::Sender<Answer>>,
+    /// Why the connection ended, once it has.
+    ended: Option<String>,
+}
+
+/// One live connection.
+struct Link {
+    /// Which dial made it (the first is 0).
+    dial: u64,
+    out: Out,
+    calls: Mutex<Calls>,
+    next_id: AtomicU32,
+    gone: CancellationToken,
+    /// Control frames (cancels, pongs, pings) for the driver to write.
+    control: mpsc::UnboundedSender<[u8; HEADER]>,
+}
+
+impl Link {
+    fn calls(&self) -> std::sync::MutexGuard<'_, Calls> {
+        self.calls.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Ends the connection: every call on it fails with `why`.
+    fn end(&self, why: String) {
+        let waiting = {
+            let mut calls = self.calls();
+            if calls.ended.is_none() {
+                calls.ended = Some(why.clone());
+            }
+            std::mem::take(&mut calls.waiting)
+        };
+        for (_, tx) in waiting {
+            let _ = tx.send(Err(Status::unavailable(why.clone())));
+        }
+        self.gone.cancel();
+    }
+}
+
+/// A call in progress. Dropped before its answer, it leaves the table of
+/// calls; if its request went out, it tells the server (`Cancel`); if it was
+/// dropped halfway through writing its request, it ends the connection,
+/// whose stream could not be read past a partial frame.
+struct Call<'a> {
+    link: &'a Link,
+    id: u32,
+    state: CallState,
+}
+
+#[derive(PartialEq, Eq)]
+enum CallState {
+    /// Waiting for the writer lock: nothing sent yet.
+    Queued,
+    Writing,
+    Sent,
+    Answered,
+}
+
+impl Drop for Call<'_> {
+    fn drop(&mut self) {
+        match self.state {
+            CallState::Answered => {}
+            CallState::Queued => {
+                self.link.calls().waiting.remove(&self.id);
+            }
+            CallState::Sent => {
+                if self.link.calls().waiting.remove(&self.id).is_some() {
+                    let _ = self.link.control.send(framed::control(Kind::Cancel, self.id));
+                }
+            }
+            CallState::Writing => self
+                .link
+                .end("a call was abandoned halfway through writing its request".into()),
+        }
+    }
+}
+
+struct Inner {
+    addr: Arc<str>,
+    settings: ConnSettings,
+    max_reply: usize,
+    current: Mutex<Option<Arc<Link>>>,
+    /// Held while dialing again, so that callers finding the connection
+    /// gone together make one new connection, not one each.
+    dialing: tokio::sync::Mutex<u64>,
+}
+
+/// A client connection in the framed protocol. Cheap to clone; clones share
+/// the connection.
+#[derive(Clone)]
+pub(crate) struct FramedConn {
+    inner: Arc<Inner>,
+}
+
+impl FramedConn {
+    /// Dials `addr` (`host:port`) and sends the preface.
+    pub(crate) async fn connect(
+        addr: Arc<str>,
+        settings: ConnSettings,
+        max_reply: usize,
+    ) -> Result<FramedConn, String> {
+        let link = dial(&addr, &settings, max_reply, 0).await?;
+        Ok(FramedConn {
+            inner: Arc::new(Inner {
+                addr,
+                settings,
+                max_reply,
+                current: Mutex::new(Some(link)),
+                dialing: tokio::sync::Mutex::new(0),
+            }),
+        })
+    }
+
+    fn current(&self) -> Option<Arc<Link>> {
+        self.inner
+            .current
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// The live connection, or a new one if it has gone (one attempt; the
+    /// call's own deadline bounds it).
+    async fn ready(&self) -> Result<Arc<Link>, Status> {
+        let seen = self.current();
+        if let Some(link) = &seen
+            && !link.gone.is_cancelled()
+        {
+            return Ok(Arc::clone(link));
+        }
+        let mut dials = self.inner.dialing.lock().await;
+        // Another caller may have dialed while this one waited.
+        if let Some(link) = self.current()
+            && seen.as_ref().is_none_or(|s| s.dial != link.dial)
+            && !link.gone.is_cancelled()
+        {
+            return Ok(link);
+        }
+        *dials += 1;
+        let link = dial(
+            &self.inner.addr,
+            &self.inner.settings,
+            self.inner.max_reply,
+            *dials,
+        )
+        .await
+        .map_err(Status::unavailable)?;
+        *self.inner.current.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::clone(&link));
+        Ok(link)
+    }
+
+    /// Sends one request and waits for its answer.
+    pub(crate) async fn call(
+        &self,
+        method: Method,
+        world: &str,
+        proof: Option<&str>,
+        message: &impl prost::Message,
+    ) -> Answer {
+        let link = self.ready().await?;
+        let (tx, rx) = oneshot::channel();
+        let id = {
+            let mut calls = link.calls();
+            if let Some(why) = &calls.ended {
+                return Err(Status::unavailable(why.clone()));
+            }
+            // Ids wrap after 2^32 calls: skip one still in use.
+            let mut id = link.next_id.fetch_add(1, Ordering::Relaxed);
+            while calls.waiting.contains_key(&id) {
+                id = link.next_id.fetch_add(1, Ordering::Relaxed);
+            }
+            calls.waiting.insert(id, tx);
+            id
+        };
+        let mut call = Call {
+            link: &link,
+            id,
+            state: CallState::Queued,
+        };
+        let frame = framed::encode_request(id, method, world, proof, message);
+        let mut out = link.out.lock().await;
+        call.state = CallState::Writing;
+        let written = out.write_all(&frame).await;
+        drop(out);
+        call.state = CallState::Sent;
+        if let Err(e) = written {
+            link.end(format!("write: {e}"));
+        }
+        let answer = rx
+            .await
+            .unwrap_or_else(|_| Err(Status::unavailable("the store connection ended")));
+        call.state = CallState::Answered;
+        answer
+    }
+}
+
+async fn dial(addr: &str, settings: &ConnSettings, max_reply: usize, dial: u64) -> Result<Arc<Link>, String> {
+    let mut tcp = TcpStream::connect(addr)
+        .await
+        .map_err(|e| format!("connect: {e}"))?;
+    tcp.set_nodelay(true).map_err(|e| format!("TCP_NODELAY: {e}"))?;
+    tcp.write_all(&PREFACE)
+        .await
+        .map_err(|e| format!("preface: {e}"))?;
+    let (rd, wr) = tcp.into_split();
+    let (control, controls) = mpsc::unbounded_channel();
+    let link = Arc::new(Link {
+        dial,
+        out: Out::new(wr),
+        calls: Mutex::new(Calls::default()),
+        next_id: AtomicU32::new(1),
+        gone: CancellationToken::new(),
+        control,
+    });
+    tokio::spawn(drive(
+        Arc::clone(&link),
+        rd,
+        controls,
+        settings.clone(),
+        max_reply,
+    ));
+    Ok(link)
+}
+
+/// Reads the connection's answers and writes its control frames (cancels,
+/// pongs, pings), each on a branch of its own; when any of them or the
+/// keepalive ends, so does the connection and every call on it.
+async fn drive(
+    link: Arc<Link>,
+    rd: OwnedReadHalf,
+    mut controls: mpsc::UnboundedReceiver<[u8; HEADER]>,
+    settings: ConnSettings,
+    max_reply: usize,
+) {
+    let (rd, read) = Counted::new(rd);
+    let (pong_tx, pong_rx) = watch::channel(0u32);
+    let write_controls = async {
+        while let Some(frame) = controls.recv().await {
+            if let Err(e) = link.out.send(&frame).await {
+                return format!("write: {e}");
+            }
+        }
+        // The link itself holds a sender, so this is not reached while it lives.
+        "no more control frames".to_string()
+    };
+    let ping = |seq| {
+        let sent = link.control.send(framed::control(Kind::Ping, seq)).is_ok();
+        std::future::ready(sent)
+    };
+    let why = tokio::select! {
+        why = read_answers(&link, rd, max_reply, &pong_tx) => why,
+        why = keepalive(ping, pong_rx, &read, settings.keepalive_interval, settings.keepalive_timeout) => why,
+        why = write_controls => why,
+        _ = link.gone.cancelled() => "closed by a call".into(),
+    };
+    tracing::debug!(why, "store connection ended");
+    link.end(why);
+}
+
+async fn read_answers(
+    link: &Link,
+    mut rd: Counted<OwnedReadHalf>,
+    max_reply: usize,
+    pongs: &watch::Sender<u32>,
+) -> String {
+    let mut buf = BytesMut::with_capacity(framed::READ_CHUNK);
+    loop {
+        while buf.len() < HEADER {
+            buf.reserve(framed::READ_CHUNK);
+            match rd.read_buf(&mut buf).await {
+                Ok(0) if buf.is_empty() => return "the server closed the connection".into(),
+                Ok(0) => return "the server closed the connection in the middle of a frame".into(),
+                Ok(_) => {}
+                Err(e) => return format!("read: {e}"),
+            }
+        }
+        let mut header = [0u8; HEADER];
+        header.copy_from_slice(&buf[..HEADER]);
+        buf.advance(HEADER);
+        let h = match framed::decode_header(&header, MAX_BODY) {
+            Ok(h) => h,
+            Err(e) => return format!("a bad frame from the server: {e}"),
+        };
+        let answer = match h.kind {
+            Kind::Ping => {
+                // Never waits for the writer: the reading goes on.
+                let _ = link.control.send(framed::control(Kind::Pong, h.id));
+                continue;
+            }
+            Kind::Pong => {
+                pongs.send_replace(h.id);
+                continue;
+            }
+            Kind::Reply if h.len > max_reply => {
+                // Over this client's bound: that call fails, typed as the
+                // gRPC codec's bound is, and the connection goes on.
+                if let Err(e) = skip(&mut rd, &mut buf, h.len).await {
+                    return e;
+                }
+                Err(Status::out_of_range(format!(
+                    "message length too large: found {} bytes, the limit is: {max_reply} bytes",
+                    h.len
+                )))
+            }
+            Kind::Reply => match read_message(&mut rd, &mut buf, h.len, None).await {
+                Ok(body) => Ok(body),
+                Err(e) => return e,
+            },
+            Kind::Error if h.len > MAX_ERROR_BODY => {
+                return format!("a {}-byte error frame from the server", h.len);
+            }
+            Kind::Error => {
+                let body = match read_message(&mut rd, &mut buf, h.len, None).await {
+                    Ok(body) => body,
+                    Err(e) => return e,
+                };
+                match framed::decode_error(&body) {
+                    Ok(status) => Err(status),
+                    Err(e) => return format!("a bad error frame from the server: {e}"),
+                }
+            }
+            Kind::Request | Kind::Cancel => return format!("the server sent a {:?} frame", h.kind),
+        };
+        // Absent when the call was abandoned: nothing to do.
+        let waiting = link.calls().waiting.remove(&h.id);
+        if let Some(tx) = waiting {
+            let _ = tx.send(answer);
+        }
+    }
+}
+
+/// Reads and drops `n` bytes (what `buf` holds of them first).
+async fn skip(rd: &mut Counted<OwnedReadHalf>, buf: &mut BytesMut, mut n: usize) -> Result<(), String> {
+    loop {
+        let held = n.min(buf.len());
+        buf.advance(held);
+        n -= held;
+        if n == 0 {
+            return Ok(());
+        }
+        buf.reserve(framed::READ_CHUNK);
+        match rd.read_buf(buf).await {
+            Ok(0) => return Err("the server closed the connection in the middle of a frame".into()),
+            Ok(_) => {}
+            Err(e) => return Err(format!("read: {e}")),
+        }
+    }
+}

@@ -1,0 +1,449 @@
+//! One connection of the framed protocol (codec in [`crate::framed`]): its
+//! reader, its replies, its keepalive and its deadlines, under the same
+//! bounds as an HTTP/2 connection.
+//!
+//! The reader takes one frame at a time. A request is judged by the gate
+//! from its head (method, world, proof) before its message is read; a
+//! refused one is answered and its message skipped without being kept. An
+//! admitted message is read only after its memory is reserved from the
+//! server's budget, within `request_body_timeout`. Requests that cannot
+//! wait run on the reader itself and answer at once; waits (`Get`, `Wait`,
+//! `MultiGet`) run on their own tasks, so the connection goes on reading,
+//! and a `Cancel` frame or the end of the connection drops them (and their
+//! waiters). Replies of all of them go out through one writer lock. The
+//! server pings every `keepalive_interval` and closes a connection whose
+//! pong is `keepalive_timeout` late, which also releases the waits of a
+//! client that froze.
+
+use std::{
+    collections::HashMap,
+    net::SocketAddr,
+    sync::{Arc, Mutex},
+};
+
+use bytes::{Buf, BytesMut};
+use tokio::{
+    io::{AsyncRead, AsyncReadExt},
+    net::TcpStream,
+    sync::watch,
+    task::AbortHandle,
+    time::Instant,
+};
+use tokio_util::{sync::CancellationToken, task::TaskTracker};
+
+use super::{CLOSE_GRACE, Conn, InFlight, Unauthenticated, log_limited};
+use crate::{
+    error::{Limit, StoreError},
+    framed::{
+        self, Counted, HEADER, Head, Kind, MAX_PROOF_LEN, Method, Out, PREFACE, READ_CHUNK, keepalive,
+        read_message,
+    },
+    gate::{self, Verdict, WorldState},
+    limits::over,
+    server::{Caller, Shared, client_id},
+};
+
+/// The waits running on their own tasks, by request id, until they start
+/// writing their answer.
+#[derive(Default)]
+struct Waits {
+    running: Mutex<HashMap<u32, AbortHandle>>,
+    /// Every wait task, answering or not: the connection ends only when all
+    /// have.
+    tracker: TaskTracker,
+    /// Cancelled when the connection ends: an answer still being written
+    /// (to a client that stopped reading) is given up.
+    closed: CancellationToken,
+}
+
+impl Waits {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u32, AbortHandle>> {
+        self.running.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn cancel(&self, id: u32) {
+        if let Some(task) = self.lock().remove(&id) {
+            task.abort();
+        }
+    }
+
+    /// Drops every wait (their waiters leave the table) and every answer
+    /// being written, and waits until all their tasks have ended.
+    async fn end(&self) {
+        self.closed.cancel();
+        for (_, task) in self.lock().drain() {
+            task.abort();
+        }
+        self.tracker.close();
+        self.tracker.wait().await;
+    }
+}
+
+/// Why a connection ends early.
+type Closed = String;
+
+/// Serves one framed connection until the client leaves, a bound or a
+/// deadline closes it, or the server stops.
+pub(super) async fn serve(
+    stream: TcpStream,
+    remote: SocketAddr,
+    conn: Arc<Conn>,
+    shared: &Arc<Shared>,
+    stop: CancellationToken,
+    kill: CancellationToken,
+) {
+    let config = &shared.config;
+    let (rd, wr) = stream.into_split();
+    let (rd, read) = Counted::new(rd);
+    let out = Arc::new(Out::new(wr));
+    let waits = Arc::new(Waits::default());
+    let (pong_tx, pong_rx) = watch::channel(0u32);
+    let reader = Reader {
+        shared,
+        conn: &conn,
+        out: &out,
+        waits: &waits,
+        pongs: &pong_tx,
+        client: client_id(Some(remote)),
+        buf: BytesMut::with_capacity(READ_CHUNK),
+        stop: &stop,
+    };
+    let ping = |seq| {
+        let out = Arc::clone(&out);
+        async move { out.send(&framed::control(Kind::Ping, seq)).await.is_ok() }
+    };
+    let alive = keepalive(
+        ping,
+        pong_rx,
+        &read,
+        config.keepalive_interval,
+        config.keepalive_timeout,
+    );
+    let why = tokio::select! {
+        r = reader.run(rd) => match r {
+            // The server stopped: the reader ended at a frame boundary,
+            // after the request it was running, and the waits (which end at
+            // once, their worlds closed) may still answer within the grace.
+            Ok(()) if stop.is_cancelled() => {
+                waits.tracker.close();
+                tokio::select! {
+                    _ = waits.tracker.wait() => None,
+                    _ = tokio::time::sleep(CLOSE_GRACE) => Some("waits still answering at the end of the grace".into()),
+                    _ = kill.cancelled() => Some("the server was killed".into()),
+                }
+            }
+            // The client left.
+            Ok(()) => None,
+            Err(why) => Some(why),
+        },
+        why = alive => Some(why),
+        why = deadlines(&conn, shared) => Some(why),
+        _ = kill.cancelled() => Some("the server was killed".into()),
+    };
+    if let Some(why) = why {
+        tracing::debug!(%remote, why, "store connection closed");
+    }
+    // A wait whose connection is gone has no one to answer: dropping it
+    // removes its waiter from the table.
+    waits.end().await;
+}
+
+/// Ends when the connection is evicted, sent no request within
+/// `first_request_timeout`, or had none in flight for `idle_timeout`.
+async fn deadlines(conn: &Conn, shared: &Shared) -> Closed {
+    let config = &shared.config;
+    loop {
+        let check = conn.next_check(config);
+        tokio::select! {
+            _ = conn.changed.notified() => {}
+            _ = tokio::time::sleep_until(check) => {}
+        }
+        if conn.evicted.load(std::sync::atomic::Ordering::Acquire) {
+            return "evicted to make room".into();
+        }
+        if let Some(why) = conn.expired(Instant::now(), config) {
+            return why.into();
+        }
+    }
+}
+
+struct Reader<'a> {
+    shared: &'a Arc<Shared>,
+    conn: &'a Arc<Conn>,
+    out: &'a Arc<Out>,
+    waits: &'a Arc<Waits>,
+    pongs: &'a watch::Sender<u32>,
+    client: crate::table::ClientId,
+    /// Bytes read and not yet taken.
+    buf: BytesMut,
+    /// The server's stop: the reader ends at the next frame boundary.
+    stop: &'a CancellationToken,
+}
+
+impl Reader<'_> {
+    async fn run(mut self, mut rd: impl AsyncRead + Unpin) -> Result<(), Closed> {
+        let mut preface = [0u8; PREFACE.len()];
+        rd.read_exact(&mut preface)
+            .await
+            .map_err(|e| format!("no preface: {e}"))?;
+        if preface != PREFACE {
+            return Err("not a framed store client".into());
+        }
+        let config = &self.shared.config;
+        // The longest head (method, two lengths, a name, a proof) and message.
+        let max_body = (5 + config.max_name_len + MAX_PROOF_LEN).saturating_add(config.max_message_bytes);
+        loop {
+            if self.buf.is_empty() {
+                // Between frames: the only place the server's stop ends the
+                // reader, so no request is cut in half.
+                tokio::select! {
+                    _ = self.stop.cancelled() => return Ok(()),
+                    more = self.fill(&mut rd, 1, None) => if !more? {
+                        return Ok(());
+                    },
+                }
+            }
+            if !self.fill(&mut rd, HEADER, None).await? {
+                return Ok(());
+            }
+            let mut header = [0u8; HEADER];
+            header.copy_from_slice(&self.buf[..HEADER]);
+            self.buf.advance(HEADER);
+            let h = framed::decode_header(&header, max_body)?;
+            match h.kind {
+                Kind::Ping => self
+                    .out
+                    .send(&framed::control(Kind::Pong, h.id))
+                    .await
+                    .map_err(|e| format!("write: {e}"))?,
+                Kind::Pong => {
+                    self.pongs.send_replace(h.id);
+                }
+                Kind::Cancel => self.waits.cancel(h.id),
+                Kind::Request => self.request(&mut rd, h.id, h.len).await?,
+                Kind::Reply | Kind::Error => return Err(format!("a client sent a {:?} frame", h.kind)),
+            }
+        }
+    }
+
+    /// Reads until at least `n` bytes are held; `false` at a clean end of
+    /// stream before any byte of a frame. `deadline` bounds a frame's rest.
+    async fn fill(
+        &mut self,
+        rd: &mut (impl AsyncRead + Unpin),
+        n: usize,
+        deadline: Option<Instant>,
+    ) -> Result<bool, Closed> {
+        while self.buf.len() < n {
+            self.buf.reserve(READ_CHUNK);
+            let read = rd.read_buf(&mut self.buf);
+            let got = match deadline {
+                Some(d) => tokio::time::timeout_at(d, read)
+                    .await
+                    .map_err(|_| "a frame's rest did not arrive within request_body_timeout".to_string())?,
+                None => read.await,
+            }
+            .map_err(|e| format!("read: {e}"))?;
+            if got == 0 {
+                if self.buf.is_empty() && deadline.is_none() {
+                    return Ok(false);
+                }
+                return Err("the client closed the connection in the middle of a frame".into());
+            }
+        }
+        Ok(true)
+    }
+
+    /// Reads and drops `n` bytes of a refused request.
+    async fn skip(
+        &mut self,
+        rd: &mut (impl AsyncRead + Unpin),
+        mut n: usize,
+        deadline: Instant,
+    ) -> Result<(), Closed> {
+        loop {
+            let held = n.min(self.buf.len());
+            self.buf.advance(held);
+            n -= held;
+            if n == 0 {
+                return Ok(());
+            }
+            self.fill(rd, 1, Some(deadline)).await?;
+        }
+    }
+
+    async fn answer(&self, frame: &[u8]) -> Result<(), Closed> {
+        self.out.send(frame).await.map_err(|e| format!("write: {e}"))
+    }
+
+    async fn refuse(
+        &mut self,
+        rd: &mut (impl AsyncRead + Unpin),
+        id: u32,
+        err: StoreError,
+        rest: usize,
+        deadline: Instant,
+    ) -> Result<(), Closed> {
+        self.shared
+            .refused_requests
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if matches!(err, StoreError::Unauthenticated { .. }) {
+            log_limited(
+                &self.shared.auth_log,
+                "refused unauthenticated store requests",
+                &err,
+            );
+        }
+        self.answer(&framed::encode_error(id, err)).await?;
+        self.skip(rd, rest, deadline).await
+    }
+
+    async fn request(
+        &mut self,
+        rd: &mut (impl AsyncRead + Unpin),
+        id: u32,
+        len: usize,
+    ) -> Result<(), Closed> {
+        let in_flight = InFlight::begin(self.conn);
+        let shared = Arc::clone(self.shared);
+        let config = &shared.config;
+        let deadline = Instant::now() + config.request_body_timeout;
+        let head = loop {
+            let held = self.buf.len().min(len);
+            match framed::decode_request_head(&self.buf[..held], len, config.max_name_len)? {
+                Head::Need(n) => {
+                    self.fill(rd, n, Some(deadline)).await?;
+                }
+                Head::Done(head) => break head,
+                Head::Bad(why) => {
+                    let rest = len - self.buf.len().min(len);
+                    let held = self.buf.len().min(len);
+                    self.buf.advance(held);
+                    return self
+                        .refuse(rd, id, StoreError::InvalidArgument(why), rest, deadline)
+                        .await;
+                }
+            }
+        };
+        self.buf.advance(head.len);
+        let rest = len - head.len;
+        let Some(method) = Method::from_u8(head.method) else {
+            let err = StoreError::InvalidArgument(format!("unknown method {}", head.method));
+            return self.refuse(rd, id, err, rest, deadline).await;
+        };
+        let slot = head
+            .world
+            .as_deref()
+            .and_then(|w| shared.worlds.get(w).map(|e| Arc::clone(e.value())));
+        let state = match &slot {
+            Some(slot) => WorldState::Open(slot.secret.as_ref()),
+            None => WorldState::Missing,
+        };
+        let verdict = gate::judge(
+            method.name(),
+            head.world.as_deref(),
+            head.proof.as_deref(),
+            state,
+            config.remote_create_secret.as_ref(),
+        );
+        drop(slot);
+        let small = method == Method::Open || head.world.is_none();
+        let mut unauthenticated = None;
+        match verdict {
+            Verdict::Refuse(err) => return self.refuse(rd, id, err, rest, deadline).await,
+            Verdict::PreAuth => {
+                let n = self
+                    .conn
+                    .unauthenticated
+                    .fetch_add(1, std::sync::atomic::Ordering::AcqRel)
+                    + 1;
+                unauthenticated = Some(Unauthenticated(Arc::clone(self.conn)));
+                if let Err(err) = over(
+                    Limit::UnauthenticatedStreams,
+                    config.max_unauthenticated_streams,
+                    n,
+                ) {
+                    return self.refuse(rd, id, err, rest, deadline).await;
+                }
+            }
+            Verdict::Admit => {}
+        }
+        let bound = if small {
+            config.max_unauthenticated_body_bytes
+        } else {
+            config.max_message_bytes
+        };
+        if let Err(err) = over(Limit::MessageBytes, bound, rest) {
+            return self.refuse(rd, id, err, rest, deadline).await;
+        }
+        // Waits run beside the reader, so they are what can pile up on one
+        // connection; other requests run one at a time on the reader.
+        if method.waits() {
+            let (running, taken) = {
+                let waits = self.waits.lock();
+                (waits.len(), waits.contains_key(&id))
+            };
+            if taken {
+                let err = StoreError::InvalidArgument(format!("request id {id} is already waiting"));
+                return self.refuse(rd, id, err, rest, deadline).await;
+            }
+            if let Err(err) = over(
+                Limit::ConnectionRequests,
+                config.max_streams_per_connection as usize,
+                running + 1,
+            ) {
+                return self.refuse(rd, id, err, rest, deadline).await;
+            }
+        }
+        let reserve = rest.saturating_mul(2);
+        let reservation = match shared.budget.reserve(reserve, config.request_memory_wait).await {
+            Ok(r) => r,
+            Err(err) => return self.refuse(rd, id, err, rest, deadline).await,
+        };
+        // The values the message carries into the table pin nothing else.
+        let message = match read_message(rd, &mut self.buf, rest, Some(deadline)).await {
+            Ok(message) => message,
+            Err(why) => {
+                if Instant::now() >= deadline {
+                    let err = StoreError::Timeout {
+                        what: "the rest of the request".into(),
+                        after: config.request_body_timeout,
+                    };
+                    // The connection closes either way.
+                    let _ = self.answer(&framed::encode_error(id, err)).await;
+                }
+                return Err(why);
+            }
+        };
+        let caller = Caller {
+            world: head.world,
+            proof: head.proof,
+            client: self.client,
+        };
+        if !method.waits() {
+            let frame = shared
+                .dispatch(id, method, &caller, message, Some(reservation))
+                .await;
+            drop(unauthenticated);
+            drop(in_flight);
+            return self.answer(&frame).await;
+        }
+        let (out, waits) = (Arc::clone(self.out), Arc::clone(self.waits));
+        let mut registry = self.waits.lock();
+        let task = self.waits.tracker.spawn(async move {
+            let frame = shared
+                .dispatch(id, method, &caller, message, Some(reservation))
+                .await;
+            waits.lock().remove(&id);
+            drop(unauthenticated);
+            drop(in_flight);
+            // A write that fails means the connection is going; its reader
+            // sees that too.
+            let _ = out.send(&frame).await;
+        });
+        // Registered under the lock the task takes to leave, so it cannot
+        // leave first.
+        registry.insert(id, task.abort_handle());
+        Ok(())
+    }
+}
