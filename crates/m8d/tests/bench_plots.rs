@@ -231,9 +231,12 @@ fn a_quick_store_benchmark_reports_round_trips_wake_ups_and_host_death() {
     let v = read_json(&json);
     assert!(num(&v, "raw_tcp_rtt_median_us") > 0.0, "{v}");
     let trips = v["round_trips"].as_array().unwrap();
-    assert_eq!(trips.len(), 2, "{v}");
-    for (t, clients) in trips.iter().zip([1, 4]) {
+    // Each client count with each protocol, framed (the default) first.
+    assert_eq!(trips.len(), 4, "{v}");
+    let expected = [(1, "framed"), (1, "grpc"), (4, "framed"), (4, "grpc")];
+    for (t, (clients, protocol)) in trips.iter().zip(expected) {
         assert_eq!(t["clients"], clients, "{v}");
+        assert_eq!(t["protocol"], protocol, "{v}");
         assert_eq!(t["pairs"], clients * 50, "{v}");
         let (median, p99) = (num(t, "median_us"), num(t, "p99_us"));
         assert!(median > 0.0 && median <= p99 && p99 < 1e6, "{t}");

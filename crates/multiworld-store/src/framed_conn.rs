@@ -129,6 +129,18 @@ struct Inner {
     dialing: tokio::sync::Mutex<u64>,
 }
 
+impl Drop for Inner {
+    /// The last handle is gone: so is the connection (its driver ends and
+    /// the socket closes), as an HTTP/2 connection goes with its last
+    /// request handle.
+    fn drop(&mut self) {
+        let current = self.current.get_mut().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(link) = current {
+            link.end("the client was dropped".into());
+        }
+    }
+}
+
 /// A client connection in the framed protocol. Cheap to clone; clones share
 /// the connection.
 #[derive(Clone)]

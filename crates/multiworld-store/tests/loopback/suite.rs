@@ -774,3 +774,22 @@ async fn large_values_crossing_on_one_connection_with_fast_keepalive_complete() 
     assert!(started.elapsed() < Duration::from_secs(60), "{:?}", started.elapsed());
     assert_eq!(w.num_keys().await.unwrap(), 4);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_the_last_handle_closes_the_connection() {
+    let s = server(ServerConfig::default()).await;
+    s.open_world("w", WorldOptions::default()).unwrap();
+    let w = world(s.local_addr(), "w").await;
+    let clone = w.clone();
+    w.set("k", "v").await.unwrap();
+    assert_eq!(s.stats().connections, 1);
+    drop(w);
+    // A clone still holds it.
+    assert_eq!(&clone.get("k", Duration::from_secs(1)).await.unwrap()[..], b"v");
+    assert_eq!(s.stats().connections, 1);
+    drop(clone);
+    eventually(Duration::from_secs(5), "the connection closed", || {
+        s.stats().connections == 0
+    })
+    .await;
+}
