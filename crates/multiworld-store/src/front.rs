@@ -467,6 +467,64 @@ fn refusal(err: StoreError) -> http::Response<Body> {
     Status::from(err).into_http()
 }
 
+/// What the gate lets a request do: the bound of its message, and (a
+/// pre-authentication request) its place among the connection's, held
+/// until the request ends.
+pub(crate) struct Admitted {
+    bound: usize,
+    _unauthenticated: Option<Unauthenticated>,
+}
+
+/// Judges a request from its method, the world its header names and its
+/// proof, before any of its message is read (both protocols).
+fn admit(
+    shared: &Shared,
+    conn: &Arc<Conn>,
+    method: &str,
+    world: Option<&str>,
+    proof: Option<&str>,
+) -> Result<Admitted, StoreError> {
+    let config = &shared.config;
+    let slot = world.and_then(|w| shared.worlds.get(w).map(|e| Arc::clone(e.value())));
+    let state = match &slot {
+        Some(slot) => WorldState::Open(slot.secret.as_ref()),
+        None => WorldState::Missing,
+    };
+    let verdict = gate::judge(method, world, proof, state, config.remote_create_secret.as_ref());
+    drop(slot);
+    let mut unauthenticated = None;
+    match verdict {
+        Verdict::Refuse(err) => return Err(err),
+        Verdict::PreAuth => {
+            let n = conn.unauthenticated.fetch_add(1, Ordering::AcqRel) + 1;
+            unauthenticated = Some(Unauthenticated(Arc::clone(conn)));
+            over(
+                Limit::UnauthenticatedStreams,
+                config.max_unauthenticated_streams,
+                n,
+            )?;
+        }
+        Verdict::Admit => {}
+    }
+    let small = method == "Open" || world.is_none();
+    Ok(Admitted {
+        bound: if small {
+            config.max_unauthenticated_body_bytes
+        } else {
+            config.max_message_bytes
+        },
+        _unauthenticated: unauthenticated,
+    })
+}
+
+/// Counts a refused request, and logs a stranger's (rate limited).
+fn count_refusal(shared: &Shared, err: &StoreError) {
+    shared.refused_requests.fetch_add(1, Ordering::Relaxed);
+    if matches!(err, StoreError::Unauthenticated { .. }) {
+        log_limited(&shared.auth_log, "refused unauthenticated store requests", err);
+    }
+}
+
 /// Judges one request from its headers, reads its body within its bounds,
 /// and hands it to the gRPC service.
 async fn handle<S: Grpc>(
@@ -487,55 +545,18 @@ async fn handle<S: Grpc>(
         },
     };
     let proof = req.headers().get(AUTH_METADATA).and_then(|v| v.to_str().ok());
-    let slot = world
-        .as_deref()
-        .and_then(|w| shared.worlds.get(w).map(|e| Arc::clone(e.value())));
-    let state = match &slot {
-        Some(slot) => WorldState::Open(slot.secret.as_ref()),
-        None => WorldState::Missing,
-    };
-    let verdict = gate::judge(
-        method,
-        world.as_deref(),
-        proof,
-        state,
-        config.remote_create_secret.as_ref(),
-    );
-    drop(slot);
-    let small = method == "Open" || world.is_none();
-    let mut _unauthenticated = None;
-    match verdict {
-        Verdict::Refuse(err) => {
-            shared.refused_requests.fetch_add(1, Ordering::Relaxed);
-            if matches!(err, StoreError::Unauthenticated { .. }) {
-                log_limited(&shared.auth_log, "refused unauthenticated store requests", &err);
-            }
+    let admitted = match admit(shared, conn, method, world.as_deref(), proof) {
+        Ok(admitted) => admitted,
+        Err(err) => {
+            count_refusal(shared, &err);
             return refusal(err);
         }
-        Verdict::PreAuth => {
-            let n = conn.unauthenticated.fetch_add(1, Ordering::AcqRel) + 1;
-            _unauthenticated = Some(Unauthenticated(Arc::clone(conn)));
-            if let Err(err) = over(
-                Limit::UnauthenticatedStreams,
-                config.max_unauthenticated_streams,
-                n,
-            ) {
-                shared.refused_requests.fetch_add(1, Ordering::Relaxed);
-                return refusal(err);
-            }
-        }
-        Verdict::Admit => {}
-    }
-    let bound = if small {
-        config.max_unauthenticated_body_bytes
-    } else {
-        config.max_message_bytes
     };
     let (parts, body) = req.into_parts();
-    let (bytes, reservation) = match read_body(body, bound, shared).await {
+    let (bytes, reservation) = match read_body(body, admitted.bound, shared).await {
         Ok(read) => read,
         Err(err) => {
-            shared.refused_requests.fetch_add(1, Ordering::Relaxed);
+            count_refusal(shared, &err);
             return refusal(err);
         }
     };

@@ -765,3 +765,47 @@ async fn a_hostile_server_cannot_make_the_client_allocate_or_hang() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_stops_reading_large_answers_is_closed_and_forgotten() {
+    let s = server(ServerConfig {
+        keepalive_interval: Duration::from_millis(200),
+        keepalive_timeout: Duration::from_millis(400),
+        ..ServerConfig::default()
+    })
+    .await;
+    s.open_world("w", WorldOptions::default()).unwrap();
+    let addr = s.local_addr();
+    let w = member(addr, "w", None).await;
+    w.set("big", vec![1u8; 3 << 20]).await.unwrap();
+    let g = w.generation();
+    // Twenty waiting requests for 3 MiB each, never read: the answers fill
+    // the socket's buffers and their writes block.
+    let mut raw = Raw::open(addr).await;
+    for id in 0..20 {
+        raw.0
+            .write_all(&request(
+                id,
+                GET,
+                b"w",
+                b"",
+                &get_message("w", g, "big", 10_000),
+                None,
+            ))
+            .await
+            .unwrap();
+    }
+    eventually(Duration::from_secs(5), "two connections", || {
+        s.stats().connections == 2
+    })
+    .await;
+    // Keepalive closes it, the blocked answers are given up, and the
+    // connection's task ends (it waits for every answer's task).
+    eventually(Duration::from_secs(5), "the stuck connection freed", || {
+        s.stats().connections == 1
+    })
+    .await;
+    assert_eq!(s.stats().waiters, 0);
+    set_get(&w).await;
+    drop(raw);
+}

@@ -31,14 +31,13 @@ use tokio::{
 };
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
-use super::{CLOSE_GRACE, Conn, InFlight, Unauthenticated, log_limited};
+use super::{CLOSE_GRACE, Conn, InFlight, admit, count_refusal};
 use crate::{
     error::{Limit, StoreError},
     framed::{
         self, Counted, HEADER, Head, Kind, MAX_PROOF_LEN, Method, Out, PREFACE, READ_CHUNK, keepalive,
         read_message,
     },
-    gate::{self, Verdict, WorldState},
     limits::over,
     server::{Caller, Shared, client_id},
 };
@@ -284,17 +283,13 @@ impl Reader<'_> {
         rest: usize,
         deadline: Instant,
     ) -> Result<(), Closed> {
-        self.shared
-            .refused_requests
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        if matches!(err, StoreError::Unauthenticated { .. }) {
-            log_limited(
-                &self.shared.auth_log,
-                "refused unauthenticated store requests",
-                &err,
-            );
-        }
+        count_refusal(self.shared, &err);
+        let stranger = matches!(err, StoreError::Unauthenticated { .. });
         self.answer(&framed::encode_error(id, err)).await?;
+        // A stranger's large message is not worth reading through.
+        if stranger && rest > self.shared.config.max_unauthenticated_body_bytes {
+            return Err("an unauthenticated request with a large message".into());
+        }
         self.skip(rd, rest, deadline).await
     }
 
@@ -331,48 +326,17 @@ impl Reader<'_> {
             let err = StoreError::InvalidArgument(format!("unknown method {}", head.method));
             return self.refuse(rd, id, err, rest, deadline).await;
         };
-        let slot = head
-            .world
-            .as_deref()
-            .and_then(|w| shared.worlds.get(w).map(|e| Arc::clone(e.value())));
-        let state = match &slot {
-            Some(slot) => WorldState::Open(slot.secret.as_ref()),
-            None => WorldState::Missing,
-        };
-        let verdict = gate::judge(
+        let admitted = match admit(
+            &shared,
+            self.conn,
             method.name(),
             head.world.as_deref(),
             head.proof.as_deref(),
-            state,
-            config.remote_create_secret.as_ref(),
-        );
-        drop(slot);
-        let small = method == Method::Open || head.world.is_none();
-        let mut unauthenticated = None;
-        match verdict {
-            Verdict::Refuse(err) => return self.refuse(rd, id, err, rest, deadline).await,
-            Verdict::PreAuth => {
-                let n = self
-                    .conn
-                    .unauthenticated
-                    .fetch_add(1, std::sync::atomic::Ordering::AcqRel)
-                    + 1;
-                unauthenticated = Some(Unauthenticated(Arc::clone(self.conn)));
-                if let Err(err) = over(
-                    Limit::UnauthenticatedStreams,
-                    config.max_unauthenticated_streams,
-                    n,
-                ) {
-                    return self.refuse(rd, id, err, rest, deadline).await;
-                }
-            }
-            Verdict::Admit => {}
-        }
-        let bound = if small {
-            config.max_unauthenticated_body_bytes
-        } else {
-            config.max_message_bytes
+        ) {
+            Ok(admitted) => admitted,
+            Err(err) => return self.refuse(rd, id, err, rest, deadline).await,
         };
+        let bound = admitted.bound;
         if let Err(err) = over(Limit::MessageBytes, bound, rest) {
             return self.refuse(rd, id, err, rest, deadline).await;
         }
@@ -424,7 +388,7 @@ impl Reader<'_> {
             let frame = shared
                 .dispatch(id, method, &caller, message, Some(reservation))
                 .await;
-            drop(unauthenticated);
+            drop(admitted);
             drop(in_flight);
             return self.answer(&frame).await;
         }
@@ -434,12 +398,17 @@ impl Reader<'_> {
             let frame = shared
                 .dispatch(id, method, &caller, message, Some(reservation))
                 .await;
+            // Answering: a cancel comes too late now (the answer is on its
+            // way), but the connection's end still stops the write.
             waits.lock().remove(&id);
-            drop(unauthenticated);
+            drop(admitted);
             drop(in_flight);
-            // A write that fails means the connection is going; its reader
-            // sees that too.
-            let _ = out.send(&frame).await;
+            tokio::select! {
+                // A write that fails means the connection is going; its
+                // reader sees that too.
+                _ = out.send(&frame) => {}
+                _ = waits.closed.cancelled() => {}
+            }
         });
         // Registered under the lock the task takes to leave, so it cannot
         // leave first.
