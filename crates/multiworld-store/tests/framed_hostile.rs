@@ -121,6 +121,11 @@ fn get_message(world: &str, generation: u64, key: &str, timeout_ms: u64) -> Vec<
     .encode_to_vec()
 }
 
+/// A `Get` of `key` in world "w" of generation `g`, as request `id`.
+fn get_frame(id: u32, g: u64, key: &str, timeout_ms: u64) -> Vec<u8> {
+    request(id, GET, b"w", b"", &get_message("w", g, key, timeout_ms), None)
+}
+
 /// A raw framed connection.
 struct Raw(TcpStream);
 
@@ -372,10 +377,7 @@ async fn malformed_frames_close_only_their_own_connection() {
         (ERROR, 3, "invalid-argument")
     );
     let g = w.generation();
-    raw.0
-        .write_all(&request(4, GET, b"w", b"", &get_message("w", g, "k", 1000), None))
-        .await
-        .unwrap();
+    raw.0.write_all(&get_frame(4, g, "k", 1000)).await.unwrap();
     let (kind, id, body) = raw.answer().await.unwrap();
     assert_eq!((kind, id), (REPLY, 4));
     assert_eq!(
@@ -397,7 +399,7 @@ async fn waits_end_with_a_cancel_a_closed_connection_or_a_frozen_client() {
     let w = member(addr, "w", None).await;
     w.set("k", "v").await.unwrap();
     let g = w.generation();
-    let get = |id: u32, key: &str| request(id, GET, b"w", b"", &get_message("w", g, key, 60_000), None);
+    let get = |id: u32, key: &str| get_frame(id, g, key, 60_000);
     let limit = Duration::from_secs(5);
 
     // A cancel.
@@ -435,17 +437,7 @@ async fn waits_end_with_a_cancel_a_closed_connection_or_a_frozen_client() {
     f.open_world("w", WorldOptions::default()).unwrap();
     let g = member(f.local_addr(), "w", None).await.generation();
     let mut raw = Raw::open(f.local_addr()).await;
-    raw.0
-        .write_all(&request(
-            1,
-            GET,
-            b"w",
-            b"",
-            &get_message("w", g, "never", 60_000),
-            None,
-        ))
-        .await
-        .unwrap();
+    raw.0.write_all(&get_frame(1, g, "never", 60_000)).await.unwrap();
     eventually(limit, "the wait registered", || f.stats().waiters == 1).await;
     let frozen_at = Instant::now();
     eventually(limit, "keepalive released the frozen client's wait", || {
@@ -502,17 +494,7 @@ async fn requests_in_flight_on_one_connection_are_capped() {
     let mut raw = Raw::open(addr).await;
     let g = w.generation();
     for id in 0..5 {
-        raw.0
-            .write_all(&request(
-                id,
-                GET,
-                b"w",
-                b"",
-                &get_message("w", g, "never", 30_000),
-                None,
-            ))
-            .await
-            .unwrap();
+        raw.0.write_all(&get_frame(id, g, "never", 30_000)).await.unwrap();
     }
     let (kind, id, body) = raw.answer().await.unwrap();
     assert_eq!((kind, id), (ERROR, 4));
@@ -783,17 +765,7 @@ async fn a_client_that_stops_reading_large_answers_is_closed_and_forgotten() {
     // the socket's buffers and their writes block.
     let mut raw = Raw::open(addr).await;
     for id in 0..20 {
-        raw.0
-            .write_all(&request(
-                id,
-                GET,
-                b"w",
-                b"",
-                &get_message("w", g, "big", 10_000),
-                None,
-            ))
-            .await
-            .unwrap();
+        raw.0.write_all(&get_frame(id, g, "big", 10_000)).await.unwrap();
     }
     eventually(Duration::from_secs(5), "two connections", || {
         s.stats().connections == 2
