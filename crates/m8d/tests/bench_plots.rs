@@ -230,6 +230,7 @@ fn a_quick_store_benchmark_reports_round_trips_wake_ups_and_host_death() {
     assert!(out.contains("one set releases 16 waiters"), "{out}");
     let v = read_json(&json);
     assert!(num(&v, "raw_tcp_rtt_median_us") > 0.0, "{v}");
+    assert!(num(&v, "raw_tcp_rtt_one_core_median_us") > 0.0, "{v}");
     let trips = v["round_trips"].as_array().unwrap();
     // Each client count with each protocol, framed (the default) first.
     assert_eq!(trips.len(), 4, "{v}");
