@@ -33,7 +33,7 @@ use crate::{
     conn::{Conn, ConnSettings},
     error::{Limit, StoreError},
     framed::{MAX_PROOF_LEN, Method},
-    framed_conn::FramedConn,
+    framed_conn::{FramedConn, HTTP2_ONLY},
     table::CasOutcome,
 };
 
@@ -44,8 +44,11 @@ use crate::{
 #[non_exhaustive]
 pub enum WireProtocol {
     /// The store's own framing: a 9-byte header and the request's protobuf
-    /// message, no HTTP/2 (docs/protocol.md, "The framed protocol"). The
-    /// default: a round trip costs about half of gRPC's.
+    /// message, no HTTP/2 (docs/protocol.md, "The framed store protocol").
+    /// The default: a set+get costs about a quarter of gRPC's. A server of
+    /// an earlier version, which answers only gRPC, is recognised when the
+    /// client connects (it answers the framed preface in HTTP/2), and the
+    /// client speaks gRPC to it.
     #[default]
     Framed,
     /// gRPC over HTTP/2 (the `multiworld.store.v1` service), for clients and
@@ -190,6 +193,7 @@ impl StoreClient {
         let shared_addr: Arc<str> = Arc::from(addr);
         let mut pause = config.backoff_initial;
         let mut attempts = 0u32;
+        let mut config = config;
         loop {
             attempts += 1;
             let remaining = deadline.saturating_duration_since(Instant::now());
@@ -215,8 +219,20 @@ impl StoreClient {
                     };
                     match client.ping().await {
                         Ok(_) => {
-                            tracing::debug!(addr, attempts, "connected to store");
+                            tracing::debug!(addr, attempts, protocol = ?config.protocol, "connected to store");
                             return Ok(client);
+                        }
+                        // A server of an earlier version, which speaks only
+                        // gRPC: speak gRPC to it, at once.
+                        Err(StoreError::Unavailable { reason, .. })
+                            if config.protocol == WireProtocol::Framed && reason.contains(HTTP2_ONLY) =>
+                        {
+                            tracing::info!(
+                                addr,
+                                "the store answers only gRPC (an earlier version); speaking gRPC"
+                            );
+                            config.protocol = WireProtocol::Grpc;
+                            continue;
                         }
                         Err(e) => e.to_string(),
                     }

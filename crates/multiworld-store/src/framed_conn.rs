@@ -37,6 +37,18 @@ use crate::{
     },
 };
 
+/// Why a connection ended when the server answered the framed preface with
+/// an HTTP/2 frame: a server of an earlier version, which speaks only gRPC.
+pub(crate) const HTTP2_ONLY: &str = "the server answered in HTTP/2: it speaks only gRPC";
+
+/// Whether a connection's first 9 bytes from the server are an HTTP/2
+/// SETTINGS frame (type 4, no flags, stream 0), which an HTTP/2 server
+/// sends first. No framed frame looks like that: its fifth byte is its
+/// kind, never 0.
+fn is_http2_settings(header: &[u8; HEADER]) -> bool {
+    header[3] == 4 && header[4] == 0 && header[5..] == [0, 0, 0, 0]
+}
+
 /// What a call gets back: the reply's message, or the status of an error
 /// frame or of the connection's end.
 type Answer = Result<Bytes, Status>;
@@ -320,6 +332,7 @@ async fn read_answers(
     pongs: &watch::Sender<u32>,
 ) -> String {
     let mut buf = BytesMut::with_capacity(framed::READ_CHUNK);
+    let mut first = true;
     loop {
         while buf.len() < HEADER {
             buf.reserve(framed::READ_CHUNK);
@@ -333,6 +346,9 @@ async fn read_answers(
         let mut header = [0u8; HEADER];
         header.copy_from_slice(&buf[..HEADER]);
         buf.advance(HEADER);
+        if std::mem::take(&mut first) && is_http2_settings(&header) {
+            return HTTP2_ONLY.into();
+        }
         let h = match framed::decode_header(&header, MAX_BODY) {
             Ok(h) => h,
             Err(e) => return format!("a bad frame from the server: {e}"),

@@ -781,3 +781,49 @@ async fn a_client_that_stops_reading_large_answers_is_closed_and_forgotten() {
     set_get(&w).await;
     drop(raw);
 }
+
+/// A server of an earlier version speaks only HTTP/2: a proxy that answers a
+/// framed preface as an HTTP/2 server does (h2's handshake, which sends its
+/// SETTINGS and then fails on the preface) and passes HTTP/2 connections to
+/// a real server.
+async fn http2_only_proxy(to: SocketAddr) -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut inbound, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut first = [0u8; 1];
+                if inbound.peek(&mut first).await.unwrap_or(0) == 0 {
+                    return;
+                }
+                if first[0] == b'M' {
+                    let _ = h2::server::handshake(inbound).await;
+                    return;
+                }
+                let mut outbound = TcpStream::connect(to).await.unwrap();
+                let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+            });
+        }
+    });
+    addr
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_speaks_grpc_to_a_server_that_answers_only_http2() {
+    let s = server(ServerConfig::default()).await;
+    s.open_world("w", WorldOptions::default()).unwrap();
+    let proxy = http2_only_proxy(s.local_addr()).await;
+    let started = Instant::now();
+    let client = StoreClient::connect(&proxy.to_string(), ClientConfig::default())
+        .await
+        .unwrap();
+    // Recognised at the first answer, not after the connect deadline.
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(client.protocol(), multiworld_store::WireProtocol::Grpc);
+    let w = client.open("w", OpenOptions::default()).await.unwrap();
+    set_get(&w).await;
+}
