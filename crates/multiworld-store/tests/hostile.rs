@@ -855,6 +855,88 @@ async fn measure_attacks() {
             "{registered} registered, {ok} woken, {refused} refused; the releasing Set took {set_took:?}"
         ),
     );
+
+    // 6. and 7. The body floods through the framed protocol: a framed
+    // connection carries one request at a time, so the attacker opens 1,000
+    // of them, each declaring a maximum-size Set and sending 64 KiB of it.
+    for (what, world, proof) in [
+        (
+            "framed stranger flood (1000 conns x 1 max-size Set, wrong proof)",
+            &b"w"[..],
+            wrong.as_bytes(),
+        ),
+        (
+            "framed admitted flood (public world, 1000 conns x 1 max-size Set)",
+            &b"pub"[..],
+            &b""[..],
+        ),
+    ] {
+        let f = Figures::start(what, &w).await;
+        let mut socks = Vec::new();
+        let mut peak_budget = 0;
+        for _ in 0..1000 {
+            let mut sock = TcpStream::connect(addr).await.unwrap();
+            let _ = sock
+                .write_all(&framed_partial_set(world, proof, max, 64 * 1024))
+                .await;
+            socks.push(sock);
+            peak_budget = peak_budget.max(s.stats().buffered_request_bytes);
+        }
+        let during = latency(&w, 50).await;
+        let t = Instant::now();
+        let mut kinds = std::collections::BTreeMap::new();
+        for mut sock in socks {
+            let answer = async {
+                loop {
+                    let mut h = [0u8; 9];
+                    if sock.read_exact(&mut h).await.is_err() {
+                        return "closed without an answer".to_string();
+                    }
+                    let mut body =
+                        vec![0u8; u32::from_be_bytes([h[0], h[1], h[2], h[3]]).min(1 << 16) as usize];
+                    if sock.read_exact(&mut body).await.is_err() {
+                        return "closed in the middle of a frame".to_string();
+                    }
+                    match h[4] {
+                        // The server's keepalive pings: not an answer.
+                        5 => continue,
+                        3 => {
+                            let n = usize::from(body.get(1).copied().unwrap_or(0));
+                            return String::from_utf8_lossy(body.get(2..2 + n).unwrap_or(&[])).into_owned();
+                        }
+                        k => return format!("frame kind {k}"),
+                    }
+                }
+            };
+            let kind = tokio::time::timeout(Duration::from_secs(15), answer)
+                .await
+                .unwrap_or_else(|_| "no answer in 15 s".into());
+            *kinds.entry(kind).or_insert(0) += 1;
+        }
+        f.report(
+            during,
+            t.elapsed(),
+            &s,
+            &format!("budget peak {peak_budget} B; answers {kinds:?}"),
+        );
+    }
+}
+
+/// The framed preface and the head of a `Set` in `world` with `proof`,
+/// declaring a `declared`-byte message of which `sent` bytes follow.
+fn framed_partial_set(world: &[u8], proof: &[u8], declared: usize, sent: usize) -> Vec<u8> {
+    let mut f = b"MWSTORE\x01".to_vec();
+    let body = 5 + world.len() + proof.len() + declared;
+    f.extend_from_slice(&(body as u32).to_be_bytes());
+    f.push(1);
+    f.extend_from_slice(&1u32.to_be_bytes());
+    f.push(3);
+    f.extend_from_slice(&(world.len() as u16).to_be_bytes());
+    f.extend_from_slice(world);
+    f.extend_from_slice(&(proof.len() as u16).to_be_bytes());
+    f.extend_from_slice(proof);
+    f.extend(std::iter::repeat_n(0u8, sent));
+    f
 }
 
 /// The gate refuses on the request's headers alone, so the server may answer
