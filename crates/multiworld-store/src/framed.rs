@@ -39,7 +39,7 @@ use std::{
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use tokio::{
-    io::{AsyncRead, AsyncReadExt, AsyncWriteExt, ReadBuf},
+    io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf},
     net::tcp::OwnedWriteHalf,
     sync::watch,
     time::Instant,
@@ -390,39 +390,73 @@ pub(crate) const READ_CHUNK: usize = 8 << 10;
 
 /// A connection's writing side, shared by everything that answers or asks
 /// on it; a frame goes out whole, in one write when the socket has room.
-pub(crate) struct Out(tokio::sync::Mutex<OwnedWriteHalf>);
+pub(crate) struct Out(tokio::sync::Mutex<Counted<OwnedWriteHalf>>);
 
 impl Out {
-    pub(crate) fn new(half: OwnedWriteHalf) -> Out {
-        Out(tokio::sync::Mutex::new(half))
+    /// The writing side, counting what it writes in `moved`.
+    pub(crate) fn new(half: OwnedWriteHalf, moved: &Arc<AtomicU64>) -> Out {
+        Out(tokio::sync::Mutex::new(Counted::new(half, moved)))
     }
 
     /// The writing side, once no one else is writing.
-    pub(crate) async fn lock(&self) -> tokio::sync::MutexGuard<'_, OwnedWriteHalf> {
+    pub(crate) async fn lock(&self) -> tokio::sync::MutexGuard<'_, Counted<OwnedWriteHalf>> {
         self.0.lock().await
     }
 
     pub(crate) async fn send(&self, frame: &[u8]) -> std::io::Result<()> {
         self.lock().await.write_all(frame).await
     }
+
+    /// Writes a control frame without counting it as movement: a ping or
+    /// pong written into an empty socket buffer shows nothing about the
+    /// peer.
+    async fn send_control(&self, frame: &[u8]) -> std::io::Result<()> {
+        self.lock().await.inner.write_all(frame).await
+    }
 }
 
-/// A reading side that counts the bytes it read, so that the keepalive
-/// takes every byte arriving as a sign of life (a large frame arriving
-/// slowly delays the pong behind it, never the bytes).
-pub(crate) struct Counted<R> {
-    inner: R,
-    read: Arc<AtomicU64>,
+/// Control frames (pings, pongs, cancels) waiting to be written by their
+/// own branch of a connection's driver, so that whoever produces them (the
+/// reader, the keepalive, a dropped call) never waits on the writer and a
+/// ping is never cut off halfway. Bounded: when the writer is stuck, more
+/// are dropped (the keepalive then ends the connection).
+pub(crate) type Controls = tokio::sync::mpsc::Sender<[u8; HEADER]>;
+
+/// How many control frames may wait for the writer.
+pub(crate) const CONTROL_QUEUE: usize = 64;
+
+/// Writes the control frames handed over through `controls` until the
+/// connection ends; returns why it stopped.
+pub(crate) async fn write_controls(
+    out: &Out,
+    controls: &mut tokio::sync::mpsc::Receiver<[u8; HEADER]>,
+) -> String {
+    while let Some(frame) = controls.recv().await {
+        if let Err(e) = out.send_control(&frame).await {
+            return format!("write: {e}");
+        }
+    }
+    // The connection itself holds a sender, so this is not reached while it lives.
+    "no more control frames".to_string()
 }
 
-impl<R> Counted<R> {
-    pub(crate) fn new(inner: R) -> (Counted<R>, Arc<AtomicU64>) {
-        let read = Arc::new(AtomicU64::new(0));
-        let counted = Counted {
+/// One side of a connection that counts the bytes it moves into a counter
+/// both sides share, so that the keepalive takes every byte read or written
+/// as a sign of life: a large frame moving slowly in either direction delays
+/// a pong behind it, never the bytes (written bytes count too: past the
+/// socket's buffer they move only while the peer reads; control frames,
+/// written past the count, do not).
+pub(crate) struct Counted<T> {
+    inner: T,
+    moved: Arc<AtomicU64>,
+}
+
+impl<T> Counted<T> {
+    pub(crate) fn new(inner: T, moved: &Arc<AtomicU64>) -> Counted<T> {
+        Counted {
             inner,
-            read: Arc::clone(&read),
-        };
-        (counted, read)
+            moved: Arc::clone(moved),
+        }
     }
 }
 
@@ -436,43 +470,62 @@ impl<R: AsyncRead + Unpin> AsyncRead for Counted<R> {
         let polled = Pin::new(&mut self.inner).poll_read(cx, buf);
         let got = buf.filled().len().saturating_sub(before);
         if got > 0 {
-            self.read.fetch_add(got as u64, Ordering::Relaxed);
+            self.moved.fetch_add(got as u64, Ordering::Relaxed);
         }
         polled
     }
 }
 
-/// Sends a ping when nothing arrived for `interval`, and ends, saying why,
-/// when neither its pong (whose id arrives through `pongs`) nor any other
-/// byte (counted in `read`) arrived within `timeout`. The ping goes out
-/// through `ping`, which says whether it could be sent (so that a side that
-/// must never wait on the writer can hand it over).
-pub(crate) async fn keepalive<F: Future<Output = bool>>(
-    ping: impl Fn(u32) -> F,
+impl<W: AsyncWrite + Unpin> AsyncWrite for Counted<W> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        let polled = Pin::new(&mut self.inner).poll_write(cx, buf);
+        if let Poll::Ready(Ok(n)) = &polled {
+            self.moved.fetch_add(*n as u64, Ordering::Relaxed);
+        }
+        polled
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+/// Hands a ping to the writer when no byte moved either way for `interval`,
+/// and ends, saying why, when neither its pong (whose id arrives through
+/// `pongs`) nor any other byte (counted in `moved`) came within `timeout`.
+pub(crate) async fn keepalive(
+    controls: &Controls,
     mut pongs: watch::Receiver<u32>,
-    read: &AtomicU64,
+    moved: &AtomicU64,
     interval: Duration,
     timeout: Duration,
 ) -> String {
     let mut seq = 0u32;
-    let mut seen = read.load(Ordering::Relaxed);
+    let mut seen = moved.load(Ordering::Relaxed);
     loop {
         tokio::time::sleep(interval).await;
-        let now = read.load(Ordering::Relaxed);
+        let now = moved.load(Ordering::Relaxed);
         if now != seen {
             seen = now;
             continue;
         }
         seq = seq.wrapping_add(1);
-        let answered = async {
-            ping(seq).await.then_some(())?;
-            pongs.wait_for(|last| *last == seq).await.ok()
-        };
-        let pong = tokio::time::timeout(timeout, answered).await.ok().flatten();
-        let now = read.load(Ordering::Relaxed);
-        if pong.is_none() && now == seen {
+        // A full queue means the writer is stuck: no pong will come, and the
+        // check below decides.
+        let _ = controls.try_send(control(Kind::Ping, seq));
+        let pong = tokio::time::timeout(timeout, pongs.wait_for(|last| *last == seq)).await;
+        let now = moved.load(Ordering::Relaxed);
+        if !matches!(pong, Ok(Ok(_))) && now == seen {
             return format!(
-                "nothing received for {:?}: a keepalive ping went unanswered",
+                "nothing moved for {:?}: a keepalive ping went unanswered",
                 interval + timeout
             );
         }

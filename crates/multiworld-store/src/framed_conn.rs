@@ -17,7 +17,7 @@ use std::{
     collections::HashMap,
     sync::{
         Arc, Mutex,
-        atomic::{AtomicU32, Ordering},
+        atomic::{AtomicU32, AtomicU64, Ordering},
     },
 };
 
@@ -33,7 +33,8 @@ use tonic::Status;
 use crate::{
     conn::ConnSettings,
     framed::{
-        self, Counted, HEADER, Kind, MAX_BODY, MAX_ERROR_BODY, Method, Out, PREFACE, keepalive, read_message,
+        self, CONTROL_QUEUE, Controls, Counted, HEADER, Kind, MAX_BODY, MAX_ERROR_BODY, Method, Out, PREFACE,
+        keepalive, read_message, write_controls,
     },
 };
 
@@ -69,7 +70,7 @@ struct Link {
     next_id: AtomicU32,
     gone: CancellationToken,
     /// Control frames (cancels, pongs, pings) for the driver to write.
-    control: mpsc::UnboundedSender<[u8; HEADER]>,
+    control: Controls,
 }
 
 impl Link {
@@ -121,7 +122,9 @@ impl Drop for Call<'_> {
             }
             CallState::Sent => {
                 if self.link.calls().waiting.remove(&self.id).is_some() {
-                    let _ = self.link.control.send(framed::control(Kind::Cancel, self.id));
+                    // A full queue (the writer stuck) drops it: the server's
+                    // wait then ends at its own timeout or with the connection.
+                    let _ = self.link.control.try_send(framed::control(Kind::Cancel, self.id));
                 }
             }
             CallState::Writing => self
@@ -225,6 +228,12 @@ impl FramedConn {
         proof: Option<&str>,
         message: &impl prost::Message,
     ) -> Answer {
+        let len = framed::head_len(world, proof).saturating_add(message.encoded_len());
+        if len > MAX_BODY {
+            return Err(Status::out_of_range(format!(
+                "message length too large: found {len} bytes, the limit is: {MAX_BODY} bytes"
+            )));
+        }
         let link = self.ready().await?;
         let (tx, rx) = oneshot::channel();
         let id = {
@@ -271,10 +280,12 @@ async fn dial(addr: &str, settings: &ConnSettings, max_reply: usize, dial: u64) 
         .await
         .map_err(|e| format!("preface: {e}"))?;
     let (rd, wr) = tcp.into_split();
-    let (control, controls) = mpsc::unbounded_channel();
+    let moved = Arc::new(AtomicU64::new(0));
+    let rd = Counted::new(rd, &moved);
+    let (control, controls) = mpsc::channel(CONTROL_QUEUE);
     let link = Arc::new(Link {
         dial,
-        out: Out::new(wr),
+        out: Out::new(wr, &moved),
         calls: Mutex::new(Calls::default()),
         next_id: AtomicU32::new(1),
         gone: CancellationToken::new(),
@@ -283,6 +294,7 @@ async fn dial(addr: &str, settings: &ConnSettings, max_reply: usize, dial: u64) 
     tokio::spawn(drive(
         Arc::clone(&link),
         rd,
+        moved,
         controls,
         settings.clone(),
         max_reply,
@@ -295,30 +307,17 @@ async fn dial(addr: &str, settings: &ConnSettings, max_reply: usize, dial: u64) 
 /// keepalive ends, so does the connection and every call on it.
 async fn drive(
     link: Arc<Link>,
-    rd: OwnedReadHalf,
-    mut controls: mpsc::UnboundedReceiver<[u8; HEADER]>,
+    rd: Counted<OwnedReadHalf>,
+    moved: Arc<AtomicU64>,
+    mut controls: mpsc::Receiver<[u8; HEADER]>,
     settings: ConnSettings,
     max_reply: usize,
 ) {
-    let (rd, read) = Counted::new(rd);
     let (pong_tx, pong_rx) = watch::channel(0u32);
-    let write_controls = async {
-        while let Some(frame) = controls.recv().await {
-            if let Err(e) = link.out.send(&frame).await {
-                return format!("write: {e}");
-            }
-        }
-        // The link itself holds a sender, so this is not reached while it lives.
-        "no more control frames".to_string()
-    };
-    let ping = |seq| {
-        let sent = link.control.send(framed::control(Kind::Ping, seq)).is_ok();
-        std::future::ready(sent)
-    };
     let why = tokio::select! {
         why = read_answers(&link, rd, max_reply, &pong_tx) => why,
-        why = keepalive(ping, pong_rx, &read, settings.keepalive_interval, settings.keepalive_timeout) => why,
-        why = write_controls => why,
+        why = keepalive(&link.control, pong_rx, &moved, settings.keepalive_interval, settings.keepalive_timeout) => why,
+        why = write_controls(&link.out, &mut controls) => why,
         _ = link.gone.cancelled() => "closed by a call".into(),
     };
     tracing::debug!(why, "store connection ended");
@@ -356,7 +355,7 @@ async fn read_answers(
         let answer = match h.kind {
             Kind::Ping => {
                 // Never waits for the writer: the reading goes on.
-                let _ = link.control.send(framed::control(Kind::Pong, h.id));
+                let _ = link.control.try_send(framed::control(Kind::Pong, h.id));
                 continue;
             }
             Kind::Pong => {
@@ -364,15 +363,20 @@ async fn read_answers(
                 continue;
             }
             Kind::Reply if h.len > max_reply => {
-                // Over this client's bound: that call fails, typed as the
-                // gRPC codec's bound is, and the connection goes on.
+                // Over this client's bound: that call fails at once, typed as
+                // the gRPC codec's bound is, and the connection goes on once
+                // the reply has been skipped.
+                let waiting = link.calls().waiting.remove(&h.id);
+                if let Some(tx) = waiting {
+                    let _ = tx.send(Err(Status::out_of_range(format!(
+                        "message length too large: found {} bytes, the limit is: {max_reply} bytes",
+                        h.len
+                    ))));
+                }
                 if let Err(e) = skip(&mut rd, &mut buf, h.len).await {
                     return e;
                 }
-                Err(Status::out_of_range(format!(
-                    "message length too large: found {} bytes, the limit is: {max_reply} bytes",
-                    h.len
-                )))
+                continue;
             }
             Kind::Reply => match read_message(&mut rd, &mut buf, h.len, None).await {
                 Ok(body) => Ok(body),

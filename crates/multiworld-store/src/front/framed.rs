@@ -18,14 +18,14 @@
 use std::{
     collections::HashMap,
     net::SocketAddr,
-    sync::{Arc, Mutex},
+    sync::{Arc, Mutex, atomic::AtomicU64},
 };
 
 use bytes::{Buf, BytesMut};
 use tokio::{
     io::{AsyncRead, AsyncReadExt},
     net::TcpStream,
-    sync::watch,
+    sync::{mpsc, watch},
     task::AbortHandle,
     time::Instant,
 };
@@ -35,8 +35,8 @@ use super::{CLOSE_GRACE, Conn, InFlight, admit, count_refusal};
 use crate::{
     error::{Limit, StoreError},
     framed::{
-        self, Counted, HEADER, Head, Kind, MAX_PROOF_LEN, Method, Out, PREFACE, READ_CHUNK, keepalive,
-        read_message,
+        self, CONTROL_QUEUE, Controls, Counted, HEADER, Head, Kind, MAX_PROOF_LEN, Method, Out, PREFACE,
+        READ_CHUNK, keepalive, read_message, write_controls,
     },
     limits::over,
     server::{Caller, Shared, client_id},
@@ -93,10 +93,12 @@ pub(super) async fn serve(
 ) {
     let config = &shared.config;
     let (rd, wr) = stream.into_split();
-    let (rd, read) = Counted::new(rd);
-    let out = Arc::new(Out::new(wr));
+    let moved = Arc::new(AtomicU64::new(0));
+    let rd = Counted::new(rd, &moved);
+    let out = Arc::new(Out::new(wr, &moved));
     let waits = Arc::new(Waits::default());
     let (pong_tx, pong_rx) = watch::channel(0u32);
+    let (controls, mut queued) = mpsc::channel(CONTROL_QUEUE);
     let reader = Reader {
         shared,
         conn: &conn,
@@ -106,15 +108,12 @@ pub(super) async fn serve(
         client: client_id(Some(remote)),
         buf: BytesMut::with_capacity(READ_CHUNK),
         stop: &stop,
-    };
-    let ping = |seq| {
-        let out = Arc::clone(&out);
-        async move { out.send(&framed::control(Kind::Ping, seq)).await.is_ok() }
+        controls: &controls,
     };
     let alive = keepalive(
-        ping,
+        &controls,
         pong_rx,
-        &read,
+        &moved,
         config.keepalive_interval,
         config.keepalive_timeout,
     );
@@ -136,6 +135,7 @@ pub(super) async fn serve(
             Err(why) => Some(why),
         },
         why = alive => Some(why),
+        why = write_controls(&out, &mut queued) => Some(why),
         why = deadlines(&conn, shared) => Some(why),
         _ = kill.cancelled() => Some("the server was killed".into()),
     };
@@ -177,6 +177,8 @@ struct Reader<'a> {
     buf: BytesMut,
     /// The server's stop: the reader ends at the next frame boundary.
     stop: &'a CancellationToken,
+    /// Pongs go out through the connection's control queue.
+    controls: &'a Controls,
 }
 
 impl Reader<'_> {
@@ -192,6 +194,11 @@ impl Reader<'_> {
         // The longest head (method, two lengths, a name, a proof) and message.
         let max_body = (5 + config.max_name_len + MAX_PROOF_LEN).saturating_add(config.max_message_bytes);
         loop {
+            // Between frames: the only place the server's stop ends the
+            // reader, so no request is cut in half.
+            if self.stop.is_cancelled() {
+                return Ok(());
+            }
             if self.buf.is_empty() {
                 // Between frames: the only place the server's stop ends the
                 // reader, so no request is cut in half.
@@ -210,11 +217,11 @@ impl Reader<'_> {
             self.buf.advance(HEADER);
             let h = framed::decode_header(&header, max_body)?;
             match h.kind {
-                Kind::Ping => self
-                    .out
-                    .send(&framed::control(Kind::Pong, h.id))
-                    .await
-                    .map_err(|e| format!("write: {e}"))?,
+                Kind::Ping => {
+                    // Through the control queue: the reader never waits on
+                    // the writer for a pong (a full queue drops it).
+                    let _ = self.controls.try_send(framed::control(Kind::Pong, h.id));
+                }
                 Kind::Pong => {
                     self.pongs.send_replace(h.id);
                 }
@@ -343,10 +350,10 @@ impl Reader<'_> {
         // Waits run beside the reader, so they are what can pile up on one
         // connection; other requests run one at a time on the reader.
         if method.waits() {
-            let (running, taken) = {
-                let waits = self.waits.lock();
-                (waits.len(), waits.contains_key(&id))
-            };
+            // Counted until its answer is written (the tracker holds every
+            // wait's task): answers a client does not read stay bounded.
+            let running = self.waits.tracker.len();
+            let taken = self.waits.lock().contains_key(&id);
             if taken {
                 let err = StoreError::InvalidArgument(format!("request id {id} is already waiting"));
                 return self.refuse(rd, id, err, rest, deadline).await;
@@ -374,6 +381,7 @@ impl Reader<'_> {
                         after: config.request_body_timeout,
                     };
                     // The connection closes either way.
+                    count_refusal(self.shared, &err);
                     let _ = self.answer(&framed::encode_error(id, err)).await;
                 }
                 return Err(why);
@@ -399,8 +407,16 @@ impl Reader<'_> {
                 .dispatch(id, method, &caller, message, Some(reservation))
                 .await;
             // Answering: a cancel comes too late now (the answer is on its
-            // way), but the connection's end still stops the write.
-            waits.lock().remove(&id);
+            // way), but the connection's end still stops the write. (The
+            // entry is this task's unless a cancel removed it and a new
+            // wait took the id since.)
+            {
+                let mut running = waits.lock();
+                let me = tokio::task::try_id();
+                if running.get(&id).is_some_and(|h| Some(h.id()) == me) {
+                    running.remove(&id);
+                }
+            }
             drop(admitted);
             drop(in_flight);
             tokio::select! {

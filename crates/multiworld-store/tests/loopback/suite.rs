@@ -733,14 +733,14 @@ async fn a_frozen_server_fails_a_waiting_call_through_keepalive() {
 async fn large_values_crossing_on_one_connection_with_fast_keepalive_complete() {
     let s = server(ServerConfig {
         keepalive_interval: Duration::from_millis(50),
-        keepalive_timeout: Duration::from_millis(300),
+        keepalive_timeout: Duration::from_secs(2),
         ..ServerConfig::default()
     })
     .await;
     s.open_world("w", WorldOptions::default()).unwrap();
     let config = ClientConfig {
         keepalive_interval: Duration::from_millis(50),
-        keepalive_timeout: Duration::from_millis(300),
+        keepalive_timeout: Duration::from_secs(2),
         ..quick()
     };
     let w = StoreClient::connect(&s.local_addr().to_string(), config)
