@@ -72,6 +72,22 @@ async fn set_get(w: &WorldStore) -> Duration {
     t.elapsed()
 }
 
+/// A server with a fast keepalive (200 ms, 1 s) and `max_streams` waits per
+/// connection, and a member of its world "w" holding a 3 MiB value "big".
+async fn a_big_value(max_streams: u32) -> (StoreServer, WorldStore) {
+    let s = server(ServerConfig {
+        max_streams_per_connection: max_streams,
+        keepalive_interval: Duration::from_millis(200),
+        keepalive_timeout: Duration::from_secs(1),
+        ..ServerConfig::default()
+    })
+    .await;
+    s.open_world("w", WorldOptions::default()).unwrap();
+    let w = member(s.local_addr(), "w", None).await;
+    w.set("big", vec![1u8; 3 << 20]).await.unwrap();
+    (s, w)
+}
+
 /// This process's resident memory in MiB (the server runs in it).
 fn rss_mib() -> f64 {
     let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
@@ -838,18 +854,8 @@ async fn a_client_speaks_grpc_to_a_server_that_answers_only_http2() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn answers_a_client_never_reads_are_bounded_and_its_connection_closed() {
-    let s = server(ServerConfig {
-        max_streams_per_connection: 8,
-        keepalive_interval: Duration::from_millis(200),
-        keepalive_timeout: Duration::from_secs(1),
-        ..ServerConfig::default()
-    })
-    .await;
-    s.open_world("w", WorldOptions::default()).unwrap();
-    let addr = s.local_addr();
-    let w = member(addr, "w", None).await;
-    w.set("big", vec![1u8; 3 << 20]).await.unwrap();
-    let g = w.generation();
+    let (s, w) = a_big_value(8).await;
+    let (addr, g) = (s.local_addr(), w.generation());
     // A client that asks for the 3 MiB value 200 times at once and never
     // reads: only the cap on waits until their answers are written stops
     // the server from reading (and holding an answer for) every request.
@@ -897,17 +903,8 @@ async fn answers_a_client_never_reads_are_bounded_and_its_connection_closed() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_stops_reading_large_answers_is_closed_and_forgotten() {
-    let s = server(ServerConfig {
-        keepalive_interval: Duration::from_millis(200),
-        keepalive_timeout: Duration::from_secs(1),
-        ..ServerConfig::default()
-    })
-    .await;
-    s.open_world("w", WorldOptions::default()).unwrap();
-    let addr = s.local_addr();
-    let w = member(addr, "w", None).await;
-    w.set("big", vec![1u8; 3 << 20]).await.unwrap();
-    let g = w.generation();
+    let (s, w) = a_big_value(ServerConfig::default().max_streams_per_connection).await;
+    let (addr, g) = (s.local_addr(), w.generation());
     // Twenty waiting requests for 3 MiB each, never read: the answers fill
     // the socket's buffers and their writes block.
     let mut raw = Raw::open(addr).await;
