@@ -202,6 +202,12 @@ pub(crate) fn head_len(world: &str, proof: Option<&str>) -> usize {
     5 + world.len() + proof.map_or(0, str::len)
 }
 
+/// The longest head a server with names of up to `max_name_len` bytes
+/// accepts.
+pub(crate) fn max_head_len(max_name_len: usize) -> usize {
+    5 + max_name_len + MAX_PROOF_LEN
+}
+
 /// Encodes a whole request frame.
 pub(crate) fn encode_request(
     id: u32,
@@ -530,6 +536,37 @@ pub(crate) async fn keepalive(
             );
         }
         seen = now;
+    }
+}
+
+/// Reads and drops `n` bytes (what `buf` holds of them first), within
+/// `deadline` if one is given: the rest of a frame that is not kept.
+pub(crate) async fn skip(
+    rd: &mut (impl AsyncRead + Unpin),
+    buf: &mut BytesMut,
+    mut n: usize,
+    deadline: Option<Instant>,
+) -> Result<(), String> {
+    loop {
+        let held = n.min(buf.len());
+        buf.advance(held);
+        n -= held;
+        if n == 0 {
+            return Ok(());
+        }
+        buf.reserve(READ_CHUNK);
+        let read = rd.read_buf(buf);
+        let got = match deadline {
+            Some(d) => tokio::time::timeout_at(d, read)
+                .await
+                .map_err(|_| "the rest of a frame did not arrive within request_body_timeout".to_string())?,
+            None => read.await,
+        };
+        match got {
+            Ok(0) => return Err("the peer closed the connection in the middle of a frame".into()),
+            Ok(_) => {}
+            Err(e) => return Err(format!("read: {e}")),
+        }
     }
 }
 

@@ -373,7 +373,7 @@ async fn read_answers(
                         h.len
                     ))));
                 }
-                if let Err(e) = skip(&mut rd, &mut buf, h.len).await {
+                if let Err(e) = framed::skip(&mut rd, &mut buf, h.len, None).await {
                     return e;
                 }
                 continue;
@@ -401,24 +401,6 @@ async fn read_answers(
         let waiting = link.calls().waiting.remove(&h.id);
         if let Some(tx) = waiting {
             let _ = tx.send(answer);
-        }
-    }
-}
-
-/// Reads and drops `n` bytes (what `buf` holds of them first).
-async fn skip(rd: &mut Counted<OwnedReadHalf>, buf: &mut BytesMut, mut n: usize) -> Result<(), String> {
-    loop {
-        let held = n.min(buf.len());
-        buf.advance(held);
-        n -= held;
-        if n == 0 {
-            return Ok(());
-        }
-        buf.reserve(framed::READ_CHUNK);
-        match rd.read_buf(buf).await {
-            Ok(0) => return Err("the server closed the connection in the middle of a frame".into()),
-            Ok(_) => {}
-            Err(e) => return Err(format!("read: {e}")),
         }
     }
 }

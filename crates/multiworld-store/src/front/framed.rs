@@ -35,8 +35,8 @@ use super::{CLOSE_GRACE, Conn, InFlight, admit, count_refusal};
 use crate::{
     error::{Limit, StoreError},
     framed::{
-        self, CONTROL_QUEUE, Controls, Counted, HEADER, Head, Kind, MAX_PROOF_LEN, Method, Out, PREFACE,
-        READ_CHUNK, keepalive, read_message, write_controls,
+        self, CONTROL_QUEUE, Controls, Counted, HEADER, Head, Kind, Method, Out, PREFACE, READ_CHUNK,
+        keepalive, read_message, write_controls,
     },
     limits::over,
     server::{Caller, Shared, client_id},
@@ -192,7 +192,7 @@ impl Reader<'_> {
         }
         let config = &self.shared.config;
         // The longest head (method, two lengths, a name, a proof) and message.
-        let max_body = (5 + config.max_name_len + MAX_PROOF_LEN).saturating_add(config.max_message_bytes);
+        let max_body = framed::max_head_len(config.max_name_len).saturating_add(config.max_message_bytes);
         loop {
             // Between frames: the only place the server's stop ends the
             // reader, so no request is cut in half.
@@ -260,24 +260,6 @@ impl Reader<'_> {
         Ok(true)
     }
 
-    /// Reads and drops `n` bytes of a refused request.
-    async fn skip(
-        &mut self,
-        rd: &mut (impl AsyncRead + Unpin),
-        mut n: usize,
-        deadline: Instant,
-    ) -> Result<(), Closed> {
-        loop {
-            let held = n.min(self.buf.len());
-            self.buf.advance(held);
-            n -= held;
-            if n == 0 {
-                return Ok(());
-            }
-            self.fill(rd, 1, Some(deadline)).await?;
-        }
-    }
-
     async fn answer(&self, frame: &[u8]) -> Result<(), Closed> {
         self.out.send(frame).await.map_err(|e| format!("write: {e}"))
     }
@@ -297,7 +279,7 @@ impl Reader<'_> {
         if stranger && rest > self.shared.config.max_unauthenticated_body_bytes {
             return Err("an unauthenticated request with a large message".into());
         }
-        self.skip(rd, rest, deadline).await
+        framed::skip(rd, &mut self.buf, rest, Some(deadline)).await
     }
 
     async fn request(
