@@ -17,7 +17,9 @@
 //! chunks; or, without pinned memory, a vector owned by the copy): the
 //! caller's slice is only touched by plain `memcpy` while we hold it, so even
 //! if the copy times out (and the staging memory is leaked on purpose) no DMA
-//! can reach the caller's memory after we return.
+//! can reach the caller's memory after we return. Host *tensors* in
+//! page-locked memory ([`DeviceBuffer::pinned_host_tensor`]) are copied to
+//! and from directly, one DMA copy each; one whose copy fails is leaked.
 
 #![allow(unsafe_code)]
 
@@ -29,7 +31,7 @@ use crate::cuda::WorldDevice;
 use crate::error::NcclError;
 use crate::ffi::CuDevicePtr;
 use crate::poll::poll_until;
-use multiworld_types::DType;
+use multiworld_types::{DType, Tensor};
 
 /// Device memory of one world: `len` elements of `dtype` on that world's
 /// device. Created by [`NcclComm::alloc`](crate::NcclComm::alloc) or
@@ -255,6 +257,87 @@ impl DeviceBuffer {
         let staging = self.finish_copy_keep("copy_to_host", staging, deadline, timeout)?;
         dst.copy_from_slice(&staging);
         Ok(())
+    }
+
+    /// A host tensor of this buffer's dtype and length in page-locked
+    /// ("pinned") memory from the CUDA driver, zeroed: what
+    /// [`copy_to_host_tensor`](Self::copy_to_host_tensor) and
+    /// [`copy_from_host_tensor`](Self::copy_from_host_tensor) copy to and
+    /// from directly, with no staging copy. Its memory is freed when the
+    /// tensor drops. Pinned memory is a scarce resource (it cannot be paged
+    /// out): keep such tensors for reuse rather than making one per copy.
+    /// Fails for an empty buffer, when the driver has no pinned memory to
+    /// give, or in a quarantined world.
+    pub fn pinned_host_tensor(&self) -> Result<Tensor, NcclError> {
+        let mem = self.dev.alloc_pinned_host(self.byte_len())?;
+        Tensor::from_external(self.dtype, [self.len], Box::new(mem))
+            .map_err(|e| NcclError::invalid(e.to_string()))
+    }
+
+    /// Copies the buffer into `dst`, a host tensor of the same byte length
+    /// (the dtype is not checked: bytes are copied as they are). A tensor
+    /// in page-locked memory ([`Tensor::is_page_locked`], e.g. one from
+    /// [`pinned_host_tensor`](Self::pinned_host_tensor)) is written by one
+    /// DMA copy, ordered after the world's earlier work; any other goes
+    /// through [`copy_to_host`](Self::copy_to_host)'s staging. Waits by
+    /// polling, at most `timeout`.
+    ///
+    /// If a direct copy times out (or its wait fails) it may still be
+    /// writing: `dst` is then left an empty tensor and its memory is leaked
+    /// on purpose (with the context reference it holds), so nothing can
+    /// free or reuse it under the copy.
+    pub fn copy_to_host_tensor(&self, dst: &mut Tensor, timeout: Duration) -> Result<(), NcclError> {
+        self.check_host_len(dst.nbytes())?;
+        if !dst.is_page_locked() {
+            return self.copy_to_host(dst.bytes_mut(), timeout);
+        }
+        let host = dst.bytes_mut().as_mut_ptr();
+        self.copy_direct("copy_to_host_tensor", true, host, dst, timeout)
+    }
+
+    /// Copies `src`, a host tensor of the buffer's byte length, into the
+    /// buffer: directly from page-locked memory, like
+    /// [`copy_to_host_tensor`](Self::copy_to_host_tensor), or else through
+    /// [`copy_from_host`](Self::copy_from_host)'s staging. A direct copy
+    /// that times out may still be reading `src`, which is then left an
+    /// empty tensor and its memory leaked (hence `&mut`).
+    pub fn copy_from_host_tensor(&mut self, src: &mut Tensor, timeout: Duration) -> Result<(), NcclError> {
+        self.check_host_len(src.nbytes())?;
+        if !src.is_page_locked() {
+            return self.copy_from_host(src.as_bytes(), timeout);
+        }
+        let host = src.bytes_mut().as_mut_ptr();
+        self.copy_direct("copy_from_host_tensor", false, host, src, timeout)
+    }
+
+    /// One direct copy between the buffer and `host`, the memory of
+    /// `tensor` (page-locked), leaking the tensor's memory if it fails.
+    fn copy_direct(
+        &self,
+        op: &'static str,
+        to_host: bool,
+        host: *mut u8,
+        tensor: &mut Tensor,
+        timeout: Duration,
+    ) -> Result<(), NcclError> {
+        if self.byte_len() == 0 {
+            return Ok(());
+        }
+        let deadline = Instant::now() + timeout;
+        // SAFETY: `self.ptr` holds `byte_len` device bytes of this world;
+        // `host` is the memory of `tensor`, exactly as many bytes (checked
+        // by the caller), which the caller's `&mut` keeps to us until we
+        // return; if the copy is not known complete it is leaked below.
+        unsafe {
+            self.dev
+                .enqueue_direct_copy(op, to_host, self.ptr, host, self.byte_len())?
+        };
+        let r = self.dev.wait_idle(op, deadline, timeout);
+        if r.is_err() {
+            // The copy may still run: the memory must never be freed.
+            std::mem::forget(std::mem::take(tensor));
+        }
+        r
     }
 
     /// The buffer's contents as a new vector of bytes.

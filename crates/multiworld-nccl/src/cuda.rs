@@ -29,6 +29,7 @@ use crate::error::NcclError;
 use crate::ffi::{self, CuDevice, CuDevicePtr, CuMemPoolProps, SendPtr};
 use crate::poll::poll_until;
 use crate::runtime::CudaDriver;
+use multiworld_types::ExternalMemory;
 
 /// Source of world-device ids, used to check that a buffer belongs to the
 /// communicator it is passed to.
@@ -325,6 +326,87 @@ impl WorldDevice {
         Some(Pinned(SendPtr(p)))
     }
 
+    /// `len` (> 0) zeroed bytes of page-locked host memory, portable to
+    /// every context, freed when the returned value drops (see
+    /// [`PinnedHost`]).
+    pub(crate) fn alloc_pinned_host(self: &Arc<Self>, len: usize) -> Result<PinnedHost, NcclError> {
+        self.refuse_if_quarantined("alloc_pinned_host")?;
+        if len == 0 {
+            return Err(NcclError::invalid("page-locked host memory of 0 bytes"));
+        }
+        let Some(api) = self.rt.cuda().pinned else {
+            return Err(NcclError::unsupported("this CUDA driver lacks cuMemHostAlloc"));
+        };
+        self.bind()?;
+        let mut p = std::ptr::null_mut();
+        // SAFETY: writes one host pointer to `len` bytes of pinned memory.
+        self.rt.cuda_check("cuMemHostAlloc", unsafe {
+            (api.host_alloc)(&mut p, len, ffi::CU_MEMHOSTALLOC_PORTABLE)
+        })?;
+        if p.is_null() {
+            return Err(NcclError::unsupported("cuMemHostAlloc returned no memory"));
+        }
+        // SAFETY: `p` holds `len` writable bytes that nothing else uses yet.
+        unsafe { std::ptr::write_bytes(p.cast::<u8>(), 0, len) };
+        let mut ctx = std::ptr::null_mut();
+        // SAFETY: writes one CUcontext (the one `self.ctx` is), retained
+        // until the PinnedHost's Drop releases it.
+        let rc = unsafe { (self.rt.cuda().primary_ctx_retain)(&mut ctx, self.device) };
+        if let Err(e) = self.rt.cuda_check("cuDevicePrimaryCtxRetain", rc) {
+            // SAFETY: `p` came from cuMemHostAlloc just above; nothing uses it.
+            let _ = unsafe { (api.free_host)(p) };
+            return Err(e);
+        }
+        Ok(PinnedHost {
+            rt: self.rt.clone(),
+            device: self.device,
+            ctx: SendPtr(ctx),
+            ptr: SendPtr(p),
+            len,
+        })
+    }
+
+    /// Enqueues one copy between device address `dev_ptr` and the host
+    /// memory at `host` (`len` bytes; `to_host` picks the direction), with
+    /// no staging: `host` should be page-locked, or the driver may wait
+    /// inside the call. The caller then waits for it ([`Self::wait_idle`]).
+    ///
+    /// # Safety
+    /// `dev_ptr..+len` is device memory of this world's context and
+    /// `host..+len` host memory that stays allocated (and, for a copy to the
+    /// host, unread and unwritten by anyone else) until the copy is known
+    /// complete; if that is never known (a timeout) the caller must never
+    /// free or reuse the host memory (leak it). Nothing was enqueued if this
+    /// returns an error.
+    pub(crate) unsafe fn enqueue_direct_copy(
+        &self,
+        op: &'static str,
+        to_host: bool,
+        dev_ptr: CuDevicePtr,
+        host: *mut u8,
+        len: usize,
+    ) -> Result<(), NcclError> {
+        self.refuse_if_quarantined(op)?;
+        self.bind()?;
+        let cuda = self.rt.cuda();
+        // SAFETY: the caller's promises, passed on; stream order puts the
+        // copy after the world's earlier work on the memory.
+        let (call, rc) = unsafe {
+            if to_host {
+                (
+                    "cuMemcpyDtoHAsync",
+                    (cuda.memcpy_dtoh_async)(host.cast(), dev_ptr, len, self.stream.0),
+                )
+            } else {
+                (
+                    "cuMemcpyHtoDAsync",
+                    (cuda.memcpy_htod_async)(dev_ptr, host.cast(), len, self.stream.0),
+                )
+            }
+        };
+        self.rt.cuda_check(call, rc)
+    }
+
     fn put_staging(&self, p: Pinned) {
         self.staging.lock().unwrap_or_else(|e| e.into_inner()).push(p);
     }
@@ -446,6 +528,55 @@ impl Drop for WorldDevice {
             }
             if !self.stream.0.is_null() {
                 let _ = (cuda.stream_destroy)(self.stream.0);
+            }
+            let _ = (cuda.primary_ctx_release)(self.device);
+        }
+    }
+}
+
+/// Page-locked host memory made by [`WorldDevice::alloc_pinned_host`]: the
+/// memory of a host tensor ([`ExternalMemory`]) that device copies read and
+/// write directly. Holds its own reference on the device's primary context
+/// (the memory lives in it), not the world's stream or pool, so it may
+/// outlive the world device that made it; dropping it frees the memory and
+/// that reference. Memory a copy may still use is never dropped: the
+/// copy's caller leaks it.
+pub(crate) struct PinnedHost {
+    rt: CudaDriver,
+    device: CuDevice,
+    ctx: SendPtr,
+    ptr: SendPtr,
+    len: usize,
+}
+
+impl ExternalMemory for PinnedHost {
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: `ptr` holds `len` initialised bytes (zeroed at allocation)
+        // owned by this value until it drops.
+        unsafe { std::slice::from_raw_parts(self.ptr.0.cast::<u8>(), self.len) }
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `bytes`; `&mut self` makes the access unique.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.0.cast::<u8>(), self.len) }
+    }
+
+    fn page_locked(&self) -> bool {
+        true
+    }
+}
+
+impl Drop for PinnedHost {
+    fn drop(&mut self) {
+        let cuda = *self.rt.cuda();
+        // SAFETY: `ctx` is the primary context this value retained; `ptr`
+        // came from cuMemHostAlloc in it and is freed once, while no copy
+        // uses it (one that timed out leaked its owner instead).
+        unsafe {
+            if (cuda.ctx_set_current)(self.ctx.0) == ffi::CUDA_SUCCESS {
+                if let Some(api) = cuda.pinned {
+                    let _ = (api.free_host)(self.ptr.0);
+                }
             }
             let _ = (cuda.primary_ctx_release)(self.device);
         }

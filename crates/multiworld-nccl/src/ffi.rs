@@ -171,6 +171,10 @@ pub(crate) const CUDA_ERROR_NOT_SUPPORTED: CuResult = 801;
 /// `CU_STREAM_NON_BLOCKING`: the stream does not synchronise with the legacy
 /// default stream, so work other code puts there cannot stall a world.
 pub(crate) const CU_STREAM_NON_BLOCKING: c_uint = 0x1;
+
+/// `CU_MEMHOSTALLOC_PORTABLE`: page-locked memory that every context treats
+/// as pinned, not only the one that allocated it.
+pub(crate) const CU_MEMHOSTALLOC_PORTABLE: c_uint = 0x1;
 /// `CU_EVENT_DISABLE_TIMING`: cheapest event kind, we only query completion.
 pub(crate) const CU_EVENT_DISABLE_TIMING: c_uint = 0x2;
 /// `CU_MEM_ALLOCATION_TYPE_PINNED`.

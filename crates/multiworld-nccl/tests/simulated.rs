@@ -29,7 +29,7 @@ use multiworld_nccl::{
     AbortOutcome, CloseOutcome, CommConfig, CommState, CudaDriver, DeviceContext, LibraryKind, LibrarySearch,
     NcclComm, NcclError, NcclRuntime, NcclVersion, ShrinkMode,
 };
-use multiworld_types::{DType, ReduceOp};
+use multiworld_types::{DType, ReduceOp, Tensor};
 
 const T: Duration = Duration::from_secs(10);
 
@@ -576,6 +576,87 @@ fn host_copies_stage_through_pinned_memory_in_chunks_and_release_it() {
     assert_eq!(f.live(), before, "pinned staging and the context are released");
 }
 
+/// A host tensor in page-locked memory is copied to and from in one direct
+/// copy (no staging buffer is taken), a pageable one through staging, and
+/// the pinned memory is freed with its tensor.
+#[test]
+fn pinned_host_tensors_are_copied_directly_and_freed_with_the_tensor() {
+    let (_g, f) = fake();
+    let before = f.live();
+    let pinned = |f: &fake::Fake| f.live()[6] - before[6];
+    let rt = f.runtime().unwrap();
+    let ctx = DeviceContext::open(&rt, 0).unwrap();
+    let data = big_pattern();
+    let mut buf = ctx.alloc(DType::U8, data.len()).unwrap();
+    let mut host = buf.pinned_host_tensor().unwrap();
+    assert!(host.is_page_locked());
+    assert_eq!((host.dtype(), host.numel()), (DType::U8, data.len()));
+    assert!(host.as_bytes().iter().all(|&b| b == 0), "zeroed");
+    assert_eq!(pinned(&f), 1, "the tensor's own pinned memory");
+    host.bytes_mut().copy_from_slice(&data);
+    buf.copy_from_host_tensor(&mut host, T).unwrap();
+    let mut back = buf.pinned_host_tensor().unwrap();
+    buf.copy_to_host_tensor(&mut back, T).unwrap();
+    assert!(back.as_bytes() == &data[..], "direct round trip differs");
+    assert_eq!(pinned(&f), 2, "no staging buffer was taken");
+    // A pageable tensor goes through the world's staging buffer.
+    let mut plain = Tensor::zeros(DType::U8, [data.len()]).unwrap();
+    assert!(!plain.is_page_locked());
+    buf.copy_to_host_tensor(&mut plain, T).unwrap();
+    assert!(plain.as_bytes() == &data[..], "staged copy differs");
+    assert_eq!(pinned(&f), 3, "one staging buffer for the pageable tensor");
+    let mut short = Tensor::zeros(DType::U8, [10]).unwrap();
+    let e = buf.copy_to_host_tensor(&mut short, T).unwrap_err();
+    assert!(e.to_string().contains("host slice is 10 bytes"), "{e}");
+    // An empty buffer has no pinned tensor to give.
+    let e = ctx.alloc(DType::U8, 0).unwrap().pinned_host_tensor().unwrap_err();
+    assert!(e.to_string().contains("0 bytes"), "{e}");
+    drop((host, back));
+    assert_eq!(
+        pinned(&f),
+        1,
+        "pinned tensors free their memory; the staging buffer stays"
+    );
+    drop((buf, ctx, rt));
+    assert_eq!(f.live(), before);
+}
+
+/// A direct copy that times out (the stream is stuck behind a hung
+/// operation) may still run: the tensor gives up its memory, which is
+/// leaked rather than freed under the copy.
+#[test]
+fn a_direct_copy_that_times_out_leaks_the_tensor_memory() {
+    let (_g, f) = fake();
+    let rt = f.runtime().unwrap();
+    let comm = NcclComm::init(&rt, &cfg(0, 1), &rt.unique_id().unwrap()).unwrap();
+    let mut buf = comm.alloc(DType::F32, 8).unwrap();
+    let mut host = buf.pinned_host_tensor().unwrap();
+    f.set(false, true, false);
+    let h = comm.all_reduce_in_place(&mut buf, ReduceOp::Sum).unwrap();
+    f.set(false, false, false);
+    let start = Instant::now();
+    let e = buf
+        .copy_to_host_tensor(&mut host, Duration::from_millis(50))
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            NcclError::Timeout {
+                op: "copy_to_host_tensor",
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    assert!(start.elapsed() < Duration::from_secs(2));
+    assert_eq!(host.numel(), 0, "the tensor gave up its memory");
+    let pinned = f.live()[6];
+    drop(host);
+    assert!(matches!(comm.abort(T), AbortOutcome::Aborted { .. }));
+    drop((h, buf, comm, rt));
+    assert_eq!(f.live()[6], pinned, "the memory under the copy was never freed");
+}
+
 #[test]
 fn without_pinned_memory_copies_stage_through_ordinary_memory() {
     let (_g, f) = fake();
@@ -588,6 +669,8 @@ fn without_pinned_memory_copies_stage_through_ordinary_memory() {
     let mut back = vec![0u8; data.len()];
     buf.copy_to_host(&mut back, T).unwrap();
     assert!(back == data, "round trip differs");
+    let e = buf.pinned_host_tensor().unwrap_err();
+    assert!(e.to_string().contains("cuMemHostAlloc"), "{e}");
     assert_eq!(f.live()[6], before[6], "no pinned memory was taken");
     drop((buf, ctx, rt));
     assert_eq!(f.live(), before);

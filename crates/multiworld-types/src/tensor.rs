@@ -279,6 +279,10 @@ mod storage {
             matches!(self, Storage::External { .. })
         }
 
+        pub fn is_page_locked(&self) -> bool {
+            matches!(self, Storage::External { mem, .. } if mem.page_locked())
+        }
+
         /// Whether the data is held as bytes (aligned or external) rather
         /// than in a typed `Vec`.
         pub(crate) fn is_bytes(&self) -> bool {
@@ -564,6 +568,14 @@ pub trait ExternalMemory: Send + Sync + 'static {
     fn bytes(&self) -> &[u8];
     /// The memory, writable.
     fn bytes_mut(&mut self) -> &mut [u8];
+    /// Whether the memory is page-locked ("pinned"): a device's DMA engine
+    /// may read and write it while the host does not wait, so a device copy
+    /// can target it directly instead of going through staging memory.
+    /// `false` unless the implementation knows it is (a wrong `true` only
+    /// makes such copies wait on the host).
+    fn page_locked(&self) -> bool {
+        false
+    }
 }
 
 /// An n-dimensional array of one dtype over contiguous host memory (row-major).
@@ -690,6 +702,12 @@ impl Tensor {
     /// Whether the data lives in memory lent through [`Tensor::from_external`].
     pub fn is_external(&self) -> bool {
         self.storage.is_external()
+    }
+
+    /// Whether the data lives in external memory that says it is page-locked
+    /// ([`ExternalMemory::page_locked`]).
+    pub fn is_page_locked(&self) -> bool {
+        self.storage.is_page_locked()
     }
 
     /// This tensor with data it owns: itself, or for a tensor over external
@@ -1081,6 +1099,36 @@ mod tests {
         dst.take_storage_from(Tensor::zeros(DType::U8, [ALIGNED_FROM]).unwrap())
             .unwrap();
         assert_eq!(dst.as_bytes().as_ptr() as usize % ALIGNMENT, 0);
+    }
+
+    /// Page-locked memory (as far as the tensor knows: it asks the memory).
+    struct Locked(Vec<u8>);
+
+    impl ExternalMemory for Locked {
+        fn bytes(&self) -> &[u8] {
+            &self.0
+        }
+        fn bytes_mut(&mut self) -> &mut [u8] {
+            &mut self.0
+        }
+        fn page_locked(&self) -> bool {
+            true
+        }
+    }
+
+    #[test]
+    fn only_external_memory_that_says_so_is_page_locked() {
+        let t = Tensor::from_external(DType::U8, [4], Box::new(Locked(vec![0; 4]))).unwrap();
+        assert!(t.is_page_locked());
+        assert!(!t.clone().is_page_locked(), "a clone owns ordinary memory");
+        let (mem, _) = lent(0, 8);
+        assert!(
+            !Tensor::from_external(DType::U8, [8], mem)
+                .unwrap()
+                .is_page_locked()
+        );
+        assert!(!Tensor::zeros(DType::U8, [ALIGNED_FROM]).unwrap().is_page_locked());
+        assert!(!Tensor::zeros(DType::F32, [3]).unwrap().is_page_locked());
     }
 
     /// Lent memory for the tests: a `u64` allocation (so 8-aligned), a window
