@@ -6,7 +6,8 @@ device-host copies measured in the same run.
     python bench/cuda_staging.py [--mib 64] [--iters 10]
 
 Rank 0 measures; rank 1 (a second process, spawn start method) echoes
-every message back. Per size it prints GB/s counting both directions:
+every message back. Per size it prints GB/s counting both directions,
+from the median call:
 
 - `cuda echo`: `send(cuda tensor)` + `recv_into(cuda tensor)` (each end
   copies device -> host, sends, receives, copies host -> device);
@@ -21,6 +22,7 @@ Needs torch with CUDA and the package (installed, or built here with
 
 import argparse
 import multiprocessing as mp
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -58,13 +60,18 @@ def echo(w: "mw.World", out, into) -> None:
 
 
 def timed(f, iters: int) -> float:
+    """Median seconds of one call of `f` over `iters` calls after a warm-up
+    (the median: one stall of the shared machine, tens of milliseconds,
+    would otherwise dominate the mean of a few short calls)."""
     f()  # warm-up
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
+    times = []
     for _ in range(iters):
+        t0 = time.perf_counter()
         f()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def main() -> None:
