@@ -856,9 +856,13 @@ async fn a_client_speaks_grpc_to_a_server_that_answers_only_http2() {
 async fn answers_a_client_never_reads_are_bounded_and_its_connection_closed() {
     let (s, w) = a_big_value(8).await;
     let (addr, g) = (s.local_addr(), w.generation());
-    // A client that asks for the 3 MiB value 200 times at once and never
-    // reads: only the cap on waits until their answers are written stops
-    // the server from reading (and holding an answer for) every request.
+    // A client that asks for the 3 MiB value 200 times and never reads:
+    // only the cap on waits until their answers are written stops the
+    // server from reading (and holding an answer for) every request. The
+    // requests come a few milliseconds apart, so each wait has its answer
+    // ready before the next request arrives: a cap that stopped counting a
+    // wait once its answer was made (not written) would admit all 200 and
+    // hold 600 MiB of answers.
     let before = rss_mib();
     let sampling = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
     let sampler = {
@@ -874,9 +878,15 @@ async fn answers_a_client_never_reads_are_bounded_and_its_connection_closed() {
     };
     let mut raw = Raw::open(addr).await;
     let flood = tokio::spawn(async move {
-        // 200 requests in one write: the server may read them all at once.
-        let burst: Vec<u8> = (0..200).flat_map(|id| get_frame(id, g, "big", 10_000)).collect();
-        let _ = tokio::time::timeout(Duration::from_secs(15), raw.0.write_all(&burst)).await;
+        let requests = async {
+            for id in 0..200 {
+                raw.0.write_all(&get_frame(id, g, "big", 10_000)).await?;
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            std::io::Result::Ok(())
+        };
+        // Once the server stops reading, the writes block: given up here.
+        let _ = tokio::time::timeout(Duration::from_secs(15), requests).await;
         raw
     });
     eventually(Duration::from_secs(5), "the flood's connection", || {
