@@ -340,7 +340,14 @@ pub(crate) async fn accept_loop<S: Grpc>(
                     (Arc::clone(&shared), grpc.clone(), stop.clone(), kill.clone());
                 tracker.spawn(async move {
                     let _registered = Registered(&shared.connections, id);
-                    serve_connection(stream, remote, conn, &shared, grpc, stop, kill).await;
+                    let accepted = Accepted {
+                        stream,
+                        remote,
+                        conn,
+                        stop,
+                        kill,
+                    };
+                    serve_connection(accepted, &shared, grpc).await;
                 });
             }
             Err(e) => {
@@ -360,17 +367,28 @@ pub(crate) async fn accept_loop<S: Grpc>(
     tracker.wait().await;
 }
 
-/// Serves one connection in the protocol its first byte names: `M` (the
-/// framed protocol's preface) or anything else (HTTP/2's starts with `P`).
-async fn serve_connection<S: Grpc>(
+/// One accepted connection, handed to the driver of its protocol.
+struct Accepted {
     stream: TcpStream,
     remote: SocketAddr,
+    /// Its place among the server's connections (deadlines, eviction).
     conn: Arc<Conn>,
-    shared: &Arc<Shared>,
-    grpc: S,
+    /// The server's graceful stop: requests in flight finish.
     stop: CancellationToken,
+    /// The server's kill: the connection closes at once.
     kill: CancellationToken,
-) {
+}
+
+/// Serves one connection in the protocol its first byte names: `M` (the
+/// framed protocol's preface) or anything else (HTTP/2's starts with `P`).
+async fn serve_connection<S: Grpc>(accepted: Accepted, shared: &Arc<Shared>, grpc: S) {
+    let Accepted {
+        stream,
+        remote,
+        conn,
+        stop,
+        kill,
+    } = &accepted;
     let mut first = [0u8; 1];
     let peeked = tokio::select! {
         r = stream.peek(&mut first) => r,
@@ -385,22 +403,19 @@ async fn serve_connection<S: Grpc>(
     };
     match peeked {
         Ok(0) | Err(_) => {}
-        Ok(_) if first[0] == crate::framed::PREFACE[0] => {
-            framed::serve(stream, remote, conn, shared, stop, kill).await;
-        }
-        Ok(_) => serve_http2(stream, remote, conn, shared, grpc, stop, kill).await,
+        Ok(_) if first[0] == crate::framed::PREFACE[0] => framed::serve(accepted, shared).await,
+        Ok(_) => serve_http2(accepted, shared, grpc).await,
     }
 }
 
-async fn serve_http2<S: Grpc>(
-    stream: TcpStream,
-    remote: SocketAddr,
-    conn: Arc<Conn>,
-    shared: &Arc<Shared>,
-    grpc: S,
-    stop: CancellationToken,
-    kill: CancellationToken,
-) {
+async fn serve_http2<S: Grpc>(accepted: Accepted, shared: &Arc<Shared>, grpc: S) {
+    let Accepted {
+        stream,
+        remote,
+        conn,
+        stop,
+        kill,
+    } = accepted;
     let config = &shared.config;
     let info = TcpConnectInfo {
         local_addr: stream.local_addr().ok(),

@@ -17,21 +17,19 @@
 
 use std::{
     collections::HashMap,
-    net::SocketAddr,
     sync::{Arc, Mutex, atomic::AtomicU64},
 };
 
 use bytes::{Buf, BytesMut};
 use tokio::{
     io::{AsyncRead, AsyncReadExt},
-    net::TcpStream,
     sync::{mpsc, watch},
     task::AbortHandle,
     time::Instant,
 };
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
-use super::{CLOSE_GRACE, Conn, InFlight, admit, count_refusal};
+use super::{Accepted, CLOSE_GRACE, Conn, InFlight, admit, count_refusal};
 use crate::{
     error::{Limit, StoreError},
     framed::{
@@ -83,14 +81,14 @@ type Closed = String;
 
 /// Serves one framed connection until the client leaves, a bound or a
 /// deadline closes it, or the server stops.
-pub(super) async fn serve(
-    stream: TcpStream,
-    remote: SocketAddr,
-    conn: Arc<Conn>,
-    shared: &Arc<Shared>,
-    stop: CancellationToken,
-    kill: CancellationToken,
-) {
+pub(super) async fn serve(accepted: Accepted, shared: &Arc<Shared>) {
+    let Accepted {
+        stream,
+        remote,
+        conn,
+        stop,
+        kill,
+    } = accepted;
     let config = &shared.config;
     let (rd, wr) = stream.into_split();
     let moved = Arc::new(AtomicU64::new(0));
