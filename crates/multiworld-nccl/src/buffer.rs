@@ -330,7 +330,7 @@ impl DeviceBuffer {
         // return; if the copy is not known complete it is leaked below.
         unsafe {
             self.dev
-                .enqueue_direct_copy(op, to_host, self.ptr, host, self.byte_len())?
+                .enqueue_copy(op, to_host, self.ptr, host, self.byte_len())?
         };
         let r = self.dev.wait_idle(op, deadline, timeout);
         if r.is_err() {

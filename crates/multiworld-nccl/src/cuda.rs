@@ -366,10 +366,11 @@ impl WorldDevice {
         })
     }
 
-    /// Enqueues one copy between device address `dev_ptr` and the host
-    /// memory at `host` (`len` bytes; `to_host` picks the direction), with
-    /// no staging: `host` should be page-locked, or the driver may wait
-    /// inside the call. The caller then waits for it ([`Self::wait_idle`]).
+    /// Enqueues one copy on the world's stream between device address
+    /// `dev_ptr` and the host memory at `host` (`len` bytes; `to_host` picks
+    /// the direction): a chunk of the pinned staging, or a whole pinned host
+    /// tensor. `host` should be page-locked, or the driver may wait inside
+    /// the call. The caller then waits for it ([`Self::wait_idle`]).
     ///
     /// # Safety
     /// `dev_ptr..+len` is device memory of this world's context and
@@ -378,7 +379,7 @@ impl WorldDevice {
     /// complete; if that is never known (a timeout) the caller must never
     /// free or reuse the host memory (leak it). Nothing was enqueued if this
     /// returns an error.
-    pub(crate) unsafe fn enqueue_direct_copy(
+    pub(crate) unsafe fn enqueue_copy(
         &self,
         op: &'static str,
         to_host: bool,
@@ -433,17 +434,10 @@ impl WorldDevice {
             // this copy uses, and no DMA is pending on it (the previous chunk
             // completed).
             unsafe { std::ptr::copy_nonoverlapping(chunk.as_ptr(), stage, chunk.len()) };
-            if let Err(e) = self.bind() {
-                self.put_staging(pin);
-                return Err(e);
-            }
             // SAFETY: `dst + offset` has chunk.len() device bytes (the caller
             // owns dst..dst+src.len()); the stage stays alive until the
             // event below completes, or is leaked.
-            let rc = unsafe {
-                (self.rt.cuda().memcpy_htod_async)(dst + offset, stage.cast(), chunk.len(), self.stream.0)
-            };
-            if let Err(e) = self.rt.cuda_check("cuMemcpyHtoDAsync", rc) {
+            if let Err(e) = unsafe { self.enqueue_copy(op, false, dst + offset, stage, chunk.len()) } {
                 // Not enqueued: nothing reads the stage.
                 self.put_staging(pin);
                 return Err(e);
@@ -471,16 +465,9 @@ impl WorldDevice {
         let stage = pin.0.0.cast::<u8>();
         let mut offset = 0u64;
         for chunk in dst.chunks_mut(STAGING_BYTES) {
-            if let Err(e) = self.bind() {
-                self.put_staging(pin);
-                return Err(e);
-            }
             // SAFETY: `src + offset` has chunk.len() device bytes; the stage
             // has room and stays alive until the copy completes, or is leaked.
-            let rc = unsafe {
-                (self.rt.cuda().memcpy_dtoh_async)(stage.cast(), src + offset, chunk.len(), self.stream.0)
-            };
-            if let Err(e) = self.rt.cuda_check("cuMemcpyDtoHAsync", rc) {
+            if let Err(e) = unsafe { self.enqueue_copy(op, true, src + offset, stage, chunk.len()) } {
                 self.put_staging(pin);
                 return Err(e);
             }

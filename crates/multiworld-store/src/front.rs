@@ -382,16 +382,11 @@ struct Accepted {
 /// Serves one connection in the protocol its first byte names: `M` (the
 /// framed protocol's preface) or anything else (HTTP/2's starts with `P`).
 async fn serve_connection<S: Grpc>(accepted: Accepted, shared: &Arc<Shared>, grpc: S) {
-    let Accepted {
-        stream,
-        remote,
-        conn,
-        stop,
-        kill,
-    } = &accepted;
+    let (conn, remote) = (&accepted.conn, accepted.remote);
+    let (stop, kill) = (&accepted.stop, &accepted.kill);
     let mut first = [0u8; 1];
     let peeked = tokio::select! {
-        r = stream.peek(&mut first) => r,
+        r = accepted.stream.peek(&mut first) => r,
         _ = kill.cancelled() => return,
         _ = stop.cancelled() => return,
         _ = tokio::time::sleep_until(conn.accepted + shared.config.first_request_timeout) => {
