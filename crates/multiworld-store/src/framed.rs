@@ -19,7 +19,12 @@
 //!   then the message in UTF-8;
 //! - `Cancel` (client, empty): the request with this id is abandoned;
 //! - `Ping` / `Pong` (either side, empty): keepalive, the pong echoing the
-//!   ping's id.
+//!   ping's id;
+//! - `GoAway` (server, empty): the server closes the connection and reads
+//!   no request after the first `id` requests of it (counted from 1, in
+//!   the order they were sent, modulo 2^32); it still answers those, then
+//!   closes. A request after them was never seen, so the client may send
+//!   it again on a new connection.
 //!
 //! Every length is checked against its bound before anything is allocated
 //! for it, and nothing here panics on any input.
@@ -70,6 +75,7 @@ pub(crate) enum Kind {
     Cancel = 4,
     Ping = 5,
     Pong = 6,
+    GoAway = 7,
 }
 
 /// A decoded frame header.
@@ -93,9 +99,10 @@ pub(crate) fn decode_header(b: &[u8; HEADER], max_body: usize) -> Result<Header,
         4 => Kind::Cancel,
         5 => Kind::Ping,
         6 => Kind::Pong,
+        7 => Kind::GoAway,
         k => return Err(format!("unknown frame kind {k}")),
     };
-    let control = matches!(kind, Kind::Cancel | Kind::Ping | Kind::Pong);
+    let control = matches!(kind, Kind::Cancel | Kind::Ping | Kind::Pong | Kind::GoAway);
     if control && len != 0 {
         return Err(format!("a {kind:?} frame with a {len}-byte body"));
     }
@@ -113,7 +120,7 @@ fn put_header(out: &mut BytesMut, kind: Kind, id: u32, len: usize) {
     out.put_u32(id);
 }
 
-/// A body-less frame (`Cancel`, `Ping`, `Pong`).
+/// A body-less frame (`Cancel`, `Ping`, `Pong`, `GoAway`).
 pub(crate) fn control(kind: Kind, id: u32) -> [u8; HEADER] {
     let mut b = [0u8; HEADER];
     b[4] = kind as u8;
@@ -698,8 +705,18 @@ mod tests {
         assert!(decode_header(&b, 99).is_err());
         b[4] = Kind::Ping as u8;
         assert!(decode_header(&b, 1000).is_err());
+        b[4] = Kind::GoAway as u8;
+        assert!(decode_header(&b, 1000).is_err(), "a GoAway has no body");
         b[4] = 9;
         assert!(decode_header(&b, 1000).is_err());
+        assert_eq!(
+            decode_header(&control(Kind::GoAway, 3), 0),
+            Ok(Header {
+                kind: Kind::GoAway,
+                id: 3,
+                len: 0
+            })
+        );
         let c = control(Kind::Pong, 5);
         assert_eq!(
             decode_header(&c, 0),

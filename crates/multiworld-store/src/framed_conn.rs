@@ -11,7 +11,11 @@
 //! (a frozen server fails the calls), replies bounded before allocation, a
 //! dropped call tells the server (a `Cancel` frame, so the server forgets
 //! the wait), a dead connection fails every call on it at once, and the next
-//! call after that dials again.
+//! call after that dials again. A server that closes the connection on
+//! purpose says so first (`GoAway`, with how many requests it read): the
+//! calls it never read are sent again on a new connection (at most
+//! [`RESENDS`] times), those it read still get their answers, and new calls
+//! go to a new connection.
 
 use std::{
     collections::HashMap,
@@ -54,11 +58,42 @@ fn is_http2_settings(header: &[u8; HEADER]) -> bool {
 /// frame or of the connection's end.
 type Answer = Result<Bytes, Status>;
 
+/// How a call on one connection ends.
+enum Outcome {
+    Answer(Answer),
+    /// The server went away without reading the request: send it again on
+    /// another connection.
+    Resend,
+}
+
+/// How many times a call is sent again after servers that went away
+/// without reading it.
+const RESENDS: usize = 3;
+
+/// A call waiting for its answer.
+struct Waiting {
+    tx: oneshot::Sender<Outcome>,
+    /// Its request's place among the connection's requests (from 1), once
+    /// written.
+    seq: Option<u32>,
+}
+
 #[derive(Default)]
 struct Calls {
-    waiting: HashMap<u32, oneshot::Sender<Answer>>,
+    waiting: HashMap<u32, Waiting>,
     /// Why the connection ended, once it has.
     ended: Option<String>,
+    /// Requests written so far, modulo 2^32.
+    written: u32,
+    /// The server's `GoAway`: how many requests it read. No request is
+    /// written after it.
+    going_away: Option<u32>,
+}
+
+/// Whether a request written `seq`-th (from 1) is among the first `read`
+/// (modulo 2^32: fewer than 2^31 requests are ever outstanding).
+fn was_read(seq: u32, read: u32) -> bool {
+    read.wrapping_sub(seq) < 1 << 31
 }
 
 /// One live connection.
@@ -69,6 +104,8 @@ struct Link {
     calls: Mutex<Calls>,
     next_id: AtomicU32,
     gone: CancellationToken,
+    /// Set with `Calls::going_away`: new calls go to a new connection.
+    leaving: std::sync::atomic::AtomicBool,
     /// Control frames (cancels, pongs, pings) for the driver to write.
     control: Controls,
 }
@@ -87,10 +124,35 @@ impl Link {
             }
             std::mem::take(&mut calls.waiting)
         };
-        for (_, tx) in waiting {
-            let _ = tx.send(Err(Status::unavailable(why.clone())));
+        for (_, w) in waiting {
+            let _ = w.tx.send(Outcome::Answer(Err(Status::unavailable(why.clone()))));
         }
         self.gone.cancel();
+    }
+
+    /// Whether new calls may use this connection.
+    fn usable(&self) -> bool {
+        !self.gone.is_cancelled() && !self.leaving.load(Ordering::Acquire)
+    }
+
+    /// The server goes away having read `read` requests: the calls it did
+    /// not read are told to go elsewhere; the others wait for their answers.
+    fn go_away(&self, read: u32) {
+        let resend: Vec<Waiting> = {
+            let mut calls = self.calls();
+            calls.going_away = Some(read);
+            self.leaving.store(true, Ordering::Release);
+            let ids: Vec<u32> = calls
+                .waiting
+                .iter()
+                .filter(|(_, w)| w.seq.is_some_and(|s| !was_read(s, read)))
+                .map(|(id, _)| *id)
+                .collect();
+            ids.iter().filter_map(|id| calls.waiting.remove(id)).collect()
+        };
+        for w in resend {
+            let _ = w.tx.send(Outcome::Resend);
+        }
     }
 }
 
@@ -195,7 +257,7 @@ impl FramedConn {
     async fn ready(&self) -> Result<Arc<Link>, Status> {
         let seen = self.current();
         if let Some(link) = &seen
-            && !link.gone.is_cancelled()
+            && link.usable()
         {
             return Ok(Arc::clone(link));
         }
@@ -203,7 +265,7 @@ impl FramedConn {
         // Another caller may have dialed while this one waited.
         if let Some(link) = self.current()
             && seen.as_ref().is_none_or(|s| s.dial != link.dial)
-            && !link.gone.is_cancelled()
+            && link.usable()
         {
             return Ok(link);
         }
@@ -220,7 +282,8 @@ impl FramedConn {
         Ok(link)
     }
 
-    /// Sends one request and waits for its answer.
+    /// Sends one request and waits for its answer; sends it again on a new
+    /// connection if the server went away without reading it.
     pub(crate) async fn call(
         &self,
         method: Method,
@@ -234,41 +297,88 @@ impl FramedConn {
                 "message length too large: found {len} bytes, the limit is: {MAX_BODY} bytes"
             )));
         }
-        let link = self.ready().await?;
-        let (tx, rx) = oneshot::channel();
-        let id = {
-            let mut calls = link.calls();
-            if let Some(why) = &calls.ended {
-                return Err(Status::unavailable(why.clone()));
+        for _ in 0..=RESENDS {
+            let link = self.ready().await?;
+            let frame = |id| framed::encode_request(id, method, world, proof, message);
+            match call_on(&link, frame).await {
+                Outcome::Answer(answer) => return answer,
+                Outcome::Resend => {}
             }
-            // Ids wrap after 2^32 calls: skip one still in use.
-            let mut id = link.next_id.fetch_add(1, Ordering::Relaxed);
-            while calls.waiting.contains_key(&id) {
-                id = link.next_id.fetch_add(1, Ordering::Relaxed);
-            }
-            calls.waiting.insert(id, tx);
-            id
-        };
-        let mut call = Call {
-            link: &link,
-            id,
-            state: CallState::Queued,
-        };
-        let frame = framed::encode_request(id, method, world, proof, message);
-        let mut out = link.out.lock().await;
-        call.state = CallState::Writing;
-        let written = out.write_all(&frame).await;
-        drop(out);
-        call.state = CallState::Sent;
-        if let Err(e) = written {
-            link.end(format!("write: {e}"));
         }
-        let answer = rx
-            .await
-            .unwrap_or_else(|_| Err(Status::unavailable("the store connection ended")));
-        call.state = CallState::Answered;
-        answer
+        Err(Status::unavailable(format!(
+            "the store server went away without reading the request {} times",
+            RESENDS + 1
+        )))
     }
+}
+
+/// One call on `link`: its request (`frame` of the call's id) written under
+/// the writer lock, unless the server is going away, and its outcome.
+async fn call_on(link: &Link, frame: impl FnOnce(u32) -> Bytes) -> Outcome {
+    let (tx, rx) = oneshot::channel();
+    let id = {
+        let mut calls = link.calls();
+        if let Some(why) = &calls.ended {
+            return Outcome::Answer(Err(Status::unavailable(why.clone())));
+        }
+        if calls.going_away.is_some() {
+            return Outcome::Resend;
+        }
+        // Ids wrap after 2^32 calls: skip one still in use.
+        let mut id = link.next_id.fetch_add(1, Ordering::Relaxed);
+        while calls.waiting.contains_key(&id) {
+            id = link.next_id.fetch_add(1, Ordering::Relaxed);
+        }
+        calls.waiting.insert(id, Waiting { tx, seq: None });
+        id
+    };
+    let mut call = Call {
+        link,
+        id,
+        state: CallState::Queued,
+    };
+    let frame = frame(id);
+    let mut out = link.out.lock().await;
+    // Under the writer lock, so `seq` is the order the server reads in;
+    // under the calls lock, so a `GoAway` sees either this request's place
+    // or no request written.
+    let placed = {
+        let mut calls = link.calls();
+        let seq = calls.written.wrapping_add(1);
+        if calls.going_away.is_some() {
+            calls.waiting.remove(&id);
+            Err(Some(Outcome::Resend))
+        } else if let Some(w) = calls.waiting.get_mut(&id) {
+            w.seq = Some(seq);
+            calls.written = seq;
+            Ok(())
+        } else {
+            // The connection ended meanwhile: its end failed this call.
+            Err(None)
+        }
+    };
+    if let Err(now) = placed {
+        drop(out);
+        call.state = CallState::Answered;
+        return match now {
+            Some(outcome) => outcome,
+            None => rx
+                .await
+                .unwrap_or_else(|_| Outcome::Answer(Err(Status::unavailable("the store connection ended")))),
+        };
+    }
+    call.state = CallState::Writing;
+    let written = out.write_all(&frame).await;
+    drop(out);
+    call.state = CallState::Sent;
+    if let Err(e) = written {
+        link.end(format!("write: {e}"));
+    }
+    let outcome = rx
+        .await
+        .unwrap_or_else(|_| Outcome::Answer(Err(Status::unavailable("the store connection ended"))));
+    call.state = CallState::Answered;
+    outcome
 }
 
 async fn dial(addr: &str, settings: &ConnSettings, max_reply: usize, dial: u64) -> Result<Arc<Link>, String> {
@@ -289,6 +399,7 @@ async fn dial(addr: &str, settings: &ConnSettings, max_reply: usize, dial: u64) 
         calls: Mutex::new(Calls::default()),
         next_id: AtomicU32::new(1),
         gone: CancellationToken::new(),
+        leaving: std::sync::atomic::AtomicBool::new(false),
         control,
     });
     tokio::spawn(drive(
@@ -362,16 +473,20 @@ async fn read_answers(
                 pongs.send_replace(h.id);
                 continue;
             }
+            Kind::GoAway => {
+                link.go_away(h.id);
+                continue;
+            }
             Kind::Reply if h.len > max_reply => {
                 // Over this client's bound: that call fails at once, typed as
                 // the gRPC codec's bound is, and the connection goes on once
                 // the reply has been skipped.
                 let waiting = link.calls().waiting.remove(&h.id);
-                if let Some(tx) = waiting {
-                    let _ = tx.send(Err(Status::out_of_range(format!(
+                if let Some(w) = waiting {
+                    let _ = w.tx.send(Outcome::Answer(Err(Status::out_of_range(format!(
                         "message length too large: found {} bytes, the limit is: {max_reply} bytes",
                         h.len
-                    ))));
+                    )))));
                 }
                 if let Err(e) = framed::skip(&mut rd, &mut buf, h.len, None).await {
                     return e;
@@ -399,8 +514,8 @@ async fn read_answers(
         };
         // Absent when the call was abandoned: nothing to do.
         let waiting = link.calls().waiting.remove(&h.id);
-        if let Some(tx) = waiting {
-            let _ = tx.send(answer);
+        if let Some(w) = waiting {
+            let _ = w.tx.send(Outcome::Answer(answer));
         }
     }
 }

@@ -14,6 +14,14 @@
 //! server pings every `keepalive_interval` and closes a connection whose
 //! pong is `keepalive_timeout` late, which also releases the waits of a
 //! client that froze.
+//!
+//! A connection the server closes on purpose (its stop, `idle_timeout`,
+//! `first_request_timeout`; not an eviction, which frees its place at once)
+//! goes away in order: the reader
+//! stops at the next frame boundary, a `GoAway` frame tells the client how
+//! many of its requests were read (it sends the later ones again elsewhere),
+//! the waits among them may answer within a grace, then the connection
+//! closes.
 
 use std::{
     collections::HashMap,
@@ -97,6 +105,9 @@ pub(super) async fn serve(accepted: Accepted, shared: &Arc<Shared>) {
     let waits = Arc::new(Waits::default());
     let (pong_tx, pong_rx) = watch::channel(0u32);
     let (controls, mut queued) = mpsc::channel(CONTROL_QUEUE);
+    // Cancelled to make the connection go away in order (the server's stop
+    // or a deadline): the reader stops at the next frame boundary.
+    let closing = stop.child_token();
     let reader = Reader {
         shared,
         conn: &conn,
@@ -105,8 +116,9 @@ pub(super) async fn serve(accepted: Accepted, shared: &Arc<Shared>) {
         pongs: &pong_tx,
         client: client_id(Some(remote)),
         buf: BytesMut::with_capacity(READ_CHUNK),
-        stop: &stop,
+        stop: &closing,
         controls: &controls,
+        requests: 0,
     };
     let alive = keepalive(
         &controls,
@@ -117,24 +129,32 @@ pub(super) async fn serve(accepted: Accepted, shared: &Arc<Shared>) {
     );
     let why = tokio::select! {
         r = reader.run(rd) => match r {
-            // The server stopped: the reader ended at a frame boundary,
-            // after the request it was running, and the waits (which end at
-            // once, their worlds closed) may still answer within the grace.
-            Ok(()) if stop.is_cancelled() => {
+            // Going away: the reader ended at a frame boundary, after the
+            // request it was running. The client learns how many of its
+            // requests were read, and the waits among them (which end at
+            // once on a stop, their worlds closed) may still answer within
+            // the grace.
+            Ok(read) if closing.is_cancelled() => {
+                let grace = tokio::time::sleep(CLOSE_GRACE);
+                tokio::pin!(grace);
                 waits.tracker.close();
+                let go_away = framed::control(Kind::GoAway, read);
                 tokio::select! {
-                    _ = waits.tracker.wait() => None,
-                    _ = tokio::time::sleep(CLOSE_GRACE) => Some("waits still answering at the end of the grace".into()),
+                    _ = async {
+                        let _ = out.send(&go_away).await;
+                        waits.tracker.wait().await;
+                    } => None,
+                    _ = &mut grace => Some("waits still answering at the end of the grace".into()),
                     _ = kill.cancelled() => Some("the server was killed".into()),
                 }
             }
             // The client left.
-            Ok(()) => None,
+            Ok(_) => None,
             Err(why) => Some(why),
         },
         why = alive => Some(why),
         why = write_controls(&out, &mut queued) => Some(why),
-        why = deadlines(&conn, shared) => Some(why),
+        why = deadlines(&conn, shared, &closing) => Some(why),
         _ = kill.cancelled() => Some("the server was killed".into()),
     };
     if let Some(why) = why {
@@ -145,23 +165,32 @@ pub(super) async fn serve(accepted: Accepted, shared: &Arc<Shared>) {
     waits.end().await;
 }
 
-/// Ends when the connection is evicted, sent no request within
-/// `first_request_timeout`, or had none in flight for `idle_timeout`.
-async fn deadlines(conn: &Conn, shared: &Shared) -> Closed {
+/// Ends at once when the connection is evicted (its place is wanted now).
+/// When it sent no request within `first_request_timeout`, or had none in
+/// flight for `idle_timeout`: makes it go away in order (`closing`), and
+/// ends with the reason if it has not gone within the grace (a request
+/// still arriving, a client not reading the `GoAway`).
+async fn deadlines(conn: &Conn, shared: &Shared, closing: &CancellationToken) -> Closed {
     let config = &shared.config;
-    loop {
+    let why: Closed = loop {
         let check = conn.next_check(config);
         tokio::select! {
             _ = conn.changed.notified() => {}
             _ = tokio::time::sleep_until(check) => {}
+            // The server's stop: the reader's end takes it from here.
+            _ = closing.cancelled() => std::future::pending::<()>().await,
         }
         if conn.evicted.load(std::sync::atomic::Ordering::Acquire) {
             return "evicted to make room".into();
         }
         if let Some(why) = conn.expired(Instant::now(), config) {
-            return why.into();
+            break why.into();
         }
-    }
+    };
+    tracing::debug!(why, "store connection going away");
+    closing.cancel();
+    tokio::time::sleep(CLOSE_GRACE.saturating_add(config.request_body_timeout)).await;
+    why
 }
 
 struct Reader<'a> {
@@ -177,14 +206,21 @@ struct Reader<'a> {
     stop: &'a CancellationToken,
     /// Pongs go out through the connection's control queue.
     controls: &'a Controls,
+    /// Requests read so far (their headers), modulo 2^32: what a `GoAway`
+    /// tells the client.
+    requests: u32,
 }
 
 impl Reader<'_> {
-    async fn run(mut self, mut rd: impl AsyncRead + Unpin) -> Result<(), Closed> {
+    /// Reads frames until the client leaves or `stop` (at a frame
+    /// boundary); returns how many requests it read.
+    async fn run(mut self, mut rd: impl AsyncRead + Unpin) -> Result<u32, Closed> {
         let mut preface = [0u8; PREFACE.len()];
-        rd.read_exact(&mut preface)
-            .await
-            .map_err(|e| format!("no preface: {e}"))?;
+        tokio::select! {
+            read = rd.read_exact(&mut preface) => read.map_err(|e| format!("no preface: {e}"))?,
+            // Not a framed client yet: nothing to tell it.
+            _ = self.stop.cancelled() => return Err("closed before its preface was complete".into()),
+        };
         if preface != PREFACE {
             return Err("not a framed store client".into());
         }
@@ -195,20 +231,20 @@ impl Reader<'_> {
             // Between frames: the only place the server's stop ends the
             // reader, so no request is cut in half.
             if self.stop.is_cancelled() {
-                return Ok(());
+                return Ok(self.requests);
             }
             if self.buf.is_empty() {
                 // Between frames: the only place the server's stop ends the
                 // reader, so no request is cut in half.
                 tokio::select! {
-                    _ = self.stop.cancelled() => return Ok(()),
+                    _ = self.stop.cancelled() => return Ok(self.requests),
                     more = self.fill(&mut rd, 1, None) => if !more? {
-                        return Ok(());
+                        return Ok(self.requests);
                     },
                 }
             }
             if !self.fill(&mut rd, HEADER, None).await? {
-                return Ok(());
+                return Ok(self.requests);
             }
             let mut header = [0u8; HEADER];
             header.copy_from_slice(&self.buf[..HEADER]);
@@ -224,8 +260,13 @@ impl Reader<'_> {
                     self.pongs.send_replace(h.id);
                 }
                 Kind::Cancel => self.waits.cancel(h.id),
-                Kind::Request => self.request(&mut rd, h.id, h.len).await?,
-                Kind::Reply | Kind::Error => return Err(format!("a client sent a {:?} frame", h.kind)),
+                Kind::Request => {
+                    self.requests = self.requests.wrapping_add(1);
+                    self.request(&mut rd, h.id, h.len).await?;
+                }
+                Kind::Reply | Kind::Error | Kind::GoAway => {
+                    return Err(format!("a client sent a {:?} frame", h.kind));
+                }
             }
         }
     }
