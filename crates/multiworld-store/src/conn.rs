@@ -128,31 +128,58 @@ impl Conn {
         // A unary request's body is one encoded message, already in memory:
         // collecting it completes at once.
         let body = body.collect().await?.to_bytes();
-        let mut send = self.ready().await?;
-        let eos = body.is_empty();
-        let (response, mut stream) = send
-            .send_request(http::Request::from_parts(parts, ()), eos)
-            .map_err(h2_status)?;
-        // The server may answer before it has read the body (a refusal, e.g.
-        // a wrong secret, sent as trailers only) and close the stream: the
-        // body then cannot be sent ("inactive stream"), and the answer is
-        // what counts. The send error is reported only if no answer comes.
-        let sent = if eos { Ok(()) } else { stream.send_data(body, true) };
-        let answer = match (response.await, sent) {
-            (Ok(answer), _) => answer,
-            (Err(e), Ok(())) => return Err(h2_status(e)),
-            (Err(_), Err(e)) => return Err(h2_status(e)),
-        };
-        let (parts, recv) = answer.into_parts();
-        Ok(http::Response::from_parts(
-            parts,
-            Body::new(RecvBody {
-                recv,
-                data_done: false,
-                done: false,
-            }),
-        ))
+        for _ in 0..=RESENDS {
+            let mut send = self.ready().await?;
+            let eos = body.is_empty();
+            let (response, mut stream) =
+                match send.send_request(http::Request::from_parts(parts.clone(), ()), eos) {
+                    Ok(sent) => sent,
+                    Err(e) if never_processed(&e) => continue,
+                    Err(e) => return Err(h2_status(e)),
+                };
+            // The server may answer before it has read the body (a refusal,
+            // e.g. a wrong secret, sent as trailers only) and close the
+            // stream: the body then cannot be sent ("inactive stream"), and
+            // the answer is what counts. The send error is reported only if
+            // no answer comes.
+            let sent = if eos {
+                Ok(())
+            } else {
+                stream.send_data(body.clone(), true)
+            };
+            let answer = match (response.await, sent) {
+                (Ok(answer), _) => answer,
+                (Err(e), _) if never_processed(&e) => continue,
+                (Err(e), Ok(())) => return Err(h2_status(e)),
+                (Err(_), Err(e)) => return Err(h2_status(e)),
+            };
+            let (parts, recv) = answer.into_parts();
+            return Ok(http::Response::from_parts(
+                parts,
+                Body::new(RecvBody {
+                    recv,
+                    data_done: false,
+                    done: false,
+                }),
+            ));
+        }
+        Err(Status::unavailable(format!(
+            "the store server went away without processing the request {} times",
+            RESENDS + 1
+        )))
     }
+}
+
+/// How many times a request is sent again after servers that went away
+/// without processing it.
+const RESENDS: usize = 3;
+
+/// Whether `e` says the server never processed the request: its stream was
+/// above the last one a GOAWAY from the server let through (RFC 9113 §6.8:
+/// such streams "were not or will not be processed"), or it was refused
+/// (`REFUSED_STREAM`, §8.7). Such a request may be sent again.
+fn never_processed(e: &h2::Error) -> bool {
+    e.is_remote() && (e.is_go_away() || e.reason() == Some(h2::Reason::REFUSED_STREAM))
 }
 
 impl Service<http::Request<Body>> for Conn {
