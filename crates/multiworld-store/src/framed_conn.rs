@@ -318,11 +318,13 @@ async fn call_on(link: &Link, frame: impl FnOnce(u32) -> Bytes) -> Outcome {
     let (tx, rx) = oneshot::channel();
     let id = {
         let mut calls = link.calls();
-        if let Some(why) = &calls.ended {
-            return Outcome::Answer(Err(Status::unavailable(why.clone())));
-        }
+        // Going away first: a server that said so and then closed never saw
+        // this call, whichever the call finds.
         if calls.going_away.is_some() {
             return Outcome::Resend;
+        }
+        if let Some(why) = &calls.ended {
+            return Outcome::Answer(Err(Status::unavailable(why.clone())));
         }
         // Ids wrap after 2^32 calls: skip one still in use.
         let mut id = link.next_id.fetch_add(1, Ordering::Relaxed);
@@ -433,6 +435,12 @@ async fn drive(
     };
     tracing::debug!(why, "store connection ended");
     link.end(why);
+    // Our side's end too, now rather than when the last handle lets go of
+    // the link: a server going away waits for it (briefly) before it closes.
+    let _ = tokio::time::timeout(std::time::Duration::from_millis(100), async {
+        link.out.lock().await.shutdown().await
+    })
+    .await;
 }
 
 async fn read_answers(

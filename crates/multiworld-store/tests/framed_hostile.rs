@@ -1002,6 +1002,70 @@ async fn a_stopping_server_answers_the_requests_it_read_and_says_how_many() {
     stopping.await.unwrap();
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_stopping_amid_pipelined_requests_answers_exactly_those_it_counts() {
+    let s = server(ServerConfig::default()).await;
+    s.open_world("w", WorldOptions::default()).unwrap();
+    let w = member(s.local_addr(), "w", None).await;
+    let g = w.generation();
+    let raw = Raw::open(s.local_addr()).await;
+    // Thousands of small sets in one write, and the server's stop right
+    // behind them: it stops reading at a frame boundary somewhere.
+    let frames: Vec<u8> = (1..=20_000u32)
+        .flat_map(|id| {
+            let msg = pb::SetRequest {
+                world: Some(pb::WorldRef {
+                    name: "w".into(),
+                    generation: g,
+                }),
+                key: Bytes::from(format!("k{id}")),
+                value: Bytes::from_static(b"v"),
+            }
+            .encode_to_vec();
+            request(id, SET, b"w", b"", &msg, None)
+        })
+        .collect();
+    let (mut rd, mut wr) = raw.0.into_split();
+    let writer = tokio::spawn(async move {
+        // Refused or reset once the server has gone: that is fine here.
+        let _ = wr.write_all(&frames).await;
+        wr
+    });
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let stopping = tokio::spawn(async move { s.shutdown(Duration::from_secs(5)).await });
+    // Every answer (a reply, or `closed` once the world is), in order, then
+    // the GoAway's count, then the end: exactly the first `count` requests.
+    let mut answered = Vec::new();
+    let mut went_away = None;
+    let mut h = [0u8; 9];
+    while rd.read_exact(&mut h).await.is_ok() {
+        let len = u32::from_be_bytes([h[0], h[1], h[2], h[3]]) as usize;
+        let id = u32::from_be_bytes([h[5], h[6], h[7], h[8]]);
+        let mut body = vec![0u8; len];
+        rd.read_exact(&mut body)
+            .await
+            .expect("reset in the middle of a frame (a close with input unread resets)");
+        match h[4] {
+            REPLY | ERROR => {
+                assert!(went_away.is_none(), "an answer after the GoAway");
+                answered.push(id);
+            }
+            GO_AWAY => went_away = Some(id),
+            PING => {}
+            k => panic!("a frame of kind {k}"),
+        }
+    }
+    let count = went_away.expect("no GoAway before the end");
+    assert_eq!(answered.len(), count as usize, "answers vs the GoAway's count");
+    assert!(
+        answered.iter().copied().eq(1..=count),
+        "not the first {count} requests in order"
+    );
+    println!("the server read {count} of 20000 pipelined requests before it went away");
+    stopping.await.unwrap();
+    drop(writer.await.unwrap());
+}
+
 /// How a fake server goes away after the client's second request (its
 /// first is the ping on connecting).
 #[derive(Clone, Copy, PartialEq, Debug)]

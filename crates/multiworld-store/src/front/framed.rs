@@ -30,7 +30,7 @@ use std::{
 
 use bytes::{Buf, BytesMut};
 use tokio::{
-    io::{AsyncRead, AsyncReadExt},
+    io::{AsyncRead, AsyncReadExt, AsyncWriteExt},
     sync::{mpsc, watch},
     task::AbortHandle,
     time::Instant,
@@ -127,8 +127,9 @@ pub(super) async fn serve(accepted: Accepted, shared: &Arc<Shared>) {
         config.keepalive_interval,
         config.keepalive_timeout,
     );
+    let mut rd = rd;
     let why = tokio::select! {
-        r = reader.run(rd) => match r {
+        r = reader.run(&mut rd) => match r {
             // Going away: the reader ended at a frame boundary, after the
             // request it was running. The client learns how many of its
             // requests were read, and the waits among them (which end at
@@ -143,6 +144,14 @@ pub(super) async fn serve(accepted: Accepted, shared: &Arc<Shared>) {
                     _ = async {
                         let _ = out.send(&go_away).await;
                         waits.tracker.wait().await;
+                        // The end of our side, then what the client still
+                        // sends (requests written before the GoAway reached
+                        // it) is read and dropped until it closes too:
+                        // closing with unread input would reset the
+                        // connection, and a reset can discard the GoAway
+                        // before the client reads it.
+                        let _ = out.lock().await.shutdown().await;
+                        drain(&mut rd).await;
                     } => None,
                     _ = &mut grace => Some("waits still answering at the end of the grace".into()),
                     _ = kill.cancelled() => Some("the server was killed".into()),
@@ -163,6 +172,12 @@ pub(super) async fn serve(accepted: Accepted, shared: &Arc<Shared>) {
     // A wait whose connection is gone has no one to answer: dropping it
     // removes its waiter from the table.
     waits.end().await;
+}
+
+/// Reads and drops what comes until the end of the stream (or an error).
+async fn drain(rd: &mut (impl AsyncRead + Unpin)) {
+    let mut sink = vec![0u8; READ_CHUNK];
+    while matches!(rd.read(&mut sink).await, Ok(n) if n > 0) {}
 }
 
 /// Ends at once when the connection is evicted (its place is wanted now).
@@ -189,8 +204,16 @@ async fn deadlines(conn: &Conn, shared: &Shared, closing: &CancellationToken) ->
     };
     tracing::debug!(why, "store connection going away");
     closing.cancel();
-    tokio::time::sleep(CLOSE_GRACE.saturating_add(config.request_body_timeout)).await;
-    why
+    let gone_by = Instant::now() + CLOSE_GRACE.saturating_add(config.request_body_timeout);
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep_until(gone_by) => return why,
+            _ = conn.changed.notified() => {}
+        }
+        if conn.evicted.load(std::sync::atomic::Ordering::Acquire) {
+            return "evicted to make room".into();
+        }
+    }
 }
 
 struct Reader<'a> {
