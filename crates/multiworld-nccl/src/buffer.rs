@@ -324,6 +324,10 @@ impl DeviceBuffer {
             return Ok(());
         }
         let deadline = Instant::now() + timeout;
+        // Earlier work first, as for the staged copies: should the memory
+        // not be page-locked after all (a wrong `ExternalMemory::page_locked`),
+        // the driver then waits inside the call only for the copy itself.
+        self.dev.wait_idle(op, deadline, timeout)?;
         // SAFETY: `self.ptr` holds `byte_len` device bytes of this world;
         // `host` is the memory of `tensor`, exactly as many bytes (checked
         // by the caller), which the caller's `&mut` keeps to us until we

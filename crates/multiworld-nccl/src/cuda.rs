@@ -52,7 +52,9 @@ pub(crate) struct WorldDevice {
     ctx: SendPtr,
     stream: SendPtr,
     pool: SendPtr,
-    quarantined: AtomicBool,
+    /// Shared with the pinned host memory it makes, which must not be freed
+    /// either once the world is quarantined.
+    quarantined: Arc<AtomicBool>,
     /// Idle pinned staging buffers (one per concurrent copy, reused).
     staging: Mutex<Vec<Pinned>>,
     /// Set when pinned memory could not be had: copies stage through
@@ -112,7 +114,7 @@ impl WorldDevice {
             ctx: SendPtr(ctx),
             stream: SendPtr(std::ptr::null_mut()),
             pool: SendPtr(std::ptr::null_mut()),
-            quarantined: AtomicBool::new(false),
+            quarantined: Arc::new(AtomicBool::new(false)),
             staging: Mutex::new(Vec::new()),
             no_pinned: AtomicBool::new(false),
         };
@@ -359,6 +361,7 @@ impl WorldDevice {
         }
         Ok(PinnedHost {
             rt: self.rt.clone(),
+            quarantined: Arc::clone(&self.quarantined),
             device: self.device,
             ctx: SendPtr(ctx),
             ptr: SendPtr(p),
@@ -526,10 +529,12 @@ impl Drop for WorldDevice {
 /// write directly. Holds its own reference on the device's primary context
 /// (the memory lives in it), not the world's stream or pool, so it may
 /// outlive the world device that made it; dropping it frees the memory and
-/// that reference. Memory a copy may still use is never dropped: the
-/// copy's caller leaks it.
+/// that reference, unless that world was quarantined (nothing of it is freed
+/// then: a hung kernel may keep the driver busy). Memory a copy may still
+/// use is never dropped: the copy's caller leaks it.
 pub(crate) struct PinnedHost {
     rt: CudaDriver,
+    quarantined: Arc<AtomicBool>,
     device: CuDevice,
     ctx: SendPtr,
     ptr: SendPtr,
@@ -555,6 +560,9 @@ impl ExternalMemory for PinnedHost {
 
 impl Drop for PinnedHost {
     fn drop(&mut self) {
+        if self.quarantined.load(Ordering::SeqCst) {
+            return;
+        }
         let cuda = *self.rt.cuda();
         // SAFETY: `ctx` is the primary context this value retained; `ptr`
         // came from cuMemHostAlloc in it and is freed once, while no copy

@@ -372,6 +372,7 @@ fn an_abort_that_hangs_quarantines_only_that_world() {
     let stuck = NcclComm::init(&rt, &cfg(0, 1), &rt.unique_id().unwrap()).unwrap();
     let healthy = NcclComm::init(&rt, &cfg(0, 1), &rt.unique_id().unwrap()).unwrap();
     let mut sb = stuck.alloc(DType::F32, 4).unwrap();
+    let pinned = sb.pinned_host_tensor().unwrap();
     f.set(false, true, false);
     let pending = stuck.all_reduce_in_place(&mut sb, ReduceOp::Sum).unwrap();
     f.set(false, false, true);
@@ -412,14 +413,20 @@ fn an_abort_that_hangs_quarantines_only_that_world() {
     assert!(matches!(healthy.close(T), CloseOutcome::Destroyed { .. }));
 
     // Dropping the quarantined world neither aborts again nor frees
-    // anything: its communicator, stream, pool, buffer and context ref leak.
-    drop((pending, sb, stuck));
+    // anything: its communicator, stream, pool, buffer, pinned host memory
+    // and context refs leak.
+    drop((pending, sb, stuck, pinned));
     let after = f.live();
     assert_eq!(after[0], before[0] + 1, "the quarantined communicator is leaked");
     assert_eq!(after[1], before[1] + 2, "its buffer and barrier scratch");
     assert_eq!(after[2], before[2] + 1, "its stream");
-    assert_eq!(after[4], before[4] + 1, "its context reference");
+    assert_eq!(
+        after[4],
+        before[4] + 2,
+        "its and its pinned tensor's context references"
+    );
     assert_eq!(after[5], before[5] + 1, "its pool");
+    assert_eq!(after[6], before[6] + 1, "its pinned tensor's memory");
 }
 
 #[test]
@@ -621,23 +628,23 @@ fn pinned_host_tensors_are_copied_directly_and_freed_with_the_tensor() {
     assert_eq!(f.live(), before);
 }
 
-/// A direct copy that times out (the stream is stuck behind a hung
-/// operation) may still run: the tensor gives up its memory, which is
-/// leaked rather than freed under the copy.
+/// A direct copy that times out (it never completes) may still run: the
+/// tensor gives up its memory, which is leaked rather than freed under the
+/// copy. One whose stream is stuck behind earlier work times out before it
+/// is enqueued: its tensor keeps its memory.
 #[test]
 fn a_direct_copy_that_times_out_leaks_the_tensor_memory() {
     let (_g, f) = fake();
     let rt = f.runtime().unwrap();
-    let comm = NcclComm::init(&rt, &cfg(0, 1), &rt.unique_id().unwrap()).unwrap();
-    let mut buf = comm.alloc(DType::F32, 8).unwrap();
+    let ctx = DeviceContext::open(&rt, 0).unwrap();
+    let buf = ctx.alloc(DType::F32, 8).unwrap();
     let mut host = buf.pinned_host_tensor().unwrap();
-    f.set(false, true, false);
-    let h = comm.all_reduce_in_place(&mut buf, ReduceOp::Sum).unwrap();
-    f.set(false, false, false);
+    f.copies_hang(true);
     let start = Instant::now();
     let e = buf
         .copy_to_host_tensor(&mut host, Duration::from_millis(50))
         .unwrap_err();
+    f.copies_hang(false);
     assert!(
         matches!(
             e,
@@ -652,9 +659,20 @@ fn a_direct_copy_that_times_out_leaks_the_tensor_memory() {
     assert_eq!(host.numel(), 0, "the tensor gave up its memory");
     let pinned = f.live()[6];
     drop(host);
-    assert!(matches!(comm.abort(T), AbortOutcome::Aborted { .. }));
-    drop((h, buf, comm, rt));
     assert_eq!(f.live()[6], pinned, "the memory under the copy was never freed");
+    // The stream is stuck now: a second copy times out waiting for the
+    // first, before it is enqueued, and its tensor keeps its memory.
+    let other = ctx.alloc(DType::F32, 8).unwrap();
+    let mut kept = other.pinned_host_tensor().unwrap();
+    let e = buf
+        .copy_to_host_tensor(&mut kept, Duration::from_millis(50))
+        .unwrap_err();
+    assert!(matches!(e, NcclError::Timeout { .. }), "{e:?}");
+    assert_eq!(kept.numel(), 8, "nothing was enqueued: the tensor is whole");
+    let pinned = f.live()[6];
+    drop(kept);
+    assert_eq!(f.live()[6], pinned - 1, "and its memory is freed with it");
+    drop((buf, other, ctx, rt));
 }
 
 #[test]

@@ -32,11 +32,13 @@ struct fake_event { struct fake_stream *stream; int blocked; };
 
 static int g_devices = 1;
 static volatile long g_allocs, g_streams, g_events, g_ctx_refs, g_pools, g_pinned;
-static int g_no_pinned;
+static int g_no_pinned, g_copies_hang;
 
-void fake_cuda_reset(int devices) { g_devices = devices; g_no_pinned = 0; }
+void fake_cuda_reset(int devices) { g_devices = devices; g_no_pinned = 0; g_copies_hang = 0; }
 /* Makes cuMemHostAlloc fail (the crate must fall back to pageable staging). */
 void fake_cuda_no_pinned(int on) { g_no_pinned = on; }
+/* While on, a host copy leaves its stream hung (it never completes). */
+void fake_cuda_copies_hang(int on) { g_copies_hang = on; }
 long fake_cuda_live(int what) {
   switch (what) {
     case 0: return g_allocs;
@@ -90,10 +92,12 @@ CUresult cuEventQuery(struct fake_event *e) {
 }
 CUresult cuEventDestroy_v2(struct fake_event *e) { free(e); __sync_fetch_and_sub(&g_events, 1); return 0; }
 CUresult cuMemcpyHtoDAsync_v2(unsigned long long dst, const void *src, size_t n, struct fake_stream *s) {
-  (void)s; memcpy((void *)(uintptr_t)dst, src, n); return 0;
+  if (g_copies_hang && s) { s->hung = 1; return 0; }
+  memcpy((void *)(uintptr_t)dst, src, n); return 0;
 }
 CUresult cuMemcpyDtoHAsync_v2(void *dst, unsigned long long src, size_t n, struct fake_stream *s) {
-  (void)s; memcpy(dst, (const void *)(uintptr_t)src, n); return 0;
+  if (g_copies_hang && s) { s->hung = 1; return 0; }
+  memcpy(dst, (const void *)(uintptr_t)src, n); return 0;
 }
 CUresult cuMemsetD8Async(unsigned long long dst, unsigned char v, size_t n, struct fake_stream *s) {
   (void)s; memset((void *)(uintptr_t)dst, v, n); return 0;

@@ -125,6 +125,13 @@ impl Fake {
         unsafe { control::<unsafe extern "C" fn(i32)>(&self.cuda, "fake_cuda_no_pinned")(on as i32) }
     }
 
+    /// While on, every host copy leaves its stream hung: the copy, and all
+    /// later work on that stream, never completes.
+    pub fn copies_hang(&self, on: bool) {
+        // SAFETY: signature as in fake_cuda_nccl.c.
+        unsafe { control::<unsafe extern "C" fn(i32)>(&self.cuda, "fake_cuda_copies_hang")(on as i32) }
+    }
+
     /// Slows every later collective enqueued on the most recently created
     /// communicator: the NCCL call sleeps `sleep_ms`, then the communicator
     /// reports `ncclInProgress` for `polls` queries (`i32::MAX`: until the

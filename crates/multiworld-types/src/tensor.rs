@@ -571,8 +571,8 @@ pub trait ExternalMemory: Send + Sync + 'static {
     /// Whether the memory is page-locked ("pinned"): a device's DMA engine
     /// may read and write it while the host does not wait, so a device copy
     /// can target it directly instead of going through staging memory.
-    /// `false` unless the implementation knows it is (a wrong `true` only
-    /// makes such copies wait on the host).
+    /// `false` unless the implementation knows it is (a wrong `true` makes
+    /// such a copy wait on the host, inside the driver, for the copy itself).
     fn page_locked(&self) -> bool {
         false
     }

