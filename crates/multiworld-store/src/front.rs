@@ -379,6 +379,21 @@ struct Accepted {
     kill: CancellationToken,
 }
 
+impl Accepted {
+    /// The connection, its address, its place, the server's stop and kill.
+    fn into_parts(
+        self,
+    ) -> (
+        TcpStream,
+        SocketAddr,
+        Arc<Conn>,
+        CancellationToken,
+        CancellationToken,
+    ) {
+        (self.stream, self.remote, self.conn, self.stop, self.kill)
+    }
+}
+
 /// Serves one connection in the protocol its first byte names: `M` (the
 /// framed protocol's preface) or anything else (HTTP/2's starts with `P`).
 async fn serve_connection<S: Grpc>(accepted: Accepted, shared: &Arc<Shared>, grpc: S) {
@@ -404,13 +419,7 @@ async fn serve_connection<S: Grpc>(accepted: Accepted, shared: &Arc<Shared>, grp
 }
 
 async fn serve_http2<S: Grpc>(accepted: Accepted, shared: &Arc<Shared>, grpc: S) {
-    let Accepted {
-        stream,
-        remote,
-        conn,
-        stop,
-        kill,
-    } = accepted;
+    let (stream, remote, conn, stop, kill) = accepted.into_parts();
     let config = &shared.config;
     let info = TcpConnectInfo {
         local_addr: stream.local_addr().ok(),

@@ -90,13 +90,7 @@ type Closed = String;
 /// Serves one framed connection until the client leaves, a bound or a
 /// deadline closes it, or the server stops.
 pub(super) async fn serve(accepted: Accepted, shared: &Arc<Shared>) {
-    let Accepted {
-        stream,
-        remote,
-        conn,
-        stop,
-        kill,
-    } = accepted;
+    let (stream, remote, conn, stop, kill) = accepted.into_parts();
     let config = &shared.config;
     let (rd, wr) = stream.into_split();
     let moved = Arc::new(AtomicU64::new(0));
