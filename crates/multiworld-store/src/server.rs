@@ -121,8 +121,10 @@ pub struct ServerConfig {
     /// frame header) before it is closed (default 5 s).
     pub first_request_timeout: Duration,
     /// How long a connection may have no request in flight before it is
-    /// closed with GOAWAY (default 120 s). Bytes and pings do not count, so a
-    /// slowloris or an idle peer answering keepalives is closed too.
+    /// closed with GOAWAY (HTTP/2's, or the framed protocol's `GoAway`:
+    /// clients send a request that raced the close again) (default 120 s).
+    /// Bytes and pings do not count, so a slowloris or an idle peer
+    /// answering keepalives is closed too.
     pub idle_timeout: Duration,
     /// HTTP/2 initial stream window (default 64 KiB): the most of one
     /// request body a client can push before the server reads it.
