@@ -291,8 +291,7 @@ impl DeviceBuffer {
         if !dst.is_page_locked() {
             return self.copy_to_host(dst.bytes_mut(), timeout);
         }
-        let host = dst.bytes_mut().as_mut_ptr();
-        self.copy_direct("copy_to_host_tensor", true, host, dst, timeout)
+        self.copy_direct("copy_to_host_tensor", true, dst, timeout)
     }
 
     /// Copies `src`, a host tensor of the buffer's byte length, into the
@@ -306,17 +305,15 @@ impl DeviceBuffer {
         if !src.is_page_locked() {
             return self.copy_from_host(src.as_bytes(), timeout);
         }
-        let host = src.bytes_mut().as_mut_ptr();
-        self.copy_direct("copy_from_host_tensor", false, host, src, timeout)
+        self.copy_direct("copy_from_host_tensor", false, src, timeout)
     }
 
-    /// One direct copy between the buffer and `host`, the memory of
-    /// `tensor` (page-locked), leaking the tensor's memory if it fails.
+    /// One direct copy between the buffer and `tensor` (page-locked, of the
+    /// buffer's byte length), leaking the tensor's memory if it fails.
     fn copy_direct(
         &self,
         op: &'static str,
         to_host: bool,
-        host: *mut u8,
         tensor: &mut Tensor,
         timeout: Duration,
     ) -> Result<(), NcclError> {
@@ -328,6 +325,7 @@ impl DeviceBuffer {
         // not be page-locked after all (a wrong `ExternalMemory::page_locked`),
         // the driver then waits inside the call only for the copy itself.
         self.dev.wait_idle(op, deadline, timeout)?;
+        let host = tensor.bytes_mut().as_mut_ptr();
         // SAFETY: `self.ptr` holds `byte_len` device bytes of this world;
         // `host` is the memory of `tensor`, exactly as many bytes (checked
         // by the caller), which the caller's `&mut` keeps to us until we

@@ -562,19 +562,28 @@ pub(crate) async fn skip(
             return Ok(());
         }
         buf.reserve(READ_CHUNK);
-        let read = rd.read_buf(buf);
-        let got = match deadline {
-            Some(d) => tokio::time::timeout_at(d, read)
-                .await
-                .map_err(|_| "the rest of a frame did not arrive within request_body_timeout".to_string())?,
-            None => read.await,
-        };
-        match got {
-            Ok(0) => return Err("the peer closed the connection in the middle of a frame".into()),
-            Ok(_) => {}
-            Err(e) => return Err(format!("read: {e}")),
+        if read_within(rd, buf, deadline, "the rest of a frame").await? == 0 {
+            return Err("the peer closed the connection in the middle of a frame".into());
         }
     }
+}
+
+/// One read into `buf` (0: the end of the stream), within `deadline` if one
+/// is given; `what` names what was awaited when the deadline passes.
+pub(crate) async fn read_within(
+    rd: &mut (impl AsyncRead + Unpin),
+    buf: &mut BytesMut,
+    deadline: Option<Instant>,
+    what: &str,
+) -> Result<usize, String> {
+    let read = rd.read_buf(buf);
+    match deadline {
+        Some(d) => tokio::time::timeout_at(d, read)
+            .await
+            .map_err(|_| format!("{what} did not arrive within request_body_timeout"))?,
+        None => read.await,
+    }
+    .map_err(|e| format!("read: {e}"))
 }
 
 /// Takes an `n`-byte message: what `buf` holds of it, then the rest read
@@ -592,17 +601,8 @@ pub(crate) async fn read_message(
     message.extend_from_slice(&buf[..held]);
     buf.advance(held);
     while message.len() < n {
-        let read = rd.read_buf(&mut message);
-        let got = match deadline {
-            Some(d) => tokio::time::timeout_at(d, read)
-                .await
-                .map_err(|_| "a message did not arrive within request_body_timeout".to_string())?,
-            None => read.await,
-        };
-        match got {
-            Ok(0) => return Err("the peer closed the connection in the middle of a message".into()),
-            Ok(_) => {}
-            Err(e) => return Err(format!("read: {e}")),
+        if read_within(rd, &mut message, deadline, "a message").await? == 0 {
+            return Err("the peer closed the connection in the middle of a message".into());
         }
     }
     Ok(message.freeze())

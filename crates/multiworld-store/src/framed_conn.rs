@@ -104,8 +104,6 @@ struct Link {
     calls: Mutex<Calls>,
     next_id: AtomicU32,
     gone: CancellationToken,
-    /// Set with `Calls::going_away`: new calls go to a new connection.
-    leaving: std::sync::atomic::AtomicBool,
     /// Control frames (cancels, pongs, pings) for the driver to write.
     control: Controls,
 }
@@ -132,7 +130,7 @@ impl Link {
 
     /// Whether new calls may use this connection.
     fn usable(&self) -> bool {
-        !self.gone.is_cancelled() && !self.leaving.load(Ordering::Acquire)
+        !self.gone.is_cancelled() && self.calls().going_away.is_none()
     }
 
     /// The server goes away having read `read` requests: the calls it did
@@ -141,7 +139,6 @@ impl Link {
         let resend: Vec<Waiting> = {
             let mut calls = self.calls();
             calls.going_away = Some(read);
-            self.leaving.store(true, Ordering::Release);
             let ids: Vec<u32> = calls
                 .waiting
                 .iter()
@@ -401,7 +398,6 @@ async fn dial(addr: &str, settings: &ConnSettings, max_reply: usize, dial: u64) 
         calls: Mutex::new(Calls::default()),
         next_id: AtomicU32::new(1),
         gone: CancellationToken::new(),
-        leaving: std::sync::atomic::AtomicBool::new(false),
         control,
     });
     tokio::spawn(drive(

@@ -251,8 +251,7 @@ impl Reader<'_> {
                 return Ok(self.requests);
             }
             if self.buf.is_empty() {
-                // Between frames: the only place the server's stop ends the
-                // reader, so no request is cut in half.
+                // Nothing read yet: the stop may also come while waiting.
                 tokio::select! {
                     _ = self.stop.cancelled() => return Ok(self.requests),
                     more = self.fill(&mut rd, 1, None) => if !more? {
@@ -298,15 +297,7 @@ impl Reader<'_> {
     ) -> Result<bool, Closed> {
         while self.buf.len() < n {
             self.buf.reserve(READ_CHUNK);
-            let read = rd.read_buf(&mut self.buf);
-            let got = match deadline {
-                Some(d) => tokio::time::timeout_at(d, read)
-                    .await
-                    .map_err(|_| "a frame's rest did not arrive within request_body_timeout".to_string())?,
-                None => read.await,
-            }
-            .map_err(|e| format!("read: {e}"))?;
-            if got == 0 {
+            if framed::read_within(rd, &mut self.buf, deadline, "a frame's rest").await? == 0 {
                 if self.buf.is_empty() && deadline.is_none() {
                     return Ok(false);
                 }
