@@ -301,6 +301,26 @@ async fn until_released(
     r
 }
 
+/// Receives of at least this many bytes are posted without the GIL: a
+/// message held back whole in the socket is read into the buffer in the
+/// posting call (`Communicator::irecv`), which for a large one takes long
+/// enough that other Python threads should run meanwhile. Smaller ones keep
+/// it (giving it up and taking it back costs about as much as their copy).
+const POST_WITHOUT_GIL_FROM: usize = 64 << 10;
+
+/// Posts a receive on `w` (`World::irecv`), without the GIL for a large one.
+fn post_receive(
+    py: Python<'_>,
+    w: &multiworld::World,
+    src: Option<u32>,
+    tag: u32,
+    t: Tensor,
+) -> PyResult<multiworld::PendingRecv> {
+    let large = t.nbytes() >= POST_WITHOUT_GIL_FROM;
+    let post = move || runtime::enter(move || w.irecv(src.map(Rank), Tag(tag), t));
+    if large { py.detach(post) } else { post() }
+}
+
 /// Polls `fut` once on the calling thread (inside the runtime's context, as
 /// the blocking calls' first poll does): its outcome if that finished it,
 /// else the future, to go on in a task (the task's first poll registers the
@@ -1469,6 +1489,7 @@ impl World {
     /// the array is let go.
     fn irecv_plain(
         &self,
+        py: Python<'_>,
         obj: &Bound<'_, PyAny>,
         src: Option<&Bound<'_, PyAny>>,
         tag: &Bound<'_, PyAny>,
@@ -1480,17 +1501,17 @@ impl World {
             return Ok(None);
         };
         let w = self.w()?;
-        let pending = runtime::enter(|| w.irecv(src.map(Rank), Tag(tag), t))?;
+        let pending = post_receive(py, w, src, tag, t)?;
         let op = async move { pending.wait().await.map(|r| Done::Source(r.src.0)) };
         self.lent_receive(op, released).map(Some)
     }
 
     /// Starts a receive; the handle yields `(src, flat array)`. Dropping the
     /// handle before it completes cancels the receive.
-    fn irecv(&self, src: Option<u32>, tag: u32, out: Output) -> PyResult<Work> {
+    fn irecv(&self, py: Python<'_>, src: Option<u32>, tag: u32, out: Output) -> PyResult<Work> {
         let t = out.tensor()?;
         let w = self.w()?;
-        let pending = runtime::enter(|| w.irecv(src.map(Rank), Tag(tag), t))?;
+        let pending = post_receive(py, w, src, tag, t)?;
         self.receive_work(async move { pending.wait().await.map(|r| Done::Received(r.src.0, r.tensor)) })
     }
 

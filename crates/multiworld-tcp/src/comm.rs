@@ -31,7 +31,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncBufRead, AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::sync::{Notify, broadcast, oneshot};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -47,6 +47,7 @@ use crate::rendezvous::Rendezvous;
 use multiworld_types::{DType, Tensor, TensorView, valid_bool_bytes};
 
 use crate::matching::{Matching, Posted, RecvDone, Route, StashData, Stashed};
+use crate::parking::{Frame, GivenBack, Held, Parking};
 use multiworld_types::{Generation, Identity, Rank, Source, Tag, WorldName};
 
 /// Capacity of each connection's read buffer. Headers and small messages come in
@@ -59,6 +60,11 @@ const GROW_STEP: usize = 64 << 10;
 /// checks whether the peer closed or reset the connection. Bounds failure
 /// detection in that state.
 const CLOSED_POLL: Duration = Duration::from_millis(10);
+/// Largest payload that the thread posting its receive reads itself, from a
+/// frame its connection's reader holds back (`Inner::read_parked`): what the
+/// socket holds is copied in the posting call, which an event loop's thread
+/// must not spend milliseconds on; larger payloads are the reader's.
+const READ_IN_CALL_MAX: usize = 4 << 20;
 /// How long [`Communicator::close`] waits for its peers to answer its goodbye
 /// before it cuts the rest off with a reset. An answering peer takes well
 /// under a millisecond on one host.
@@ -115,6 +121,11 @@ pub struct PeerStats {
     pub messages_sent: u64,
     /// Messages fully read.
     pub messages_received: u64,
+    /// Of those, messages whose payload the receiving call read itself: the
+    /// connection's reader had held the message back for want of a receive,
+    /// and the call that posted one found the payload in the socket (no
+    /// hand-off between threads; see [`Communicator::irecv`]).
+    pub messages_read_in_call: u64,
 }
 
 struct Counters {
@@ -122,6 +133,7 @@ struct Counters {
     bytes_received: AtomicU64,
     messages_sent: AtomicU64,
     messages_received: AtomicU64,
+    messages_read_in_call: AtomicU64,
     /// When the communicator was created; `heard_us` counts from here.
     epoch: Instant,
     /// Microseconds after `epoch` at which anything (a header, payload bytes,
@@ -147,6 +159,7 @@ impl Counters {
             bytes_received: AtomicU64::new(0),
             messages_sent: AtomicU64::new(0),
             messages_received: AtomicU64::new(0),
+            messages_read_in_call: AtomicU64::new(0),
             epoch,
             heard_us: AtomicU64::new(0),
             heartbeats: Mutex::new(HeartbeatEcho::default()),
@@ -236,6 +249,14 @@ struct Writer {
     seq: u32,
 }
 
+/// The reader's side of one connection: the link, buffered, and the
+/// sequence its frames must follow. Moved to the peer's parking while the
+/// reader holds back a frame (`crate::parking`).
+struct Link {
+    rd: BufReader<ReadLink>,
+    seq: RxSequencer,
+}
+
 struct Peer {
     rank: Rank,
     /// FIFO (tokio's mutex is fair), so sends to one peer go out in call order.
@@ -245,8 +266,12 @@ struct Peer {
     lost: OnceLock<Arc<str>>,
     /// Set when the peer said goodbye (an orderly close, not a failure).
     departed: AtomicBool,
-    /// Wakes the reader when a receive is posted (it may be waiting for one).
+    /// Wakes the reader when a receive is posted that it may have to see to
+    /// (it may be holding back a frame for want of one), and when its parked
+    /// link is given back and it is wanted.
     wake: Notify,
+    /// The reader's link while it holds back a frame (see `crate::parking`).
+    parking: Parking<Link>,
     counters: Counters,
 }
 
@@ -510,6 +535,7 @@ impl Communicator {
                 lost: OnceLock::new(),
                 departed: AtomicBool::new(false),
                 wake: Notify::new(),
+                parking: Parking::new(),
                 counters: Counters::new(epoch),
             });
             reads.push((Arc::clone(&peer), rd));
@@ -672,7 +698,11 @@ impl Communicator {
     }
 
     /// Posts a receive into `buf` (owned) now and returns a handle. Receives match
-    /// messages in the order they were posted. Dropping the handle cancels the
+    /// messages in the order they were posted. A message that has arrived
+    /// completes the handle in this call: one read ahead is copied, and, for
+    /// a receive from one rank, one the connection's reader held back (too
+    /// large to read ahead, at most 4 MiB) is read here from the socket, as
+    /// much of it as is there without waiting (the reader reads the rest). Dropping the handle cancels the
     /// receive: a message that arrives later goes to the next matching receive (if
     /// it was already arriving, it is kept for the next matching receive too).
     pub fn irecv(&self, src: impl Into<Source>, tag: Tag, buf: Tensor) -> RecvHandle {
@@ -831,6 +861,7 @@ impl Communicator {
             bytes_received: p.counters.bytes_received.load(Ordering::Relaxed),
             messages_sent: p.counters.messages_sent.load(Ordering::Relaxed),
             messages_received: p.counters.messages_received.load(Ordering::Relaxed),
+            messages_read_in_call: p.counters.messages_read_in_call.load(Ordering::Relaxed),
         })
     }
 
@@ -1114,13 +1145,18 @@ impl Inner {
             drop(m);
             return fail(buf, e);
         }
-        let (tx, rx) = oneshot::channel();
+        let (tx, mut rx) = oneshot::channel();
         let id = m.post(src, tag, buf, tx);
         drop(m);
         match src {
             Source::Rank(r) => {
                 if let Some(p) = self.peer(r) {
-                    p.wake.notify_one();
+                    if self.read_parked(p) {
+                        p.wake.notify_one();
+                    }
+                    if let Ok(done) = rx.try_recv() {
+                        return Posting::Done(done);
+                    }
                 }
             }
             Source::Any => {
@@ -1130,6 +1166,144 @@ impl Inner {
             }
         }
         Posting::Waiting { id, rx }
+    }
+
+    /// Reads the payload of the frame `peer`'s reader holds back, if a
+    /// receive now posted fits it, in the calling thread: what the socket
+    /// holds goes straight into the receive's buffer without waiting, and
+    /// the receive is finished here when all of it was there. Then the same
+    /// for the frames behind it while posted receives take them, up to
+    /// [`READ_IN_CALL_MAX`] bytes in all; the next header found whole is
+    /// held back in turn. Otherwise the reader reads on (the rest of a
+    /// payload into the same receive). No thread then waits for another to
+    /// move bytes that had arrived: the poster would otherwise wake the
+    /// reader, and the reader then the receive's waiter. `bool` payloads
+    /// (validated as they are read) are left to the reader.
+    ///
+    /// Returns whether the reader must be woken: not when the link is left
+    /// holding back a frame that no posted receive takes, which is what the
+    /// reader was doing (it wakes by itself within [`CLOSED_POLL`]).
+    fn read_parked(&self, peer: &Peer) -> bool {
+        if self.closing.load(Ordering::Relaxed) {
+            return true;
+        }
+        let untouched = |h: &Held<Link>| h.frame.as_ref().is_some_and(|f| f.into.is_none());
+        let Some(mut held) = peer.parking.lend(untouched) else {
+            return true;
+        };
+        let eager = self.cfg.eager_limit.min(self.cfg.unexpected_budget);
+        let budget = self.cfg.unexpected_budget;
+        let mut left = READ_IN_CALL_MAX;
+        let wake = loop {
+            // At a frame boundary: the reader waits for what comes next.
+            let Some(f) = held.frame.take() else {
+                break true;
+            };
+            if peer.token.is_cancelled() || held.failed.is_some() {
+                held.frame = Some(f);
+                break true;
+            }
+            let fits = f.len <= left && f.dtype != DType::Bool;
+            let taken = if fits {
+                self.lock().take_posted_fitting(peer.rank, f.tag, f.dtype, f.len)
+            } else {
+                None
+            };
+            let Some(mut p) = taken else {
+                let hold = self.lock().holds_back(peer.rank, f.tag, f.len, eager, budget);
+                held.frame = Some(f);
+                break !hold;
+            };
+            let filled = read_available(&mut held, p.buf.bytes_mut(), &peer.counters);
+            if filled < f.len {
+                held.frame = Some(Frame {
+                    into: Some((p, filled)),
+                    ..f
+                });
+                break true;
+            }
+            left = left.saturating_sub(f.len);
+            self.delivered(peer, f.tag, f.dtype, p);
+            self.next_frame_here(&mut held, &peer.counters);
+        };
+        match peer.parking.give_back(held) {
+            GivenBack::Parked { wanted } => wake || wanted,
+            GivenBack::Ended(left) => {
+                // The reader ended meanwhile: close as it would have.
+                if !self.graceful() {
+                    left.link.rd.get_ref().reset_on_close();
+                }
+                if let Some(Frame {
+                    into: Some((posted, _)),
+                    ..
+                }) = left.frame
+                {
+                    let _ = posted.tx.send(RecvDone {
+                        buf: posted.buf,
+                        result: Err(self.aborted_error().unwrap_or_else(|| self.peer_error(peer))),
+                    });
+                }
+                false
+            }
+        }
+    }
+
+    /// Hands over a payload read whole into `p`'s buffer by the call that
+    /// posted a receive ([`Inner::read_parked`]). A receive cancelled
+    /// meanwhile leaves the message for the next one (a copy if the buffer
+    /// was lent).
+    fn delivered(&self, peer: &Peer, tag: Tag, dtype: DType, p: Posted) {
+        peer.counters.messages_received.fetch_add(1, Ordering::Relaxed);
+        peer.counters
+            .messages_read_in_call
+            .fetch_add(1, Ordering::Relaxed);
+        let done = RecvDone {
+            buf: p.buf,
+            result: Ok(peer.rank),
+        };
+        if let Err(done) = p.tx.send(done) {
+            let buf = StashData::Tensor(done.buf.into_owned());
+            self.deliver_or_stash(peer.rank, tag, dtype, buf, false);
+        }
+    }
+
+    /// Sets `held.frame` to the next frame if its header is whole in the
+    /// link now and a data frame that checks out (consumed, as the reader
+    /// would), else to `None`: anything else (no whole header yet, another
+    /// kind of frame, a bad one) is left for the reader, which then has to be
+    /// woken. A read error is kept in `held.failed`.
+    fn next_frame_here(&self, held: &mut Held<Link>, progress: &Counters) {
+        held.frame = None;
+        let mut cx = Context::from_waker(Waker::noop());
+        match Pin::new(&mut held.link.rd).poll_fill_buf(&mut cx) {
+            Poll::Ready(Ok(_)) => held.frame = self.take_header(&mut held.link, progress),
+            Poll::Ready(Err(e))
+                if e.kind() != io::ErrorKind::WouldBlock && e.kind() != io::ErrorKind::Interrupted =>
+            {
+                held.failed = Some(e);
+            }
+            _ => {}
+        }
+    }
+
+    /// [`Inner::next_frame_here`]'s decoding of what the link has buffered.
+    fn take_header(&self, link: &mut Link, progress: &Counters) -> Option<Frame> {
+        let buffered = link.rd.buffer();
+        let hb: &[u8; HEADER_LEN] = buffered.get(..HEADER_LEN)?.try_into().ok()?;
+        let h = frame::decode(hb, &self.cfg.limits).ok()?;
+        let FrameKind::Data { dtype, tag, len } = h.kind else {
+            return None;
+        };
+        let len = usize::try_from(len).ok()?;
+        link.seq.check(&h).ok()?;
+        link.rd.consume(HEADER_LEN);
+        progress.heard();
+        Some(Frame {
+            tag,
+            dtype,
+            len,
+            into: None,
+        })
     }
 
     /// One peer's part of [`Communicator::close`]: the goodbye (after the
@@ -1345,24 +1519,21 @@ impl Inner {
     }
 
     /// Reads frames from one peer until the connection ends.
-    async fn read_loop(
-        &self,
-        peer: &Peer,
-        rd: &mut BufReader<ReadLink>,
-        slot: &mut Option<Posted>,
-    ) -> ReadEnd {
-        let mut seq = RxSequencer::new(self.identity.generation);
+    async fn read_loop(&self, peer: &Peer, reading: &mut Option<Link>, slot: &mut Option<Posted>) -> ReadEnd {
         let mut hb = [0u8; HEADER_LEN];
         loop {
-            match rd.fill_buf().await {
+            let Some(link) = reading.as_mut() else {
+                return ReadEnd::Failed("internal: the reader lost its link".into());
+            };
+            match link.rd.fill_buf().await {
                 Ok([]) => return ReadEnd::Failed("connection closed by peer".into()),
                 Ok(_) => {}
                 Err(e) => return ReadEnd::Failed(describe_io(&e)),
             }
-            if let Err(e) = rd.read_exact(&mut hb).await {
+            if let Err(e) = link.rd.read_exact(&mut hb).await {
                 return ReadEnd::Failed(format!("reading a frame header: {}", describe_io(&e)));
             }
-            let h = match frame::decode(&hb, &self.cfg.limits).and_then(|h| seq.check(&h).map(|()| h)) {
+            let h = match frame::decode(&hb, &self.cfg.limits).and_then(|h| link.seq.check(&h).map(|()| h)) {
                 Ok(h) => h,
                 Err(e) => return ReadEnd::Failed(format!("protocol violation: {e}")),
             };
@@ -1371,7 +1542,16 @@ impl Inner {
                 FrameKind::Bye => return ReadEnd::Bye,
                 FrameKind::Heartbeat { echo } => peer.counters.heartbeat_in(h.seq, echo, Instant::now()),
                 FrameKind::Data { dtype, tag, len } => {
-                    if let Err(cause) = self.on_data(peer, rd, slot, dtype, tag, len).await {
+                    let Ok(len) = usize::try_from(len) else {
+                        return ReadEnd::Failed(format!("declared length {len} does not fit in memory"));
+                    };
+                    let frame = Frame {
+                        tag,
+                        dtype,
+                        len,
+                        into: None,
+                    };
+                    if let Err(cause) = self.on_data(peer, reading, slot, frame).await {
                         return ReadEnd::Failed(cause);
                     }
                 }
@@ -1379,19 +1559,18 @@ impl Inner {
         }
     }
 
-    /// Routes one data frame whose header was read.
+    /// Routes one data frame whose header was read. While the frame is held
+    /// back, the call that posts a receive may read it (and frames behind
+    /// it: [`Inner::read_parked`]); this goes on from where that call left
+    /// the link.
     async fn on_data(
         &self,
         peer: &Peer,
-        rd: &mut BufReader<ReadLink>,
+        reading: &mut Option<Link>,
         slot: &mut Option<Posted>,
-        dtype: DType,
-        tag: Tag,
-        len: u64,
+        mut frame: Frame,
     ) -> std::result::Result<(), String> {
         let from = peer.rank;
-        let len =
-            usize::try_from(len).map_err(|_| format!("declared length {len} does not fit in memory"))?;
         let eager = self.cfg.eager_limit.min(self.cfg.unexpected_budget);
         let budget = self.cfg.unexpected_budget;
         // Find where the payload goes before reading (or allocating) anything.
@@ -1399,11 +1578,15 @@ impl Inner {
         // is in flight is read into a buffer that grows only with the bytes that
         // actually arrive (not with the declared length), whatever the budget.
         let mut draining = false;
-        let stash = loop {
+        // `filled`: payload bytes already in the receive's buffer (read by
+        // the call that posted it, while this reader held the frame back).
+        let (stash, filled) = loop {
+            let (tag, len) = (frame.tag, frame.len);
+            let link = reading.as_mut().ok_or("internal: the reader lost its link")?;
             if self.closing.load(Ordering::Relaxed) {
                 // Our goodbye is out and every receive is about to fail: what
                 // still comes is read only to reach the peer's answer.
-                discard(rd, len as u64, &peer.counters)
+                discard(&mut link.rd, len as u64, &peer.counters)
                     .await
                     .map_err(|e| format!("discarding a message while closing: {}", describe_io(&e)))?;
                 return Ok(());
@@ -1412,21 +1595,83 @@ impl Inner {
             match self.lock().route(from, tag, len, eager, budget, draining) {
                 Route::Receive(p) => {
                     *slot = Some(p);
-                    break None;
+                    break (None, 0);
                 }
-                Route::ReadAhead(v) => break Some(v),
+                Route::ReadAhead(v) => break (Some(v), 0),
                 Route::Hold => {}
             }
             // No receive yet and no room: leave the payload in the socket (TCP
-            // backpressure). While waiting, look for the peer closing or resetting
-            // the connection, which reading would otherwise only reveal later.
-            tokio::select! {
-                _ = woken => {}
-                _ = tokio::time::sleep(CLOSED_POLL) => draining = rd.get_ref().peer_closed(),
+            // backpressure), and park the link meanwhile: the call that
+            // posts this frame's receive may read the payload itself
+            // (`read_parked`). While waiting, look for the peer closing or
+            // resetting the connection, which reading would otherwise only
+            // reveal later.
+            let parked = reading.take().is_some_and(|link| {
+                let held = Held {
+                    link,
+                    frame: Some(Frame { into: None, ..frame }),
+                    failed: None,
+                };
+                // A live reader's parking is never ended (only its end does
+                // that); if it were, the reader keeps its link.
+                match peer.parking.park(held) {
+                    None => true,
+                    Some(h) => {
+                        *reading = Some(h.link);
+                        false
+                    }
+                }
+            });
+            let mut polled = tokio::select! {
+                _ = woken => false,
+                _ = tokio::time::sleep(CLOSED_POLL) => true,
+            };
+            if parked {
+                let held = unpark(peer, &mut polled).await;
+                *reading = Some(held.link);
+                if let Some(e) = held.failed {
+                    // Met by a posting call; a receive it was filling fails
+                    // with the connection.
+                    if let Some(Frame {
+                        into: Some((posted, _)),
+                        ..
+                    }) = held.frame
+                    {
+                        *slot = Some(posted);
+                    }
+                    return Err(format!("reading a message: {}", describe_io(&e)));
+                }
+                match held.frame {
+                    // Read whole by a posting call, and no whole header behind it.
+                    None => return Ok(()),
+                    Some(Frame {
+                        tag,
+                        dtype,
+                        len,
+                        into: Some((posted, filled)),
+                    }) => {
+                        frame = Frame {
+                            tag,
+                            dtype,
+                            len,
+                            into: None,
+                        };
+                        *slot = Some(posted);
+                        break (None, filled);
+                    }
+                    // This frame, or one behind it whose header a posting call read.
+                    Some(f) => frame = f,
+                }
+            }
+            let link = reading.as_mut().ok_or("internal: the reader lost its link")?;
+            if polled {
+                draining = link.rd.get_ref().peer_closed();
             }
             // Not reading is our choice: the peer must not look frozen for it.
             peer.counters.heard();
         };
+        let Frame { tag, dtype, len, .. } = frame;
+        let rd = &mut reading.as_mut().ok_or("internal: the reader lost its link")?.rd;
         let c = &peer.counters;
         match stash {
             None => {
@@ -1448,7 +1693,8 @@ impl Inner {
                     }
                     return Ok(());
                 }
-                read_payload(rd, p.buf.bytes_mut(), c)
+                let rest = p.buf.bytes_mut().get_mut(filled..).unwrap_or_default();
+                read_payload(rd, rest, c)
                     .await
                     .map_err(|e| format!("reading a {len}-byte message: {}", describe_io(&e)))?;
                 if !p.buf.validate_after_write() {
@@ -1512,16 +1758,99 @@ enum ReadEnd {
     Failed(String),
 }
 
+/// The reader takes its parked link back, waiting while a posting call has
+/// it (which wakes the reader when it gives it back). Meanwhile the peer
+/// counts as heard, as while holding back; `polled` is set when a
+/// [`CLOSED_POLL`] went by.
+async fn unpark(peer: &Peer, polled: &mut bool) -> Held<Link> {
+    loop {
+        let given_back = peer.wake.notified();
+        if let Some(held) = peer.parking.unpark() {
+            return held;
+        }
+        tokio::select! {
+            _ = given_back => {}
+            _ = tokio::time::sleep(CLOSED_POLL) => {
+                *polled = true;
+                peer.counters.heard();
+            }
+        }
+    }
+}
+
+/// Copies what is there now of a payload into `buf`: first what the reader
+/// had buffered past the frame's header, then non-blocking reads from the
+/// link until `buf` is full or the link has nothing more, ends (the reader
+/// sees the end itself when it reads on) or fails (kept in `held.failed`
+/// for the reader: a reset is reported only once). Returns the bytes
+/// copied; each read counts as progress.
+fn read_available(held: &mut Held<Link>, buf: &mut [u8], progress: &Counters) -> usize {
+    let rd = &mut held.link.rd;
+    let buffered = rd.buffer();
+    let mut filled = buffered.len().min(buf.len());
+    buf[..filled].copy_from_slice(&buffered[..filled]);
+    rd.consume(filled);
+    if filled > 0 {
+        progress.received(filled);
+    }
+    while let Some(rest) = buf.get_mut(filled..).filter(|r| !r.is_empty()) {
+        match rd.get_mut().try_read(rest) {
+            Ok(0) => break,
+            Ok(n) => {
+                filled += n;
+                progress.received(n);
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+            Err(e) => {
+                held.failed = Some(e);
+                break;
+            }
+        }
+    }
+    filled
+}
+
+/// Ends a peer's parking however its reader task ends, also when the task
+/// is dropped unfinished (its runtime shutting down): a link parked then is
+/// dropped, closing the connection, and a receive it was being read into
+/// fails (its channel goes) rather than wait on a parking nobody reads.
+struct EndParking<'a>(&'a Peer);
+
+impl Drop for EndParking<'_> {
+    fn drop(&mut self) {
+        drop(self.0.parking.end());
+    }
+}
+
 async fn reader_task(inner: Arc<Inner>, peer: Arc<Peer>, half: ReadLink) {
-    let mut rd = BufReader::with_capacity(READ_BUF, half);
+    let _end = EndParking(&peer);
+    // `None` while parked (`crate::parking`).
+    let mut reading = Some(Link {
+        rd: BufReader::with_capacity(READ_BUF, half),
+        seq: RxSequencer::new(inner.identity.generation),
+    });
     // The receive whose buffer is being filled, kept out here so that it can be
     // failed (and its buffer returned) whatever ends the loop.
     let mut slot: Option<Posted> = None;
     let end = tokio::select! {
         biased;
         _ = peer.token.cancelled() => None,
-        end = inner.read_loop(&peer, &mut rd, &mut slot) => Some(end),
+        end = inner.read_loop(&peer, &mut reading, &mut slot) => Some(end),
     };
+    // A link parked when the loop ended comes back here (with a receive a
+    // posting thread read part-way, to be failed below); one lent to a
+    // posting thread now is that thread's to drop.
+    if let Some(held) = peer.parking.end() {
+        if let Some(Frame {
+            into: Some((posted, _)),
+            ..
+        }) = held.frame
+        {
+            slot = Some(posted);
+        }
+        reading = Some(held.link);
+    }
     let cause: Option<Arc<str>> = match end {
         None => None,
         Some(ReadEnd::Bye) => {
@@ -1539,8 +1868,10 @@ async fn reader_task(inner: Arc<Inner>, peer: Arc<Peer>, half: ReadLink) {
         }
         None => {}
     }
-    if !inner.graceful() {
-        rd.get_ref().reset_on_close();
+    if let Some(link) = &reading
+        && !inner.graceful()
+    {
+        link.rd.get_ref().reset_on_close();
     }
     if let Some(p) = slot.take() {
         let _ = p.tx.send(RecvDone {

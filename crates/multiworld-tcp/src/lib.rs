@@ -22,6 +22,7 @@
 //! | `mesh` | listen, publish, connect, authenticate; refuse strangers | TCP |
 //! | `matching` | receive matching: posted receives, early messages, where an arriving payload goes (budget, eager reads, any-source order, cancel while arriving) | none |
 //! | `link` | the byte stream under one peer connection: an enum of a TCP socket's halves and (feature `memory`) an in-process pipe, dispatched statically | TCP, in-process |
+//! | `parking` | where a reader leaves its link while it holds back a frame, so that the thread posting the frame's receive can read the payload itself | none |
 //! | `comm` | [`Communicator`]: send/recv/isend/irecv, failure handling, abort, health, heartbeats | through `link` |
 //! | `memory` | (feature `memory`) `MemoryWorld` and `Communicator::memory_world`: a whole world in this process over pipes, for tests | in-process |
 //!
@@ -48,6 +49,7 @@ mod link;
 mod matching;
 #[cfg(feature = "memory")]
 mod memory;
+mod parking;
 mod rendezvous;
 
 // The wire internals: public only with the `wire` feature, which the crate's

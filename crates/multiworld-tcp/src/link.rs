@@ -13,6 +13,7 @@
 //! | call | TCP | memory pipe |
 //! |---|---|---|
 //! | `try_write*` | the socket's non-blocking write | one poll of the pipe; full = `WouldBlock` |
+//! | `try_read` | the socket's non-blocking read | one poll of the pipe; empty = `WouldBlock` |
 //! | `peer_closed` | the socket's read-closed readiness (FIN or RST) | the other end's write half was dropped |
 //! | `reset_on_close` | SO_LINGER 0, so the close is a reset | nothing: a dropped pipe end is seen at once |
 //!
@@ -64,6 +65,18 @@ impl ReadLink {
             }
             #[cfg(feature = "memory")]
             ReadLink::Memory(p) => p.writer_gone(),
+        }
+    }
+
+    /// Reads what is there now without waiting: TCP's non-blocking read; on
+    /// a pipe, one poll (nothing there is `WouldBlock`). `Ok(0)` is the end
+    /// of the stream.
+    #[inline]
+    pub(crate) fn try_read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            ReadLink::Tcp(h) => h.try_read(buf),
+            #[cfg(feature = "memory")]
+            ReadLink::Memory(p) => p.try_read(buf),
         }
     }
 
@@ -195,7 +208,7 @@ pub(crate) mod memory {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::task::{Context, Poll, Waker};
 
-    use tokio::io::{AsyncWrite, DuplexStream};
+    use tokio::io::{AsyncRead, AsyncWrite, DuplexStream, ReadBuf};
 
     /// The writing end of a one-way pipe. Dropping it ends the stream for
     /// the reader (after the bytes already written).
@@ -253,6 +266,19 @@ pub(crate) mod memory {
     }
 
     impl PipeReader {
+        /// One poll of the pipe with a no-op waker: what is there is read
+        /// now; an empty pipe is `WouldBlock` (the reader task's next poll
+        /// registers its own waker again).
+        pub(super) fn try_read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            let mut cx = Context::from_waker(Waker::noop());
+            let mut rb = ReadBuf::new(buf);
+            match Pin::new(&mut self.pipe).poll_read(&mut cx, &mut rb) {
+                Poll::Ready(Ok(())) => Ok(rb.filled().len()),
+                Poll::Ready(Err(e)) => Err(e),
+                Poll::Pending => Err(io::ErrorKind::WouldBlock.into()),
+            }
+        }
+
         pub(super) fn writer_gone(&self) -> bool {
             self.gone.load(Ordering::Acquire)
         }

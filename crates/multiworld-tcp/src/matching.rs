@@ -181,6 +181,30 @@ impl Matching {
         }
     }
 
+    /// Like [`Matching::take_posted`], but only if that receive's buffer
+    /// fits the message (`dtype`, `len` bytes); a receive that does not fit
+    /// stays posted (its mismatch is for the connection's reader to report).
+    pub(crate) fn take_posted_fitting(
+        &mut self,
+        from: Rank,
+        tag: Tag,
+        dtype: DType,
+        len: usize,
+    ) -> Option<Posted> {
+        loop {
+            let q = self.posted.get(&tag)?;
+            let idx = q.iter().position(|p| p.src.matches(from))?;
+            let p = q.get(idx)?;
+            if !p.tx.is_closed() && (p.buf.dtype() != dtype || p.buf.nbytes() != len) {
+                return None;
+            }
+            let p = self.remove_posted(tag, idx)?;
+            if !p.tx.is_closed() {
+                return Some(p);
+            }
+        }
+    }
+
     /// Removes the posted receive `id` on `tag` (a cancel), if still posted.
     pub(crate) fn take_posted_id(&mut self, tag: Tag, id: u64) -> Option<Posted> {
         let idx = self.posted.get(&tag)?.iter().position(|p| p.id == id)?;
@@ -284,20 +308,45 @@ impl Matching {
         if let Some(p) = self.take_posted(from, tag) {
             return Route::Receive(p);
         }
-        // Someone waits for a message behind this one on this connection: read
-        // this one ahead so that one is not blocked.
-        let behind = self.posted_for.get(from.index()).copied().unwrap_or(0) > 0 || self.posted_any > 0;
-        let held = self.held(from);
-        let after = held.saturating_add(len);
-        let early = len <= eager_limit && (len <= WINDOWED_FROM || after <= READ_AHEAD_WINDOW);
-        let fits = after <= budget && (early || behind);
-        if !(fits || draining) {
+        if !(self.fits_ahead(from, len, eager_limit, budget) || draining) {
             return Route::Hold;
         }
         if let Some(h) = self.held.get_mut(from.index()) {
             *h = h.saturating_add(len);
         }
         Route::ReadAhead(self.pool.pop().unwrap_or_default())
+    }
+
+    /// Whether [`Matching::route`] would hold back a message from `from` on
+    /// `tag` of `len` bytes now (no posted receive takes it and there is no
+    /// room to read it ahead), without routing it. For a peer that is not
+    /// closing. When it says so, routing holds back too; the converse can
+    /// fail only while a cancelled receive is still posted (routing drops
+    /// it first).
+    pub(crate) fn holds_back(
+        &self,
+        from: Rank,
+        tag: Tag,
+        len: usize,
+        eager_limit: usize,
+        budget: usize,
+    ) -> bool {
+        let posted = self
+            .posted
+            .get(&tag)
+            .is_some_and(|q| q.iter().any(|p| p.src.matches(from) && !p.tx.is_closed()));
+        !posted && !self.fits_ahead(from, len, eager_limit, budget)
+    }
+
+    /// Whether a message from `from` of `len` bytes with no receive posted
+    /// is read ahead (see the module docs).
+    fn fits_ahead(&self, from: Rank, len: usize, eager_limit: usize, budget: usize) -> bool {
+        // Someone waits for a message behind this one on this connection: read
+        // this one ahead so that one is not blocked.
+        let behind = self.posted_for.get(from.index()).copied().unwrap_or(0) > 0 || self.posted_any > 0;
+        let after = self.held(from).saturating_add(len);
+        let early = len <= eager_limit && (len <= WINDOWED_FROM || after <= READ_AHEAD_WINDOW);
+        after <= budget && (early || behind)
     }
 
     /// Bytes held for early messages of `from`.
@@ -374,6 +423,64 @@ mod tests {
         // Another tag never matches.
         assert!(m.take_posted(Rank(2), Tag(8)).is_none());
         assert_eq!(m.take_posted(Rank(2), Tag(7)).unwrap().id, a);
+    }
+
+    #[test]
+    fn holds_back_says_what_route_would_do_without_doing_it() {
+        let mut m = Matching::new(3);
+        let big = 4 * EAGER;
+        // Nothing posted, too large to read ahead: held back, and routing agrees.
+        assert!(m.holds_back(Rank(1), Tag(5), big, EAGER, BUDGET));
+        assert!(is_hold(&route(&mut m, 1, 5, big, false)));
+        // Small: read ahead.
+        assert!(!m.holds_back(Rank(1), Tag(5), 16, EAGER, BUDGET));
+        // A receive posted for it: not held back, and nothing was taken.
+        let (_id, _rx) = recv(&mut m, Source::Rank(Rank(1)), 5);
+        assert!(!m.holds_back(Rank(1), Tag(5), big, EAGER, BUDGET));
+        assert!(m.take_posted(Rank(1), Tag(5)).is_some());
+        // A receive posted behind it on the same connection (another tag):
+        // read ahead, so that one is not blocked.
+        let (_id, _rx) = recv(&mut m, Source::Rank(Rank(1)), 6);
+        assert!(!m.holds_back(Rank(1), Tag(5), big, EAGER, BUDGET));
+        assert!(m.holds_back(Rank(2), Tag(5), big, EAGER, BUDGET));
+        // A receive whose caller went away takes nothing, but still counts
+        // as waiting behind until routing drops it: `holds_back` errs
+        // towards "not held back" (the reader is woken to route it), never
+        // the other way.
+        let (_id, rx) = recv(&mut m, Source::Rank(Rank(2)), 5);
+        drop(rx);
+        assert!(!m.holds_back(Rank(2), Tag(5), big, EAGER, BUDGET));
+        assert!(is_hold(&route(&mut m, 2, 5, big, false)));
+        assert!(m.holds_back(Rank(2), Tag(5), big, EAGER, BUDGET));
+    }
+
+    #[test]
+    fn only_a_receive_that_fits_is_taken_for_a_frame_read_by_its_poster() {
+        let mut m = Matching::new(3);
+        let buf = |n: usize| Tensor::zeros(DType::F32, [n]).unwrap();
+        let (tx0, rx0) = oneshot::channel();
+        let a = m.post(Source::Rank(Rank(1)), Tag(5), buf(4), tx0);
+        let (tx1, _rx1) = oneshot::channel();
+        let b = m.post(Source::Rank(Rank(1)), Tag(5), buf(8), tx1);
+        // The earliest receive (16 bytes) does not fit 32 bytes: nothing is
+        // taken, not even the later one that would.
+        assert!(m.take_posted_fitting(Rank(1), Tag(5), DType::F32, 32).is_none());
+        assert!(m.take_posted_fitting(Rank(1), Tag(5), DType::I32, 16).is_none());
+        // Its caller gone, it is skipped and the next one is taken.
+        drop(rx0);
+        assert_eq!(
+            m.take_posted_fitting(Rank(1), Tag(5), DType::F32, 32).unwrap().id,
+            b
+        );
+        assert!(m.take_posted_id(Tag(5), a).is_none());
+        // Another source or tag never matches.
+        let (tx2, _rx2) = oneshot::channel();
+        let c = m.post(Source::Any, Tag(5), buf(4), tx2);
+        assert!(m.take_posted_fitting(Rank(2), Tag(6), DType::F32, 16).is_none());
+        assert_eq!(
+            m.take_posted_fitting(Rank(2), Tag(5), DType::F32, 16).unwrap().id,
+            c
+        );
     }
 
     #[test]

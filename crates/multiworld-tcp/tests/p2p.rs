@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use multiworld_tcp::{DType, Error, MessageDesc, Rank, Source, Tag, Tensor, bf16, f16};
+use multiworld_tcp::{Communicator, DType, Error, MessageDesc, Rank, Source, Tag, Tensor, bf16, f16};
 use multiworld_testkit::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -633,4 +633,80 @@ async fn a_receive_dropped_at_its_yield_keeps_the_buffer_and_the_messages() {
         dropped >= N / 32,
         "only {dropped} receives were dropped at a yield"
     );
+}
+
+/// A slow consumer of messages too large to read ahead: the reader holds each
+/// back, and the call that posts its receive reads it from the link itself.
+/// 48 KiB messages are whole in the link by then (completed in the call);
+/// 3 MiB ones are more than it holds (read part-way in the call, finished by
+/// the reader). Every byte arrives, in order; a receive that does not fit a
+/// held-back message is not taken for it, and the reader reports the mismatch.
+async fn held_back_messages_are_read_by_the_receiving_call(a: Communicator, b: Communicator) {
+    const N: usize = 24;
+    let size = |i: usize| if i % 3 == 2 { 3 << 20 } else { 48 << 10 };
+    let sender = tokio::spawn(async move {
+        for i in 0..N {
+            a.send(Rank(1), Tag(7), &patterned(DType::U8, size(i), i as u8))
+                .await
+                .unwrap();
+        }
+        // A message no receive fits, then one that fits again.
+        a.send(Rank(1), Tag(8), &patterned(DType::U8, 48 << 10, 1))
+            .await
+            .unwrap();
+        a.send(Rank(1), Tag(8), &patterned(DType::U8, 48 << 10, 2))
+            .await
+            .unwrap();
+        a
+    });
+    let mut in_call = 0;
+    for i in 0..N {
+        // Slow: the next message is held back before its receive is posted.
+        tokio::time::sleep(Duration::from_millis(3)).await;
+        let h = b.irecv(Rank(0), Tag(7), Tensor::zeros(DType::U8, [size(i)]).unwrap());
+        if h.is_completed() {
+            in_call += 1;
+        }
+        let got = h.wait().await.unwrap();
+        assert_eq!(got.src, Rank(0));
+        assert!(
+            got.tensor.as_bytes() == patterned(DType::U8, size(i), i as u8).as_bytes(),
+            "message {i} of {} bytes arrived altered",
+            size(i)
+        );
+    }
+    let stats = b.peer_stats(Rank(0)).unwrap();
+    assert_eq!(stats.messages_received, N as u64);
+    eprintln!(
+        "{N} held-back messages: {in_call} complete when posted, {} read in the call",
+        stats.messages_read_in_call
+    );
+    assert!(
+        in_call >= 1 && stats.messages_read_in_call >= in_call,
+        "no held-back message was read in its receiving call ({in_call} complete at the call, {} counted)",
+        stats.messages_read_in_call
+    );
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let mut wrong = Tensor::zeros(DType::U8, [(48 << 10) + 1]).unwrap();
+    let e = b.recv(Rank(0), Tag(8), &mut wrong).await.unwrap_err();
+    assert!(matches!(e, Error::Mismatch { .. }), "{e}");
+    let mut right = Tensor::zeros(DType::U8, [48 << 10]).unwrap();
+    b.recv(Rank(0), Tag(8), &mut right).await.unwrap();
+    assert_eq!(right.as_bytes(), patterned(DType::U8, 48 << 10, 2).as_bytes());
+    assert!(b.health().is_healthy());
+    sender.await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_back_messages_are_read_by_the_receiving_call_over_tcp() {
+    let (a, b) = pair("read-in-call").await;
+    held_back_messages_are_read_by_the_receiving_call(a, b).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_back_messages_are_read_by_the_receiving_call_over_memory() {
+    let mut v = multiworld_testkit::memory::memory_mesh("read-in-call-memory", 2);
+    let b = v.pop().unwrap();
+    let a = v.pop().unwrap();
+    held_back_messages_are_read_by_the_receiving_call(a, b).await;
 }

@@ -299,7 +299,7 @@ impl Collector for WorldsCollector {
             }
         }
         type Pick = fn(&multiworld_tcp::PeerStats) -> u64;
-        let traffic: [(&'static str, &'static str, Pick); 4] = [
+        let traffic: [(&'static str, &'static str, Pick); 5] = [
             ("multiworld_sent_bytes", "Payload bytes sent to each peer", |p| {
                 p.bytes_sent
             }),
@@ -315,6 +315,11 @@ impl Collector for WorldsCollector {
                 "multiworld_received_messages",
                 "Messages received from each peer",
                 |p| p.messages_received,
+            ),
+            (
+                "multiworld_received_in_call_messages",
+                "Messages from each peer whose payload the receiving call read from the socket itself",
+                |p| p.messages_read_in_call,
             ),
         ];
         for (name, help, pick) in traffic {

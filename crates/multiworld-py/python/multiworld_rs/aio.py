@@ -207,14 +207,19 @@ class AsyncWorld:
                 work = Work(native)
         if work is None:
             work = self.sync.isend(tensor, dst, tag)
+        await self._finish(work)
+
+    async def _finish(self, work: Work, withdraw_on_cancel: bool = False) -> Any:
+        """The outcome of ``work``: at once, without a round through the
+        event loop, when it finished in the call that started it (a send
+        that fit the socket's buffer, a receive whose message was here);
+        else awaited through the loop's notifier."""
         if work.is_completed():
-            # All written in the call (it fit the socket's buffer): no round
-            # through the event loop; wait() returns at once (or raises).
+            # wait() returns at once (or raises).
             self._in_a_row += 1
-            work.wait()
-            return
+            return work.wait()
         self._in_a_row = 0
-        await _wait(work)
+        return await _wait(work, withdraw_on_cancel)
 
     async def _take_turn(self) -> None:
         """Lets the event loop run other tasks once every :data:`_BURST`
@@ -226,7 +231,8 @@ class AsyncWorld:
 
     async def recv(self, src: Optional[int] = None, tag: int = 0, *, dtype: Any, shape: Any) -> np.ndarray:
         """Receives a new array from ``src`` (``None``: any member)."""
-        return await _wait(self.sync.irecv(None, src, tag, dtype=dtype, shape=shape), True)
+        await self._take_turn()
+        return await self._finish(self.sync.irecv(None, src, tag, dtype=dtype, shape=shape), True)
 
     async def recv_any(self, tag: int = 0, *, dtype: Any, shape: Any) -> Tuple[int, np.ndarray]:
         """Receives from any member; returns ``(sender, array)``."""
@@ -237,15 +243,17 @@ class AsyncWorld:
     async def recv_into(self, tensor: Any, src: Optional[int] = None, tag: int = 0) -> int:
         """Receives into ``tensor``; returns the sender's rank. A message
         already here is taken at once, without a round through the event
-        loop (at most :data:`_BURST` in a row, then the loop gets a turn)."""
+        loop (at most :data:`_BURST` in a row, then the loop gets a turn):
+        one read ahead is copied, and one from ``src`` too large to read
+        ahead (at most 4 MiB) that waits whole in the socket is read into
+        ``tensor`` in the call."""
         await self._take_turn()
         got = self.sync._w.recv_into_now(_lendable(tensor), src, tag)
         if got is not None:
             self._in_a_row += 1
             return got
-        self._in_a_row = 0
         work = self.sync.irecv(tensor, src, tag)
-        await _wait(work, True)
+        await self._finish(work, True)
         return work.source  # type: ignore[attr-defined]
 
     # -- collectives (see the synchronous methods for the semantics) ---------
