@@ -6,7 +6,9 @@
 //! it is small (`eager_limit`) and the peer's budget (`unexpected_budget`) allows,
 //! or if some other receive is waiting behind it on the same connection; otherwise
 //! the reader stops reading that socket until a receive is posted (TCP
-//! backpressure). Sends write the header and the caller's bytes straight to the
+//! backpressure); meanwhile it parks its end of the connection
+//! (`crate::parking`), and the call that posts the receive reads what the
+//! socket holds itself (`Inner::read_parked`). Sends write the header and the caller's bytes straight to the
 //! socket (one vectored write, no copy) under a per-peer FIFO writer lock, which is
 //! what keeps messages to one peer in call order. A failed connection fails every
 //! pending operation involving that peer at once and is reported as a
@@ -343,6 +345,9 @@ struct Inner {
     /// when posted (see [`READY_BURST`]); reset by one that waits and when a
     /// receive yields its turn.
     ready_in_a_row: AtomicU32,
+    /// Data frame headers read so far over all connections: the order in
+    /// which held-back frames arrived (`parking::Frame::arrived`).
+    arrivals: AtomicU64,
 }
 
 /// After this many receives in a row on one communicator whose messages had
@@ -557,6 +562,7 @@ impl Communicator {
             cut_off: AtomicBool::new(false),
             rejected,
             ready_in_a_row: AtomicU32::new(0),
+            arrivals: AtomicU64::new(0),
         });
         for (peer, rd) in reads {
             inner
@@ -699,10 +705,11 @@ impl Communicator {
 
     /// Posts a receive into `buf` (owned) now and returns a handle. Receives match
     /// messages in the order they were posted. A message that has arrived
-    /// completes the handle in this call: one read ahead is copied, and, for
-    /// a receive from one rank, one the connection's reader held back (too
-    /// large to read ahead, at most 4 MiB) is read here from the socket, as
-    /// much of it as is there without waiting (the reader reads the rest). Dropping the handle cancels the
+    /// completes the handle in this call: one read ahead is copied, and one
+    /// a connection's reader held back (too large to read ahead, at most
+    /// 4 MiB; for any source, the earliest that arrived) is read here from
+    /// the socket, as much of it as is there without waiting (the reader
+    /// reads the rest). Dropping the handle cancels the
     /// receive: a message that arrives later goes to the next matching receive (if
     /// it was already arriving, it is kept for the next matching receive too).
     pub fn irecv(&self, src: impl Into<Source>, tag: Tag, buf: Tensor) -> RecvHandle {
@@ -1160,6 +1167,25 @@ impl Inner {
                 }
             }
             Source::Any => {
+                // The frames held back for this tag, earliest arrival first
+                // (as the early messages an any-source receive takes).
+                let fits =
+                    |h: &Held<Link>| h.frame.as_ref().is_some_and(|f| f.tag == tag && f.into.is_none());
+                let mut parked: Vec<(u64, &Arc<Peer>)> = self
+                    .peers
+                    .iter()
+                    .flatten()
+                    .filter_map(|p| p.parking.peek(fits).map(|arrived| (arrived, p)))
+                    .collect();
+                parked.sort_unstable_by_key(|&(arrived, _)| arrived);
+                for (_, p) in parked {
+                    if self.read_parked(p) {
+                        p.wake.notify_one();
+                    }
+                    if let Ok(done) = rx.try_recv() {
+                        return Posting::Done(done);
+                    }
+                }
                 for p in self.peers.iter().flatten() {
                     p.wake.notify_one();
                 }
@@ -1302,6 +1328,7 @@ impl Inner {
             tag,
             dtype,
             len,
+            arrived: self.arrivals.fetch_add(1, Ordering::Relaxed),
             into: None,
         })
     }
@@ -1549,6 +1576,7 @@ impl Inner {
                         tag,
                         dtype,
                         len,
+                        arrived: self.arrivals.fetch_add(1, Ordering::Relaxed),
                         into: None,
                     };
                     if let Err(cause) = self.on_data(peer, reading, slot, frame).await {
@@ -1648,12 +1676,14 @@ impl Inner {
                         tag,
                         dtype,
                         len,
+                        arrived,
                         into: Some((posted, filled)),
                     }) => {
                         frame = Frame {
                             tag,
                             dtype,
                             len,
+                            arrived,
                             into: None,
                         };
                         *slot = Some(posted);

@@ -39,6 +39,9 @@ pub(crate) struct Frame {
     pub(crate) dtype: DType,
     /// Payload bytes.
     pub(crate) len: usize,
+    /// When its header was read, in the communicator's order of arrivals
+    /// over all its connections (an any-source receive takes the earliest).
+    pub(crate) arrived: u64,
     /// The receive whose buffer the payload is going into, and how many of
     /// its bytes are there already (read by a lender); `None`: not routed.
     pub(crate) into: Option<(Posted, usize)>,
@@ -126,6 +129,15 @@ impl<L> Parking<L> {
         }
     }
 
+    /// The parked frame's arrival, if the link is parked and `fits` accepts
+    /// it (a poster choosing among connections; the link stays parked).
+    pub(crate) fn peek(&self, fits: impl FnOnce(&Held<L>) -> bool) -> Option<u64> {
+        match &*self.state() {
+            State::Parked(h) if fits(h) => h.frame.as_ref().map(|f| f.arrived),
+            _ => None,
+        }
+    }
+
     /// A posting thread borrows the parked link if `fits` accepts it;
     /// `None` otherwise (the reader has it, or it is lent: then the lender
     /// wakes the reader when it gives it back, to see to what this poster
@@ -193,6 +205,7 @@ mod tests {
                 tag: Tag(3),
                 dtype: DType::F32,
                 len: 64,
+                arrived: u64::from(link),
                 into: None,
             }),
             failed: None,
@@ -227,11 +240,15 @@ mod tests {
         let p: Parking<u32> = Parking::new();
         // Nothing to lend while the reader reads.
         assert!(p.lend(|_| true).is_none());
+        assert!(p.peek(|_| true).is_none());
         assert!(p.park(held(7)).is_none());
+        assert_eq!(p.peek(untouched), Some(7));
+        assert_eq!(p.peek(|_| false), None);
         // The predicate decides.
         assert!(p.lend(|h| h.frame.as_ref().is_some_and(|f| f.len > 64)).is_none());
         let mut h = p.lend(untouched).unwrap();
         // Lent: neither the reader nor a second lender gets it.
+        assert!(p.peek(|_| true).is_none());
         assert!(p.unpark().is_none());
         assert!(p.lend(|_| true).is_none());
         // Read whole, nothing behind it: at a frame boundary.

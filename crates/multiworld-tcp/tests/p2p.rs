@@ -710,3 +710,48 @@ async fn held_back_messages_are_read_by_the_receiving_call_over_memory() {
     let a = v.pop().unwrap();
     held_back_messages_are_read_by_the_receiving_call(a, b).await;
 }
+
+/// Any-source receives read held-back messages in the call too, the
+/// earliest to arrive first: two senders take turns being first, and each
+/// receive gets the one that came first, whole and in the call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn any_source_receives_read_the_earliest_held_back_message_in_the_call() {
+    let mut v = mesh("any-read-in-call", 3).await;
+    let (c, b, a) = (v.pop().unwrap(), v.pop().unwrap(), v.pop().unwrap());
+    const SIZE: usize = 48 << 10;
+    let (mut in_call, rounds) = (0, 6u8);
+    for round in 0..rounds {
+        let (first, second) = if round % 2 == 0 { (&b, &c) } else { (&c, &b) };
+        first
+            .send(Rank(0), Tag(4), &patterned(DType::U8, SIZE, round))
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        second
+            .send(Rank(0), Tag(4), &patterned(DType::U8, SIZE, round + 100))
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        for (who, seed) in [(first, round), (second, round + 100)] {
+            let h = a.irecv(Source::Any, Tag(4), Tensor::zeros(DType::U8, [SIZE]).unwrap());
+            if h.is_completed() {
+                in_call += 1;
+            }
+            let got = h.wait().await.unwrap();
+            assert_eq!(got.src, who.rank(), "round {round}: not the earliest arrival");
+            assert!(got.tensor.as_bytes() == patterned(DType::U8, SIZE, seed).as_bytes());
+        }
+    }
+    let counted: u64 = [1, 2]
+        .map(|r| a.peer_stats(Rank(r)).unwrap().messages_read_in_call)
+        .iter()
+        .sum();
+    eprintln!(
+        "{in_call} of {} any-source receives complete when posted",
+        2 * rounds
+    );
+    assert!(
+        in_call >= 1 && counted >= in_call as u64,
+        "{in_call} complete when posted, {counted} counted"
+    );
+}

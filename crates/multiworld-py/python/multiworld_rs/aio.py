@@ -244,9 +244,9 @@ class AsyncWorld:
         """Receives into ``tensor``; returns the sender's rank. A message
         already here is taken at once, without a round through the event
         loop (at most :data:`_BURST` in a row, then the loop gets a turn):
-        one read ahead is copied, and one from ``src`` too large to read
-        ahead (at most 4 MiB) that waits whole in the socket is read into
-        ``tensor`` in the call."""
+        one read ahead is copied, and one too large to read ahead (at most
+        4 MiB) that waits whole in the socket is read into ``tensor`` in the
+        call."""
         await self._take_turn()
         got = self.sync._w.recv_into_now(_lendable(tensor), src, tag)
         if got is not None:
