@@ -707,9 +707,9 @@ impl Communicator {
     /// messages in the order they were posted. A message that has arrived
     /// completes the handle in this call: one read ahead is copied, and one
     /// a connection's reader held back (too large to read ahead, at most
-    /// 4 MiB; for any source, the earliest that arrived) is read here from
-    /// the socket, as much of it as is there without waiting (the reader
-    /// reads the rest). Dropping the handle cancels the
+    /// 4 MiB; for any source, the earliest of those held back, after any
+    /// read ahead) is read here from the socket, as much of it as is there
+    /// without waiting (the reader reads the rest). Dropping the handle cancels the
     /// receive: a message that arrives later goes to the next matching receive (if
     /// it was already arriving, it is kept for the next matching receive too).
     pub fn irecv(&self, src: impl Into<Source>, tag: Tag, buf: Tensor) -> RecvHandle {
@@ -1167,18 +1167,19 @@ impl Inner {
                 }
             }
             Source::Any => {
-                // The frames held back for this tag, earliest arrival first
-                // (as the early messages an any-source receive takes).
+                // The frame held back for this tag that arrived first over
+                // all connections: read here if it fits (a later one never
+                // is, so a mismatch of the earliest is for its reader to
+                // report, as the matching rules have it).
                 let fits =
                     |h: &Held<Link>| h.frame.as_ref().is_some_and(|f| f.tag == tag && f.into.is_none());
-                let mut parked: Vec<(u64, &Arc<Peer>)> = self
+                let earliest = self
                     .peers
                     .iter()
                     .flatten()
                     .filter_map(|p| p.parking.peek(fits).map(|arrived| (arrived, p)))
-                    .collect();
-                parked.sort_unstable_by_key(|&(arrived, _)| arrived);
-                for (_, p) in parked {
+                    .min_by_key(|&(arrived, _)| arrived);
+                if let Some((_, p)) = earliest {
                     if self.read_parked(p) {
                         p.wake.notify_one();
                     }
@@ -1654,6 +1655,31 @@ impl Inner {
                 _ = woken => false,
                 _ = tokio::time::sleep(CLOSED_POLL) => true,
             };
+            // A timer's wake-up while nothing changed (the same frame parked,
+            // the peer still there, still no receive or room for it) leaves
+            // the link parked, so a posting call can still borrow it (an
+            // any-source receive choosing the earliest frame would otherwise
+            // miss this one now and then).
+            while parked && polled {
+                let woken = peer.wake.notified();
+                let unchanged = peer.parking.inspect(|h| {
+                    let same = h
+                        .frame
+                        .as_ref()
+                        .is_some_and(|f| f.arrived == frame.arrived && f.into.is_none());
+                    same.then(|| !h.link.rd.get_ref().peer_closed())
+                });
+                if unchanged != Some(true)
+                    || !self.lock().holds_back(from, frame.tag, frame.len, eager, budget)
+                {
+                    break;
+                }
+                peer.counters.heard();
+                polled = tokio::select! {
+                    _ = woken => false,
+                    _ = tokio::time::sleep(CLOSED_POLL) => true,
+                };
+            }
             if parked {
                 let held = unpark(peer, &mut polled).await;
                 *reading = Some(held.link);

@@ -129,6 +129,15 @@ impl<L> Parking<L> {
         }
     }
 
+    /// `look` applied to the parked link, if it is parked (the reader checking
+    /// on it without taking it back); `None` otherwise.
+    pub(crate) fn inspect<R>(&self, look: impl FnOnce(&Held<L>) -> Option<R>) -> Option<R> {
+        match &*self.state() {
+            State::Parked(h) => look(h),
+            _ => None,
+        }
+    }
+
     /// The parked frame's arrival, if the link is parked and `fits` accepts
     /// it (a poster choosing among connections; the link stays parked).
     pub(crate) fn peek(&self, fits: impl FnOnce(&Held<L>) -> bool) -> Option<u64> {
@@ -244,11 +253,13 @@ mod tests {
         assert!(p.park(held(7)).is_none());
         assert_eq!(p.peek(untouched), Some(7));
         assert_eq!(p.peek(|_| false), None);
+        assert_eq!(p.inspect(|h| Some(h.link)), Some(7));
         // The predicate decides.
         assert!(p.lend(|h| h.frame.as_ref().is_some_and(|f| f.len > 64)).is_none());
         let mut h = p.lend(untouched).unwrap();
         // Lent: neither the reader nor a second lender gets it.
         assert!(p.peek(|_| true).is_none());
+        assert!(p.inspect(|h| Some(h.link)).is_none());
         assert!(p.unpark().is_none());
         assert!(p.lend(|_| true).is_none());
         // Read whole, nothing behind it: at a frame boundary.

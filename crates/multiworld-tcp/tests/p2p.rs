@@ -722,16 +722,18 @@ async fn any_source_receives_read_the_earliest_held_back_message_in_the_call() {
     let (mut in_call, rounds) = (0, 6u8);
     for round in 0..rounds {
         let (first, second) = if round % 2 == 0 { (&b, &c) } else { (&c, &b) };
+        // Far apart: the first is held back well before the second arrives,
+        // even on a busy machine.
         first
             .send(Rank(0), Tag(4), &patterned(DType::U8, SIZE, round))
             .await
             .unwrap();
-        tokio::time::sleep(Duration::from_millis(30)).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
         second
             .send(Rank(0), Tag(4), &patterned(DType::U8, SIZE, round + 100))
             .await
             .unwrap();
-        tokio::time::sleep(Duration::from_millis(30)).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
         for (who, seed) in [(first, round), (second, round + 100)] {
             let h = a.irecv(Source::Any, Tag(4), Tensor::zeros(DType::U8, [SIZE]).unwrap());
             if h.is_completed() {
