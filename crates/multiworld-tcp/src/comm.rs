@@ -34,7 +34,7 @@ use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncBufRead, AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
-use tokio::sync::{Notify, broadcast, oneshot};
+use tokio::sync::{Notify, broadcast, futures::Notified, oneshot};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -1155,41 +1155,34 @@ impl Inner {
         let (tx, mut rx) = oneshot::channel();
         let id = m.post(src, tag, buf, tx);
         drop(m);
-        match src {
-            Source::Rank(r) => {
-                if let Some(p) = self.peer(r) {
-                    if self.read_parked(p) {
-                        p.wake.notify_one();
-                    }
-                    if let Ok(done) = rx.try_recv() {
-                        return Posting::Done(done);
-                    }
-                }
-            }
+        // The connection whose held-back frame this receive may read now: its
+        // source's; for any source, the one whose frame for this tag arrived
+        // first (a later one never is read here, so a mismatch of the
+        // earliest is for its reader to report, as the matching rules have it).
+        let candidate = match src {
+            Source::Rank(r) => self.peer(r),
             Source::Any => {
-                // The frame held back for this tag that arrived first over
-                // all connections: read here if it fits (a later one never
-                // is, so a mismatch of the earliest is for its reader to
-                // report, as the matching rules have it).
                 let fits =
                     |h: &Held<Link>| h.frame.as_ref().is_some_and(|f| f.tag == tag && f.into.is_none());
-                let earliest = self
-                    .peers
+                self.peers
                     .iter()
                     .flatten()
                     .filter_map(|p| p.parking.peek(fits).map(|arrived| (arrived, p)))
-                    .min_by_key(|&(arrived, _)| arrived);
-                if let Some((_, p)) = earliest {
-                    if self.read_parked(p) {
-                        p.wake.notify_one();
-                    }
-                    if let Ok(done) = rx.try_recv() {
-                        return Posting::Done(done);
-                    }
-                }
-                for p in self.peers.iter().flatten() {
-                    p.wake.notify_one();
-                }
+                    .min_by_key(|&(arrived, _)| arrived)
+                    .map(|(_, p)| p)
+            }
+        };
+        if let Some(p) = candidate {
+            if self.read_parked(p) {
+                p.wake.notify_one();
+            }
+            if let Ok(done) = rx.try_recv() {
+                return Posting::Done(done);
+            }
+        }
+        if src == Source::Any {
+            for p in self.peers.iter().flatten() {
+                p.wake.notify_one();
             }
         }
         Posting::Waiting { id, rx }
@@ -1255,16 +1248,12 @@ impl Inner {
         };
         match peer.parking.give_back(held) {
             GivenBack::Parked { wanted } => wake || wanted,
-            GivenBack::Ended(left) => {
+            GivenBack::Ended(mut left) => {
                 // The reader ended meanwhile: close as it would have.
                 if !self.graceful() {
                     left.link.rd.get_ref().reset_on_close();
                 }
-                if let Some(Frame {
-                    into: Some((posted, _)),
-                    ..
-                }) = left.frame
-                {
+                if let Some(posted) = left.take_receive() {
                     let _ = posted.tx.send(RecvDone {
                         buf: posted.buf,
                         result: Err(self.aborted_error().unwrap_or_else(|| self.peer_error(peer))),
@@ -1325,13 +1314,18 @@ impl Inner {
         link.seq.check(&h).ok()?;
         link.rd.consume(HEADER_LEN);
         progress.heard();
-        Some(Frame {
+        Some(self.frame(tag, dtype, len))
+    }
+
+    /// A data frame whose header was just read, stamped with its arrival.
+    fn frame(&self, tag: Tag, dtype: DType, len: usize) -> Frame {
+        Frame {
             tag,
             dtype,
             len,
             arrived: self.arrivals.fetch_add(1, Ordering::Relaxed),
             into: None,
-        })
+        }
     }
 
     /// One peer's part of [`Communicator::close`]: the goodbye (after the
@@ -1573,14 +1567,10 @@ impl Inner {
                     let Ok(len) = usize::try_from(len) else {
                         return ReadEnd::Failed(format!("declared length {len} does not fit in memory"));
                     };
-                    let frame = Frame {
-                        tag,
-                        dtype,
-                        len,
-                        arrived: self.arrivals.fetch_add(1, Ordering::Relaxed),
-                        into: None,
-                    };
-                    if let Err(cause) = self.on_data(peer, reading, slot, frame).await {
+                    if let Err(cause) = self
+                        .on_data(peer, reading, slot, self.frame(tag, dtype, len))
+                        .await
+                    {
                         return ReadEnd::Failed(cause);
                     }
                 }
@@ -1651,10 +1641,7 @@ impl Inner {
                     }
                 }
             });
-            let mut polled = tokio::select! {
-                _ = woken => false,
-                _ = tokio::time::sleep(CLOSED_POLL) => true,
-            };
+            let mut polled = woken_or_polled(woken).await;
             // A timer's wake-up while nothing changed (the same frame parked,
             // the peer still there, still no receive or room for it) leaves
             // the link parked, so a posting call can still borrow it (an
@@ -1675,49 +1662,30 @@ impl Inner {
                     break;
                 }
                 peer.counters.heard();
-                polled = tokio::select! {
-                    _ = woken => false,
-                    _ = tokio::time::sleep(CLOSED_POLL) => true,
-                };
+                polled = woken_or_polled(woken).await;
             }
             if parked {
-                let held = unpark(peer, &mut polled).await;
-                *reading = Some(held.link);
-                if let Some(e) = held.failed {
+                let mut held = unpark(peer, &mut polled).await;
+                if let Some(e) = held.failed.take() {
                     // Met by a posting call; a receive it was filling fails
                     // with the connection.
-                    if let Some(Frame {
-                        into: Some((posted, _)),
-                        ..
-                    }) = held.frame
-                    {
-                        *slot = Some(posted);
-                    }
+                    *slot = held.take_receive();
+                    *reading = Some(held.link);
                     return Err(format!("reading a message: {}", describe_io(&e)));
                 }
-                match held.frame {
-                    // Read whole by a posting call, and no whole header behind it.
-                    None => return Ok(()),
-                    Some(Frame {
-                        tag,
-                        dtype,
-                        len,
-                        arrived,
-                        into: Some((posted, filled)),
-                    }) => {
-                        frame = Frame {
-                            tag,
-                            dtype,
-                            len,
-                            arrived,
-                            into: None,
-                        };
-                        *slot = Some(posted);
-                        break (None, filled);
-                    }
-                    // This frame, or one behind it whose header a posting call read.
-                    Some(f) => frame = f,
+                *reading = Some(held.link);
+                // Read whole by a posting call, and no whole header behind it.
+                let Some(mut f) = held.frame else {
+                    return Ok(());
+                };
+                // Read part-way into its receive, which the reader fills.
+                if let Some((posted, filled)) = f.into.take() {
+                    frame = f;
+                    *slot = Some(posted);
+                    break (None, filled);
                 }
+                // This frame, or one behind it whose header a posting call read.
+                frame = f;
             }
             let link = reading.as_mut().ok_or("internal: the reader lost its link")?;
             if polled {
@@ -1824,13 +1792,19 @@ async fn unpark(peer: &Peer, polled: &mut bool) -> Held<Link> {
         if let Some(held) = peer.parking.unpark() {
             return held;
         }
-        tokio::select! {
-            _ = given_back => {}
-            _ = tokio::time::sleep(CLOSED_POLL) => {
-                *polled = true;
-                peer.counters.heard();
-            }
+        if woken_or_polled(given_back).await {
+            *polled = true;
+            peer.counters.heard();
         }
+    }
+}
+
+/// Waits for `woken` or for [`CLOSED_POLL`], whichever comes first: true
+/// when the time went by.
+async fn woken_or_polled(woken: Notified<'_>) -> bool {
+    tokio::select! {
+        _ = woken => false,
+        _ = tokio::time::sleep(CLOSED_POLL) => true,
     }
 }
 
@@ -1897,12 +1871,8 @@ async fn reader_task(inner: Arc<Inner>, peer: Arc<Peer>, half: ReadLink) {
     // A link parked when the loop ended comes back here (with a receive a
     // posting thread read part-way, to be failed below); one lent to a
     // posting thread now is that thread's to drop.
-    if let Some(held) = peer.parking.end() {
-        if let Some(Frame {
-            into: Some((posted, _)),
-            ..
-        }) = held.frame
-        {
+    if let Some(mut held) = peer.parking.end() {
+        if let Some(posted) = held.take_receive() {
             slot = Some(posted);
         }
         reading = Some(held.link);

@@ -172,13 +172,7 @@ impl Matching {
     /// The earliest posted receive that a message from `from` on `tag`
     /// satisfies, skipping (and dropping) receives whose caller went away.
     pub(crate) fn take_posted(&mut self, from: Rank, tag: Tag) -> Option<Posted> {
-        loop {
-            let idx = self.posted.get(&tag)?.iter().position(|p| p.src.matches(from))?;
-            let p = self.remove_posted(tag, idx)?;
-            if !p.tx.is_closed() {
-                return Some(p);
-            }
-        }
+        self.take_posted_if(from, tag, |_| true)
     }
 
     /// Like [`Matching::take_posted`], but only if that receive's buffer
@@ -191,11 +185,18 @@ impl Matching {
         dtype: DType,
         len: usize,
     ) -> Option<Posted> {
+        self.take_posted_if(from, tag, |p| p.buf.dtype() == dtype && p.buf.nbytes() == len)
+    }
+
+    /// The earliest posted receive that a message from `from` on `tag`
+    /// satisfies, skipping (and dropping) receives whose caller went away,
+    /// if `take` accepts it; otherwise it stays posted.
+    fn take_posted_if(&mut self, from: Rank, tag: Tag, take: impl Fn(&Posted) -> bool) -> Option<Posted> {
         loop {
             let q = self.posted.get(&tag)?;
             let idx = q.iter().position(|p| p.src.matches(from))?;
             let p = q.get(idx)?;
-            if !p.tx.is_closed() && (p.buf.dtype() != dtype || p.buf.nbytes() != len) {
+            if !p.tx.is_closed() && !take(p) {
                 return None;
             }
             let p = self.remove_posted(tag, idx)?;

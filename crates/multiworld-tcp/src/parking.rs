@@ -60,6 +60,14 @@ pub(crate) struct Held<L> {
     pub(crate) failed: Option<std::io::Error>,
 }
 
+impl<L> Held<L> {
+    /// Takes the receive the held frame's payload is being read into, if
+    /// any (to fail it with the connection).
+    pub(crate) fn take_receive(&mut self) -> Option<Posted> {
+        self.frame.as_mut()?.into.take().map(|(posted, _)| posted)
+    }
+}
+
 enum State<L> {
     Reading,
     Parked(Held<L>),
