@@ -186,7 +186,7 @@ impl Group {
         let mut d = call.desc();
         let prep = match prepare(out, cx, &mut d) {
             Ok(p) => p,
-            Err(e) => return Err(call.abstain(e.in_op(kind))),
+            Err(e) => return Err(call.abstain(e.in_op(kind)).await),
         };
         call.plan(&mut d, prep.size_bytes, prep.send_bytes);
         let mut lent = Lent {

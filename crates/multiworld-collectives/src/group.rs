@@ -13,7 +13,9 @@
 //!    waiting for it;
 //! 3. **agreement**: one round of descriptors between all members (small direct
 //!    payloads ride right behind them), then the same check on every member
-//!    (see [`super::desc`]);
+//!    (see [`super::desc`]); over TCP, or through the group's shared-memory
+//!    segment once it has one (each member writes its descriptor into its
+//!    slot and arrives at a barrier: no socket, and one wake-up per member);
 //! 4. **algorithm**, while a **guard** watches the world's health: if any member of
 //!    the group is lost (or the communicator is aborted) the call fails at once with
 //!    that error, even if this rank was only waiting on a live neighbour that is
@@ -23,7 +25,7 @@
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
@@ -34,7 +36,7 @@ use tracing::debug;
 
 use crate::desc::{self, AgreeCtx, Algo, Desc, Kind};
 use crate::handle::CollectiveHandle;
-use crate::shm::{SharedMemory, ShmLoan, ShmState};
+use crate::shm::{self, SharedMemory, ShmLoan, ShmShared, ShmState};
 use crate::util::{Scratch, try_join_all};
 use multiworld_tcp::{Communicator, HealthEvent, Received, RecvHandle, SendHandle};
 use multiworld_tcp::{Error, Result};
@@ -192,8 +194,6 @@ pub(crate) struct GroupState {
     seq: u64,
     scratch: Scratch,
     shm: ShmState,
-    /// Set while a call uses the segment (see [`ShmLoan`]).
-    shm_in_use: Arc<AtomicBool>,
 }
 
 /// The sub-group id counter of one communicator.
@@ -212,6 +212,8 @@ struct GroupInner {
     me: Option<usize>,
     hash: u64,
     state: Arc<tokio::sync::Mutex<GroupState>>,
+    /// The segment once set up, and whether the current call uses it.
+    shm: Arc<ShmShared>,
 }
 
 impl GroupInner {
@@ -235,8 +237,8 @@ impl GroupInner {
                 seq: 0,
                 scratch: Scratch::new(0),
                 shm: ShmState::Untried,
-                shm_in_use: Arc::new(AtomicBool::new(false)),
             })),
+            shm: Arc::default(),
         }
     }
 
@@ -432,7 +434,7 @@ impl Group {
                 .map(|r| format!("rank {r} is not a member of group {}", self.inner.id))
         };
         if let Some(msg) = invalid {
-            return Err(call.abstain(Error::invalid(format!("new_group: {msg}"))));
+            return Err(call.abstain(Error::invalid(format!("new_group: {msg}"))).await);
         }
         let proposal = {
             let mut next = self
@@ -572,16 +574,38 @@ impl Group {
     }
 
     /// Checks membership, waits for the turn, assigns the sequence number.
+    ///
+    /// A group whose segment is set up agrees through it, unless a member
+    /// abandoned it before this call: this member, if its last call was
+    /// dropped while it used the segment (it abandons it now), or another one
+    /// (it said so in the segment). From that call on the group uses TCP.
     pub(crate) async fn begin(&self, ticket: Ticket, kind: Kind) -> Result<Call<'_>> {
         let me = self.member_index()?;
         let mut guard = ticket.acquire().await;
-        if guard.shm_in_use.swap(false, Ordering::Relaxed) {
-            // The last call was dropped while it used the segment.
-            guard.shm =
-                ShmState::Unavailable("a call using shared memory was cancelled on this member".to_owned());
-        }
         let seq = guard.seq;
         guard.seq = guard.seq.wrapping_add(1);
+        let shared = &self.inner.shm;
+        if shared.in_use.swap(false, Ordering::Relaxed) {
+            // The last call was dropped while it used the segment: its
+            // arrivals are out of step with the others'.
+            if let Some(seg) = shared.segment.get() {
+                seg.abandon(self.size(), me, seq);
+            }
+            guard.shm =
+                ShmState::Unavailable("a call using shared memory was cancelled on this member".to_owned());
+        } else if let ShmState::Ready(seg) = &guard.shm {
+            if let Some(a) = seg.abandoned().filter(|a| seq >= a.from) {
+                let by = self
+                    .inner
+                    .members
+                    .get(a.by)
+                    .map_or_else(|| format!("member {}", a.by), |r| r.to_string());
+                guard.shm = ShmState::Unavailable(format!(
+                    "rank {by} abandoned the segment (a call of its that used it was cancelled)"
+                ));
+            }
+        }
+        let agree_in_shm = matches!(guard.shm, ShmState::Ready(_));
         guard.scratch.set_budget(self.cfg.scratch_cache_bytes);
         Ok(Call {
             group: self,
@@ -589,6 +613,7 @@ impl Group {
             kind,
             seq,
             me,
+            agree_in_shm,
         })
     }
 
@@ -727,6 +752,8 @@ pub(crate) struct Call<'g> {
     kind: Kind,
     seq: u64,
     me: usize,
+    /// Whether the agreement round goes through the segment.
+    agree_in_shm: bool,
 }
 
 impl<'g> Call<'g> {
@@ -737,10 +764,13 @@ impl<'g> Call<'g> {
             comm: &g.comm,
             members: &g.members,
             me: self.me,
+            seq: self.seq,
             desc_tag: collective_tag(g.id, self.seq, Phase::Descriptor),
             tag: collective_tag(g.id, self.seq, Phase::Data),
             cfg: &self.group.cfg,
             group_id: g.id,
+            shm: &g.shm,
+            agree_in_shm: self.agree_in_shm,
         }
     }
 
@@ -790,24 +820,58 @@ impl<'g> Call<'g> {
     pub(crate) fn lend_shm(&self) -> ShmLoan {
         ShmLoan {
             state: self.guard.shm.clone(),
-            in_use: Arc::clone(&self.guard.shm_in_use),
+            shared: Arc::clone(&self.group.inner.shm),
         }
     }
 
+    /// Takes back the state lent with [`Call::lend_shm`] (the mark that the
+    /// call uses the segment is cleared by [`Call::guard`], if the call ended
+    /// by itself).
     pub(crate) fn put_shm(&mut self, loan: ShmLoan) {
         self.guard.shm = loan.state;
-        loan.in_use.store(false, Ordering::Relaxed);
     }
 
     /// Finishes a call whose local validation failed: tells the other members (an
     /// "abstain" descriptor, no data), drains what they send for this call in the
     /// background, and returns `err`.
-    pub(crate) fn abstain(self, err: Error) -> Error {
+    ///
+    /// Through the segment, the descriptor goes into this member's slot and
+    /// the call waits at the agreement barrier like the others' calls (so
+    /// that its next call cannot write the slot the others still read); then
+    /// it drops in the background what the others sent eagerly.
+    pub(crate) async fn abstain(self, err: Error) -> Error {
         let cx = self.ctx();
         let mut d = self.desc();
         d.abstain = true;
         let words = d.encode();
         let n = cx.members.len();
+        if n > 1 && cx.agree_in_shm {
+            if let Some(seg) = cx.shm.segment.get() {
+                let mut events = self.group.inner.comm.health_events();
+                if self.group.inner.member_failure().is_some() {
+                    return err;
+                }
+                cx.shm.in_use.store(true, Ordering::Relaxed);
+                let agreed = self
+                    .watched(
+                        async { shm::agree(n, cx.me, cx.seq, seg, &words).await },
+                        &mut events,
+                    )
+                    .await;
+                match agreed {
+                    Ok(Ok(others)) => {
+                        let descs = decoded_or_abstaining(others, n);
+                        drop_in_background(&cx, descs);
+                        return err;
+                    }
+                    // A member abandoned the segment from this call on: every
+                    // member agrees over TCP, this one too (below).
+                    Ok(Err(a)) if cx.seq >= a.from => {}
+                    // Lost member, deadline, or abandoned before this call.
+                    _ => return err,
+                }
+            }
+        }
         for q in (0..n).filter(|&q| q != cx.me) {
             // Dropping the handle does not cancel the send.
             drop(
@@ -821,16 +885,8 @@ impl<'g> Call<'g> {
                 let members = cx.members.to_vec();
                 let (me, desc_tag, tag) = (cx.me, cx.desc_tag, cx.tag);
                 rt.spawn(async move {
-                    let cfg = CollectiveConfig::default();
-                    let cx = Ctx {
-                        comm: &comm,
-                        members: &members,
-                        me,
-                        desc_tag,
-                        tag,
-                        cfg: &cfg,
-                        group_id: 0,
-                    };
+                    let (cfg, shm) = (CollectiveConfig::default(), ShmShared::default());
+                    let cx = Ctx::detached(&comm, &members, me, desc_tag, tag, &cfg, &shm);
                     let _ = cx.drain().await;
                 });
             }
@@ -851,6 +907,29 @@ impl<'g> Call<'g> {
         let local = g.comm.rank();
         debug!(rank = %local, group = g.id, seq = self.seq, op, "collective call starts");
         let observed = self.group.observer.as_ref().map(|o| o.call_started(op));
+        let r = self.watched(fut, &mut events).await;
+        match &r {
+            Ok(_) => debug!(rank = %local, group = g.id, seq = self.seq, op, "collective call done"),
+            Err(e) => {
+                debug!(rank = %local, group = g.id, seq = self.seq, op, error = %e, "collective call failed")
+            }
+        }
+        if let Some(end) = observed {
+            end.ended(r.as_ref().err());
+        }
+        r
+    }
+
+    /// Runs `fut` until it ends, a member of the group is lost or the
+    /// communicator aborted (`events`), or the call's deadline passes; clears
+    /// the mark that the call uses the segment if `fut` ended by itself.
+    async fn watched<R>(
+        &self,
+        fut: impl Future<Output = Result<R>>,
+        events: &mut broadcast::Receiver<HealthEvent>,
+    ) -> Result<R> {
+        let g = &self.group.inner;
+        let op = self.kind.name();
         let body = async {
             match self.group.cfg.timeout.or(g.comm.config().op_timeout) {
                 None => fut.await,
@@ -862,9 +941,17 @@ impl<'g> Call<'g> {
         let mut body = std::pin::pin!(body);
         let r = tokio::select! {
             biased;
-            r = &mut body => r,
-            e = watch(g, &mut events) => {
-                debug!(rank = %local, group = g.id, seq = self.seq, op, error = %e, "collective call abandoned");
+            r = &mut body => {
+                if !matches!(r, Err(Error::Timeout { .. })) {
+                    // The body ended by itself, so this member's arrivals at
+                    // the segment's barriers are where the others' are (a
+                    // deadline drops it wherever it is).
+                    g.shm.in_use.store(false, Ordering::Relaxed);
+                }
+                r
+            }
+            e = watch(g, events) => {
+                debug!(rank = %g.comm.rank(), group = g.id, seq = self.seq, op, error = %e, "collective call abandoned");
                 if matches!(e, Error::Aborted { .. }) {
                     // Our own communicator was aborted: every pending operation of
                     // the body fails promptly now, and a send must see that itself
@@ -876,15 +963,6 @@ impl<'g> Call<'g> {
                 Err(e)
             }
         };
-        match &r {
-            Ok(_) => debug!(rank = %local, group = g.id, seq = self.seq, op, "collective call done"),
-            Err(e) => {
-                debug!(rank = %local, group = g.id, seq = self.seq, op, error = %e, "collective call failed")
-            }
-        }
-        if let Some(end) = observed {
-            end.ended(r.as_ref().err());
-        }
         r
     }
 }
@@ -937,13 +1015,76 @@ pub(crate) struct Ctx<'g> {
     pub comm: &'g Arc<Communicator>,
     pub members: &'g [Rank],
     pub me: usize,
+    /// The call's sequence number in its group.
+    pub seq: u64,
     pub desc_tag: Tag,
     pub tag: Tag,
     pub cfg: &'g CollectiveConfig,
     pub group_id: u16,
+    /// The group's segment (once set up) and the mark that the call uses it.
+    pub shm: &'g ShmShared,
+    /// Whether the agreement round goes through the segment (see
+    /// `Group::begin`).
+    pub agree_in_shm: bool,
+}
+
+/// The descriptors read from the segment (`None`: this member's place) as
+/// [`Desc`]s; this member's place and any descriptor that does not decode
+/// become an abstaining placeholder, which sends nothing.
+fn decoded_or_abstaining(words: Vec<Option<Vec<u64>>>, n: usize) -> Vec<Desc> {
+    words
+        .into_iter()
+        .map(|w| {
+            w.and_then(|w| Desc::decode(&w, n).ok()).unwrap_or_else(|| {
+                let mut d = Desc::new(Kind::Barrier, n, 0, 0, 0);
+                d.abstain = true;
+                d
+            })
+        })
+        .collect()
+}
+
+/// Receives and drops, on a task of its own, what the members described by
+/// `descs` sent this member eagerly for `cx`'s call.
+fn drop_in_background(cx: &Ctx<'_>, descs: Vec<Desc>) {
+    if let Ok(rt) = tokio::runtime::Handle::try_current() {
+        let comm = Arc::clone(cx.comm);
+        let members = cx.members.to_vec();
+        let (me, desc_tag, tag) = (cx.me, cx.desc_tag, cx.tag);
+        rt.spawn(async move {
+            let (cfg, shm) = (CollectiveConfig::default(), ShmShared::default());
+            let cx = Ctx::detached(&comm, &members, me, desc_tag, tag, &cfg, &shm);
+            let _ = cx.drop_eager(&descs).await;
+        });
+    }
 }
 
 impl<'g> Ctx<'g> {
+    /// A context outside any call of a group, for a task that only receives
+    /// a call's leftovers over TCP.
+    fn detached(
+        comm: &'g Arc<Communicator>,
+        members: &'g [Rank],
+        me: usize,
+        desc_tag: Tag,
+        tag: Tag,
+        cfg: &'g CollectiveConfig,
+        shm: &'g ShmShared,
+    ) -> Ctx<'g> {
+        Ctx {
+            comm,
+            members,
+            me,
+            seq: 0,
+            desc_tag,
+            tag,
+            cfg,
+            group_id: 0,
+            shm,
+            agree_in_shm: false,
+        }
+    }
+
     pub(crate) fn n(&self) -> usize {
         self.members.len()
     }
@@ -1007,40 +1148,37 @@ impl<'g> Ctx<'g> {
         if n == 1 {
             return Ok((vec![mine.clone()], Vec::new()));
         }
-        let len = desc::words(n);
-        let recvs: Vec<(usize, RecvHandle)> = self
-            .peers()
-            .map(|p| {
-                Ok((
-                    p,
-                    self.comm
-                        .irecv(self.members[p], self.desc_tag, Tensor::zeros(DType::U64, [len])?),
-                ))
-            })
-            .collect::<Result<_>>()?;
         let words = mine.encode();
+        let eager: &[(usize, TensorView<'_>)] = if mine.eager { payloads } else { &[] };
         let mut sends = Vec::new();
-        for q in self.peers() {
-            sends.push(
-                self.comm
-                    .isend(self.members[q], self.desc_tag, Tensor::from(words.clone())),
-            );
-            if mine.eager {
-                for (_, v) in payloads.iter().filter(|(to, _)| *to == q) {
-                    let copy = Tensor::from_bytes(v.dtype(), [v.numel()], v.as_bytes())?;
-                    sends.push(self.comm.isend(self.members[q], self.tag, copy));
+        let got = match self.shm.segment.get().filter(|_| self.agree_in_shm) {
+            None => self.tcp_round(&words, eager, &mut sends).await?,
+            Some(seg) => {
+                self.shm.in_use.store(true, Ordering::Relaxed);
+                // The payloads go first, as over TCP: a call dropped while it
+                // waits for the others has still sent them, and the others
+                // receive them whatever the check finds (and drop them on
+                // disagreement).
+                for &(q, v) in eager {
+                    sends.push(self.send_copy(q, self.tag, v)?);
+                }
+                match shm::agree(n, self.me, self.seq, seg, &words).await? {
+                    Ok(others) => others
+                        .into_iter()
+                        .enumerate()
+                        .filter_map(|(p, w)| Some((p, w?)))
+                        .collect(),
+                    // A member abandoned the segment from this call on (it
+                    // agrees over TCP): so does every member.
+                    Err(a) if self.seq >= a.from => self.tcp_round(&words, &[], &mut sends).await?,
+                    Err(a) => return Err(a.error(self.members)),
                 }
             }
-        }
-        let got = try_join_all(recvs.into_iter().map(|(p, h)| async move {
-            let r = h.wait().await?;
-            Ok((p, r.tensor))
-        }))
-        .await?;
+        };
         let mut descs: Vec<Option<Desc>> = vec![None; n];
         descs[self.me] = Some(mine.clone());
-        for (p, t) in got {
-            let d = Desc::decode(t.as_slice::<u64>()?, n).map_err(|e| {
+        for (p, w) in got {
+            let d = Desc::decode(&w, n).map_err(|e| {
                 Error::invalid(format!(
                     "malformed collective descriptor from rank {}: {e}",
                     self.members[p]
@@ -1065,6 +1203,48 @@ impl<'g> Ctx<'g> {
             return Err(e);
         }
         Ok((descs, sends))
+    }
+
+    /// Starts sending a copy of `v` to member `q` on `tag`.
+    fn send_copy(&self, q: usize, tag: Tag, v: TensorView<'_>) -> Result<SendHandle> {
+        let copy = Tensor::from_bytes(v.dtype(), [v.numel()], v.as_bytes())?;
+        Ok(self.comm.isend(self.members[q], tag, copy))
+    }
+
+    /// The descriptor round over TCP: sends `words` to every other member,
+    /// each followed by the `eager` payloads for it (adding the sends to
+    /// `sends`), and returns theirs.
+    async fn tcp_round(
+        &self,
+        words: &[u64],
+        eager: &[(usize, TensorView<'_>)],
+        sends: &mut Vec<SendHandle>,
+    ) -> Result<Vec<(usize, Vec<u64>)>> {
+        let len = desc::words(self.n());
+        let recvs: Vec<(usize, RecvHandle)> = self
+            .peers()
+            .map(|p| {
+                Ok((
+                    p,
+                    self.comm
+                        .irecv(self.members[p], self.desc_tag, Tensor::zeros(DType::U64, [len])?),
+                ))
+            })
+            .collect::<Result<_>>()?;
+        for q in self.peers() {
+            sends.push(
+                self.comm
+                    .isend(self.members[q], self.desc_tag, Tensor::from(words.to_vec())),
+            );
+            for &(_, v) in eager.iter().filter(|(to, _)| *to == q) {
+                sends.push(self.send_copy(q, self.tag, v)?);
+            }
+        }
+        try_join_all(recvs.into_iter().map(|(p, h)| async move {
+            let r = h.wait().await?;
+            Ok((p, r.tensor.as_slice::<u64>()?.to_vec()))
+        }))
+        .await
     }
 
     /// Receives and drops the eager payloads the members described by `descs` sent
@@ -1099,19 +1279,14 @@ impl<'g> Ctx<'g> {
                 .wait()
                 .await?
                 .tensor;
-            Ok((p, Desc::decode(t.as_slice::<u64>()?, n).ok()))
+            Ok((p, t.as_slice::<u64>()?.to_vec()))
         }))
         .await?;
-        let mut descs = Vec::with_capacity(n);
-        for p in 0..n {
-            let d = got.iter().find(|(q, _)| *q == p).and_then(|(_, d)| d.clone());
-            // Placeholder for this rank and undecodable peers: sends nothing.
-            descs.push(d.unwrap_or_else(|| {
-                let mut d = Desc::new(Kind::Barrier, n, 0, 0, 0);
-                d.abstain = true;
-                d
-            }));
+        let mut words = vec![None; n];
+        for (p, w) in got {
+            words[p] = Some(w);
         }
+        let descs = decoded_or_abstaining(words, n);
         self.drop_eager(&descs).await
     }
 }

@@ -38,7 +38,7 @@
 //! | `ops.rs` | the tensor operations (each: its preparation and its body) |
 //! | `object.rs` | the object operations |
 //! | `algo.rs` | direct, ring and pipelined-chain algorithms |
-//! | `shm.rs` | same-host shared memory: the segment, its setup, the algorithms through it (all-reduce, reduce, broadcast, all-gather, reduce-scatter, and the routes of gather, scatter and all-to-all) |
+//! | `shm.rs` | same-host shared memory: the segment, its setup, the agreement round through it, the algorithms through it (all-reduce, reduce, broadcast, all-gather, reduce-scatter, and the routes of gather, scatter and all-to-all) |
 //! | `desc.rs` | call descriptors and the agreement check (pure) |
 //! | `handle.rs` | [`CollectiveHandle`] |
 //! | `util.rs` | scratch pool, segments, `try_join_all` |

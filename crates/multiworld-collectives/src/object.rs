@@ -95,7 +95,7 @@ impl Group {
         });
         let (root_i, bytes) = match valid {
             Ok(v) => v,
-            Err(e) => return Err(call.abstain(e)),
+            Err(e) => return Err(call.abstain(e).await),
         };
         let len = bytes.as_ref().map_or(0, Vec::len) as u64;
         d.count = len;
@@ -188,7 +188,7 @@ impl Group {
             .and_then(|r| Ok((r, encode(kind, value, self.config().max_object_bytes)?)));
         let (root_i, bytes) = match valid {
             Ok(v) => v,
-            Err(e) => return Err(call.abstain(e)),
+            Err(e) => return Err(call.abstain(e).await),
         };
         d.count = bytes.len() as u64;
         // Who sends to whom: all-gather everyone to everyone; gather to the root.
@@ -296,7 +296,7 @@ impl Group {
         });
         let (root_i, encoded) = match valid {
             Ok(v) => v,
-            Err(e) => return Err(call.abstain(e)),
+            Err(e) => return Err(call.abstain(e).await),
         };
         let is_root = root_i == cx.me;
         let mut send_bytes = 0;

@@ -2,8 +2,10 @@
 //! all-gathers, reduce-scatters, gathers, scatters and
 //! all-to-alls: the data
 //! move through one
-//! memory segment mapped by every member, and the TCP mesh carries only the
-//! small messages that order the phases (and, as for every call, detects a lost
+//! memory segment mapped by every member. Once it is set up, every call of the
+//! group also agrees through it ([`agree`]: each member's descriptor in its
+//! slot, then a barrier), and the TCP mesh carries only the setup, eager
+//! payloads and the TCP algorithms (and, as for every call, detects a lost
 //! member).
 //!
 //! **Setting up** (once per group, inside the first call that picks the
@@ -20,8 +22,9 @@
 //! has no name, so nothing is left behind if a process dies: its memory goes when
 //! the last member unmaps it.
 //!
-//! **Layout.** A 4 KiB header, then three buffers, each with one slot per
-//! member; a slot holds one *piece* of the tensor
+//! **Layout.** A 4 KiB header (magic, nonce, the abandoned word, one arrival
+//! counter per member), the descriptor slots (two per member), then three
+//! buffers, each with one slot per member; a slot holds one *piece* of the tensor
 //! (`CollectiveConfig::shm_piece_bytes`). A call works through its tensor piece
 //! by piece, piece `k` in buffer `k mod 3`.
 //!
@@ -47,6 +50,11 @@
 //! the caches anyway, and ordinary stores would first read every line and push
 //! the pieces in flight out of the caches.
 //!
+//! **A call dropped while it uses the segment** leaves its member's arrivals
+//! out of step; that member's next call abandons the segment
+//! ([`Segment::abandon`]): the others stop waiting for it, and from that call
+//! on every member agrees over TCP (see `COLLECTIVES.md` §7a).
+//!
 //! **Trust.** Only members that proved the world's secret get an offer, and the
 //! file can only be opened by the same user. A member that broke the protocol
 //! could corrupt results, as it could by sending wrong data over TCP; it cannot
@@ -59,14 +67,14 @@
 use std::fmt;
 use std::ops::Range;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::desc::{self, Desc, Kind};
 use crate::group::{Algorithm, CollectiveConfig, Ctx};
 use crate::util::{Scratch, even_segments, try_join_all};
 use multiworld_tcp::{Error, Result};
-use multiworld_types::{DType, Tensor};
+use multiworld_types::{DType, Rank, Tensor};
 use multiworld_types::{Kernel, ReduceOp};
 
 /// Size of the segment header (keeps the slots page-aligned).
@@ -77,8 +85,18 @@ const BUFFERS: usize = 3;
 /// Tensors of at least this many bytes are written back with non-temporal
 /// stores (see the module docs).
 const STREAM_MIN_BYTES: usize = 8 << 20;
-/// "MWSHM\0v2" as a little-endian word (v2: three buffers, one barrier per step).
-const MAGIC: u64 = u64::from_le_bytes(*b"MWSHM\0v2");
+/// "MWSHM\0v3" as a little-endian word (v2: three buffers, one barrier per
+/// step; v3: descriptor slots and the abandoned word).
+const MAGIC: u64 = u64::from_le_bytes(*b"MWSHM\0v3");
+/// Offset of the header word that says whether (and from which call on) a
+/// member abandoned the segment: 0 while nobody has; else the member's index
+/// in the top [`ABANDONED_BY_BITS`] bits and the sequence number of its call
+/// that no longer used the segment, plus one, in the others (the smallest, if
+/// several members abandoned it).
+const ABANDONED: usize = 24;
+/// Bits of the abandoned word that hold the member's index (below
+/// [`MAX_MEMBERS`] = 63).
+const ABANDONED_BY_BITS: u32 = 6;
 /// Elements reduced per block (the running result stays in the L1/L2 cache).
 const BLOCK_BYTES: usize = 32 << 10;
 /// Bytes copied or reduced between two yields to the runtime, so that a
@@ -140,8 +158,56 @@ pub(crate) fn segment_len(piece_bytes: usize, n: usize) -> Option<usize> {
     }
     piece
         .checked_mul(BUFFERS * n)?
-        .checked_add(HEADER)
+        .checked_add(HEADER)?
+        .checked_add(desc_area(n)?)
         .filter(|&len| isize::try_from(len).is_ok())
+}
+
+/// Bytes of the descriptor slots of a group of `n`, after the header: two
+/// per member (calls alternate between them by the parity of their sequence
+/// number), each one descriptor's words; rounded up to whole pages so that
+/// the buffers after them stay page-aligned.
+fn desc_area(n: usize) -> Option<usize> {
+    2usize
+        .checked_mul(n)?
+        .checked_mul(desc::words(n))?
+        .checked_mul(8)?
+        .checked_next_multiple_of(4096)
+}
+
+/// A member abandoned the segment: a call of its that used the segment was
+/// cancelled, so its arrivals no longer match the others' (see
+/// [`Segment::abandon`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Abandoned {
+    /// The sequence number of the abandoning member's first call that does
+    /// not use the segment: calls from this one on agree over TCP.
+    pub from: u64,
+    /// The abandoning member's index.
+    pub by: usize,
+}
+
+impl Abandoned {
+    /// The error of a call that needed the abandoning member's arrival.
+    pub(crate) fn error(self, members: &[Rank]) -> Error {
+        let who = members
+            .get(self.by)
+            .map_or_else(|| format!("member {}", self.by), |r| format!("rank {r}"));
+        Error::invalid(format!(
+            "{who} abandoned the group's shared memory (a call of its that used it was cancelled): \
+             this call cannot complete, and the group's calls from #{} on use TCP",
+            self.from
+        ))
+    }
+}
+
+/// How a barrier through the segment ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Barrier {
+    /// Every member arrived.
+    Passed,
+    /// A member that had not arrived abandoned the segment; it never will.
+    Abandoned(Abandoned),
 }
 
 /// A group's shared-memory state (kept between calls).
@@ -167,17 +233,29 @@ impl ShmState {
     }
 }
 
+/// What a group's calls share about its segment outside the state they take
+/// turns with: the segment once set up (for the agreement round, and for a
+/// member whose setting-up call was dropped to abandon it), and the mark that
+/// the current call has begun to use it.
+///
+/// The mark is set by the agreement round through the segment and by
+/// [`ensure`], and cleared when the call ends by itself. A call dropped while
+/// it is set leaves its member's arrivals out of step with the others': its
+/// next call abandons the segment ([`Segment::abandon`]), so that the others
+/// stop waiting for it and every member's later calls use TCP; one dropped
+/// before, as a gather that ended up on TCP, changes nothing.
+#[derive(Default)]
+pub(crate) struct ShmShared {
+    pub(crate) segment: std::sync::OnceLock<Arc<Segment>>,
+    pub(crate) in_use: std::sync::atomic::AtomicBool,
+}
+
 /// The group's shared-memory state lent to a call that may use the segment
 /// (see `Call::lend_shm`): a copy of it, which goes back to the group when the
-/// call ends, and the group's mark that a call has begun to use it, set by
-/// [`ensure`]. A call dropped while the mark is set leaves its member off
-/// shared memory (its next call then disagrees with the others on the
-/// algorithm, an error on every member, instead of running a protocol whose
-/// barriers the others have counted differently); one dropped before, as a
-/// gather that ended up on TCP, changes nothing.
+/// call ends, and what the group's calls share about it.
 pub(crate) struct ShmLoan {
     pub(crate) state: ShmState,
-    pub(crate) in_use: Arc<std::sync::atomic::AtomicBool>,
+    pub(crate) shared: Arc<ShmShared>,
 }
 
 // ---------------------------------------------------------------------------
@@ -359,9 +437,25 @@ impl Segment {
         Ok(true)
     }
 
+    /// Whether every other member has made arrival `target`; if not, whether
+    /// one of those that have not abandoned the segment (the counters are
+    /// read again after the abandoned word: a member's arrivals come before
+    /// its abandoning).
+    fn arrived_or_abandoned(&self, n: usize, me: usize, target: u32) -> Result<Option<Barrier>> {
+        if self.all_arrived(n, me, target)? {
+            return Ok(Some(Barrier::Passed));
+        }
+        match self.abandoned() {
+            None => Ok(None),
+            Some(_) if self.all_arrived(n, me, target)? => Ok(Some(Barrier::Passed)),
+            Some(a) => Ok(Some(Barrier::Abandoned(a))),
+        }
+    }
+
     /// Sleeps (blocking this thread) until every other member has made arrival
-    /// `target`, or `limit` has passed; returns whether they all did.
-    fn wait_blocking(&self, n: usize, me: usize, target: u32, limit: Duration) -> Result<bool> {
+    /// `target`, one of them abandons the segment, or `limit` has passed
+    /// (`None`).
+    fn wait_blocking(&self, n: usize, me: usize, target: u32, limit: Duration) -> Result<Option<Barrier>> {
         let started = Instant::now();
         for q in (0..n).filter(|&q| q != me) {
             let c = self.counter(q)?;
@@ -370,19 +464,110 @@ impl Segment {
                 if v.wrapping_sub(target) as i32 >= 0 {
                     break;
                 }
+                if let Some(a) = self.abandoned() {
+                    // `a` was stored after any arrival of its member, so the
+                    // barrier has not passed if this counter is still behind.
+                    if c.load(Ordering::Acquire).wrapping_sub(target) as i32 >= 0 {
+                        continue;
+                    }
+                    return Ok(Some(Barrier::Abandoned(a)));
+                }
                 let left = limit.saturating_sub(started.elapsed());
                 if left.is_zero() {
-                    return Ok(false);
+                    return Ok(None);
                 }
                 futex::wait(c, v, left.min(WAIT_SLICE));
             }
         }
-        Ok(true)
+        Ok(Some(Barrier::Passed))
     }
+
+    /// The abandoned word.
+    fn abandoned_word(&self) -> &AtomicU64 {
+        // SAFETY: the word lies inside the header (offset 24 of at least 4096
+        // bytes), is 8-byte aligned (the mapping is page-aligned) and lives as
+        // long as `self`; every member only touches it atomically.
+        unsafe { AtomicU64::from_ptr(self.map.as_mut_ptr().add(ABANDONED).cast::<u64>()) }
+    }
+
+    /// Whether a member has abandoned the segment, and from which call on.
+    pub(crate) fn abandoned(&self) -> Option<Abandoned> {
+        let w = self.abandoned_word().load(Ordering::Acquire);
+        (w != 0).then(|| Abandoned {
+            from: (w & (u64::MAX >> ABANDONED_BY_BITS)) - 1,
+            by: (w >> (64 - ABANDONED_BY_BITS)) as usize,
+        })
+    }
+
+    /// Member `me` of `n` gives up the segment: a call of its that used it was
+    /// cancelled (its arrivals no longer match the others'), and its call
+    /// `from` and every later one agree over TCP. Members waiting at a
+    /// barrier it has not reached stop waiting ([`Barrier::Abandoned`]).
+    pub(crate) fn abandon(&self, n: usize, me: usize, from: u64) {
+        let seq = from.saturating_add(1).min(u64::MAX >> ABANDONED_BY_BITS);
+        let word = ((me as u64) << (64 - ABANDONED_BY_BITS)) | seq;
+        // The smallest call wins if several members abandon the segment.
+        let _ = self
+            .abandoned_word()
+            .fetch_update(Ordering::Release, Ordering::Acquire, |cur| {
+                let cur_seq = cur & (u64::MAX >> ABANDONED_BY_BITS);
+                (cur == 0 || seq < cur_seq).then_some(word)
+            });
+        for q in 0..n {
+            if let Ok(c) = self.counter(q) {
+                futex::wake(c);
+            }
+        }
+    }
+
+    /// Where member `p`'s descriptor slot for call `seq` starts, as a word
+    /// pointer; fails if it is not inside the descriptor area.
+    fn desc_ptr(&self, n: usize, p: usize, seq: u64) -> Result<*mut u64> {
+        let words = desc::words(n);
+        let slot = (seq % 2) as usize * n + p;
+        let off = HEADER + slot * words * 8;
+        if p >= n || desc_area(n).is_none_or(|a| off + words * 8 > HEADER + a) || off + words * 8 > self.len {
+            return Err(Error::invalid(format!(
+                "internal: no descriptor slot for member {p} of {n}"
+            )));
+        }
+        // SAFETY: inside the mapping (checked above) and 8-byte aligned (the
+        // mapping is page-aligned and `off` a multiple of 8).
+        Ok(unsafe { self.map.as_mut_ptr().add(off) }.cast::<u64>())
+    }
+
+    /// Writes this member's descriptor of call `seq` into its slot. Only this
+    /// member writes the slot, and nobody reads it before this member's next
+    /// arrival (see [`agree`]).
+    pub(crate) fn put_desc(&self, n: usize, me: usize, seq: u64, words: &[u64]) -> Result<()> {
+        if words.len() != desc::words(n) {
+            return Err(Error::invalid("internal: a descriptor of the wrong length"));
+        }
+        let p = self.desc_ptr(n, me, seq)?;
+        // SAFETY: `p` points at `words.len()` words of this member's slot
+        // (`desc_ptr`), which no other member touches until this member
+        // arrives; the source is a different allocation.
+        unsafe { std::ptr::copy_nonoverlapping(words.as_ptr(), p, words.len()) };
+        Ok(())
+    }
+
+    /// Member `p`'s descriptor of call `seq`, read after a barrier that `p`
+    /// arrived at after writing it.
+    pub(crate) fn desc_of(&self, n: usize, p: usize, seq: u64) -> Result<Vec<u64>> {
+        let words = desc::words(n);
+        let ptr = self.desc_ptr(n, p, seq)?;
+        let mut out = vec![0u64; words];
+        // SAFETY: as in `put_desc`; `p` does not write this slot again before
+        // this member has arrived at the next call's barrier.
+        unsafe { std::ptr::copy_nonoverlapping(ptr.cast_const(), out.as_mut_ptr(), words) };
+        Ok(out)
+    }
+
     /// Bytes per slot for a group of `n`: three buffers of `n` slots after the
-    /// header, each a multiple of 64 bytes.
+    /// header and the descriptor slots, each a multiple of 64 bytes.
     fn slot_bytes(&self, n: usize) -> usize {
-        ((self.len - HEADER) / (BUFFERS * n.max(1))) & !63
+        let base = HEADER + desc_area(n).unwrap_or(self.len);
+        (self.len.saturating_sub(base) / (BUFFERS * n.max(1))) & !63
     }
 
     /// Elements `range` of slot `slot` of buffer `buf`, as a typed pointer.
@@ -395,7 +580,7 @@ impl Segment {
                 "internal: elements {range:?} of slot {slot} of buffer {buf} outside the segment"
             )));
         }
-        let off = HEADER + (buf * n + slot) * sb + range.start * size;
+        let off = HEADER + desc_area(n).unwrap_or(0) + (buf * n + slot) * sb + range.start * size;
         // SAFETY: `off + range.len() * size` is within the mapping (checked
         // above: the slot lies inside `len`), and the offset keeps `T`'s
         // alignment (the mapping is page-aligned, slots are multiples of 64 bytes
@@ -499,10 +684,13 @@ pub(crate) async fn ensure<'s>(
     let Some(loan) = loan else {
         return Ok(None);
     };
-    loan.in_use.store(true, Ordering::Relaxed);
+    loan.shared.in_use.store(true, Ordering::Relaxed);
     let state = &mut loan.state;
     if let ShmState::Untried = state {
         *state = setup(cx).await?;
+        if let ShmState::Ready(seg) = state {
+            loan.shared.segment.get_or_init(|| Arc::clone(seg));
+        }
     }
     Ok(match state {
         ShmState::Ready(seg) => Some(seg),
@@ -608,19 +796,25 @@ async fn setup(cx: Ctx<'_>) -> Result<ShmState> {
 /// for this call ([`multiworld_tcp::as_blocking_caller`]: a Python thread in a
 /// blocking call) the sleeping is done on that thread, in slices of
 /// [`WAIT_SLICE`], which saves the hand-off to the pool's thread and back.
+///
+/// A member that abandoned the segment before arriving ends the wait with an
+/// error (see [`Segment::abandon`]).
 async fn arrive_and_wait(cx: Ctx<'_>, seg: &Arc<Segment>) -> Result<()> {
-    arrive_and_wait_as(cx.n(), cx.me, seg).await
+    match arrive_and_wait_as(cx.n(), cx.me, seg).await? {
+        Barrier::Passed => Ok(()),
+        Barrier::Abandoned(a) => Err(a.error(cx.members)),
+    }
 }
 
-/// [`arrive_and_wait`] as member `me` of `n`.
-async fn arrive_and_wait_as(n: usize, me: usize, seg: &Arc<Segment>) -> Result<()> {
+/// [`arrive_and_wait`] as member `me` of `n`, telling how the barrier ended.
+async fn arrive_and_wait_as(n: usize, me: usize, seg: &Arc<Segment>) -> Result<Barrier> {
     let target = seg.arrivals.fetch_add(1, Ordering::Relaxed).wrapping_add(1);
     let mine = seg.counter(me)?;
     mine.store(target, Ordering::Release);
     futex::wake(mine);
     for _ in 0..SPINS {
-        if seg.all_arrived(n, me, target)? {
-            return Ok(());
+        if let Some(b) = seg.arrived_or_abandoned(n, me, target)? {
+            return Ok(b);
         }
         std::hint::spin_loop();
     }
@@ -629,8 +823,8 @@ async fn arrive_and_wait_as(n: usize, me: usize, seg: &Arc<Segment>) -> Result<(
             // The caller's own thread, waiting for nothing else: it sleeps
             // here, woken straight by the last member to arrive, then lets
             // the call's other branches run between slices.
-            if seg.wait_blocking(n, me, target, WAIT_SLICE)? {
-                return Ok(());
+            if let Some(b) = seg.wait_blocking(n, me, target, WAIT_SLICE)? {
+                return Ok(b);
             }
             tokio::task::yield_now().await;
             continue;
@@ -639,9 +833,44 @@ async fn arrive_and_wait_as(n: usize, me: usize, seg: &Arc<Segment>) -> Result<(
         let done = tokio::task::spawn_blocking(move || s.wait_blocking(n, me, target, BLOCKING_WAIT))
             .await
             .map_err(|e| Error::invalid(format!("internal: shared-memory wait failed: {e}")))??;
-        if done {
-            return Ok(());
+        if let Some(b) = done {
+            return Ok(b);
         }
+    }
+}
+
+/// The agreement round of call `seq` through the segment (a group whose
+/// segment is set up; see `Ctx::exchange` in `group.rs`): writes `words`, this
+/// member's descriptor, into its slot for the call's parity, arrives, and
+/// once every member has, reads theirs (`None` in this member's place).
+///
+/// Slots alternate by parity: a member writes its slot of parity `seq % 2`
+/// again in call `seq + 2`, after passing call `seq + 1`'s barrier, which
+/// every member reaches only after reading call `seq`'s descriptors. The
+/// barrier also orders the calls' data: whatever a member did in the previous
+/// call happened before its arrival here.
+///
+/// Returns [`Barrier::Abandoned`] (and no descriptors) if a member that has
+/// not arrived abandoned the segment.
+pub(crate) async fn agree(
+    n: usize,
+    me: usize,
+    seq: u64,
+    seg: &Arc<Segment>,
+    words: &[u64],
+) -> Result<std::result::Result<Vec<Option<Vec<u64>>>, Abandoned>> {
+    seg.put_desc(n, me, seq, words)?;
+    match arrive_and_wait_as(n, me, seg).await? {
+        Barrier::Abandoned(a) => Ok(Err(a)),
+        Barrier::Passed => Ok(Ok((0..n)
+            .map(|p| {
+                if p == me {
+                    Ok(None)
+                } else {
+                    seg.desc_of(n, p, seq).map(Some)
+                }
+            })
+            .collect::<Result<_>>()?)),
     }
 }
 
@@ -1268,7 +1497,7 @@ mod tests {
     /// Member 0's segment and member 1's view of it, in one process.
     #[cfg(target_os = "linux")]
     fn two_members() -> (Arc<Segment>, Arc<Segment>, std::fs::File) {
-        let len = HEADER + BUFFERS * 2 * 4096;
+        let len = segment_len(4096, 2).unwrap();
         let (a, file, offer) = Segment::create(len).unwrap();
         let b = Segment::open(&offer, len).unwrap();
         (Arc::new(a), Arc::new(b), file)
@@ -1314,7 +1543,7 @@ mod tests {
         });
         let took = t0.elapsed();
         late.join().unwrap();
-        assert!(matches!(r, Ok(Ok(()))), "{r:?}");
+        assert!(matches!(r, Ok(Ok(Barrier::Passed))), "{r:?}");
         assert!(
             took >= Duration::from_millis(100),
             "ended before member 1 arrived: {took:?}"
@@ -1441,13 +1670,100 @@ mod tests {
         );
     }
 
+    /// A member that abandons the segment ends the others' waits at
+    /// barriers it has not reached, at once, with its index and the call
+    /// from which it agrees over TCP; a barrier it had reached still passes;
+    /// the smallest call wins when two members abandon it.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn abandoning_the_segment_ends_the_waits_it_would_hang() {
+        let (a, b, _file) = two_members();
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        // Member 1 arrives at the first barrier, then abandons from call 7.
+        let late = arrives_late(&b, Duration::from_millis(20));
+        let first = rt.block_on(arrive_and_wait_as(2, 0, &a)).unwrap();
+        late.join().unwrap();
+        assert_eq!(first, Barrier::Passed, "member 1 arrived there");
+        b.abandon(2, 1, 7);
+        // The second barrier: member 1 never arrives.
+        let t0 = Instant::now();
+        let second = rt
+            .block_on(async {
+                tokio::time::timeout(Duration::from_secs(5), arrive_and_wait_as(2, 0, &a)).await
+            })
+            .unwrap()
+            .unwrap();
+        assert_eq!(second, Barrier::Abandoned(Abandoned { from: 7, by: 1 }));
+        assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
+
+        // Abandoned while member 0 sleeps on a pool thread: woken.
+        let (c, d, _file) = two_members();
+        let d2 = Arc::clone(&d);
+        let abandoner = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            d2.abandon(2, 1, 3);
+        });
+        let t0 = Instant::now();
+        let r = rt.block_on(arrive_and_wait_as(2, 0, &c)).unwrap();
+        abandoner.join().unwrap();
+        assert_eq!(r, Barrier::Abandoned(Abandoned { from: 3, by: 1 }));
+        assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
+        c.abandon(2, 0, 5);
+        assert_eq!(
+            d.abandoned(),
+            Some(Abandoned { from: 3, by: 1 }),
+            "the smaller call stays"
+        );
+        c.abandon(2, 0, 2);
+        assert_eq!(d.abandoned(), Some(Abandoned { from: 2, by: 0 }));
+    }
+
+    /// The agreement through the segment: each member reads the other's
+    /// descriptor of the same call, from the slot of the call's parity.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn descriptors_go_through_their_slots() {
+        let (a, b, _file) = two_members();
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let words = desc::words(2);
+        for seq in 0..5u64 {
+            let mine: Vec<u64> = (0..words as u64).map(|w| seq * 100 + w).collect();
+            let theirs: Vec<u64> = (0..words as u64).map(|w| seq * 1000 + w).collect();
+            let (a2, b2, t2) = (Arc::clone(&a), Arc::clone(&b), theirs.clone());
+            let other = rt.spawn(async move { agree(2, 1, seq, &b2, &t2).await });
+            let got = rt.block_on(agree(2, 0, seq, &a2, &mine)).unwrap().unwrap();
+            let got_other = rt.block_on(other).unwrap().unwrap().unwrap();
+            assert_eq!(got, vec![None, Some(theirs)], "call {seq}");
+            assert_eq!(got_other, vec![Some(mine), None], "call {seq}");
+        }
+        assert!(
+            a.put_desc(2, 0, 0, &[1, 2, 3]).is_err(),
+            "a descriptor of the wrong length"
+        );
+        assert!(a.desc_of(2, 2, 0).is_err(), "no member 2");
+    }
+
     #[test]
     fn segment_sizes_follow_the_pieces() {
-        assert_eq!(segment_len(1 << 20, 4), Some(HEADER + (12 << 20)));
+        // Descriptor slots: 2 × 4 × 16 words fit in a page.
+        assert_eq!(segment_len(1 << 20, 4), Some(HEADER + 4096 + (12 << 20)));
         assert_eq!(
             segment_len(100, 2),
-            Some(HEADER + 3 * 2 * 64),
+            Some(HEADER + 4096 + 3 * 2 * 64),
             "rounded down to 64"
+        );
+        // 2 × 63 × 134 words: 33 pages.
+        assert_eq!(
+            segment_len(64, MAX_MEMBERS),
+            Some(HEADER + 33 * 4096 + 3 * 63 * 64)
         );
         assert_eq!(segment_len(63, 2), None, "pieces under 64 bytes");
         assert_eq!(segment_len(1 << 20, 1), None, "a group of one");

@@ -15,7 +15,7 @@ use std::process::Stdio;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use multiworld_collectives::{Algorithm, CollectiveConfig, Group, SharedMemory};
+use multiworld_collectives::{Algorithm, CallEnd, CallObserver, CollectiveConfig, Group, SharedMemory};
 use multiworld_tcp::{Communicator, Error, Rank, Tensor};
 use multiworld_testkit::process::{Guard, Signal, self_test_command};
 use multiworld_testkit::*;
@@ -66,6 +66,24 @@ impl Route {
             Route::SharedMemory | Route::SharedMemoryBlockingCaller => CollectiveConfig::default(),
             Route::Ring => CollectiveConfig::default().with_algorithm(Algorithm::Ring),
         }
+    }
+}
+
+/// Counts the calls that have started running on rank 0 (past their turn and
+/// their local checks).
+#[derive(Default)]
+struct Started(std::sync::atomic::AtomicUsize);
+
+struct Ends;
+
+impl CallEnd for Ends {
+    fn ended(self: Box<Self>, _error: Option<&Error>) {}
+}
+
+impl CallObserver for Started {
+    fn call_started(&self, _op: &'static str) -> Box<dyn CallEnd> {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Box::new(Ends)
     }
 }
 
@@ -177,7 +195,10 @@ fn killed_mid_collective(route: Route) {
                 .await
                 .unwrap(),
         );
-        let g = Group::world(&comm).with_config(route.config());
+        let started_calls = Arc::new(Started::default());
+        let g = Group::world(&comm)
+            .with_config(route.config())
+            .with_observer(Arc::clone(&started_calls) as Arc<dyn CallObserver>);
         let mine = input(0);
         let received = || comm.peer_stats(Rank(WORLD - 1)).unwrap().bytes_received;
         let at_start = received();
@@ -211,23 +232,18 @@ fn killed_mid_collective(route: Route) {
             }
         }
         // Start a call and wait until it is under way, then kill rank 2. The
-        // ring: data are flowing in it. Shared memory: rank 0 has sent every
-        // peer its part of the agreement round that starts the call (the data
-        // then move through the segment, where rank 0's progress cannot be
-        // seen from here); rank 2 cannot finish its part of the call before
-        // rank 0 has done nearly all of its own, so the call must fail.
-        let sent = || -> Vec<u64> {
-            (1..WORLD)
-                .map(|r| comm.peer_stats(Rank(r)).unwrap().messages_sent)
-                .collect()
-        };
-        let (before, sent_before) = (received(), sent());
+        // ring: data are flowing in it. Shared memory: the call has started
+        // running (it agrees through the segment, and the data move there,
+        // where rank 0's progress cannot be seen from here); rank 2 cannot
+        // finish its part of the call before rank 0 has done nearly all of
+        // its own, so the call must fail.
+        let before = received();
         let started = Instant::now();
         let handle = g.all_reduce_handle(mine.clone(), ReduceOp::Sum);
         let flowing = eventually(Duration::from_secs(30), || match route {
             Route::Ring => received() >= before + (1 << 20),
             Route::SharedMemory | Route::SharedMemoryBlockingCaller => {
-                sent().iter().zip(&sent_before).all(|(now, was)| now > was)
+                started_calls.0.load(std::sync::atomic::Ordering::SeqCst) == 4
             }
         })
         .await;

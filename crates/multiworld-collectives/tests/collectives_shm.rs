@@ -27,15 +27,16 @@ use multiworld_testkit::eventually;
 use multiworld_types::ReduceOp;
 
 /// Size of a group of `n`'s segment with the default pieces of 1 MiB: a 4 KiB
-/// header and three buffers of one piece per member (see
-/// `CollectiveConfig::shm_piece_bytes`).
+/// header, the descriptor slots (two per member, whole pages) and three
+/// buffers of one piece per member (see `CollectiveConfig::shm_piece_bytes`).
 fn default_segment(n: usize) -> usize {
     segment(n, 1 << 20)
 }
 
 /// Size of a group of `n`'s segment with pieces of `piece` bytes.
 fn segment(n: usize, piece: usize) -> usize {
-    4096 + 3 * n * piece
+    let descriptor_words = 8 + 2 * n;
+    4096 + (2 * n * descriptor_words * 8).next_multiple_of(4096) + 3 * n * piece
 }
 
 /// Runs one test on its own runtime (multi-thread, 2 workers), one test of this
@@ -1405,5 +1406,225 @@ fn no_descriptor_or_mapping_is_left_behind() {
         let ok = eventually(Duration::from_secs(10), || open_fds() <= start).await;
         println!("descriptors: {start} before, {} after", open_fds());
         assert!(ok, "{} descriptors open, {start} before the worlds", open_fds());
+    });
+}
+
+// ------------------------------- 10. the agreement round through the segment
+
+/// Messages this member has sent to the other members so far.
+fn messages_sent(g: &Group) -> u64 {
+    g.ranks()
+        .iter()
+        .filter_map(|&r| g.comm().peer_stats(r))
+        .map(|s| s.messages_sent)
+        .sum()
+}
+
+/// Runs `call` on every member and returns, per member, its result and the
+/// messages it sent meanwhile.
+async fn counted<T, F, Fut>(gs: &[Group], call: F) -> Vec<(T, u64)>
+where
+    T: Send + 'static,
+    F: Fn(usize, Group) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = T> + Send + 'static,
+{
+    let call = Arc::new(call);
+    on_all(gs, move |me, g| {
+        let call = Arc::clone(&call);
+        async move {
+            let before = messages_sent(&g);
+            let out = tokio::time::timeout(Duration::from_secs(20), call(me, g.clone()))
+                .await
+                .expect("a call must not hang");
+            (out, messages_sent(&g) - before)
+        }
+    })
+    .await
+}
+
+/// Once a group's segment is set up, its calls agree through it: a barrier
+/// and a large all-reduce send no message at all, a small direct all-reduce
+/// only its payloads. Disagreements and invalid calls still fail on every
+/// member with the errors they get over TCP, and the group goes on.
+#[test]
+fn calls_agree_through_the_segment_once_it_is_set_up() {
+    run(async {
+        const N: usize = 3;
+        let gs = groups("shm-agree", N as u32).await;
+        let large = CollectiveConfig::default().shm_min_bytes / 4;
+        let barrier = |_: usize, g: Group| async move { g.barrier().await.unwrap() };
+        // Before the segment: one descriptor to each other member.
+        for (_, sent) in counted(&gs, barrier).await {
+            assert_eq!(sent, N as u64 - 1, "a barrier over TCP");
+        }
+        let ins: Vec<Tensor> = (0..N).map(|r| general_input(DType::F32, large, r, 21)).collect();
+        sum_checked(&gs, ins.clone(), "setting up").await;
+        assert_all(
+            &statuses(&gs).await,
+            &active(default_segment(N)),
+            "after setting up",
+        );
+
+        // Through the segment: no message for a barrier or a large all-reduce.
+        for (_, sent) in counted(&gs, barrier).await {
+            assert_eq!(sent, 0, "a barrier through the segment");
+        }
+        for round in 0..3 {
+            let sent = sum_checked(&gs, ins.clone(), &format!("large, round {round}")).await;
+            assert_eq!(
+                sent,
+                vec![0; N],
+                "payload bytes of a large all-reduce, round {round}"
+            );
+        }
+        let small: Vec<Tensor> = (0..N).map(|r| input(DType::I32, 256, r, 22)).collect();
+        let want = Arc::new(reference(&small, ReduceOp::Sum));
+        let small = Arc::new(small);
+        let got = counted(&gs, move |me, g| {
+            let (small, want) = (Arc::clone(&small), Arc::clone(&want));
+            async move {
+                let mut t = small[me].clone();
+                g.all_reduce(&mut t, ReduceOp::Sum).await.unwrap();
+                assert_same(&t, &want, "a small all-reduce");
+            }
+        })
+        .await;
+        for (_, sent) in got {
+            assert_eq!(sent, N as u64 - 1, "a small direct all-reduce: its payloads only");
+        }
+
+        // Member 2 reduces with another op: every member fails alike.
+        let errs = counted(&gs, move |me, g| async move {
+            let mut t = Tensor::zeros(DType::F32, [large]).unwrap();
+            let op = if me == 2 { ReduceOp::Max } else { ReduceOp::Sum };
+            g.all_reduce(&mut t, op).await.unwrap_err().to_string()
+        })
+        .await;
+        for (r, (e, sent)) in errs.iter().enumerate() {
+            assert!(e.contains("reduce op") && e.contains("max"), "rank {r}: {e}");
+            assert_eq!(e, &errs[0].0, "the same error everywhere");
+            assert_eq!(*sent, 0, "rank {r}");
+        }
+        // Member 1 makes an invalid call (a root outside the group) while the
+        // root sends it a small broadcast eagerly.
+        let errs = counted(&gs, move |me, g| async move {
+            let mut t = Tensor::zeros(DType::F32, [64]).unwrap();
+            let root = if me == 1 { Rank(99) } else { Rank(0) };
+            g.broadcast(&mut t, root).await.unwrap_err().to_string()
+        })
+        .await;
+        for (r, (e, _)) in errs.iter().enumerate() {
+            let want = if r == 1 { "root" } else { "rejected their own call" };
+            assert!(e.contains(want), "rank {r}: {e}");
+        }
+        // The group goes on, through the segment.
+        sum_checked(&gs, ins.clone(), "after the failed calls").await;
+        for (_, sent) in counted(&gs, barrier).await {
+            assert_eq!(sent, 0, "a barrier after the failed calls");
+        }
+        assert_all(&statuses(&gs).await, &active(default_segment(N)), "at the end");
+    });
+}
+
+/// A member whose call is dropped while it uses the segment (here: after
+/// arriving at the agreement, before the others came) abandons the segment
+/// with its next call: the others, waiting for it at a barrier of the
+/// dropped call, fail at once instead of hanging; from that next call on
+/// every member agrees over TCP, and the calls give exact results.
+#[test]
+fn a_call_dropped_while_it_used_the_segment_fails_the_others_then_the_group_uses_tcp() {
+    run(async {
+        const N: usize = 3;
+        let gs = groups("shm-abandoned", N as u32).await;
+        let large = CollectiveConfig::default().shm_min_bytes / 4;
+        let ins: Vec<Tensor> = (0..N).map(|r| general_input(DType::F32, large, r, 31)).collect();
+        sum_checked(&gs, ins.clone(), "setting up").await;
+        assert_all(
+            &statuses(&gs).await,
+            &active(default_segment(N)),
+            "after setting up",
+        );
+
+        // Member 1 calls alone and is dropped while it waits for the others.
+        let mut t = ins[1].clone();
+        let dropped = tokio::time::timeout(
+            Duration::from_millis(100),
+            gs[1].all_reduce(&mut t, ReduceOp::Sum),
+        )
+        .await;
+        assert!(dropped.is_err(), "the call cannot end before the others make it");
+        // The others make that call: member 1's arrival lets them through the
+        // agreement, then they wait for it in the algorithm.
+        let others: Vec<_> = [0, 2]
+            .into_iter()
+            .map(|me| {
+                let (g, mut t) = (gs[me].clone(), ins[me].clone());
+                tokio::spawn(async move {
+                    let r =
+                        tokio::time::timeout(Duration::from_secs(20), g.all_reduce(&mut t, ReduceOp::Sum))
+                            .await;
+                    (r.expect("the others must not hang"), Instant::now())
+                })
+            })
+            .collect();
+        // Member 1's next call abandons the segment (and agrees over TCP).
+        let abandoned_at = Instant::now();
+        let ins2: Vec<Tensor> = (0..N).map(|r| input(DType::I64, 5_000, r, 32)).collect();
+        let want = reference(&ins2, ReduceOp::Sum);
+        let next1 = {
+            let (g, mut t, want) = (gs[1].clone(), ins2[1].clone(), want.clone());
+            tokio::spawn(async move {
+                g.all_reduce(&mut t, ReduceOp::Sum).await.unwrap();
+                assert_same(&t, &want, "member 1's next call");
+            })
+        };
+        for (i, h) in others.into_iter().enumerate() {
+            let (r, ended) = h.await.unwrap();
+            let e = r.unwrap_err();
+            assert!(
+                matches!(&e, Error::InvalidArgument(m) if m.contains("rank 1 abandoned")),
+                "member {}: {e}",
+                [0, 2][i]
+            );
+            let waited = ended.saturating_duration_since(abandoned_at);
+            assert!(
+                waited < Duration::from_secs(5),
+                "failed {waited:?} after the abandoning"
+            );
+        }
+        // The others' next call meets member 1's over TCP.
+        on_all(&[gs[0].clone(), gs[2].clone()], {
+            let (ins2, want) = (ins2.clone(), want.clone());
+            move |i, g| {
+                let (mut t, want) = (ins2[[0, 2][i]].clone(), want.clone());
+                async move {
+                    g.all_reduce(&mut t, ReduceOp::Sum).await.unwrap();
+                    assert_same(&t, &want, "the others' next call");
+                }
+            }
+        })
+        .await;
+        next1.await.unwrap();
+        for (r, s) in statuses(&gs).await.iter().enumerate() {
+            assert!(
+                matches!(s, SharedMemory::Unavailable { reason } if reason.contains("cancelled")),
+                "member {r}: {s}"
+            );
+        }
+        // Later calls: the ring over TCP (integers: the ring does not reduce
+        // in rank order).
+        let ins3 = (0..N).map(|r| input(DType::I64, large, r, 33)).collect();
+        let sent = sum_checked(&gs, ins3, "after the abandoning").await;
+        assert!(
+            sent.iter().all(|&b| b > 0),
+            "the ring's payloads go over TCP: {sent:?}"
+        );
+        for g in &gs {
+            assert_eq!(
+                g.algorithm_name(multiworld_collectives::CollectiveKind::AllReduce, 1 << 24)
+                    .await,
+                "ring"
+            );
+        }
     });
 }
