@@ -594,14 +594,10 @@ impl Group {
             guard.shm =
                 ShmState::Unavailable("a call using shared memory was cancelled on this member".to_owned());
         } else if let ShmState::Ready(seg) = &guard.shm {
-            if let Some(a) = seg.abandoned().filter(|a| seq >= a.from) {
-                let by = self
-                    .inner
-                    .members
-                    .get(a.by)
-                    .map_or_else(|| format!("member {}", a.by), |r| r.to_string());
+            if let Some(a) = seg.abandonment(self.size()).filter(|a| seq >= a.from) {
                 guard.shm = ShmState::Unavailable(format!(
-                    "rank {by} abandoned the segment (a call of its that used it was cancelled)"
+                    "{} abandoned the segment (a call of its that used it was cancelled)",
+                    shm::member_name(&self.inner.members, a.by)
                 ));
             }
         }
@@ -866,9 +862,14 @@ impl<'g> Call<'g> {
                     }
                     // A member abandoned the segment from this call on: every
                     // member agrees over TCP, this one too (below).
-                    Ok(Err(a)) if cx.seq >= a.from => {}
-                    // Lost member, deadline, or abandoned before this call.
-                    _ => return err,
+                    Ok(Err(no)) if cx.seq >= no.by.from => {}
+                    // Abandoned before this call: the call cannot complete.
+                    Ok(Err(no)) => {
+                        cx.drop_arrived_eager(no.arrived);
+                        return err;
+                    }
+                    // A lost member or the deadline.
+                    Err(_) => return err,
                 }
             }
         }
@@ -1035,13 +1036,17 @@ fn decoded_or_abstaining(words: Vec<Option<Vec<u64>>>, n: usize) -> Vec<Desc> {
     words
         .into_iter()
         .map(|w| {
-            w.and_then(|w| Desc::decode(&w, n).ok()).unwrap_or_else(|| {
-                let mut d = Desc::new(Kind::Barrier, n, 0, 0, 0);
-                d.abstain = true;
-                d
-            })
+            w.and_then(|w| Desc::decode(&w, n).ok())
+                .unwrap_or_else(|| abstaining(n))
         })
         .collect()
+}
+
+/// A descriptor that sends nothing (a placeholder in a group of `n`).
+fn abstaining(n: usize) -> Desc {
+    let mut d = Desc::new(Kind::Barrier, n, 0, 0, 0);
+    d.abstain = true;
+    d
 }
 
 /// Receives and drops, on a task of its own, what the members described by
@@ -1154,13 +1159,19 @@ impl<'g> Ctx<'g> {
         let got = match self.shm.segment.get().filter(|_| self.agree_in_shm) {
             None => self.tcp_round(&words, eager, &mut sends).await?,
             Some(seg) => {
-                self.shm.in_use.store(true, Ordering::Relaxed);
                 // The payloads go first, as over TCP: a call dropped while it
                 // waits for the others has still sent them, and the others
                 // receive them whatever the check finds (and drop them on
-                // disagreement).
-                for &(q, v) in eager {
-                    sends.push(self.send_copy(q, self.tag, v)?);
+                // disagreement). Copied before the call marks the segment in
+                // use: a failed copy must not leave it marked without an
+                // arrival.
+                let copies = eager
+                    .iter()
+                    .map(|&(q, v)| Ok((q, Tensor::from_bytes(v.dtype(), [v.numel()], v.as_bytes())?)))
+                    .collect::<Result<Vec<_>>>()?;
+                self.shm.in_use.store(true, Ordering::Relaxed);
+                for (q, copy) in copies {
+                    sends.push(self.comm.isend(self.members[q], self.tag, copy));
                 }
                 match shm::agree(n, self.me, self.seq, seg, &words).await? {
                     Ok(others) => others
@@ -1170,8 +1181,11 @@ impl<'g> Ctx<'g> {
                         .collect(),
                     // A member abandoned the segment from this call on (it
                     // agrees over TCP): so does every member.
-                    Err(a) if self.seq >= a.from => self.tcp_round(&words, &[], &mut sends).await?,
-                    Err(a) => return Err(a.error(self.members)),
+                    Err(no) if self.seq >= no.by.from => self.tcp_round(&words, &[], &mut sends).await?,
+                    Err(no) => {
+                        self.drop_arrived_eager(no.arrived);
+                        return Err(no.by.error(self.members));
+                    }
                 }
             }
         };
@@ -1203,6 +1217,19 @@ impl<'g> Ctx<'g> {
             return Err(e);
         }
         Ok((descs, sends))
+    }
+
+    /// After an agreement round through the segment that could not complete:
+    /// drops, in the background, what the members that had arrived (their
+    /// descriptors `arrived`, read from the segment) sent this member eagerly,
+    /// so nothing of the call is left unread.
+    fn drop_arrived_eager(&self, arrived: Vec<Option<Vec<u64>>>) {
+        let n = self.n();
+        let descs = decoded_or_abstaining(arrived, n)
+            .into_iter()
+            .map(|d| if d.seq == self.seq { d } else { abstaining(n) })
+            .collect();
+        drop_in_background(self, descs);
     }
 
     /// Starts sending a copy of `v` to member `q` on `tag`.

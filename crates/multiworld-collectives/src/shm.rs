@@ -88,15 +88,10 @@ const STREAM_MIN_BYTES: usize = 8 << 20;
 /// "MWSHM\0v3" as a little-endian word (v2: three buffers, one barrier per
 /// step; v3: descriptor slots and the abandoned word).
 const MAGIC: u64 = u64::from_le_bytes(*b"MWSHM\0v3");
-/// Offset of the header word that says whether (and from which call on) a
-/// member abandoned the segment: 0 while nobody has; else the member's index
-/// in the top [`ABANDONED_BY_BITS`] bits and the sequence number of its call
-/// that no longer used the segment, plus one, in the others (the smallest, if
-/// several members abandoned it).
-const ABANDONED: usize = 24;
-/// Bits of the abandoned word that hold the member's index (below
-/// [`MAX_MEMBERS`] = 63).
-const ABANDONED_BY_BITS: u32 = 6;
+/// Offset, within a member's counter line, of its abandoned word: 0 while
+/// the member uses the segment; once it has abandoned it, the sequence number
+/// of its first call that does not use it, plus one. Written once.
+const ABANDONED_IN_LINE: usize = 8;
 /// Elements reduced per block (the running result stays in the L1/L2 cache).
 const BLOCK_BYTES: usize = 32 << 10;
 /// Bytes copied or reduced between two yields to the runtime, so that a
@@ -175,13 +170,13 @@ fn desc_area(n: usize) -> Option<usize> {
         .checked_next_multiple_of(4096)
 }
 
-/// A member abandoned the segment: a call of its that used the segment was
+/// A member abandoned the segment: a call of its that used it was
 /// cancelled, so its arrivals no longer match the others' (see
 /// [`Segment::abandon`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Abandoned {
     /// The sequence number of the abandoning member's first call that does
-    /// not use the segment: calls from this one on agree over TCP.
+    /// not use the segment: from this call on, it agrees over TCP.
     pub from: u64,
     /// The abandoning member's index.
     pub by: usize,
@@ -190,15 +185,20 @@ pub(crate) struct Abandoned {
 impl Abandoned {
     /// The error of a call that needed the abandoning member's arrival.
     pub(crate) fn error(self, members: &[Rank]) -> Error {
-        let who = members
-            .get(self.by)
-            .map_or_else(|| format!("member {}", self.by), |r| format!("rank {r}"));
         Error::invalid(format!(
-            "{who} abandoned the group's shared memory (a call of its that used it was cancelled): \
+            "{} abandoned the group's shared memory (a call of its that used it was cancelled): \
              this call cannot complete, and the group's calls from #{} on use TCP",
+            member_name(members, self.by),
             self.from
         ))
     }
+}
+
+/// "rank r" for member `p` of `members`.
+pub(crate) fn member_name(members: &[Rank], p: usize) -> String {
+    members
+        .get(p)
+        .map_or_else(|| format!("member {p}"), |r| format!("rank {r}"))
 }
 
 /// How a barrier through the segment ended.
@@ -206,8 +206,9 @@ impl Abandoned {
 pub(crate) enum Barrier {
     /// Every member arrived.
     Passed,
-    /// A member that had not arrived abandoned the segment; it never will.
-    Abandoned(Abandoned),
+    /// It cannot pass: a member abandoned the segment before arriving (see
+    /// `Segment::blocked`). `target` is the arrival the barrier waited for.
+    Abandoned { by: Abandoned, target: u32 },
 }
 
 /// A group's shared-memory state (kept between calls).
@@ -437,87 +438,148 @@ impl Segment {
         Ok(true)
     }
 
-    /// Whether every other member has made arrival `target`; if not, whether
-    /// one of those that have not abandoned the segment (the counters are
-    /// read again after the abandoned word: a member's arrivals come before
-    /// its abandoning).
-    fn arrived_or_abandoned(&self, n: usize, me: usize, target: u32) -> Result<Option<Barrier>> {
+    /// Whether the barrier for arrival `target` of call `seq` has passed, or
+    /// can no longer pass; `None`: wait on.
+    ///
+    /// It cannot pass when a member that will never arrive abandoned the
+    /// segment: one that abandoned it from call `seq` or earlier (it agrees
+    /// over TCP from then on, so it does not come; every member then does
+    /// this call's agreement over TCP), or one that is behind and abandoned
+    /// it from a later call (this call was dropped on it). A member that is
+    /// behind and has not abandoned it may still come. The counters are read
+    /// again after an abandoned word: a member's arrivals come before its
+    /// abandoning.
+    fn blocked(&self, n: usize, me: usize, target: u32, seq: u64) -> Result<Option<Barrier>> {
         if self.all_arrived(n, me, target)? {
             return Ok(Some(Barrier::Passed));
         }
-        match self.abandoned() {
-            None => Ok(None),
-            Some(_) if self.all_arrived(n, me, target)? => Ok(Some(Barrier::Passed)),
-            Some(a) => Ok(Some(Barrier::Abandoned(a))),
-        }
-    }
-
-    /// Sleeps (blocking this thread) until every other member has made arrival
-    /// `target`, one of them abandons the segment, or `limit` has passed
-    /// (`None`).
-    fn wait_blocking(&self, n: usize, me: usize, target: u32, limit: Duration) -> Result<Option<Barrier>> {
-        let started = Instant::now();
+        let behind = |q: usize| -> Result<bool> {
+            Ok((self.counter(q)?.load(Ordering::Acquire).wrapping_sub(target) as i32) < 0)
+        };
+        let mut later = None;
         for q in (0..n).filter(|&q| q != me) {
-            let c = self.counter(q)?;
-            loop {
-                let v = c.load(Ordering::Acquire);
-                if v.wrapping_sub(target) as i32 >= 0 {
-                    break;
+            match self.abandoned_from(q)? {
+                Some(from) if from <= seq => {
+                    return Ok(Some(Barrier::Abandoned {
+                        by: Abandoned { from, by: q },
+                        target,
+                    }));
                 }
-                if let Some(a) = self.abandoned() {
-                    // `a` was stored after any arrival of its member, so the
-                    // barrier has not passed if this counter is still behind.
-                    if c.load(Ordering::Acquire).wrapping_sub(target) as i32 >= 0 {
-                        continue;
-                    }
-                    return Ok(Some(Barrier::Abandoned(a)));
-                }
-                let left = limit.saturating_sub(started.elapsed());
-                if left.is_zero() {
-                    return Ok(None);
-                }
-                futex::wait(c, v, left.min(WAIT_SLICE));
+                Some(from) if later.is_none() && behind(q)? => later = Some(Abandoned { from, by: q }),
+                _ => {}
             }
         }
-        Ok(Some(Barrier::Passed))
+        Ok(later.map(|by| Barrier::Abandoned { by, target }))
     }
 
-    /// The abandoned word.
-    fn abandoned_word(&self) -> &AtomicU64 {
-        // SAFETY: the word lies inside the header (offset 24 of at least 4096
-        // bytes), is 8-byte aligned (the mapping is page-aligned) and lives as
-        // long as `self`; every member only touches it atomically.
-        unsafe { AtomicU64::from_ptr(self.map.as_mut_ptr().add(ABANDONED).cast::<u64>()) }
+    /// Sleeps (blocking this thread) until the barrier for arrival `target` of
+    /// call `seq` passes or cannot pass (`Segment::blocked`), or `limit` has
+    /// passed (`None`). An abandoning member wakes every counter; one that
+    /// abandons between the check and the sleep is seen after the slice
+    /// (at most [`WAIT_SLICE`]).
+    fn wait_blocking(
+        &self,
+        n: usize,
+        me: usize,
+        target: u32,
+        seq: u64,
+        limit: Duration,
+    ) -> Result<Option<Barrier>> {
+        let started = Instant::now();
+        loop {
+            if let Some(b) = self.blocked(n, me, target, seq)? {
+                return Ok(Some(b));
+            }
+            // Sleep on the first counter still behind.
+            let mut first_behind = None;
+            for q in (0..n).filter(|&q| q != me) {
+                let c = self.counter(q)?;
+                let v = c.load(Ordering::Acquire);
+                if (v.wrapping_sub(target) as i32) < 0 {
+                    first_behind = Some((c, v));
+                    break;
+                }
+            }
+            let Some((c, v)) = first_behind else {
+                continue;
+            };
+            let left = limit.saturating_sub(started.elapsed());
+            if left.is_zero() {
+                return Ok(None);
+            }
+            futex::wait(c, v, left.min(WAIT_SLICE));
+        }
     }
 
-    /// Whether a member has abandoned the segment, and from which call on.
-    pub(crate) fn abandoned(&self) -> Option<Abandoned> {
-        let w = self.abandoned_word().load(Ordering::Acquire);
-        (w != 0).then(|| Abandoned {
-            from: (w & (u64::MAX >> ABANDONED_BY_BITS)) - 1,
-            by: (w >> (64 - ABANDONED_BY_BITS)) as usize,
+    /// Member `p`'s abandoned word.
+    fn abandoned_word(&self, p: usize) -> Result<&AtomicU64> {
+        if p >= MAX_MEMBERS {
+            return Err(Error::invalid(format!(
+                "internal: no abandoned word for member {p}"
+            )));
+        }
+        // SAFETY: the word lies inside the header, in member `p`'s counter
+        // line (checked above), is 8-byte aligned (64-byte lines in a
+        // page-aligned mapping) and lives as long as `self`; every member
+        // only touches it atomically.
+        Ok(unsafe {
+            AtomicU64::from_ptr(
+                self.map
+                    .as_mut_ptr()
+                    .add(COUNTERS + 64 * p + ABANDONED_IN_LINE)
+                    .cast::<u64>(),
+            )
         })
+    }
+
+    /// From which call on member `p` abandoned the segment, if it has.
+    fn abandoned_from(&self, p: usize) -> Result<Option<u64>> {
+        let w = self.abandoned_word(p)?.load(Ordering::Acquire);
+        Ok(w.checked_sub(1))
+    }
+
+    /// The member of `n` that abandoned the segment from the earliest call,
+    /// if any has.
+    pub(crate) fn abandonment(&self, n: usize) -> Option<Abandoned> {
+        (0..n)
+            .filter_map(|q| {
+                Some(Abandoned {
+                    from: self.abandoned_from(q).ok()??,
+                    by: q,
+                })
+            })
+            .min_by_key(|a| a.from)
     }
 
     /// Member `me` of `n` gives up the segment: a call of its that used it was
     /// cancelled (its arrivals no longer match the others'), and its call
     /// `from` and every later one agree over TCP. Members waiting at a
-    /// barrier it has not reached stop waiting ([`Barrier::Abandoned`]).
+    /// barrier that cannot pass without it stop waiting ([`Barrier::Abandoned`]).
     pub(crate) fn abandon(&self, n: usize, me: usize, from: u64) {
-        let seq = from.saturating_add(1).min(u64::MAX >> ABANDONED_BY_BITS);
-        let word = ((me as u64) << (64 - ABANDONED_BY_BITS)) | seq;
-        // The smallest call wins if several members abandon the segment.
-        let _ = self
-            .abandoned_word()
-            .fetch_update(Ordering::Release, Ordering::Acquire, |cur| {
-                let cur_seq = cur & (u64::MAX >> ABANDONED_BY_BITS);
-                (cur == 0 || seq < cur_seq).then_some(word)
-            });
+        if let Ok(w) = self.abandoned_word(me) {
+            // Written once: a member off the segment never comes back.
+            let _ = w.compare_exchange(0, from.saturating_add(1), Ordering::Release, Ordering::Relaxed);
+        }
         for q in 0..n {
             if let Ok(c) = self.counter(q) {
                 futex::wake(c);
             }
         }
+    }
+
+    /// The descriptors of call `seq` of the members (other than `me`) that
+    /// made arrival `target` (they wrote them before arriving, and do not
+    /// write that slot again before this member's next arrival).
+    pub(crate) fn arrived_descs(&self, n: usize, me: usize, target: u32, seq: u64) -> Vec<Option<Vec<u64>>> {
+        (0..n)
+            .map(|p| {
+                let arrived = p != me
+                    && self
+                        .counter(p)
+                        .is_ok_and(|c| (c.load(Ordering::Acquire).wrapping_sub(target) as i32) >= 0);
+                arrived.then(|| self.desc_of(n, p, seq).ok()).flatten()
+            })
+            .collect()
     }
 
     /// Where member `p`'s descriptor slot for call `seq` starts, as a word
@@ -687,10 +749,7 @@ pub(crate) async fn ensure<'s>(
     loan.shared.in_use.store(true, Ordering::Relaxed);
     let state = &mut loan.state;
     if let ShmState::Untried = state {
-        *state = setup(cx).await?;
-        if let ShmState::Ready(seg) = state {
-            loan.shared.segment.get_or_init(|| Arc::clone(seg));
-        }
+        *state = setup(cx, &loan.shared).await?;
     }
     Ok(match state {
         ShmState::Ready(seg) => Some(seg),
@@ -701,7 +760,12 @@ pub(crate) async fn ensure<'s>(
 /// Why a member with `CollectiveConfig::shared_memory` false declines.
 const TURNED_OFF: &str = "shared memory is turned off in this member's CollectiveConfig";
 
-async fn setup(cx: Ctx<'_>) -> Result<ShmState> {
+/// Sets up the group's segment (see the module docs). A segment this member
+/// created or mapped is kept in `shared` at once, before the verdict: if the
+/// call is dropped from then on, the member's next call can still abandon it
+/// for the others, who may already use it.
+async fn setup(cx: Ctx<'_>, shared: &ShmShared) -> Result<ShmState> {
+    let keep = |seg: Segment| Arc::clone(shared.segment.get_or_init(|| Arc::new(seg)));
     let n = cx.n();
     let Some(len) = segment_len(cx.cfg.shm_piece_bytes, n) else {
         return Err(Error::invalid(
@@ -711,7 +775,7 @@ async fn setup(cx: Ctx<'_>) -> Result<ShmState> {
     let rank = cx.comm.rank();
     if cx.me == 0 {
         let created = if cx.cfg.shared_memory {
-            Segment::create(len)
+            Segment::create(len).map(|(seg, file, offer)| (keep(seg), file, offer))
         } else {
             Err(TURNED_OFF.to_owned())
         };
@@ -739,7 +803,7 @@ async fn setup(cx: Ctx<'_>) -> Result<ShmState> {
         try_join_all(cx.peers().map(|q| cx.send(q, &verdict[..]))).await?;
         Ok(match (created, outcome) {
             // The file closes here; every member has its mapping.
-            (Ok((seg, _file, _)), Ok(())) => ShmState::Ready(Arc::new(seg)),
+            (Ok((seg, _file, _)), Ok(())) => ShmState::Ready(seg),
             (_, Err(reason)) | (Err(reason), _) => {
                 tracing::info!(rank = %rank, group = cx.group_id, %reason, "collectives use TCP only");
                 ShmState::Unavailable(reason)
@@ -751,7 +815,7 @@ async fn setup(cx: Ctx<'_>) -> Result<ShmState> {
             Err(TURNED_OFF.to_owned())
         } else {
             match Offer::decode(w.as_slice::<u64>()?) {
-                Some(offer) => Segment::open(&offer, len),
+                Some(offer) => Segment::open(&offer, len).map(keep),
                 None => Err(format!("rank {} made no offer", cx.members[0])),
             }
         };
@@ -763,7 +827,7 @@ async fn setup(cx: Ctx<'_>) -> Result<ShmState> {
         let v = v.as_slice::<u64>()?;
         let (ok, who) = (v.first() == Some(&1), v.get(1).copied().unwrap_or(u64::MAX));
         Ok(match opened {
-            Ok(seg) if ok => ShmState::Ready(Arc::new(seg)),
+            Ok(seg) if ok => ShmState::Ready(seg),
             Err(reason) => ShmState::Unavailable(reason),
             Ok(_) => {
                 let reason = match usize::try_from(who).ok().and_then(|q| cx.members.get(q)) {
@@ -797,23 +861,24 @@ async fn setup(cx: Ctx<'_>) -> Result<ShmState> {
 /// blocking call) the sleeping is done on that thread, in slices of
 /// [`WAIT_SLICE`], which saves the hand-off to the pool's thread and back.
 ///
-/// A member that abandoned the segment before arriving ends the wait with an
-/// error (see [`Segment::abandon`]).
+/// A barrier that cannot pass because a member abandoned the segment
+/// (`Segment::blocked`) ends the wait with an error.
 async fn arrive_and_wait(cx: Ctx<'_>, seg: &Arc<Segment>) -> Result<()> {
-    match arrive_and_wait_as(cx.n(), cx.me, seg).await? {
+    match arrive_and_wait_as(cx.n(), cx.me, cx.seq, seg).await? {
         Barrier::Passed => Ok(()),
-        Barrier::Abandoned(a) => Err(a.error(cx.members)),
+        Barrier::Abandoned { by, .. } => Err(by.error(cx.members)),
     }
 }
 
-/// [`arrive_and_wait`] as member `me` of `n`, telling how the barrier ended.
-async fn arrive_and_wait_as(n: usize, me: usize, seg: &Arc<Segment>) -> Result<Barrier> {
+/// [`arrive_and_wait`] as member `me` of `n` in call `seq`, telling how the
+/// barrier ended.
+async fn arrive_and_wait_as(n: usize, me: usize, seq: u64, seg: &Arc<Segment>) -> Result<Barrier> {
     let target = seg.arrivals.fetch_add(1, Ordering::Relaxed).wrapping_add(1);
     let mine = seg.counter(me)?;
     mine.store(target, Ordering::Release);
     futex::wake(mine);
     for _ in 0..SPINS {
-        if let Some(b) = seg.arrived_or_abandoned(n, me, target)? {
+        if let Some(b) = seg.blocked(n, me, target, seq)? {
             return Ok(b);
         }
         std::hint::spin_loop();
@@ -823,14 +888,14 @@ async fn arrive_and_wait_as(n: usize, me: usize, seg: &Arc<Segment>) -> Result<B
             // The caller's own thread, waiting for nothing else: it sleeps
             // here, woken straight by the last member to arrive, then lets
             // the call's other branches run between slices.
-            if let Some(b) = seg.wait_blocking(n, me, target, WAIT_SLICE)? {
+            if let Some(b) = seg.wait_blocking(n, me, target, seq, WAIT_SLICE)? {
                 return Ok(b);
             }
             tokio::task::yield_now().await;
             continue;
         }
         let s = Arc::clone(seg);
-        let done = tokio::task::spawn_blocking(move || s.wait_blocking(n, me, target, BLOCKING_WAIT))
+        let done = tokio::task::spawn_blocking(move || s.wait_blocking(n, me, target, seq, BLOCKING_WAIT))
             .await
             .map_err(|e| Error::invalid(format!("internal: shared-memory wait failed: {e}")))??;
         if let Some(b) = done {
@@ -850,18 +915,21 @@ async fn arrive_and_wait_as(n: usize, me: usize, seg: &Arc<Segment>) -> Result<B
 /// barrier also orders the calls' data: whatever a member did in the previous
 /// call happened before its arrival here.
 ///
-/// Returns [`Barrier::Abandoned`] (and no descriptors) if a member that has
-/// not arrived abandoned the segment.
+/// Returns [`NotAgreed`] if the barrier cannot pass because a member
+/// abandoned the segment.
 pub(crate) async fn agree(
     n: usize,
     me: usize,
     seq: u64,
     seg: &Arc<Segment>,
     words: &[u64],
-) -> Result<std::result::Result<Vec<Option<Vec<u64>>>, Abandoned>> {
+) -> Result<std::result::Result<Vec<Option<Vec<u64>>>, NotAgreed>> {
     seg.put_desc(n, me, seq, words)?;
-    match arrive_and_wait_as(n, me, seg).await? {
-        Barrier::Abandoned(a) => Ok(Err(a)),
+    match arrive_and_wait_as(n, me, seq, seg).await? {
+        Barrier::Abandoned { by, target } => Ok(Err(NotAgreed {
+            by,
+            arrived: seg.arrived_descs(n, me, target, seq),
+        })),
         Barrier::Passed => Ok(Ok((0..n)
             .map(|p| {
                 if p == me {
@@ -872,6 +940,16 @@ pub(crate) async fn agree(
             })
             .collect::<Result<_>>()?)),
     }
+}
+
+/// An agreement round through the segment that cannot complete: who
+/// abandoned the segment, and the descriptors of the members that had
+/// arrived (`None` for the others and this member), whose eager payloads
+/// this member must still drop.
+#[derive(Debug)]
+pub(crate) struct NotAgreed {
+    pub by: Abandoned,
+    pub arrived: Vec<Option<Vec<u64>>>,
 }
 
 /// Copies `src` into `dst` in pieces, yielding to the runtime between them;
@@ -1520,7 +1598,7 @@ mod tests {
             std::thread::sleep(after);
             let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
             // Member 0 is already there: no waiting, so no blocking pool.
-            rt.block_on(arrive_and_wait_as(2, 1, &b)).unwrap();
+            rt.block_on(arrive_and_wait_as(2, 1, 0, &b)).unwrap();
         })
     }
 
@@ -1538,7 +1616,7 @@ mod tests {
         let t0 = Instant::now();
         let r = multiworld_tcp::as_blocking_caller(|| {
             rt.block_on(async {
-                tokio::time::timeout(Duration::from_secs(10), arrive_and_wait_as(2, 0, &a)).await
+                tokio::time::timeout(Duration::from_secs(10), arrive_and_wait_as(2, 0, 0, &a)).await
             })
         });
         let took = t0.elapsed();
@@ -1553,7 +1631,7 @@ mod tests {
         // Not a blocking caller: the wait goes to the held pool.
         let late = arrives_late(&b, Duration::from_millis(100));
         let r = rt.block_on(async {
-            tokio::time::timeout(Duration::from_secs(1), arrive_and_wait_as(2, 0, &a)).await
+            tokio::time::timeout(Duration::from_secs(1), arrive_and_wait_as(2, 0, 0, &a)).await
         });
         late.join().unwrap();
         assert!(r.is_err(), "the wait ended while the pool was held: {r:?}");
@@ -1572,7 +1650,7 @@ mod tests {
         let other_branch = multiworld_tcp::as_blocking_caller(|| {
             rt.block_on(async {
                 tokio::select! {
-                    r = arrive_and_wait_as(2, 0, &a) => panic!("member 1 never arrives: {r:?}"),
+                    r = arrive_and_wait_as(2, 0, 0, &a) => panic!("member 1 never arrives: {r:?}"),
                     () = tokio::time::sleep(Duration::from_millis(50)) => t0.elapsed(),
                 }
             })
@@ -1670,37 +1748,104 @@ mod tests {
         );
     }
 
-    /// A member that abandons the segment ends the others' waits at
-    /// barriers it has not reached, at once, with its index and the call
-    /// from which it agrees over TCP; a barrier it had reached still passes;
-    /// the smallest call wins when two members abandon it.
+    /// Members 0, 1 and 2 of one segment, in one process.
+    #[cfg(target_os = "linux")]
+    fn three_members() -> (Vec<Arc<Segment>>, std::fs::File) {
+        let len = segment_len(4096, 3).unwrap();
+        let (a, file, offer) = Segment::create(len).unwrap();
+        let b = Segment::open(&offer, len).unwrap();
+        let c = Segment::open(&offer, len).unwrap();
+        (vec![Arc::new(a), Arc::new(b), Arc::new(c)], file)
+    }
+
+    /// Member `me` of 3 arrives at its next barrier of call `seq` after
+    /// `after`, on its own thread, and waits there; returns how it ended.
+    #[cfg(target_os = "linux")]
+    fn arrives_at(
+        seg: &Arc<Segment>,
+        me: usize,
+        seq: u64,
+        after: Duration,
+    ) -> std::thread::JoinHandle<Barrier> {
+        let seg = Arc::clone(seg);
+        std::thread::spawn(move || {
+            std::thread::sleep(after);
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(arrive_and_wait_as(3, me, seq, &seg)).unwrap()
+        })
+    }
+
+    /// A member that abandons the segment ends the others' waits at the
+    /// barriers it will never reach, and only those: a barrier it reached
+    /// before abandoning waits on for a slow member that is still alive; the
+    /// next one, which it never reaches, ends at once for everyone; a later
+    /// call's barrier reports that the call agrees over TCP.
     #[cfg(target_os = "linux")]
     #[test]
-    fn abandoning_the_segment_ends_the_waits_it_would_hang() {
-        let (a, b, _file) = two_members();
+    fn abandoning_the_segment_ends_only_the_waits_it_would_hang() {
+        let (m, _file) = three_members();
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .enable_all()
             .build()
             .unwrap();
-        // Member 1 arrives at the first barrier, then abandons from call 7.
-        let late = arrives_late(&b, Duration::from_millis(20));
-        let first = rt.block_on(arrive_and_wait_as(2, 0, &a)).unwrap();
-        late.join().unwrap();
-        assert_eq!(first, Barrier::Passed, "member 1 arrived there");
-        b.abandon(2, 1, 7);
-        // The second barrier: member 1 never arrives.
+        // Call 6: member 2 arrives at the first barrier, then its call is
+        // dropped and its next call (7) abandons the segment; member 1 is
+        // slow but comes.
+        let two = arrives_at(&m[2], 2, 6, Duration::ZERO);
+        std::thread::sleep(Duration::from_millis(20));
+        m[2].abandon(3, 2, 7);
+        let one = arrives_at(&m[1], 1, 6, Duration::from_millis(150));
+        let t0 = Instant::now();
+        let first = rt.block_on(arrive_and_wait_as(3, 0, 6, &m[0])).unwrap();
+        assert_eq!(first, Barrier::Passed, "member 2 had arrived; member 1 came");
+        assert!(
+            t0.elapsed() >= Duration::from_millis(100),
+            "did not wait for member 1"
+        );
+        assert_eq!(one.join().unwrap(), Barrier::Passed);
+        assert_eq!(two.join().unwrap(), Barrier::Passed);
+        // The next barrier of call 6: member 2 never comes.
+        let abandoned = Barrier::Abandoned {
+            by: Abandoned { from: 7, by: 2 },
+            target: 2,
+        };
+        let one = arrives_at(&m[1], 1, 6, Duration::ZERO);
         let t0 = Instant::now();
         let second = rt
             .block_on(async {
-                tokio::time::timeout(Duration::from_secs(5), arrive_and_wait_as(2, 0, &a)).await
+                tokio::time::timeout(Duration::from_secs(5), arrive_and_wait_as(3, 0, 6, &m[0])).await
             })
             .unwrap()
             .unwrap();
-        assert_eq!(second, Barrier::Abandoned(Abandoned { from: 7, by: 1 }));
+        assert_eq!(second, abandoned);
+        assert_eq!(one.join().unwrap(), abandoned);
         assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
+        // Call 7's agreement: member 2 agrees over TCP from there.
+        let third = rt.block_on(arrive_and_wait_as(3, 0, 7, &m[0])).unwrap();
+        assert_eq!(
+            third,
+            Barrier::Abandoned {
+                by: Abandoned { from: 7, by: 2 },
+                target: 3
+            }
+        );
+        assert_eq!(m[1].abandonment(3), Some(Abandoned { from: 7, by: 2 }));
+    }
 
-        // Abandoned while member 0 sleeps on a pool thread: woken.
+    /// A member sleeping on a pool thread is woken by an abandoning; the
+    /// earliest call wins among several members; a member abandons once.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn abandoning_wakes_sleepers_and_is_written_once() {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
         let (c, d, _file) = two_members();
         let d2 = Arc::clone(&d);
         let abandoner = std::thread::spawn(move || {
@@ -1708,18 +1853,28 @@ mod tests {
             d2.abandon(2, 1, 3);
         });
         let t0 = Instant::now();
-        let r = rt.block_on(arrive_and_wait_as(2, 0, &c)).unwrap();
+        let r = rt.block_on(arrive_and_wait_as(2, 0, 2, &c)).unwrap();
         abandoner.join().unwrap();
-        assert_eq!(r, Barrier::Abandoned(Abandoned { from: 3, by: 1 }));
+        assert_eq!(
+            r,
+            Barrier::Abandoned {
+                by: Abandoned { from: 3, by: 1 },
+                target: 1
+            }
+        );
         assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
         c.abandon(2, 0, 5);
         assert_eq!(
-            d.abandoned(),
+            d.abandonment(2),
             Some(Abandoned { from: 3, by: 1 }),
-            "the smaller call stays"
+            "the earlier call"
         );
-        c.abandon(2, 0, 2);
-        assert_eq!(d.abandoned(), Some(Abandoned { from: 2, by: 0 }));
+        d.abandon(2, 1, 1);
+        assert_eq!(
+            c.abandonment(2),
+            Some(Abandoned { from: 3, by: 1 }),
+            "written once"
+        );
     }
 
     /// The agreement through the segment: each member reads the other's

@@ -1628,3 +1628,54 @@ fn a_call_dropped_while_it_used_the_segment_fails_the_others_then_the_group_uses
         }
     });
 }
+
+/// A call dropped after its member arrived at the agreement barrier: the
+/// others still complete that call, however slow one of them is, and
+/// although the dropped member abandons the segment meanwhile (it had
+/// arrived; only the barriers it never reaches may fail). Then every member
+/// agrees over TCP.
+#[test]
+fn a_call_dropped_after_it_arrived_still_completes_on_the_others() {
+    run(async {
+        const N: usize = 3;
+        let gs = groups("shm-abandoned-late", N as u32).await;
+        let large = CollectiveConfig::default().shm_min_bytes / 4;
+        let ins: Vec<Tensor> = (0..N).map(|r| input(DType::I64, large, r, 41)).collect();
+        sum_checked(&gs, ins.clone(), "setting up").await;
+        // Member 2 arrives at the barrier's agreement and is dropped there.
+        let dropped = tokio::time::timeout(Duration::from_millis(100), gs[2].barrier()).await;
+        assert!(dropped.is_err(), "the barrier cannot end before the others come");
+        // Member 0 comes and waits for member 1.
+        let zero = {
+            let g = gs[0].clone();
+            tokio::spawn(async move { tokio::time::timeout(Duration::from_secs(20), g.barrier()).await })
+        };
+        // Member 2's next call abandons the segment and agrees over TCP: its
+        // descriptors go out.
+        let sent_before = messages_sent(&gs[2]);
+        let next2 = {
+            let g = gs[2].clone();
+            tokio::spawn(async move { g.barrier().await })
+        };
+        let out = eventually(Duration::from_secs(10), || {
+            messages_sent(&gs[2]) >= sent_before + 2
+        })
+        .await;
+        assert!(out, "member 2's next call sent no descriptor");
+        // Member 1 comes late to the dropped call: it and member 0 pass it.
+        let one = tokio::time::timeout(Duration::from_secs(20), gs[1].barrier()).await;
+        assert!(matches!(one, Ok(Ok(()))), "member 1: {one:?}");
+        let zero = zero.await.unwrap();
+        assert!(matches!(zero, Ok(Ok(()))), "member 0: {zero:?}");
+        // The next call, over TCP everywhere.
+        on_all(&[gs[0].clone(), gs[1].clone()], |_, g| async move {
+            g.barrier().await.unwrap()
+        })
+        .await;
+        next2.await.unwrap().unwrap();
+        for (r, s) in statuses(&gs).await.iter().enumerate() {
+            assert!(matches!(s, SharedMemory::Unavailable { .. }), "member {r}: {s}");
+        }
+        sum_checked(&gs, ins, "after").await;
+    });
+}
