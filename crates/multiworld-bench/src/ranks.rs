@@ -48,6 +48,43 @@ const DATA: Tag = Tag(0);
 /// The leader's "go" message (start streaming) travels on this tag.
 const GO: Tag = Tag(1);
 
+/// The collectives' algorithm (`--algorithm`; the collective scenarios
+/// only).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum AlgorithmArg {
+    /// `Algorithm::Auto`, what users get.
+    #[default]
+    Auto,
+    /// `Algorithm::Direct`.
+    Direct,
+    /// `Algorithm::Ring`.
+    Ring,
+    /// `Algorithm::SharedMemory` (at every size; the first call sets the
+    /// segment up, and later calls also agree through it).
+    Shm,
+}
+
+impl AlgorithmArg {
+    fn algorithm(self) -> multiworld_collectives::Algorithm {
+        use multiworld_collectives::Algorithm;
+        match self {
+            AlgorithmArg::Auto => Algorithm::Auto,
+            AlgorithmArg::Direct => Algorithm::Direct,
+            AlgorithmArg::Ring => Algorithm::Ring,
+            AlgorithmArg::Shm => Algorithm::SharedMemory,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            AlgorithmArg::Auto => "auto",
+            AlgorithmArg::Direct => "direct",
+            AlgorithmArg::Ring => "ring",
+            AlgorithmArg::Shm => "shm",
+        }
+    }
+}
+
 /// The scenarios of the one-process-per-rank benchmark.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Scenario {
@@ -203,6 +240,9 @@ pub struct RankArgs {
     /// The worlds' `WorldConfig::read_ahead` in bytes.
     #[arg(long, default_value_t = multiworld::DEFAULT_READ_AHEAD)]
     pub read_ahead: usize,
+    /// The collectives' algorithm.
+    #[arg(long, value_enum, default_value_t)]
+    pub algorithm: AlgorithmArg,
     /// How much to move.
     #[command(flatten)]
     pub load: Load,
@@ -231,6 +271,10 @@ pub struct RunArgs {
     /// benchmark passes its package's default, to compare like with like).
     #[arg(long, default_value_t = multiworld::DEFAULT_READ_AHEAD)]
     pub read_ahead: usize,
+    /// The collectives' algorithm (the collective scenarios; default: what
+    /// users get).
+    #[arg(long, value_enum, default_value_t)]
+    pub algorithm: AlgorithmArg,
     /// How much to move.
     #[command(flatten)]
     pub load: Load,
@@ -296,11 +340,15 @@ pub fn run(args: &RunArgs, mut emit: impl FnMut(Value)) -> Result<()> {
                 addr: "127.0.0.1:0".into(),
                 deadline_s: args.deadline_s,
                 read_ahead: args.read_ahead,
+                algorithm: args.algorithm,
                 load: load.clone(),
             };
             let mut v = run_ranks(&exe, &rank)?;
             if let Value::Object(m) = &mut v {
                 m.insert("impl".into(), json!("rust"));
+                if args.scenario.is_collective() {
+                    m.insert("algorithm".into(), json!(args.algorithm.name()));
+                }
             }
             emit(v);
         }
@@ -321,6 +369,7 @@ fn rank_command(exe: &std::path::Path, a: &RankArgs, rank: u32, addr: &str) -> C
         .args(["--size", &a.size.to_string(), "--addr", addr])
         .args(["--deadline-s", &a.deadline_s.to_string()])
         .args(["--read-ahead", &a.read_ahead.to_string()])
+        .args(["--algorithm", a.algorithm.name()])
         .args(["--bytes", &a.load.bytes.to_string()])
         .args(["--min-messages", &a.load.min_messages.to_string()])
         .args(["--rounds", &a.load.rounds.to_string()])
@@ -630,17 +679,25 @@ async fn leader(m: &WorldManager, a: &RankArgs, addr: &str) -> Result<Option<Val
     Ok(Some(v))
 }
 
+/// The world's collectives with the algorithm of `--algorithm`.
+fn group(w: &World, a: &RankArgs) -> multiworld::Group {
+    match a.algorithm {
+        AlgorithmArg::Auto => w.collectives().clone(),
+        other => w.collectives().with_config(
+            multiworld_collectives::CollectiveConfig::default().with_algorithm(other.algorithm()),
+        ),
+    }
+}
+
 async fn all_reduce(m: &WorldManager, a: &RankArgs, addr: &str) -> Result<Option<Value>> {
     let iters = a.load.iters(a.size);
     let w = join(m, a, "all-reduce", a.rank, a.n, addr).await?;
+    let g = group(&w, a);
     let mut t = buffer(a.size)?;
     let mut times = Vec::with_capacity(iters);
     for i in 0..2 + iters {
         let t0 = Instant::now();
-        w.collectives()
-            .all_reduce(&mut t, ReduceOp::Sum)
-            .await
-            .map_err(err)?;
+        g.all_reduce(&mut t, ReduceOp::Sum).await.map_err(err)?;
         if i >= 2 {
             times.push(t0.elapsed().as_secs_f64());
         }
@@ -655,7 +712,7 @@ async fn collective(m: &WorldManager, a: &RankArgs, addr: &str) -> Result<Option
     let iters = a.load.iters(a.size);
     let n = a.n as usize;
     let w = join(m, a, a.scenario.name(), a.rank, a.n, addr).await?;
-    let g = w.collectives();
+    let g = group(&w, a);
     let root = Rank(0);
     let is_root = a.rank == 0;
     let elems = elements(a.size);

@@ -22,8 +22,9 @@
 //! has no name, so nothing is left behind if a process dies: its memory goes when
 //! the last member unmaps it.
 //!
-//! **Layout.** A 4 KiB header (magic, nonce, the abandoned word, one arrival
-//! counter per member), the descriptor slots (two per member), then three
+//! **Layout.** A 4 KiB header (magic, nonce, and a line per member with its
+//! arrival counter and abandoned word), the descriptor slots (two per
+//! member), then three
 //! buffers, each with one slot per member; a slot holds one *piece* of the tensor
 //! (`CollectiveConfig::shm_piece_bytes`). A call works through its tensor piece
 //! by piece, piece `k` in buffer `k mod 3`.
@@ -86,7 +87,7 @@ const BUFFERS: usize = 3;
 /// stores (see the module docs).
 const STREAM_MIN_BYTES: usize = 8 << 20;
 /// "MWSHM\0v3" as a little-endian word (v2: three buffers, one barrier per
-/// step; v3: descriptor slots and the abandoned word).
+/// step; v3: descriptor slots and per-member abandoned words).
 const MAGIC: u64 = u64::from_le_bytes(*b"MWSHM\0v3");
 /// Offset, within a member's counter line, of its abandoned word: 0 while
 /// the member uses the segment; once it has abandoned it, the sequence number

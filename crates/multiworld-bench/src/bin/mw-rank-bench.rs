@@ -73,6 +73,7 @@ fn main() {
                 quick,
                 deadline_s,
                 read_ahead: multiworld::DEFAULT_READ_AHEAD,
+                algorithm: ranks::AlgorithmArg::Auto,
                 load: load.clone(),
             };
             ranks::run(&a, print)
