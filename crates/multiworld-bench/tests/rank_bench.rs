@@ -133,3 +133,27 @@ fn every_other_collective_runs_one_process_per_rank() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// `--algorithm` picks the collectives' algorithm; the result says which.
+#[test]
+fn the_collectives_algorithm_can_be_chosen() -> anyhow::Result<()> {
+    for algo in ["auto", "direct", "ring", "shm"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_mw-rank-bench"))
+            .args(["run", "broadcast", "--quick", "--sizes", "4096", "--n", "2"])
+            .args(["--algorithm", algo, "--deadline-s", "60"])
+            .output()?;
+        assert!(
+            out.status.success(),
+            "{algo}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_str(String::from_utf8(out.stdout)?.trim())?;
+        assert_eq!(v["algorithm"], algo, "{v}");
+        assert!(positive(&v, "ms"), "{v}");
+    }
+    let bad = Command::new(env!("CARGO_BIN_EXE_mw-rank-bench"))
+        .args(["run", "broadcast", "--quick", "--algorithm", "fastest"])
+        .output()?;
+    assert!(!bad.status.success(), "an unknown algorithm must be refused");
+    Ok(())
+}
