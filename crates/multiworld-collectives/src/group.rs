@@ -857,7 +857,7 @@ impl<'g> Call<'g> {
                 match agreed {
                     Ok(Ok(others)) => {
                         let descs = decoded_or_abstaining(others, n);
-                        drop_in_background(&cx, descs);
+                        drop_in_background(&cx, Leftovers::Described(descs));
                         return err;
                     }
                     // A member abandoned the segment from this call on: every
@@ -881,16 +881,7 @@ impl<'g> Call<'g> {
             );
         }
         if n > 1 {
-            if let Ok(rt) = tokio::runtime::Handle::try_current() {
-                let comm = Arc::clone(cx.comm);
-                let members = cx.members.to_vec();
-                let (me, desc_tag, tag) = (cx.me, cx.desc_tag, cx.tag);
-                rt.spawn(async move {
-                    let (cfg, shm) = (CollectiveConfig::default(), ShmShared::default());
-                    let cx = Ctx::detached(&comm, &members, me, desc_tag, tag, &cfg, &shm);
-                    let _ = cx.drain().await;
-                });
-            }
+            drop_in_background(&cx, Leftovers::Undescribed);
         }
         err
     }
@@ -1049,9 +1040,17 @@ fn abstaining(n: usize) -> Desc {
     d
 }
 
-/// Receives and drops, on a task of its own, what the members described by
-/// `descs` sent this member eagerly for `cx`'s call.
-fn drop_in_background(cx: &Ctx<'_>, descs: Vec<Desc>) {
+/// What the other members sent this member for a call it leaves early.
+enum Leftovers {
+    /// Their descriptors (over TCP), and what they say was sent eagerly.
+    Undescribed,
+    /// What the descriptors of the members that agreed through the segment
+    /// say was sent eagerly.
+    Described(Vec<Desc>),
+}
+
+/// Receives and drops, on a task of its own, the `leftovers` of `cx`'s call.
+fn drop_in_background(cx: &Ctx<'_>, leftovers: Leftovers) {
     if let Ok(rt) = tokio::runtime::Handle::try_current() {
         let comm = Arc::clone(cx.comm);
         let members = cx.members.to_vec();
@@ -1059,7 +1058,10 @@ fn drop_in_background(cx: &Ctx<'_>, descs: Vec<Desc>) {
         rt.spawn(async move {
             let (cfg, shm) = (CollectiveConfig::default(), ShmShared::default());
             let cx = Ctx::detached(&comm, &members, me, desc_tag, tag, &cfg, &shm);
-            let _ = cx.drop_eager(&descs).await;
+            let _ = match leftovers {
+                Leftovers::Undescribed => cx.drain().await,
+                Leftovers::Described(descs) => cx.drop_eager(&descs).await,
+            };
         });
     }
 }
@@ -1229,7 +1231,7 @@ impl<'g> Ctx<'g> {
             .into_iter()
             .map(|d| if d.seq == self.seq { d } else { abstaining(n) })
             .collect();
-        drop_in_background(self, descs);
+        drop_in_background(self, Leftovers::Described(descs));
     }
 
     /// Starts sending a copy of `v` to member `q` on `tag`.
