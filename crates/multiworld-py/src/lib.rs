@@ -4,7 +4,7 @@
 //!
 //! | module | what |
 //! |---|---|
-//! | `runtime` | the process-wide Tokio runtime, GIL-free waits in slices (Ctrl-C), the fork guard |
+//! | `runtime` | the process-wide Tokio runtime, GIL-free waits in slices (Ctrl-C), which copies run with the GIL held or on an event loop's thread, the fork guard |
 //! | `errors` | runtime errors → the Python exception classes of `multiworld_rs.errors` |
 //! | `tensor` | numpy bytes ↔ tensors: borrowed views for sends, owned `Vec`s handed to numpy |
 //! | `lent` | a caller's array lent to the runtime, for one blocking call or to a background operation (receives and collectives write into it, sends and collectives read it; no copy), and the registry that refuses calls that would race (`ValueError`) |
@@ -63,6 +63,17 @@ mod _native {
             crate::runtime::set_spin(d);
         }
         Ok(crate::runtime::spin().as_secs_f64())
+    }
+
+    /// Sets the most bytes an asyncio receive copies on the event loop's
+    /// thread (`None`: leave it); returns the setting in effect.
+    #[pyfunction]
+    #[pyo3(signature = (nbytes=None))]
+    fn loop_copy_max(nbytes: Option<usize>) -> usize {
+        if let Some(n) = nbytes {
+            crate::runtime::set_loop_copy_max(n);
+        }
+        crate::runtime::loop_copy_max()
     }
 
     /// Adds what only the `nccl` build has: `Nccl` and `nccl_world`.

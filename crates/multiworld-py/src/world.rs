@@ -122,9 +122,12 @@ impl World {
     /// the sender.
     fn receive(&self, py: Python<'_>, src: Option<u32>, tag: u32, t: &mut Tensor) -> PyResult<u32> {
         let w = self.w()?;
+        let bytes = t.nbytes();
         match src {
-            Some(r) => self.op(py, async { w.recv(Rank(r), Tag(tag), t).await.map(|()| r) }),
-            None => self.op(py, async { w.recv_any(Tag(tag), t).await.map(|r| r.0) }),
+            Some(r) => self.op_moving(py, bytes, async {
+                w.recv(Rank(r), Tag(tag), t).await.map(|()| r)
+            }),
+            None => self.op_moving(py, bytes, async { w.recv_any(Tag(tag), t).await.map(|r| r.0) }),
         }
     }
 
@@ -159,7 +162,18 @@ impl World {
         py: Python<'_>,
         fut: impl Future<Output = Result<T, WorldError>> + Send,
     ) -> PyResult<T> {
-        runtime::wait(py, fut)?.map_err(|e| errors::world(py, e, self.generation_of()))
+        self.op_moving(py, 0, fut)
+    }
+
+    /// [`Self::op`] for an operation that moves `bytes` through the calling
+    /// thread (`runtime::wait_moving`: a large copy runs without the GIL).
+    fn op_moving<T: Send>(
+        &self,
+        py: Python<'_>,
+        bytes: usize,
+        fut: impl Future<Output = Result<T, WorldError>> + Send,
+    ) -> PyResult<T> {
+        runtime::wait_moving(py, bytes, fut)?.map_err(|e| errors::world(py, e, self.generation_of()))
     }
 
     /// Waits for a collective; maps its (transport) error.
@@ -169,7 +183,10 @@ impl World {
         fut: impl Future<Output = Result<T, CommError>> + Send,
     ) -> PyResult<T> {
         let w = self.w()?;
-        self.op(py, async move {
+        // A collective's first poll may already copy its whole tensor (into
+        // a shared-memory segment, or out of messages that are here): never
+        // with the GIL held.
+        self.op_moving(py, usize::MAX, async move {
             match fut.await {
                 Ok(v) => Ok(v),
                 Err(e) => Err(errors::from_comm(w, e).await),
@@ -301,13 +318,6 @@ async fn until_released(
     r
 }
 
-/// Receives of at least this many bytes are posted without the GIL: a
-/// message held back whole in the socket is read into the buffer in the
-/// posting call (`Communicator::irecv`), which for a large one takes long
-/// enough that other Python threads should run meanwhile. Smaller ones keep
-/// it (giving it up and taking it back costs about as much as their copy).
-const POST_WITHOUT_GIL_FROM: usize = 64 << 10;
-
 /// Posts a receive on `w` (`World::irecv`), without the GIL for a large one.
 fn post_receive(
     py: Python<'_>,
@@ -316,7 +326,9 @@ fn post_receive(
     tag: u32,
     t: Tensor,
 ) -> PyResult<multiworld::PendingRecv> {
-    let large = t.nbytes() >= POST_WITHOUT_GIL_FROM;
+    // A message held back whole in the socket is read into the buffer in
+    // the posting call (`Communicator::irecv`): a large one without the GIL.
+    let large = t.nbytes() > runtime::held_poll_max();
     let post = move || runtime::enter(move || w.irecv(src.map(Rank), Tag(tag), t));
     if large { py.detach(post) } else { post() }
 }
@@ -1097,7 +1109,7 @@ impl World {
         };
         let _reading = lent::reading(view.as_bytes(), "send")?;
         let w = self.w()?;
-        self.op(py, w.send(Rank(dst), Tag(tag), view))?;
+        self.op_moving(py, view.as_bytes().len(), w.send(Rank(dst), Tag(tag), view))?;
         Ok(true)
     }
 
@@ -1129,7 +1141,7 @@ impl World {
         let _reading = lent::reading(bytes, "send")?;
         let view = tensor::view(bytes, tensor::dtype(dtype)?)?;
         let w = self.w()?;
-        self.op(py, w.send(Rank(dst), Tag(tag), view))
+        self.op_moving(py, bytes.len(), w.send(Rank(dst), Tag(tag), view))
     }
 
     /// Receives a message of `dtype` and `shape` from `src` (`None`: any);
@@ -1457,8 +1469,10 @@ impl World {
     /// The asyncio API's shortcut: a receive into a plain, writeable numpy
     /// array of a message that has already arrived (nothing is posted and
     /// nothing waits). Returns the sender; `None` if no such message is here
-    /// or the argument is not a plain array. Errors (a broken world, a
-    /// mismatch) raise as from `recv_into`.
+    /// or the argument is not a plain array, and without looking when the
+    /// array is larger than `runtime::loop_copy_max` (such a receive is
+    /// left to a task: `irecv_plain` with `off_loop`). Errors (a broken
+    /// world, a mismatch) raise as from `recv_into`.
     fn recv_into_now(
         &self,
         py: Python<'_>,
@@ -1469,8 +1483,18 @@ impl World {
         let Some((src, tag, mut loan)) = plain_loan(obj, src, tag)? else {
             return Ok(None);
         };
+        let bytes = loan.tensor.nbytes();
+        if bytes > runtime::loop_copy_max() {
+            loan.settle(py);
+            return Ok(None);
+        }
         let w = self.w()?;
-        let got = runtime::enter(|| w.try_recv(src.map(Rank), Tag(tag), &mut loan.tensor))?;
+        let mut take = || runtime::enter(|| w.try_recv(src.map(Rank), Tag(tag), &mut loan.tensor));
+        let got = if bytes > runtime::held_poll_max() {
+            py.detach(take)
+        } else {
+            take()
+        }?;
         loan.settle(py);
         match got {
             None => Ok(None),
@@ -1486,21 +1510,36 @@ impl World {
     /// let go of the array (also after a failure). `None` (nothing posted)
     /// for any other argument, which the Python layer takes its general way.
     /// Dropping the handle withdraws the receive; `cancel` also waits until
-    /// the array is let go.
+    /// the array is let go. With `off_loop` (the asyncio API's receives), an
+    /// array larger than `runtime::loop_copy_max` is received by a task, so
+    /// the copy of a message already here runs on a thread of the runtime,
+    /// not on the event loop's.
+    #[pyo3(signature = (obj, src, tag, off_loop = false))]
     fn irecv_plain(
         &self,
         py: Python<'_>,
         obj: &Bound<'_, PyAny>,
         src: Option<&Bound<'_, PyAny>>,
         tag: &Bound<'_, PyAny>,
+        off_loop: bool,
     ) -> PyResult<Option<Work>> {
         let Some((src, tag, a)) = plain_recv(obj, src, tag) else {
             return Ok(None);
         };
-        let Some((t, released)) = a.lend_to_task("irecv")? else {
+        let Some((mut t, released)) = a.lend_to_task("irecv")? else {
             return Ok(None);
         };
         let w = self.w()?;
+        if off_loop && t.nbytes() > runtime::loop_copy_max() {
+            let w = w.clone();
+            let op = async move {
+                match src {
+                    Some(r) => w.recv(Rank(r), Tag(tag), &mut t).await.map(|()| Done::Source(r)),
+                    None => w.recv_any(Tag(tag), &mut t).await.map(|r| Done::Source(r.0)),
+                }
+            };
+            return self.lent_work(op, released, true).map(Some);
+        }
         let pending = post_receive(py, w, src, tag, t)?;
         let op = async move { pending.wait().await.map(|r| Done::Source(r.src.0)) };
         self.lent_receive(op, released).map(Some)

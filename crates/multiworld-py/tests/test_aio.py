@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 
@@ -325,13 +326,26 @@ def test_each_receive_that_waits_wakes_the_loop_once(monkeypatch):
     asyncio.run(asyncio.wait_for(main(), 60))
 
 
+@contextlib.contextmanager
+def loop_copy_max(nbytes: int):
+    """``mw.loop_copy_max(nbytes)`` for the block, then the setting before."""
+    before = mw.loop_copy_max()
+    mw.loop_copy_max(nbytes)
+    try:
+        yield
+    finally:
+        mw.loop_copy_max(before)
+
+
 def test_a_large_message_waiting_in_the_socket_is_received_in_the_call(monkeypatch):
     """A slow asyncio receiver of 1 MiB messages (too large to read ahead):
     each message waits whole in the socket, held back by the connection's
     reader, when its receive is posted, and the posting call reads it into
     the caller's array: no round through the event loop for most of them
     (counted by the loop's wake-ups and by the runtime's metric); every
-    message arrives intact and in order."""
+    message arrives intact and in order. (With no limit on what the loop
+    copies, the default on two CPUs: with more, 1 MiB messages go to a
+    task, see the next tests.)"""
     wakeups = count_loop_wakeups(monkeypatch)
 
     async def main():
@@ -367,7 +381,101 @@ def test_a_large_message_waiting_in_the_socket_is_received_in_the_call(monkeypat
         await a.shutdown()
         await b.shutdown()
 
+    with loop_copy_max(2**64 - 1):
+        asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_the_loop_copy_limit_decides_what_the_loop_takes_itself():
+    """A message larger than ``loop_copy_max`` is never copied on the event
+    loop's thread, even when it is here: the shortcut does not take it (it
+    returns ``None`` however long the message has waited) until the limit
+    allows it. The setting is checked and returned."""
+    async def main():
+        a, b, w0, w1 = await pair()
+        size = 64 << 10
+        await w1.send(np.full(size // 4, 7, np.float32), 0, 6)
+        out = np.zeros(size // 4, np.float32)
+        with loop_copy_max(size - 1):
+            for _ in range(20):  # the message arrives meanwhile; it is never taken here
+                await asyncio.sleep(0.01)
+                assert w0.sync._w.recv_into_now(out, 1, 6) is None
+            assert (out == 0).all()
+        with loop_copy_max(size):
+            deadline = time.monotonic() + 10
+            while w0.sync._w.recv_into_now(out, 1, 6) is None:
+                assert time.monotonic() < deadline, "the message never came"
+                await asyncio.sleep(0.01)
+        assert (out == 7).all()
+        await asyncio.gather(w0.finish(10), w1.finish(10))
+        await a.shutdown()
+        await b.shutdown()
+
     asyncio.run(asyncio.wait_for(main(), 60))
+    before = mw.loop_copy_max()
+    with loop_copy_max(12345):
+        assert mw.loop_copy_max() == 12345
+    assert mw.loop_copy_max() == before
+    with pytest.raises(ValueError, match="-1"):
+        mw.loop_copy_max(-1)
+    with pytest.raises(TypeError):
+        mw.loop_copy_max(1.5)  # type: ignore[arg-type]
+    assert mw.loop_copy_max() == before
+
+
+def test_receives_off_the_loop_deliver_everything_cancel_and_break_cleanly():
+    """With ``loop_copy_max(0)`` every asyncio receive into an array runs in
+    a task of the runtime: messages read ahead (64 KiB) and held back in the
+    socket (1 MiB), from two worlds at once, arrive intact and in order; a
+    receive cancelled by a timeout gives
+    its array back and loses nothing; a peer's abort fails a waiting one
+    with ``BrokenWorldError`` naming the peer."""
+    async def main():
+        pairs = [await pair() for _ in range(2)]
+        n, small, large = 60, 64 << 10, 1 << 20
+
+        def stream(w, seed):
+            for i in range(n):
+                size = large if i % 3 == 0 else small
+                w.sync.send(np.full(size // 4, seed + i, np.float32), 0, 5)
+
+        senders = [threading.Thread(target=stream, args=(p[3], 1000 * k), daemon=True)
+                   for k, p in enumerate(pairs)]
+        for t in senders:
+            t.start()
+
+        async def receive(w, seed):
+            bufs = {small: np.zeros(small // 4, np.float32), large: np.zeros(large // 4, np.float32)}
+            for i in range(n):
+                out = bufs[large if i % 3 == 0 else small]
+                assert await w.recv_into(out, 1, 5) == 1
+                assert out[0] == seed + i and out[-1] == seed + i and (out == seed + i).all(), i
+
+        await asyncio.gather(*(receive(p[2], 1000 * k) for k, p in enumerate(pairs)))
+        for t in senders:
+            t.join(10)
+
+        a, b, w0, w1 = pairs[0]
+        out = np.zeros(large // 4, np.float32)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(w0.recv_into(out, 1, 8), 0.05)
+        # The array is free again (a lent array would be refused), and the
+        # withdrawn receive took nothing: the next message reaches the next one.
+        await asyncio.gather(w1.send(np.full(large // 4, 3, np.float32), 0, 8), w0.recv_into(out, 1, 8))
+        assert (out == 3).all()
+        waiting = asyncio.ensure_future(w0.recv_into(out, 1, 9))
+        await asyncio.sleep(0.05)
+        w1.abort()
+        with pytest.raises(mw.BrokenWorldError) as info:
+            await asyncio.wait_for(waiting, 10)
+        assert info.value.rank == 1
+        a2, b2, w2, w3 = pairs[1]
+        assert w2.state == "ready"  # the other world is untouched
+        await asyncio.gather(w2.finish(10), w3.finish(10))
+        for m in (a, b, a2, b2):
+            await m.shutdown()
+
+    with loop_copy_max(0):
+        asyncio.run(asyncio.wait_for(main(), 120))
 
 
 def test_a_handle_the_loop_awaits_and_a_thread_waits_on_still_resolves():

@@ -61,8 +61,29 @@ def wait_spin(seconds: Optional[float] = None) -> float:
     return float(_native.spin(seconds))
 
 
+def loop_copy_max(nbytes: Optional[int] = None) -> int:
+    """The most bytes an asyncio receive (:mod:`multiworld_rs.aio`) copies
+    on the event loop's thread; returns the setting in effect and, given
+    ``nbytes``, sets it first. A larger message is received by a task of
+    the runtime, on one of its threads, while the loop runs other tasks,
+    and the loop only learns that it is in. The default is 256 KiB on a
+    machine with more than two CPUs (the runtime's threads copy beside the
+    loop) and no limit (``2**64 - 1``) on one with two or fewer (a copy off
+    the loop's thread there waits for a core, and costs two hand-offs
+    between threads); ``MULTIWORLD_PY_LOOP_COPY_MAX`` in the environment
+    sets it too. A ``ValueError`` for a negative value, a ``TypeError``
+    for a non-integer."""
+    if nbytes is not None:
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+            raise TypeError(f"nbytes must be an int, got {nbytes!r}")
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be at least 0, got {nbytes}")
+        nbytes = min(nbytes, 2**64 - 1)
+    return int(_native.loop_copy_max(nbytes))
+
+
 __all__ = [
-    "wait_spin", "zeros", "empty", "ALIGNMENT", "DEFAULT_READ_AHEAD", "WorldManager", "World", "Group", "Work", "Event", "EventStream", "WorldInfo", "ReduceOp", "DTYPES", "NCCL_BUILT",
+    "wait_spin", "loop_copy_max", "zeros", "empty", "ALIGNMENT", "DEFAULT_READ_AHEAD", "WorldManager", "World", "Group", "Work", "Event", "EventStream", "WorldInfo", "ReduceOp", "DTYPES", "NCCL_BUILT",
     "errors", "MultiworldError", "BrokenWorldError", "WorldTimeoutError", "MismatchError",
     "InvalidArgumentError", "ConfigError", "NotJoinedError", "AlreadyJoinedError", "JoinError",
     "TransportError", "DeviceError", "ShutDownError", "ForkedProcessError",

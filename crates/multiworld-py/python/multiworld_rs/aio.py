@@ -42,7 +42,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from . import _api, _native
-from ._api import ReduceOp, Work, World, WorldInfo, WorldManager, _lendable
+from ._api import ReduceOp, Work, World, WorldInfo, WorldManager, _lendable, _LentRecv
 
 __all__ = ["AsyncWorldManager", "AsyncWorld", "AsyncGroup"]
 
@@ -248,11 +248,16 @@ class AsyncWorld:
         4 MiB) that waits whole in the socket is read into ``tensor`` in the
         call."""
         await self._take_turn()
-        got = self.sync._w.recv_into_now(_lendable(tensor), src, tag)
+        lendable = _lendable(tensor)
+        got = self.sync._w.recv_into_now(lendable, src, tag)
         if got is not None:
             self._in_a_row += 1
             return got
-        work = self.sync.irecv(tensor, src, tag)
+        # A large message is received by a task of the runtime, on one of
+        # its threads, when the machine has cores to spare for it
+        # (`MULTIWORLD_PY_LOOP_COPY_MAX`, docs/python.md).
+        native = self.sync._w.irecv_plain(lendable, src, tag, True)
+        work = _LentRecv(native, tensor) if native is not None else self.sync.irecv(tensor, src, tag)
         await self._finish(work, True)
         return work.source  # type: ignore[attr-defined]
 
