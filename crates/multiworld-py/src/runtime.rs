@@ -193,44 +193,46 @@ where
 {
     let rt = runtime()?;
     let mut fut = std::pin::pin!(fut);
-    if poll_held {
-        // The runtime's context, for the sockets and timers the poll touches;
-        // the no-op waker is replaced by `block_on`'s at the next poll.
+    // A poll outside `block_on`, inside the runtime's context (for the
+    // sockets and timers the poll touches); the no-op waker is replaced by
+    // `block_on`'s at the next poll.
+    let poll_now = |fut: std::pin::Pin<&mut F>| {
         let _guard = rt.enter();
-        if let Poll::Ready(out) = fut.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
+        fut.poll(&mut Context::from_waker(Waker::noop()))
+    };
+    if poll_held {
+        if let Poll::Ready(out) = poll_now(fut.as_mut()) {
             return Ok(out);
         }
     }
     let spin = spin();
-    if !spin.is_zero() {
-        // As in the slices below, this thread only waits for `fut`: waits
-        // that would sleep on a blocking-pool thread sleep here instead (a
-        // device wait would otherwise spend its eager polls here and then
-        // hand itself to the pool).
-        let done = py.detach(|| {
-            let _guard = rt.enter();
-            let until = std::time::Instant::now() + spin;
-            multiworld::as_blocking_caller(|| {
-                loop {
-                    if let Poll::Ready(out) = fut.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
-                        return Some(out);
-                    }
-                    if std::time::Instant::now() >= until {
-                        return None;
-                    }
-                    std::thread::yield_now();
-                }
-            })
-        });
-        if let Some(out) = done {
-            return Ok(out);
-        }
-    }
+    let mut first = true;
     loop {
         // With the GIL released this thread only waits for `fut`: waits that
-        // would sleep on a blocking-pool thread sleep here instead.
+        // would sleep on a blocking-pool thread sleep here instead (a device
+        // wait would otherwise spend its eager polls here and then hand
+        // itself to the pool).
         let slice = py.detach(|| {
             multiworld::as_blocking_caller(|| {
+                if std::mem::take(&mut first) {
+                    // The first poll, if it was not made with the GIL held,
+                    // then the spin: both without `block_on`'s set-up.
+                    if !poll_held && let Poll::Ready(out) = poll_now(fut.as_mut()) {
+                        return Ok(out);
+                    }
+                    if !spin.is_zero() {
+                        let until = std::time::Instant::now() + spin;
+                        loop {
+                            std::thread::yield_now();
+                            if let Poll::Ready(out) = poll_now(fut.as_mut()) {
+                                return Ok(out);
+                            }
+                            if std::time::Instant::now() >= until {
+                                break;
+                            }
+                        }
+                    }
+                }
                 rt.block_on(async { tokio::time::timeout(SLICE, fut.as_mut()).await })
             })
         });
