@@ -349,6 +349,46 @@ impl Nccl {
         self.run2(py, keep, send, recv, wait, |n, s, r| n.all_to_all(s, r))
     }
 
+    /// Gather of every rank's `send` into `recv` on `root` (rank order;
+    /// `recv` is `None` on the other ranks, and ignored there).
+    #[pyo3(signature = (send, recv, root, keep, wait=false))]
+    fn gather(
+        &self,
+        py: Python<'_>,
+        send: Mem,
+        recv: Option<Mem>,
+        root: u32,
+        keep: Vec<Py<PyAny>>,
+        wait: bool,
+    ) -> PyResult<Work> {
+        match recv {
+            Some(recv) => self.run2(py, keep, send, recv, wait, move |n, s, r| {
+                n.gather(s, Some(r), Rank(root))
+            }),
+            None => self.run1(py, keep, send, wait, move |n, s| n.gather(s, None, Rank(root))),
+        }
+    }
+
+    /// Scatter of `root`'s `send` (one equal slice per rank, in rank order;
+    /// `None` on the other ranks) into every rank's `recv`.
+    #[pyo3(signature = (send, recv, root, keep, wait=false))]
+    fn scatter(
+        &self,
+        py: Python<'_>,
+        send: Option<Mem>,
+        recv: Mem,
+        root: u32,
+        keep: Vec<Py<PyAny>>,
+        wait: bool,
+    ) -> PyResult<Work> {
+        match send {
+            Some(send) => self.run2(py, keep, send, recv, wait, move |n, s, r| {
+                n.scatter(Some(s), r, Rank(root))
+            }),
+            None => self.run1(py, keep, recv, wait, move |n, r| n.scatter(None, r, Rank(root))),
+        }
+    }
+
     /// Sends `buf` to `peer`.
     #[pyo3(signature = (buf, peer, keep, wait=false))]
     fn send(&self, py: Python<'_>, buf: Mem, peer: u32, keep: Vec<Py<PyAny>>, wait: bool) -> PyResult<Work> {

@@ -342,6 +342,25 @@ def test_cuda_tensors_in_an_nccl_world_of_one():
         out = torch.full((10,), -1, device=dev, dtype=torch.int64)
         work = w.all_gather_into_tensor(out, t * 1, async_op=True)
         assert work.wait(60) is out and torch.equal(out, before)
+        # The list forms, over NCCL through one flat tensor: nothing staged.
+        staged, D.staged = D.staged, None
+        try:
+            x = torch.randn(4, 5, device=dev)  # a kernel just before
+            lst = [torch.full((5, 4), -7.0, device=dev).t()]  # a non-contiguous output
+            w.all_gather(lst, x)
+            assert torch.equal(lst[0], x)
+            gl = [torch.full_like(x, -7.0)]
+            w.gather(x, gl, 0)
+            assert torch.equal(gl[0], x)
+            for call in (lambda o: w.scatter(o, [x], 0), lambda o: w.reduce_scatter(o, [x])):
+                o = torch.full_like(x, -7.0)
+                call(o)
+                assert torch.equal(o, x)
+            outs = [torch.full_like(x, -7.0)]
+            work = w.all_to_all(outs, [x * 2], async_op=True)
+            assert work.wait(60) is outs and torch.equal(outs[0], x * 2)
+        finally:
+            D.staged = staged
         with pytest.raises(ValueError, match="no tags"):
             w.send(t, 0, tag=1)
         w.finish(30)

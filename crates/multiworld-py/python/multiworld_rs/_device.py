@@ -9,7 +9,13 @@ anything is sent), and the method hands its arguments to :func:`run`:
   runtime borrows it), ordered on the device after torch's current stream
   (the host does not wait for it); the
   call (or the async ``Work``) completes when the NCCL operation has.
-- **Everything else** (TCP worlds, sub-groups, the list forms NCCL lacks):
+- **The list forms** (``all_gather``, ``gather``, ``scatter``,
+  ``reduce_scatter``, ``all_to_all``) in NCCL worlds: through one flat
+  device tensor (inputs copied into it on torch's stream, the flat NCCL
+  operation, outputs copied out of it when the call or ``Work.wait()``
+  returns), when every tensor of the call is a CUDA tensor of one device,
+  dtype and size.
+- **Everything else** (TCP worlds, sub-groups, uneven lists and splits):
   host staging. CUDA inputs are copied to pinned host tensors (torch's
   host allocator reuses them from call to call; see :data:`PINNED_MAX`),
   CUDA outputs get one, the
@@ -232,7 +238,116 @@ def nccl_run(world: Any, nccl: Any, name: str, args: Dict[str, Any]) -> Any:
         else:
             native = nccl.all_to_all(smem, dmem, keep, wait)
         return finish(native, dst)
+    if name in _LIST_FORMS:
+        return _list_form(world, nccl, name, a, wait, finish)
     return NotImplemented
+
+
+# -- the list forms over NCCL -------------------------------------------------------
+#: The collectives with lists of tensors, run over NCCL through one flat device
+#: tensor (as torch.distributed's NCCL process group does): the inputs are
+#: copied into it on torch's stream, the flat operation runs, and the outputs
+#: are copied out of it when the call (or ``Work.wait()``) returns.
+_LIST_FORMS = ("all_gather", "gather", "scatter", "reduce_scatter", "all_to_all")
+
+
+def _alike(ref: Any, ts: Any, n: int) -> bool:
+    """Whether ``ts`` is a list of ``n`` CUDA tensors on ``ref``'s device with
+    ``ref``'s dtype and number of elements (what one flat NCCL operation
+    can serve)."""
+    return isinstance(ts, list) and len(ts) == n and all(
+        is_cuda(t) and t.device.index == ref.device.index and str(t.dtype) == str(ref.dtype)
+        and t.numel() == ref.numel() for t in ts)
+
+
+def _flat(ref: Any, n: int) -> Any:
+    """A new contiguous device tensor of ``n`` blocks of ``ref``'s size (its
+    dtype, on its device)."""
+    return ref.new_empty((n * ref.numel(),))
+
+
+def _block(flat: Any, i: int, ref: Any) -> Any:
+    """Block ``i`` of ``flat``, a view shaped like ``ref``."""
+    k = ref.numel()
+    return flat.narrow(0, i * k, k).view(ref.shape)
+
+
+def _fill(flat: Any, ts: List[Any]) -> None:
+    """Copies ``ts`` into the blocks of ``flat``, on torch's stream."""
+    for i, t in enumerate(ts):
+        _block(flat, i, t).copy_(t.detach())
+
+
+def _spill(flat: Any, ts: List[Any]) -> Any:
+    """A function that copies the blocks of ``flat`` into ``ts`` (in place,
+    outside autograd, as torch.distributed does)."""
+    def spill() -> None:
+        for i, t in enumerate(ts):
+            t.detach().copy_(_block(flat, i, t))
+    return spill
+
+
+def _list_form(world: Any, nccl: Any, name: str, a: Dict[str, Any], wait: bool, finish: Any) -> Any:
+    """One of :data:`_LIST_FORMS` over NCCL; ``NotImplemented`` (staged
+    instead) when its tensors do not fit one flat operation: of several
+    shapes, dtypes or devices, host tensors among them, a list not of the
+    world's size, or an output written in place that is not contiguous."""
+    from ._api import _op, _u32
+
+    n = world.size
+    if name == "all_gather":
+        outs, t = a["tensor_list"], a["tensor"]
+        if not (is_cuda(t) and _alike(t, outs, n)):
+            return NotImplemented
+        smem, s2 = _mem(t, nccl, "tensor", False)
+        flat = _flat(t, n)
+        fmem, _ = _mem(flat, nccl, "tensor_list", True)
+        _order(nccl, t)
+        return finish(nccl.all_gather(smem, fmem, [t, s2, flat], wait), outs, _spill(flat, outs))
+    if name == "gather":
+        t, outs, dst = a["tensor"], a["gather_list"], _u32("dst", a["dst"])
+        root = world.rank == dst
+        if not is_cuda(t) or (root and not _alike(t, outs, n)):
+            return NotImplemented
+        smem, s2 = _mem(t, nccl, "tensor", False)
+        flat = _flat(t, n) if root else None
+        fmem = _mem(flat, nccl, "gather_list", True)[0] if root else None
+        _order(nccl, t)
+        native = nccl.gather(smem, fmem, dst, [t, s2, flat], wait)
+        return finish(native, outs, _spill(flat, outs) if root else None)
+    if name == "scatter":
+        t, ins, src = a["tensor"], a["scatter_list"], _u32("src", a["src"])
+        root = world.rank == src
+        if not (is_cuda(t) and t.is_contiguous()) or (root and not _alike(t, ins, n)):
+            return NotImplemented
+        rmem, _ = _mem(t, nccl, "tensor", True)
+        flat = _flat(t, n) if root else None
+        if root:
+            _fill(flat, ins)
+        fmem = _mem(flat, nccl, "scatter_list", False)[0] if root else None
+        _order(nccl, t)
+        return finish(nccl.scatter(fmem, rmem, src, [t, flat], wait), t)
+    if name == "reduce_scatter":
+        out, ins = a["output"], a["input_list"]
+        if not (is_cuda(out) and out.is_contiguous() and _alike(out, ins, n)):
+            return NotImplemented
+        omem, _ = _mem(out, nccl, "output", True)
+        flat = _flat(out, n)
+        _fill(flat, ins)
+        fmem, _ = _mem(flat, nccl, "input_list", False)
+        _order(nccl, out)
+        return finish(nccl.reduce_scatter(fmem, omem, _op(a["op"]), [out, flat], wait), out)
+    # all_to_all
+    outs, ins = a["output_tensor_list"], a["input_tensor_list"]
+    if not (isinstance(ins, list) and ins and is_cuda(ins[0])
+            and _alike(ins[0], ins, n) and _alike(ins[0], outs, n)):
+        return NotImplemented
+    fin, fout = _flat(ins[0], n), _flat(ins[0], n)
+    _fill(fin, ins)
+    imem, _ = _mem(fin, nccl, "input_tensor_list", False)
+    omem, _ = _mem(fout, nccl, "output_tensor_list", True)
+    _order(nccl, ins[0])
+    return finish(nccl.all_to_all(imem, omem, [fin, fout], wait), outs, _spill(fout, outs))
 
 
 def nccl_of(world: Any) -> Optional[Any]:

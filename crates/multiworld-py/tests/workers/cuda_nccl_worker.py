@@ -55,10 +55,26 @@ with mw.WorldManager() as m:
     w.all_to_all_single(a2a, torch.arange(4, device=dev) + 10 * rank)
     assert a2a.tolist() == ([0, 1, 10, 11] if rank == 0 else [2, 3, 12, 13])
 
-    # What NCCL does not offer here is staged over the world's TCP mesh.
+    # The list forms, over NCCL through one flat tensor (staging would fail).
+    staged, mw._device.staged = mw._device.staged, None
     lst = [torch.zeros(2, device=dev) for _ in range(2)]
     w.all_gather(lst, torch.full((2,), float(rank), device=dev))
     assert [x.tolist() for x in lst] == [[0.0, 0.0], [1.0, 1.0]]
+    gl = [torch.zeros(2, 2, device=dev, dtype=torch.int32) for _ in range(2)] if rank == 1 else None
+    w.gather(torch.full((2, 2), rank + 5, device=dev, dtype=torch.int32), gl, dst=1)
+    assert rank == 0 or [x.tolist() for x in gl] == [[[5, 5], [5, 5]], [[6, 6], [6, 6]]]
+    sc = torch.zeros(3, device=dev)
+    w.scatter(sc, [torch.arange(3.0, device=dev) + 10 * i for i in range(2)] if rank == 0 else None, src=0)
+    assert sc.tolist() == [10.0 * rank, 10.0 * rank + 1, 10.0 * rank + 2]
+    rso = torch.zeros(2, device=dev)
+    w.reduce_scatter(rso, [torch.full((2,), float(rank + 1 + 10 * i), device=dev) for i in range(2)])
+    assert rso.tolist() == ([3.0, 3.0] if rank == 0 else [23.0, 23.0])
+    outs = [torch.zeros(2, device=dev, dtype=torch.int64) for _ in range(2)]
+    work = w.all_to_all(outs, [torch.full((2,), 10 * rank + i, device=dev) for i in range(2)], async_op=True)
+    assert work.wait(60) is outs and [x.tolist() for x in outs] == [[rank, rank], [10 + rank, 10 + rank]]
+    mw._device.staged = staged
+
+    # What NCCL does not offer here is staged over the world's TCP mesh.
     uneven = torch.zeros(3 if rank == 0 else 1, device=dev)
     w.all_to_all_single(uneven, torch.arange(2.0, device=dev) + 10 * rank,
                         output_split_sizes=[2, 1] if rank == 0 else [0, 1],

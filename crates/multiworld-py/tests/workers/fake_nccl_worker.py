@@ -66,11 +66,23 @@ class Fake:
     def element_size(self) -> int:
         return self.a.itemsize
 
-    def new_empty(self, shape, device, pin_memory=False):
+    def new_empty(self, shape, device=None, pin_memory=False):
+        if device is None:  # on this tensor's device: the list forms' flat tensors
+            return Fake(np.full(shape, POISON, self.a.dtype), self.a.dtype, self.device.index)
+        staged.append(self)
         return Host(np.empty(shape, self.a.dtype))
 
-    def copy_(self, host) -> "Fake":
-        np.copyto(self.a, host.a)
+    def narrow(self, dim: int, start: int, length: int) -> "Fake":
+        assert dim == 0 and self.a.ndim == 1
+        return Fake(self.a[start:start + length], self.a.dtype, self.device.index)  # a view
+
+    def view(self, shape) -> "Fake":
+        v = self.a.view()
+        v.shape = tuple(shape)  # raises rather than copy
+        return Fake(v, self.a.dtype, self.device.index)
+
+    def copy_(self, other) -> "Fake":
+        np.copyto(self.a, other.a)  # from a host tensor, or another Fake
         return self
 
 
@@ -103,6 +115,7 @@ Host.__module__ = "torch.fake_host"
 
 Fake.__module__ = "torch.fake"
 syncs = []
+staged = []  # the tensors host staging was asked to copy
 # No torch here: record the ordering, and order after the legacy default
 # stream (0) through the native call.
 D._order = lambda nccl, t: (syncs.append(t), nccl.after_stream(0))
@@ -163,7 +176,35 @@ with mw.WorldManager() as m:
     asyncio.run(aio.AsyncWorld(w).all_to_all_single(out, src))
     assert out.a.tolist() == src.a.tolist()
 
-    # Not offered over NCCL: staged over the world's TCP mesh.
+    # The list forms run over NCCL through one flat device tensor: results
+    # land in poisoned outputs (non-contiguous ones too), nothing is staged.
+    staged.clear()
+    two_d = Fake(np.arange(6).reshape(2, 3) * 1.5)
+    lst = [Fake(np.full((3, 2), POISON).T)]  # non-contiguous, (2, 3)
+    assert not lst[0].is_contiguous()
+    w.all_gather(lst, two_d)
+    assert lst[0].a.tolist() == two_d.a.tolist()
+    gl = [Fake(np.full((2, 3), POISON))]
+    w.gather(two_d, gl, 0)
+    assert gl[0].a.tolist() == two_d.a.tolist()
+    out = Fake(np.full((2, 3), POISON))
+    w.scatter(out, [two_d], 0)
+    assert out.a.tolist() == two_d.a.tolist()
+    out = Fake(np.full((2, 3), POISON))
+    w.reduce_scatter(out, [two_d], op=mw.ReduceOp.SUM)
+    assert out.a.tolist() == two_d.a.tolist()
+    outs = [Fake(np.full((2, 3), POISON))]
+    w.all_to_all(outs, [two_d])
+    assert outs[0].a.tolist() == two_d.a.tolist()
+    ilst = [Fake(np.full((2, 3), POISON), np.int64)]
+    work = w.all_gather(ilst, Fake(np.arange(6).reshape(2, 3), np.int64), async_op=True)
+    assert work.wait(20) is ilst and ilst[0].a.tolist() == np.arange(6).reshape(2, 3).tolist()
+    assert staged == [], staged
+    # Lists that one flat operation cannot serve are staged: sizes that differ.
+    lst = [Fake(np.full(5, POISON))]
+    refused(mw.MultiworldError, lambda: w.all_gather(lst, src))
+    assert staged, "an uneven all_gather was not staged"
+    staged.clear()
     lst = [Fake(np.full(6, POISON))]
     w.all_gather(lst, src)
     assert lst[0].a.tolist() == src.a.tolist()
