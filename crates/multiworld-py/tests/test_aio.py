@@ -521,11 +521,13 @@ def test_a_handle_the_loop_awaits_and_a_thread_waits_on_still_resolves():
     asyncio.run(asyncio.wait_for(main(), 60))
 
 
-def test_receives_cancelled_by_timeouts_while_messages_stream_lose_nothing():
+@pytest.mark.parametrize("copy_max", [None, 0], ids=["default", "off-loop"])
+def test_receives_cancelled_by_timeouts_while_messages_stream_lose_nothing(copy_max):
     # A leader's pattern: wait_for(recv, short timeout) in a loop while a
     # worker streams. A cancellation that races with the message's arrival
     # must either withdraw the receive (the message goes to the next one) or
-    # deliver the message: none is lost, the order holds.
+    # deliver the message: none is lost, the order holds. Also with every
+    # recv_into in a task of the runtime (loop_copy_max 0).
     async def main():
         a, b, w0, w1 = await pair()
         n = 3000
@@ -561,7 +563,8 @@ def test_receives_cancelled_by_timeouts_while_messages_stream_lose_nothing():
         await b.shutdown()
         return timeouts
 
-    timeouts = asyncio.run(asyncio.wait_for(main(), 120))
+    with loop_copy_max(mw.loop_copy_max() if copy_max is None else copy_max):
+        timeouts = asyncio.run(asyncio.wait_for(main(), 120))
     assert timeouts > 0, "no receive was ever cancelled: the test proved nothing"
 
 
