@@ -243,6 +243,9 @@ pub struct RankArgs {
     /// The collectives' algorithm.
     #[arg(long, value_enum, default_value_t)]
     pub algorithm: AlgorithmArg,
+    /// One untimed large all-reduce first (see [`RunArgs::after_large`]).
+    #[arg(long)]
+    pub after_large: bool,
     /// How much to move.
     #[command(flatten)]
     pub load: Load,
@@ -275,10 +278,21 @@ pub struct RunArgs {
     /// users get).
     #[arg(long, value_enum, default_value_t)]
     pub algorithm: AlgorithmArg,
+    /// The collective scenarios: one untimed all-reduce of
+    /// [`AFTER_LARGE_BYTES`] before the timed calls, so that a group whose
+    /// members share a host has its shared-memory segment set up, as in a
+    /// program that also makes large calls (the result's `shared_memory`
+    /// says whether it has).
+    #[arg(long)]
+    pub after_large: bool,
     /// How much to move.
     #[command(flatten)]
     pub load: Load,
 }
+
+/// The all-reduce of `--after-large`: above `CollectiveConfig::shm_min_bytes`
+/// for any group size.
+pub const AFTER_LARGE_BYTES: usize = 16 << 20;
 
 /// The default sizes of a scenario.
 pub fn default_sizes(scenario: Scenario, quick: bool) -> Vec<usize> {
@@ -341,6 +355,7 @@ pub fn run(args: &RunArgs, mut emit: impl FnMut(Value)) -> Result<()> {
                 deadline_s: args.deadline_s,
                 read_ahead: args.read_ahead,
                 algorithm: args.algorithm,
+                after_large: args.after_large,
                 load: load.clone(),
             };
             let mut v = run_ranks(&exe, &rank)?;
@@ -348,6 +363,7 @@ pub fn run(args: &RunArgs, mut emit: impl FnMut(Value)) -> Result<()> {
                 m.insert("impl".into(), json!("rust"));
                 if args.scenario.is_collective() {
                     m.insert("algorithm".into(), json!(args.algorithm.name()));
+                    m.insert("after_large".into(), json!(args.after_large));
                 }
             }
             emit(v);
@@ -370,6 +386,7 @@ fn rank_command(exe: &std::path::Path, a: &RankArgs, rank: u32, addr: &str) -> C
         .args(["--deadline-s", &a.deadline_s.to_string()])
         .args(["--read-ahead", &a.read_ahead.to_string()])
         .args(["--algorithm", a.algorithm.name()])
+        .args(a.after_large.then_some("--after-large"))
         .args(["--bytes", &a.load.bytes.to_string()])
         .args(["--min-messages", &a.load.min_messages.to_string()])
         .args(["--rounds", &a.load.rounds.to_string()])
@@ -679,20 +696,37 @@ async fn leader(m: &WorldManager, a: &RankArgs, addr: &str) -> Result<Option<Val
     Ok(Some(v))
 }
 
-/// The world's collectives with the algorithm of `--algorithm`.
-fn group(w: &World, a: &RankArgs) -> multiworld::Group {
-    match a.algorithm {
+/// The world's collectives with the algorithm of `--algorithm`, after the
+/// untimed all-reduce of `--after-large`.
+async fn group(w: &World, a: &RankArgs) -> Result<multiworld::Group> {
+    let g = match a.algorithm {
         AlgorithmArg::Auto => w.collectives().clone(),
         other => w.collectives().with_config(
             multiworld_collectives::CollectiveConfig::default().with_algorithm(other.algorithm()),
         ),
+    };
+    if a.after_large {
+        g.all_reduce(&mut buffer(AFTER_LARGE_BYTES)?, ReduceOp::Sum)
+            .await
+            .map_err(err)?;
+    }
+    Ok(g)
+}
+
+/// The group's shared-memory state, for a timed collective's result
+/// (`untried`, `active` or `unavailable`).
+async fn segment_state(g: &multiworld::Group) -> &'static str {
+    match g.shared_memory().await {
+        multiworld::SharedMemory::Untried => "untried",
+        multiworld::SharedMemory::Active { .. } => "active",
+        _ => "unavailable",
     }
 }
 
 async fn all_reduce(m: &WorldManager, a: &RankArgs, addr: &str) -> Result<Option<Value>> {
     let iters = a.load.iters(a.size);
     let w = join(m, a, "all-reduce", a.rank, a.n, addr).await?;
-    let g = group(&w, a);
+    let g = group(&w, a).await?;
     let mut t = buffer(a.size)?;
     let mut times = Vec::with_capacity(iters);
     for i in 0..2 + iters {
@@ -702,8 +736,13 @@ async fn all_reduce(m: &WorldManager, a: &RankArgs, addr: &str) -> Result<Option
             times.push(t0.elapsed().as_secs_f64());
         }
     }
+    let segment = segment_state(&g).await;
     w.finish(FINISH).await.map_err(err)?;
-    Ok((a.rank == 0).then(|| reduced(a.size, a.n, &mut times)))
+    Ok((a.rank == 0).then(|| {
+        let mut v = reduced(a.size, a.n, &mut times);
+        v["shared_memory"] = json!(segment);
+        v
+    }))
 }
 
 /// One of the other collectives (see [`Scenario`] for what `size` means
@@ -712,7 +751,7 @@ async fn collective(m: &WorldManager, a: &RankArgs, addr: &str) -> Result<Option
     let iters = a.load.iters(a.size);
     let n = a.n as usize;
     let w = join(m, a, a.scenario.name(), a.rank, a.n, addr).await?;
-    let g = group(&w, a);
+    let g = group(&w, a).await?;
     let root = Rank(0);
     let is_root = a.rank == 0;
     let elems = elements(a.size);
@@ -740,12 +779,12 @@ async fn collective(m: &WorldManager, a: &RankArgs, addr: &str) -> Result<Option
             times.push(t0.elapsed().as_secs_f64());
         }
     }
+    let segment = segment_state(&g).await;
     w.finish(FINISH).await.map_err(err)?;
     Ok(is_root.then(|| {
         let mut v = reduced(a.size, a.n, &mut times);
-        if let Value::Object(o) = &mut v {
-            o.insert("scenario".into(), json!(a.scenario.name()));
-        }
+        v["scenario"] = json!(a.scenario.name());
+        v["shared_memory"] = json!(segment);
         v
     }))
 }

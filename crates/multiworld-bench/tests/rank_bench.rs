@@ -135,6 +135,7 @@ fn every_other_collective_runs_one_process_per_rank() -> anyhow::Result<()> {
 }
 
 /// `--algorithm` picks the collectives' algorithm; the result says which.
+/// `--after-large` sets the group's shared-memory segment up first.
 #[test]
 fn the_collectives_algorithm_can_be_chosen() -> anyhow::Result<()> {
     for algo in ["auto", "direct", "ring", "shm"] {
@@ -149,6 +150,28 @@ fn the_collectives_algorithm_can_be_chosen() -> anyhow::Result<()> {
         );
         let v: serde_json::Value = serde_json::from_str(String::from_utf8(out.stdout)?.trim())?;
         assert_eq!(v["algorithm"], algo, "{v}");
+        assert!(positive(&v, "ms"), "{v}");
+    }
+    // After one large all-reduce the group has its segment, and under Auto
+    // the small calls use it; without, it is never set up.
+    for (after_large, want) in [(true, "active"), (false, "untried")] {
+        let out = Command::new(env!("CARGO_BIN_EXE_mw-rank-bench"))
+            .args([
+                "run",
+                "all-reduce",
+                "--quick",
+                "--sizes",
+                "4096",
+                "--n",
+                "2",
+                "--deadline-s",
+                "60",
+            ])
+            .args(after_large.then_some("--after-large"))
+            .output()?;
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let v: serde_json::Value = serde_json::from_str(String::from_utf8(out.stdout)?.trim())?;
+        assert_eq!(v["shared_memory"], want, "after_large {after_large}: {v}");
         assert!(positive(&v, "ms"), "{v}");
     }
     let bad = Command::new(env!("CARGO_BIN_EXE_mw-rank-bench"))

@@ -36,7 +36,7 @@ use tracing::debug;
 
 use crate::desc::{self, AgreeCtx, Algo, Desc, Kind};
 use crate::handle::CollectiveHandle;
-use crate::shm::{self, SharedMemory, ShmLoan, ShmShared, ShmState};
+use crate::shm::{self, SharedMemory, ShmChoice, ShmLoan, ShmShared, ShmState};
 use crate::util::{Scratch, try_join_all};
 use multiworld_tcp::{Communicator, HealthEvent, Received, RecvHandle, SendHandle};
 use multiworld_tcp::{Error, Result};
@@ -53,7 +53,9 @@ pub enum Algorithm {
     /// [`CollectiveConfig::shm_min_bytes`]) go through shared memory when every
     /// member is on the same host (see [`Group::shared_memory`]): all-reduce,
     /// broadcast, reduce, all-gather,
-    /// reduce-scatter, gather, scatter and the all-to-alls.
+    /// reduce-scatter, gather, scatter and the all-to-alls. Once a large call
+    /// has set up the group's segment, the all-reduces, broadcasts, reduces,
+    /// all-gathers and reduce-scatters of every size go through it.
     #[default]
     Auto,
     /// Always the latency-optimal direct exchange (one round).
@@ -106,7 +108,8 @@ pub struct CollectiveConfig {
     pub shared_memory: bool,
     /// With [`Algorithm::Auto`], an all-reduce, broadcast, reduce,
     /// reduce-scatter or all-gather uses shared memory (when it is available)
-    /// once `buffer bytes × (group size − 1)` is at least this; a gather,
+    /// once `buffer bytes × (group size − 1)` is at least this, and at every
+    /// size once the group's segment is set up; a gather,
     /// scatter or all-to-all once its members move at least this many bytes
     /// between them in all, none of them few enough to send eagerly
     /// ([`CollectiveConfig::eager_max_bytes`]). Must be the same on every
@@ -624,8 +627,12 @@ impl Group {
     /// other one (scatter: the root to each; gather: each to the root), in a
     /// dtype other than `bool` (which never goes through shared memory).
     pub async fn algorithm_name(&self, kind: Kind, size_bytes: u64) -> &'static str {
-        let unavailable = matches!(self.shared_memory().await, SharedMemory::Unavailable { .. });
-        let algo = self.algorithm_with(kind, size_bytes, !unavailable);
+        let shm = match self.shared_memory().await {
+            SharedMemory::Unavailable { .. } => ShmChoice::No,
+            SharedMemory::Active { .. } => ShmChoice::Ready,
+            _ => ShmChoice::Possible,
+        };
+        let algo = self.algorithm_with(kind, size_bytes, shm);
         if algo != Algo::Shm || !kind.sized_after_agreement() {
             return algo.name();
         }
@@ -651,9 +658,12 @@ impl Group {
     }
 
     /// The algorithm a call of `kind` on a buffer of `size_bytes` (per rank)
-    /// uses; `shm`: whether the group may still use shared memory (the same on
-    /// every member, see [`super::shm`]).
-    fn algorithm_with(&self, kind: Kind, size_bytes: u64, shm: bool) -> Algo {
+    /// uses; `shm`: whether the group may still use shared memory, and
+    /// whether its segment is set up (the same on every member, see
+    /// [`super::shm`]).
+    fn algorithm_with(&self, kind: Kind, size_bytes: u64, shm: ShmChoice) -> Algo {
+        let ready = shm == ShmChoice::Ready;
+        let shm = shm != ShmChoice::No;
         let n = self.size() as u64;
         let ring_capable = matches!(
             kind,
@@ -693,7 +703,16 @@ impl Group {
             Algorithm::Ring => Algo::Ring,
             Algorithm::SharedMemory if shm => Algo::Shm,
             Algorithm::SharedMemory => Algo::Ring,
-            Algorithm::Auto if shm && size_bytes.saturating_mul(n - 1) >= self.cfg.shm_min_bytes as u64 => {
+            // Once the segment is set up, a small call through it costs less
+            // than its payloads over TCP (one barrier through the segment
+            // against messages and the readers' wake-ups: a 1 KiB all-reduce
+            // 0.04-0.05 against 0.09-0.10 ms with 2 processes, 0.17 against
+            // 0.32-0.33 ms with 4; `docs/benchmarks.md`).
+            Algorithm::Auto
+                if shm
+                    && size_bytes > 0
+                    && (ready || size_bytes.saturating_mul(n - 1) >= self.cfg.shm_min_bytes as u64) =>
+            {
                 Algo::Shm
             }
             // With two members a ring reduce moves 1.5x the bytes of the direct one
@@ -789,7 +808,7 @@ impl<'g> Call<'g> {
         let n = self.group.size() as u64;
         d.algo = self
             .group
-            .algorithm_with(self.kind, size_bytes, self.guard.shm.possible());
+            .algorithm_with(self.kind, size_bytes, self.guard.shm.choice());
         // A call sized after the agreement that may use shared memory still
         // sends small payloads eagerly (and then uses TCP), unless shared
         // memory is forced.

@@ -220,10 +220,26 @@ pub(crate) enum ShmState {
     Unavailable(String),
 }
 
+/// What a call's plan may assume of the group's segment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ShmChoice {
+    /// Not tried yet: a call that picks shared memory sets it up.
+    Possible,
+    /// Set up.
+    Ready,
+    /// Unavailable for good.
+    No,
+}
+
 impl ShmState {
-    /// Whether the shared-memory algorithm may still be chosen.
-    pub(crate) fn possible(&self) -> bool {
-        !matches!(self, ShmState::Unavailable(_))
+    /// Whether the shared-memory algorithm may still be chosen, and whether
+    /// the segment is set up.
+    pub(crate) fn choice(&self) -> ShmChoice {
+        match self {
+            ShmState::Untried => ShmChoice::Possible,
+            ShmState::Ready(_) => ShmChoice::Ready,
+            ShmState::Unavailable(_) => ShmChoice::No,
+        }
     }
 
     pub(crate) fn status(&self) -> SharedMemory {

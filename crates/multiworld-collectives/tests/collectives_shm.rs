@@ -1442,17 +1442,58 @@ where
     .await
 }
 
-/// Once a group's segment is set up, its calls agree through it: a barrier
-/// and a large all-reduce send no message at all, a small direct all-reduce
-/// only its payloads. Disagreements and invalid calls still fail on every
-/// member with the errors they get over TCP, and the group goes on.
+/// Once a group's segment is set up, its calls agree through it, and under
+/// `Auto` the small all-reduces, broadcasts, reduces, all-gathers and
+/// reduce-scatters move their data through it too: a barrier, a large and
+/// a small all-reduce send no message at all (a small one sent a
+/// descriptor and its payload to each member before), and the algorithm
+/// reported follows; a small `bool`
+/// all-reduce, which never goes through the segment, still gives exact
+/// results. Disagreements and invalid calls still fail on every member
+/// with the errors they get over TCP, and the group goes on.
 #[test]
 fn calls_agree_through_the_segment_once_it_is_set_up() {
     run(async {
+        use multiworld_collectives::CollectiveKind as K;
         const N: usize = 3;
         let gs = groups("shm-agree", N as u32).await;
         let large = CollectiveConfig::default().shm_min_bytes / 4;
         let barrier = |_: usize, g: Group| async move { g.barrier().await.unwrap() };
+        let small_kinds = [
+            K::AllReduce,
+            K::Broadcast,
+            K::Reduce,
+            K::AllGatherInto,
+            K::ReduceScatterTensor,
+        ];
+        for kind in small_kinds {
+            assert_eq!(
+                gs[0].algorithm_name(kind, 1024).await,
+                "direct",
+                "{kind:?} before the segment"
+            );
+        }
+        let small: Vec<Tensor> = (0..N).map(|r| input(DType::I32, 256, r, 22)).collect();
+        let want = Arc::new(reference(&small, ReduceOp::Sum));
+        let small = Arc::new(small);
+        let small_all_reduce = {
+            let (small, want) = (Arc::clone(&small), Arc::clone(&want));
+            move |me: usize, g: Group| {
+                let (small, want) = (Arc::clone(&small), Arc::clone(&want));
+                async move {
+                    let mut t = small[me].clone();
+                    g.all_reduce(&mut t, ReduceOp::Sum).await.unwrap();
+                    assert_same(&t, &want, "a small all-reduce");
+                }
+            }
+        };
+        for (_, sent) in counted(&gs, small_all_reduce.clone()).await {
+            assert_eq!(
+                sent,
+                2 * (N as u64 - 1),
+                "a small direct all-reduce before the segment: a descriptor and a payload to each"
+            );
+        }
         // Before the segment: one descriptor to each other member.
         for (_, sent) in counted(&gs, barrier).await {
             assert_eq!(sent, N as u64 - 1, "a barrier over TCP");
@@ -1477,21 +1518,28 @@ fn calls_agree_through_the_segment_once_it_is_set_up() {
                 "payload bytes of a large all-reduce, round {round}"
             );
         }
-        let small: Vec<Tensor> = (0..N).map(|r| input(DType::I32, 256, r, 22)).collect();
-        let want = Arc::new(reference(&small, ReduceOp::Sum));
-        let small = Arc::new(small);
-        let got = counted(&gs, move |me, g| {
-            let (small, want) = (Arc::clone(&small), Arc::clone(&want));
+        for kind in small_kinds {
+            assert_eq!(
+                gs[0].algorithm_name(kind, 1024).await,
+                "shm",
+                "{kind:?} with the segment"
+            );
+        }
+        for (_, sent) in counted(&gs, small_all_reduce).await {
+            assert_eq!(sent, 0, "a small all-reduce through the segment");
+        }
+        let bools: Vec<Tensor> = (0..N).map(|r| input(DType::Bool, 100, r, 23)).collect();
+        let want_or = Arc::new(reference(&bools, ReduceOp::Max));
+        let bools = Arc::new(bools);
+        counted(&gs, move |me, g| {
+            let (bools, want_or) = (Arc::clone(&bools), Arc::clone(&want_or));
             async move {
-                let mut t = small[me].clone();
-                g.all_reduce(&mut t, ReduceOp::Sum).await.unwrap();
-                assert_same(&t, &want, "a small all-reduce");
+                let mut t = bools[me].clone();
+                g.all_reduce(&mut t, ReduceOp::Max).await.unwrap();
+                assert_same(&t, &want_or, "a small bool all-reduce");
             }
         })
         .await;
-        for (_, sent) in got {
-            assert_eq!(sent, N as u64 - 1, "a small direct all-reduce: its payloads only");
-        }
 
         // Member 2 reduces with another op: every member fails alike.
         let errs = counted(&gs, move |me, g| async move {
@@ -1506,7 +1554,7 @@ fn calls_agree_through_the_segment_once_it_is_set_up() {
             assert_eq!(*sent, 0, "rank {r}");
         }
         // Member 1 makes an invalid call (a root outside the group) while the
-        // root sends it a small broadcast eagerly.
+        // others plan a small broadcast through the segment.
         let errs = counted(&gs, move |me, g| async move {
             let mut t = Tensor::zeros(DType::F32, [64]).unwrap();
             let root = if me == 1 { Rank(99) } else { Rank(0) };

@@ -74,6 +74,7 @@ fn main() {
                 deadline_s,
                 read_ahead: multiworld::DEFAULT_READ_AHEAD,
                 algorithm: ranks::AlgorithmArg::Auto,
+                after_large: false,
                 load: load.clone(),
             };
             ranks::run(&a, print)
