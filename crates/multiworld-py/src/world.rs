@@ -318,6 +318,25 @@ async fn until_released(
     r
 }
 
+/// A receive into `t` made whole by a task (the asyncio API's receives
+/// above `runtime::loop_copy_max`): posted, read and completed on the
+/// runtime's threads. Yields the sender and the tensor.
+async fn receive_in_task(
+    w: multiworld::World,
+    src: Option<u32>,
+    tag: u32,
+    mut t: Tensor,
+) -> Result<(u32, Tensor), WorldError> {
+    let from = match src {
+        Some(r) => {
+            w.recv(Rank(r), Tag(tag), &mut t).await?;
+            r
+        }
+        None => w.recv_any(Tag(tag), &mut t).await?.0,
+    };
+    Ok((from, t))
+}
+
 /// Posts a receive on `w` (`World::irecv`), without the GIL for a large one.
 fn post_receive(
     py: Python<'_>,
@@ -1526,18 +1545,14 @@ impl World {
         let Some((src, tag, a)) = plain_recv(obj, src, tag) else {
             return Ok(None);
         };
-        let Some((mut t, released)) = a.lend_to_task("irecv")? else {
+        let Some((t, released)) = a.lend_to_task("irecv")? else {
             return Ok(None);
         };
         let w = self.w()?;
         if off_loop && t.nbytes() > runtime::loop_copy_max() {
-            let w = w.clone();
-            let op = async move {
-                match src {
-                    Some(r) => w.recv(Rank(r), Tag(tag), &mut t).await.map(|()| Done::Source(r)),
-                    None => w.recv_any(Tag(tag), &mut t).await.map(|r| Done::Source(r.0)),
-                }
-            };
+            let op = receive_in_task(w.clone(), src, tag, t);
+            // The lent tensor is dropped with the result: the loan ends.
+            let op = async move { op.await.map(|(from, _)| Done::Source(from)) };
             return self.lent_work(op, released, true).map(Some);
         }
         let pending = post_receive(py, w, src, tag, t)?;
@@ -1546,10 +1561,28 @@ impl World {
     }
 
     /// Starts a receive; the handle yields `(src, flat array)`. Dropping the
-    /// handle before it completes cancels the receive.
-    fn irecv(&self, py: Python<'_>, src: Option<u32>, tag: u32, out: Output) -> PyResult<Work> {
+    /// handle before it completes cancels the receive. With `off_loop` (the
+    /// asyncio API's receives), a message larger than
+    /// `runtime::loop_copy_max` is received by a task, on a thread of the
+    /// runtime.
+    #[pyo3(signature = (src, tag, out, off_loop = false))]
+    fn irecv(
+        &self,
+        py: Python<'_>,
+        src: Option<u32>,
+        tag: u32,
+        out: Output,
+        off_loop: bool,
+    ) -> PyResult<Work> {
         let t = out.tensor()?;
         let w = self.w()?;
+        if off_loop && t.nbytes() > runtime::loop_copy_max() {
+            let op = receive_in_task(w.clone(), src, tag, t);
+            return self.work(
+                async move { op.await.map(|(from, t)| Done::Received(from, t)) },
+                true,
+            );
+        }
         let pending = post_receive(py, w, src, tag, t)?;
         self.receive_work(async move { pending.wait().await.map(|r| Done::Received(r.src.0, r.tensor)) })
     }

@@ -423,9 +423,10 @@ def test_the_loop_copy_limit_decides_what_the_loop_takes_itself():
 
 
 def test_receives_off_the_loop_deliver_everything_cancel_and_break_cleanly():
-    """With ``loop_copy_max(0)`` every asyncio receive into an array runs in
-    a task of the runtime: messages read ahead (64 KiB) and held back in the
-    socket (1 MiB), from two worlds at once, arrive intact and in order; a
+    """With ``loop_copy_max(0)`` every asyncio receive runs in a task of the
+    runtime: messages read ahead (64 KiB) and held back in the socket
+    (1 MiB), from two worlds at once, arrive intact and in order, into the
+    caller's arrays or new ones (``recv``, ``recv_any``); a
     receive cancelled by a timeout gives
     its array back and loses nothing; a peer's abort fails a waiting one
     with ``BrokenWorldError`` naming the peer."""
@@ -455,6 +456,13 @@ def test_receives_off_the_loop_deliver_everything_cancel_and_break_cleanly():
             t.join(10)
 
         a, b, w0, w1 = pairs[0]
+        # recv and recv_any (new arrays) go through a task too.
+        await w1.send(np.full(small // 4, 5, np.float32), 0, 7)
+        got = await w0.recv(1, 7, dtype=np.float32, shape=small // 4)
+        assert (got == 5).all()
+        await w1.send(np.full(large // 4, 6, np.float32), 0, 7)
+        src, got = await w0.recv_any(7, dtype=np.float32, shape=large // 4)
+        assert src == 1 and (got == 6).all()
         out = np.zeros(large // 4, np.float32)
         with pytest.raises(asyncio.TimeoutError):
             await asyncio.wait_for(w0.recv_into(out, 1, 8), 0.05)

@@ -438,7 +438,7 @@ class World:
             return self._device("isend", {"tensor": tensor, "dst": dst, "tag": tag})
 
     def irecv(self, tensor: Any = None, src: Optional[int] = None, tag: int = 0, *,
-              dtype: Any = None, shape: Any = None) -> Work:
+              dtype: Any = None, shape: Any = None, _off_loop: bool = False) -> Work:
         """Starts a receive from ``src`` (``None``: any member). With
         ``tensor``, ``wait()`` fills it and returns it; otherwise give
         ``dtype`` and ``shape`` and ``wait()`` returns a new array. The
@@ -447,10 +447,13 @@ class World:
         (C-contiguous, writeable) is written by the runtime itself, no copy:
         do not use it until ``wait()`` returns (after a failure too: it
         returns once the runtime has let go of the array)."""
+        # ``_off_loop`` (the asyncio API's receives): a message larger than
+        # ``loop_copy_max()`` is received by a task of the runtime, not in
+        # this call.
         if tensor is not None:
             # A plain numpy array, lent natively; a CPU torch tensor (or a
             # __dlpack__ object) through its numpy view of the same memory.
-            native = self._w.irecv_plain(_lendable(tensor), src, tag)
+            native = self._w.irecv_plain(_lendable(tensor), src, tag, _off_loop)
             if native is not None:
                 return _LentRecv(native, tensor)
         try:
@@ -462,7 +465,7 @@ class World:
                     raise TypeError("irecv needs either tensor or both dtype and shape")
                 arr, d, shp = None, T.np_dtype(dtype), _shape(shape)
                 dname = d.name
-            native = self._w.irecv(_opt_rank("src", src), _u32("tag", tag), (dname, list(shp)))
+            native = self._w.irecv(_opt_rank("src", src), _u32("tag", tag), (dname, list(shp)), _off_loop)
             work = Work(native)
 
             def finish(raw: Any) -> np.ndarray:

@@ -42,7 +42,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from . import _api, _native
-from ._api import ReduceOp, Work, World, WorldInfo, WorldManager, _lendable, _LentRecv
+from ._api import ReduceOp, Work, World, WorldInfo, WorldManager, _lendable
 
 __all__ = ["AsyncWorldManager", "AsyncWorld", "AsyncGroup"]
 
@@ -232,11 +232,11 @@ class AsyncWorld:
     async def recv(self, src: Optional[int] = None, tag: int = 0, *, dtype: Any, shape: Any) -> np.ndarray:
         """Receives a new array from ``src`` (``None``: any member)."""
         await self._take_turn()
-        return await self._finish(self.sync.irecv(None, src, tag, dtype=dtype, shape=shape), True)
+        return await self._finish(self.sync.irecv(None, src, tag, dtype=dtype, shape=shape, _off_loop=True), True)
 
     async def recv_any(self, tag: int = 0, *, dtype: Any, shape: Any) -> Tuple[int, np.ndarray]:
         """Receives from any member; returns ``(sender, array)``."""
-        work = self.sync.irecv(None, None, tag, dtype=dtype, shape=shape)
+        work = self.sync.irecv(None, None, tag, dtype=dtype, shape=shape, _off_loop=True)
         arr = await _wait(work, True)
         return work.source, arr  # type: ignore[attr-defined]
 
@@ -246,18 +246,15 @@ class AsyncWorld:
         loop (at most :data:`_BURST` in a row, then the loop gets a turn):
         one read ahead is copied, and one too large to read ahead (at most
         4 MiB) that waits whole in the socket is read into ``tensor`` in the
-        call."""
+        call. A ``tensor`` larger than
+        :func:`multiworld_rs.loop_copy_max` is received by a task of the
+        runtime instead, so that its copy runs beside the loop."""
         await self._take_turn()
-        lendable = _lendable(tensor)
-        got = self.sync._w.recv_into_now(lendable, src, tag)
+        got = self.sync._w.recv_into_now(_lendable(tensor), src, tag)
         if got is not None:
             self._in_a_row += 1
             return got
-        # A large message is received by a task of the runtime, on one of
-        # its threads, when the machine has cores to spare for it
-        # (`MULTIWORLD_PY_LOOP_COPY_MAX`, docs/python.md).
-        native = self.sync._w.irecv_plain(lendable, src, tag, True)
-        work = _LentRecv(native, tensor) if native is not None else self.sync.irecv(tensor, src, tag)
+        work = self.sync.irecv(tensor, src, tag, _off_loop=True)
         await self._finish(work, True)
         return work.source  # type: ignore[attr-defined]
 
