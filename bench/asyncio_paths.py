@@ -28,11 +28,13 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "crates" / "multiworld-py" / "python"))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-import multiworld_rs as mw  # noqa: E402
+try:
+    import multiworld_rs as mw
+except ImportError:  # a checkout: the package beside this folder (built there by scripts/test.sh)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "crates" / "multiworld-py" / "python"))
+    import multiworld_rs as mw
 from multiworld_rs.aio import AsyncWorld  # noqa: E402
 
 BIG = 1 << 20
