@@ -1499,14 +1499,16 @@ impl World {
         src: Option<&Bound<'_, PyAny>>,
         tag: &Bound<'_, PyAny>,
     ) -> PyResult<Option<u32>> {
-        let Some((src, tag, mut loan)) = plain_loan(obj, src, tag)? else {
+        let Some((src, tag, a)) = plain_recv(obj, src, tag) else {
             return Ok(None);
         };
-        let bytes = loan.tensor.nbytes();
+        let bytes = a.bytes().len();
         if bytes > runtime::loop_copy_max() {
-            loan.settle(py);
             return Ok(None);
         }
+        let Some(mut loan) = a.lend("recv_into")? else {
+            return Ok(None);
+        };
         let w = self.w()?;
         let mut take = || runtime::enter(|| w.try_recv(src.map(Rank), Tag(tag), &mut loan.tensor));
         let got = if bytes > runtime::held_poll_max() {
