@@ -706,8 +706,9 @@ impl Group {
             // Once the segment is set up, a small call through it costs less
             // than its payloads over TCP (one barrier through the segment
             // against messages and the readers' wake-ups: a 1 KiB all-reduce
-            // 0.04-0.05 against 0.09-0.10 ms with 2 processes, 0.17 against
-            // 0.32-0.33 ms with 4; `docs/benchmarks.md`).
+            // 0.07-0.08 against 0.17-0.19 ms with 2 processes, 0.22 against
+            // 0.34-0.37 ms with 4, measured in the same minutes;
+            // `docs/benchmarks.md`).
             Algorithm::Auto
                 if shm
                     && size_bytes > 0
