@@ -246,6 +246,10 @@ pub struct RankArgs {
     /// One untimed large all-reduce first (see [`RunArgs::after_large`]).
     #[arg(long)]
     pub after_large: bool,
+    /// The collectives' `CollectiveConfig::shm_spin` in µs (default: the
+    /// crate's).
+    #[arg(long)]
+    pub shm_spin_us: Option<u64>,
     /// How much to move.
     #[command(flatten)]
     pub load: Load,
@@ -285,6 +289,11 @@ pub struct RunArgs {
     /// says whether it has).
     #[arg(long)]
     pub after_large: bool,
+    /// The collectives' `CollectiveConfig::shm_spin` in µs, how long a
+    /// member waiting at a shared-memory barrier checks between yields
+    /// before it sleeps (default: the crate's; for comparisons).
+    #[arg(long)]
+    pub shm_spin_us: Option<u64>,
     /// How much to move.
     #[command(flatten)]
     pub load: Load,
@@ -356,6 +365,7 @@ pub fn run(args: &RunArgs, mut emit: impl FnMut(Value)) -> Result<()> {
                 read_ahead: args.read_ahead,
                 algorithm: args.algorithm,
                 after_large: args.after_large,
+                shm_spin_us: args.shm_spin_us,
                 load: load.clone(),
             };
             let mut v = run_ranks(&exe, &rank)?;
@@ -364,6 +374,9 @@ pub fn run(args: &RunArgs, mut emit: impl FnMut(Value)) -> Result<()> {
                 if args.scenario.is_collective() {
                     m.insert("algorithm".into(), json!(args.algorithm.name()));
                     m.insert("after_large".into(), json!(args.after_large));
+                    if let Some(us) = args.shm_spin_us {
+                        m.insert("shm_spin_us".into(), json!(us));
+                    }
                 }
             }
             emit(v);
@@ -387,6 +400,7 @@ fn rank_command(exe: &std::path::Path, a: &RankArgs, rank: u32, addr: &str) -> C
         .args(["--read-ahead", &a.read_ahead.to_string()])
         .args(["--algorithm", a.algorithm.name()])
         .args(a.after_large.then_some("--after-large"))
+        .args(a.shm_spin_us.map(|us| format!("--shm-spin-us={us}")))
         .args(["--bytes", &a.load.bytes.to_string()])
         .args(["--min-messages", &a.load.min_messages.to_string()])
         .args(["--rounds", &a.load.rounds.to_string()])
@@ -699,11 +713,15 @@ async fn leader(m: &WorldManager, a: &RankArgs, addr: &str) -> Result<Option<Val
 /// The world's collectives with the algorithm of `--algorithm`, after the
 /// untimed all-reduce of `--after-large`.
 async fn group(w: &World, a: &RankArgs) -> Result<multiworld::Group> {
-    let g = match a.algorithm {
-        AlgorithmArg::Auto => w.collectives().clone(),
-        other => w.collectives().with_config(
-            multiworld_collectives::CollectiveConfig::default().with_algorithm(other.algorithm()),
-        ),
+    let g = match (a.algorithm, a.shm_spin_us) {
+        (AlgorithmArg::Auto, None) => w.collectives().clone(),
+        (alg, spin) => {
+            let mut cfg = multiworld_collectives::CollectiveConfig::default().with_algorithm(alg.algorithm());
+            if let Some(us) = spin {
+                cfg = cfg.with_shm_spin(std::time::Duration::from_micros(us));
+            }
+            w.collectives().with_config(cfg)
+        }
     };
     if a.after_large {
         g.all_reduce(&mut buffer(AFTER_LARGE_BYTES)?, ReduceOp::Sum)

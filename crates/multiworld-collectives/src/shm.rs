@@ -106,7 +106,8 @@ const COUNTERS: usize = 64;
 /// Most members a group may have to use shared memory (one counter line each
 /// in the header).
 pub(crate) const MAX_MEMBERS: usize = (HEADER - COUNTERS) / 64;
-/// Checks of the other members' counters before a barrier waits on a thread.
+/// Checks of the other members' counters, without yielding, before a barrier
+/// yields between checks (`CollectiveConfig::shm_spin`) and then sleeps.
 const SPINS: usize = 64;
 /// Longest one futex sleep of a waiting thread (it re-checks after).
 const WAIT_SLICE: Duration = Duration::from_millis(10);
@@ -286,6 +287,9 @@ pub(crate) struct Segment {
     /// Arrivals this member has made (the members move in lockstep, so this is
     /// also what every member's counter reaches at the current barrier).
     arrivals: AtomicU32,
+    /// How long a barrier keeps checking between yields before it sleeps
+    /// (`CollectiveConfig::shm_spin`, set when the group keeps the segment).
+    spin: Duration,
 }
 
 /// What member 0 sends: where to find the segment and how to recognise it.
@@ -404,6 +408,7 @@ impl Segment {
             map,
             len,
             arrivals: AtomicU32::new(0),
+            spin: Duration::ZERO,
         })
     }
 
@@ -782,7 +787,10 @@ const TURNED_OFF: &str = "shared memory is turned off in this member's Collectiv
 /// call is dropped from then on, the member's next call can still abandon it
 /// for the others, who may already use it.
 async fn setup(cx: Ctx<'_>, shared: &ShmShared) -> Result<ShmState> {
-    let keep = |seg: Segment| Arc::clone(shared.segment.get_or_init(|| Arc::new(seg)));
+    let keep = |mut seg: Segment| {
+        seg.spin = cx.cfg.shm_spin;
+        Arc::clone(shared.segment.get_or_init(|| Arc::new(seg)))
+    };
     let n = cx.n();
     let Some(len) = segment_len(cx.cfg.shm_piece_bytes, n) else {
         return Err(Error::invalid(
@@ -899,6 +907,21 @@ async fn arrive_and_wait_as(n: usize, me: usize, seq: u64, seg: &Arc<Segment>) -
             return Ok(b);
         }
         std::hint::spin_loop();
+    }
+    // Then check between yields, for as long as the group's setting says:
+    // the other members are usually a piece's copy away, and a sleep costs
+    // two or three thread wake-ups more than that. Yielding the thread lets
+    // a member that shares this core run; yielding the task lets the
+    // runtime's other tasks run.
+    if !seg.spin.is_zero() {
+        let began = Instant::now();
+        while began.elapsed() < seg.spin {
+            std::thread::yield_now();
+            tokio::task::yield_now().await;
+            if let Some(b) = seg.blocked(n, me, target, seq)? {
+                return Ok(b);
+            }
+        }
     }
     loop {
         if multiworld_tcp::on_blocking_caller() {
@@ -1652,6 +1675,44 @@ mod tests {
         });
         late.join().unwrap();
         assert!(r.is_err(), "the wait ended while the pool was held: {r:?}");
+        release.send(()).unwrap();
+    }
+
+    /// With a spin (`CollectiveConfig::shm_spin`), a barrier keeps checking
+    /// between yields before it hands its sleeping to the pool: a member that
+    /// arrives within it lets the barrier pass although the runtime's only
+    /// pool thread is held (without a spin the same wait cannot end: see
+    /// above), and the task's yields let the rest of its future run meanwhile.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_barrier_checks_between_yields_for_its_spin_before_it_sleeps() {
+        let len = segment_len(4096, 2).unwrap();
+        let (mut a, _file, offer) = Segment::create(len).unwrap();
+        a.spin = Duration::from_secs(30);
+        let (a, b) = (Arc::new(a), Arc::new(Segment::open(&offer, len).unwrap()));
+        let (rt, release) = runtime_with_its_pool_held();
+        let late = arrives_late(&b, Duration::from_millis(100));
+        let t0 = Instant::now();
+        let (r, other_branch) = rt.block_on(async {
+            let barrier = tokio::time::timeout(Duration::from_secs(10), arrive_and_wait_as(2, 0, 0, &a));
+            let other = async {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                t0.elapsed()
+            };
+            tokio::join!(barrier, other)
+        });
+        let took = t0.elapsed();
+        late.join().unwrap();
+        assert!(matches!(r, Ok(Ok(Barrier::Passed))), "{r:?}");
+        assert!(
+            took >= Duration::from_millis(100),
+            "ended before member 1 arrived: {took:?}"
+        );
+        assert!(took < Duration::from_secs(5), "took {took:?}");
+        assert!(
+            other_branch < Duration::from_millis(100),
+            "the spin held the future until {other_branch:?}"
+        );
         release.send(()).unwrap();
     }
 

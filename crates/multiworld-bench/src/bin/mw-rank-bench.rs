@@ -75,6 +75,7 @@ fn main() {
                 read_ahead: multiworld::DEFAULT_READ_AHEAD,
                 algorithm: ranks::AlgorithmArg::Auto,
                 after_large: false,
+                shm_spin_us: None,
                 load: load.clone(),
             };
             ranks::run(&a, print)
