@@ -21,7 +21,10 @@ least one copy into or out of shared memory costs.
     python3 -m venv target/py-venv && target/py-venv/bin/pip install torch   # once
     cargo build --release -p multiworld-bench --bin mw-rank-bench
     target/py-venv/bin/python bench/collectives_side_by_side.py [--procs 2,4]
-        [--sizes 1024,1048576,67108864] [--repeats 1] [--json FILE]
+        [--sizes 1024,1048576,67108864] [--repeats 1] [--json FILE] [--also ARGS]
+
+`--also '--shm-spin-us=0'` measures a second multiworld setting beside the
+default in every cell (a before/after against the same gloo figures).
 
 A collective gloo does not implement shows as "n/a". Not part of the tests;
 needs PyTorch and the release `mw-rank-bench`.
@@ -122,9 +125,9 @@ def gloo(n: int, sizes) -> dict:
     return got
 
 
-def multiworld(binary: Path, name: str, n: int, size: int) -> float:
+def multiworld(binary: Path, name: str, n: int, size: int, extra=()) -> float:
     cmd = [str(binary), "run", name.replace("_", "-"), "--sizes", str(size), "--n", str(n),
-           "--bytes", str(BYTES)]
+           "--bytes", str(BYTES), *extra]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])["ms"]
 
@@ -141,16 +144,20 @@ def main() -> None:
     p.add_argument("--procs", default="2,4")
     p.add_argument("--sizes", default=f"1024,{1 << 20},{64 << 20}")
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--also", default="",
+                   help="extra mw-rank-bench arguments of a second multiworld setting measured beside "
+                        "the default in each cell, e.g. '--shm-spin-us=0' (a before/after in one run)")
     add_rust_bin(p)
     a = p.parse_args()
     binary = rust_bin(a)
     sizes = [int(s) for s in a.sizes.split(",")]
+    also = a.also.split()
     rows = []
     print(f"torch {torch.__version__} gloo vs multiworld (mw-rank-bench), one process per rank, "
           f"median ms per call, {a.repeats} repeat(s)", flush=True)
     print(f"{'collective':15} {'procs':>5} {'size':>10}  {'gloo ms':>10} {'multiworld ms':>14}  ratio", flush=True)
     for n in [int(x) for x in a.procs.split(",")]:
-        results = {(c, s): ([], []) for c in COLLECTIVES for s in sizes}
+        results = {(c, s): ([], [], []) for c in COLLECTIVES for s in sizes}
         copies = {s: [] for s in sizes}
         notes = {}
         for _ in range(a.repeats):
@@ -163,19 +170,28 @@ def main() -> None:
                 copies[s].append(memcpy_ms(binary, s))
                 for c in COLLECTIVES:
                     results[(c, s)][1].append(multiworld(binary, c, n, s))
+                    if also:
+                        results[(c, s)][2].append(multiworld(binary, c, n, s, also))
         for s in sizes:
             print(f"{'(memcpy)':15} {1:>5} {s:>10}  {'':>10} "
                   f"{' / '.join(f'{x:.3f}' for x in copies[s]):>14}  one copy, the reference", flush=True)
             for c in COLLECTIVES:
-                g, m = results[(c, s)]
+                g, m, m2 = results[(c, s)]
                 ratios = [gi / mi for gi, mi in zip(g, m)]
                 rows.append({"collective": c, "procs": n, "size": s, "gloo_ms": g, "multiworld_ms": m,
                              "ratios": ratios, "gloo_note": notes.get((c, s), ""),
                              "memcpy_ms": list(copies[s])})
+                if also:
+                    rows[-1].update({"also": a.also, "also_ms": m2,
+                                     "also_ratios": [gi / mi for gi, mi in zip(g, m2)]})
                 gs = " / ".join(f"{x:.3f}" for x in g) if g else "n/a"
                 ms_ = " / ".join(f"{x:.3f}" for x in m)
                 rs = " / ".join(f"{x:.2f}x" for x in ratios) if ratios else notes.get((c, s), "")
-                print(f"{c:15} {n:>5} {s:>10}  {gs:>10} {ms_:>14}  {rs}", flush=True)
+                more = ""
+                if also:
+                    more = ("   with " + a.also + ": " + " / ".join(f"{x:.3f}" for x in m2) + " ms, "
+                            + " / ".join(f"{gi / mi:.2f}x" for gi, mi in zip(g, m2)))
+                print(f"{c:15} {n:>5} {s:>10}  {gs:>10} {ms_:>14}  {rs}{more}", flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
 

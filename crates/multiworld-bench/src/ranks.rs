@@ -24,7 +24,9 @@
 //!   process per world; every worker streams to the leader at once (total
 //!   messages per second and bandwidth);
 //! - `all-reduce`: `procs` processes all-reduce a float32 tensor of `size`
-//!   bytes (median time per call);
+//!   bytes (median time per call; also `ms_min`, `first_ms`, the first,
+//!   untimed call, which sets up the group's shared memory if it uses it,
+//!   and `shared_memory`, the group's segment after the calls);
 //! - `broadcast`, `reduce`, `all-gather`, `reduce-scatter`, `all-to-all`,
 //!   `gather`, `scatter`: the other collectives over `procs` processes, timed
 //!   like `all-reduce` (`size` bytes per rank; see [`Scenario`] for each);
@@ -250,6 +252,10 @@ pub struct RankArgs {
     /// crate's).
     #[arg(long)]
     pub shm_spin_us: Option<u64>,
+    /// The collectives' `CollectiveConfig::shm_min_bytes` (default: the
+    /// crate's).
+    #[arg(long)]
+    pub shm_min_bytes: Option<usize>,
     /// How much to move.
     #[command(flatten)]
     pub load: Load,
@@ -294,6 +300,10 @@ pub struct RunArgs {
     /// before it sleeps (default: the crate's; for comparisons).
     #[arg(long)]
     pub shm_spin_us: Option<u64>,
+    /// The collectives' `CollectiveConfig::shm_min_bytes` (default: the
+    /// crate's; for comparisons).
+    #[arg(long)]
+    pub shm_min_bytes: Option<usize>,
     /// How much to move.
     #[command(flatten)]
     pub load: Load,
@@ -366,6 +376,7 @@ pub fn run(args: &RunArgs, mut emit: impl FnMut(Value)) -> Result<()> {
                 algorithm: args.algorithm,
                 after_large: args.after_large,
                 shm_spin_us: args.shm_spin_us,
+                shm_min_bytes: args.shm_min_bytes,
                 load: load.clone(),
             };
             let mut v = run_ranks(&exe, &rank)?;
@@ -376,6 +387,9 @@ pub fn run(args: &RunArgs, mut emit: impl FnMut(Value)) -> Result<()> {
                     m.insert("after_large".into(), json!(args.after_large));
                     if let Some(us) = args.shm_spin_us {
                         m.insert("shm_spin_us".into(), json!(us));
+                    }
+                    if let Some(b) = args.shm_min_bytes {
+                        m.insert("shm_min_bytes".into(), json!(b));
                     }
                 }
             }
@@ -401,6 +415,7 @@ fn rank_command(exe: &std::path::Path, a: &RankArgs, rank: u32, addr: &str) -> C
         .args(["--algorithm", a.algorithm.name()])
         .args(a.after_large.then_some("--after-large"))
         .args(a.shm_spin_us.map(|us| format!("--shm-spin-us={us}")))
+        .args(a.shm_min_bytes.map(|b| format!("--shm-min-bytes={b}")))
         .args(["--bytes", &a.load.bytes.to_string()])
         .args(["--min-messages", &a.load.min_messages.to_string()])
         .args(["--rounds", &a.load.rounds.to_string()])
@@ -713,12 +728,15 @@ async fn leader(m: &WorldManager, a: &RankArgs, addr: &str) -> Result<Option<Val
 /// The world's collectives with the algorithm of `--algorithm`, after the
 /// untimed all-reduce of `--after-large`.
 async fn group(w: &World, a: &RankArgs) -> Result<multiworld::Group> {
-    let g = match (a.algorithm, a.shm_spin_us) {
-        (AlgorithmArg::Auto, None) => w.collectives().clone(),
-        (alg, spin) => {
+    let g = match (a.algorithm, a.shm_spin_us, a.shm_min_bytes) {
+        (AlgorithmArg::Auto, None, None) => w.collectives().clone(),
+        (alg, spin, min) => {
             let mut cfg = multiworld_collectives::CollectiveConfig::default().with_algorithm(alg.algorithm());
             if let Some(us) = spin {
                 cfg = cfg.with_shm_spin(std::time::Duration::from_micros(us));
+            }
+            if let Some(b) = min {
+                cfg.shm_min_bytes = b;
             }
             w.collectives().with_config(cfg)
         }
@@ -746,11 +764,13 @@ async fn all_reduce(m: &WorldManager, a: &RankArgs, addr: &str) -> Result<Option
     let w = join(m, a, "all-reduce", a.rank, a.n, addr).await?;
     let g = group(&w, a).await?;
     let mut t = buffer(a.size)?;
-    let mut times = Vec::with_capacity(iters);
+    let (mut times, mut first) = (Vec::with_capacity(iters), 0.0);
     for i in 0..2 + iters {
         let t0 = Instant::now();
         g.all_reduce(&mut t, ReduceOp::Sum).await.map_err(err)?;
-        if i >= 2 {
+        if i == 0 {
+            first = t0.elapsed().as_secs_f64();
+        } else if i >= 2 {
             times.push(t0.elapsed().as_secs_f64());
         }
     }
@@ -759,6 +779,7 @@ async fn all_reduce(m: &WorldManager, a: &RankArgs, addr: &str) -> Result<Option
     Ok((a.rank == 0).then(|| {
         let mut v = reduced(a.size, a.n, &mut times);
         v["shared_memory"] = json!(segment);
+        v["first_ms"] = json!(first * 1e3);
         v
     }))
 }
@@ -779,7 +800,7 @@ async fn collective(m: &WorldManager, a: &RankArgs, addr: &str) -> Result<Option
     let (mut big, mut small) = (zeros(n * elems)?, zeros(part)?);
     let (even_in, mut even_out) = (zeros(part * n)?, zeros(part * n)?);
     let mut list = (0..n).map(|_| zeros(elems)).collect::<Result<Vec<_>>>()?;
-    let mut times = Vec::with_capacity(iters);
+    let (mut times, mut first) = (Vec::with_capacity(iters), 0.0);
     for i in 0..2 + iters {
         let t0 = Instant::now();
         let r = match a.scenario {
@@ -793,7 +814,9 @@ async fn collective(m: &WorldManager, a: &RankArgs, addr: &str) -> Result<Option
             _ => return Err(err("not a collective")),
         };
         r.map_err(err)?;
-        if i >= 2 {
+        if i == 0 {
+            first = t0.elapsed().as_secs_f64();
+        } else if i >= 2 {
             times.push(t0.elapsed().as_secs_f64());
         }
     }
@@ -803,6 +826,7 @@ async fn collective(m: &WorldManager, a: &RankArgs, addr: &str) -> Result<Option
         let mut v = reduced(a.size, a.n, &mut times);
         v["scenario"] = json!(a.scenario.name());
         v["shared_memory"] = json!(segment);
+        v["first_ms"] = json!(first * 1e3);
         v
     }))
 }

@@ -113,8 +113,12 @@ pub struct CollectiveConfig {
     /// scatter or all-to-all once its members move at least this many bytes
     /// between them in all, none of them few enough to send eagerly
     /// ([`CollectiveConfig::eager_max_bytes`]). Must be the same on every
-    /// member. Default 768 KiB (see `COLLECTIVES.md` for the measured
-    /// crossover).
+    /// member. Default 256 KiB: from there a call through the segment is
+    /// 4–8× faster than over TCP (2 processes, 256 KiB: 0.03–0.09 against
+    /// 0.21–0.41 ms), so the segment's setup in the first such call (about
+    /// as long as a first call over TCP with 2 processes, 1–5 ms more with
+    /// 4 on 2 cores) is repaid within a few calls; groups that only make
+    /// small calls never set one up (see `COLLECTIVES.md` §7a).
     pub shm_min_bytes: usize,
     /// Bytes of a tensor that one step of a shared-memory call moves per member
     /// (rounded down to a multiple of 64; an all-to-all moves a part of
@@ -153,7 +157,7 @@ impl Default for CollectiveConfig {
             scratch_cache_bytes: 256 << 20,
             timeout: None,
             shared_memory: true,
-            shm_min_bytes: 768 << 10,
+            shm_min_bytes: 256 << 10,
             shm_piece_bytes: 1 << 20,
             shm_spin: Duration::from_micros(200),
         }

@@ -1795,8 +1795,9 @@ mod tests {
         );
         // All-to-all of 4: each pair gets a quarter of a slot.
         assert_eq!(plan(Routes::Pairs, 4, &cfg, &|_, _| MIB), Some((256 << 10, 4)));
-        // 600 KiB in all is below the threshold; forced, it goes through.
-        let to_root = |p: usize, q: usize| if q == 0 && p != 0 { 300 << 10 } else { 0 };
+        // 80 % of the threshold in all is below it; forced, it goes through.
+        let each = cfg.shm_min_bytes as u64 * 2 / 5;
+        let to_root = move |p: usize, q: usize| if q == 0 && p != 0 { each } else { 0 };
         assert_eq!(plan(Routes::FromSenderSlot, 3, &cfg, &to_root), None);
         cfg.algorithm = Algorithm::SharedMemory;
         assert_eq!(
@@ -1814,7 +1815,7 @@ mod tests {
         assert_eq!(plan(Routes::Pairs, 3, &cfg, &|_, _| MIB), None);
         assert_eq!(
             plan(Routes::FromSenderSlot, 3, &cfg, &to_root),
-            Some((128, (300 << 10) / 128))
+            usize::try_from(each.div_ceil(128)).ok().map(|steps| (128, steps))
         );
         // Sizes from the network cannot overflow the sums.
         cfg.shm_piece_bytes = 1 << 20;

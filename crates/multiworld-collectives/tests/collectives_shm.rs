@@ -621,8 +621,14 @@ fn auto_moves_large_gathers_scatters_and_all_to_alls_through_shared_memory() {
         let (eager, min) = (cfg.eager_max_bytes, cfg.shm_min_bytes);
         assert_eq!(gs[0].algorithm_name(K::AllToAll, 1024).await, "direct");
         assert_eq!(gs[0].algorithm_name(K::Gather, 1 << 20).await, "shm");
-        assert_eq!(gs[0].algorithm_name(K::Scatter, (min / 2) as u64).await, "shm");
-        assert_eq!(gs[0].algorithm_name(K::Scatter, (min / 4) as u64).await, "direct");
+        // A scatter's root sends `(N - 1) × size`: through the segment once
+        // that is more than it sends eagerly and at least the threshold.
+        let shm_at = (eager / (N - 1) + 64).max(min.div_ceil(N - 1));
+        assert_eq!(gs[0].algorithm_name(K::Scatter, shm_at as u64).await, "shm");
+        assert_eq!(
+            gs[0].algorithm_name(K::Scatter, (eager / (N - 1)) as u64).await,
+            "direct"
+        );
         // Small: direct, shared memory not tried.
         for call in [
             Moving::Gather(0),
@@ -656,7 +662,8 @@ fn auto_moves_large_gathers_scatters_and_all_to_alls_through_shared_memory() {
         // Member 2 sends nothing (as an expert that got no tokens): it has
         // nothing to send eagerly, so the call goes through the segment (set
         // up in this call), and no empty message is left unread.
-        let two_idle: Sizes = Arc::new(move |p, _| if p == 2 { 0 } else { min / 4 });
+        // (f32: more than the threshold, and than what is sent eagerly.)
+        let two_idle: Sizes = Arc::new(move |p, _| if p == 2 { 0 } else { min.max(eager) / 4 + 16 });
         for call in [Moving::AllToAll, Moving::AllToAllSingle, Moving::Gather(0)] {
             let sent = moved_checked(&gs, call, DType::F32, Arc::clone(&two_idle), 4, "member 2 idle").await;
             assert_all(&statuses(&gs).await, &active(default_segment(N)), "member 2 idle");
@@ -668,8 +675,9 @@ fn auto_moves_large_gathers_scatters_and_all_to_alls_through_shared_memory() {
             }
         }
         // Large: through the segment.
-        // f32: half the threshold to each, from each.
-        let large: Sizes = Arc::new(move |p, q| min / 8 + 31 * p + q);
+        // f32: more than the threshold and than what is sent eagerly, to
+        // each, from each (a gather's member sends to one).
+        let large: Sizes = Arc::new(move |p, q| min.max(eager) / 4 + 16 + 31 * p + q);
         for call in [
             Moving::Scatter(2),
             Moving::Gather(1),

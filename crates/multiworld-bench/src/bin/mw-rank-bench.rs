@@ -76,6 +76,7 @@ fn main() {
                 algorithm: ranks::AlgorithmArg::Auto,
                 after_large: false,
                 shm_spin_us: None,
+                shm_min_bytes: None,
                 load: load.clone(),
             };
             ranks::run(&a, print)
