@@ -52,8 +52,9 @@ pub(crate) fn copy_bytes(dst: &mut Tensor, at: usize, src: &[u8]) -> Result<()> 
         .bytes_mut()
         .get_mut(at..at + src.len())
         .ok_or_else(|| internal("copy outside the destination"))?;
-    // Both sides hold valid values of the same dtype, so a bool tensor stays valid.
-    d.copy_from_slice(src);
+    // Both sides hold valid values of the same dtype, so a bool tensor stays
+    // valid. A large copy bypasses the caches (`shm::copy_large`).
+    crate::shm::copy_large(d, src);
     Ok(())
 }
 

@@ -539,6 +539,36 @@ async fn moved_checked(
     .await
 }
 
+/// A member's own part of 8 MiB and more (copied into its output with
+/// non-temporal stores, `shm::copy_large`), a few bytes past a 16-byte lane,
+/// arrives exact in a gather's and a scatter's root and in an all-to-all,
+/// through the segment and over TCP.
+#[test]
+fn own_parts_of_8_mib_and_more_are_copied_exactly() {
+    run(async {
+        const N: usize = 2;
+        // f32: 8 MiB + 12 bytes (+ 4 per rank) to itself, 4 KiB and a bit to the other.
+        let sizes: Sizes = Arc::new(|p, q| {
+            if p == q {
+                (2 << 20) + 3 + p
+            } else {
+                1000 + 7 * p + q
+            }
+        });
+        let base = groups("shm-own-8mib", N as u32).await;
+        for (how, gs) in [("forced", with_cfg(&base, &shm_cfg())), ("auto", base.clone())] {
+            for call in [
+                Moving::Gather(1),
+                Moving::Scatter(0),
+                Moving::AllToAll,
+                Moving::AllToAllSingle,
+            ] {
+                moved_checked(&gs, call, DType::F32, Arc::clone(&sizes), 40, how).await;
+            }
+        }
+    });
+}
+
 /// Gather, scatter and the all-to-alls through the segment (forced), on 3
 /// members with small pieces (4 KiB: 1344 bytes per pair in an all-to-all):
 /// the first such call sets the segment up; sizes that differ per pair,
