@@ -139,7 +139,8 @@ pub struct CollectiveConfig {
     /// a blocking call) until the last one wakes it. The others are usually a
     /// piece's copy away (25–30 µs for 1 MiB here), and a sleep costs two or
     /// three thread wake-ups more than that. `Duration::ZERO` sleeps after a
-    /// short spin. Need not agree between members. Default 200 µs: a 1 MiB
+    /// short spin. Need not agree between members. Default 200 µs, or
+    /// `MULTIWORLD_SHM_SPIN_US` from the environment: a 1 MiB
     /// scatter, gather or all-to-all of 4 processes on 2 cores 0.44–0.51 →
     /// 0.21–0.32 ms per call (see `docs/benchmarks.md`).
     pub shm_spin: Duration,
@@ -159,9 +160,23 @@ impl Default for CollectiveConfig {
             shared_memory: true,
             shm_min_bytes: 256 << 10,
             shm_piece_bytes: 1 << 20,
-            shm_spin: Duration::from_micros(200),
+            shm_spin: default_shm_spin(),
         }
     }
+}
+
+/// [`CollectiveConfig::shm_spin`]'s default: `MULTIWORLD_SHM_SPIN_US`
+/// (microseconds, read once) if set to a whole number, else 200 µs. The
+/// variable lets an operator change it for every group of a process without
+/// touching the program (on a machine whose cores are oversubscribed, say).
+fn default_shm_spin() -> Duration {
+    static SPIN: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
+    *SPIN.get_or_init(|| {
+        std::env::var("MULTIWORLD_SHM_SPIN_US")
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .map_or(Duration::from_micros(200), Duration::from_micros)
+    })
 }
 
 impl CollectiveConfig {
