@@ -256,6 +256,10 @@ pub struct RankArgs {
     /// crate's).
     #[arg(long)]
     pub shm_min_bytes: Option<usize>,
+    /// `MULTIWORLD_SHM_COPY_THREADS` for the ranks (see
+    /// [`RunArgs::copy_threads`]).
+    #[arg(long)]
+    pub copy_threads: Option<usize>,
     /// How much to move.
     #[command(flatten)]
     pub load: Load,
@@ -304,6 +308,11 @@ pub struct RunArgs {
     /// crate's; for comparisons).
     #[arg(long)]
     pub shm_min_bytes: Option<usize>,
+    /// Threads that copy one large range through shared memory together,
+    /// passed to the ranks as `MULTIWORLD_SHM_COPY_THREADS` (default: the
+    /// crate's, a quarter of the CPUs, 1 to 4; for comparisons).
+    #[arg(long)]
+    pub copy_threads: Option<usize>,
     /// How much to move.
     #[command(flatten)]
     pub load: Load,
@@ -377,6 +386,7 @@ pub fn run(args: &RunArgs, mut emit: impl FnMut(Value)) -> Result<()> {
                 after_large: args.after_large,
                 shm_spin_us: args.shm_spin_us,
                 shm_min_bytes: args.shm_min_bytes,
+                copy_threads: args.copy_threads,
                 load: load.clone(),
             };
             let mut v = run_ranks(&exe, &rank)?;
@@ -390,6 +400,9 @@ pub fn run(args: &RunArgs, mut emit: impl FnMut(Value)) -> Result<()> {
                     }
                     if let Some(b) = args.shm_min_bytes {
                         m.insert("shm_min_bytes".into(), json!(b));
+                    }
+                    if let Some(k) = args.copy_threads {
+                        m.insert("copy_threads".into(), json!(k));
                     }
                 }
             }
@@ -416,12 +429,16 @@ fn rank_command(exe: &std::path::Path, a: &RankArgs, rank: u32, addr: &str) -> C
         .args(a.after_large.then_some("--after-large"))
         .args(a.shm_spin_us.map(|us| format!("--shm-spin-us={us}")))
         .args(a.shm_min_bytes.map(|b| format!("--shm-min-bytes={b}")))
+        .args(a.copy_threads.map(|k| format!("--copy-threads={k}")))
         .args(["--bytes", &a.load.bytes.to_string()])
         .args(["--min-messages", &a.load.min_messages.to_string()])
         .args(["--rounds", &a.load.rounds.to_string()])
         .args(["--max-iters", &a.load.max_iters.to_string()])
         .args(["--min-iters", &a.load.min_iters.to_string()])
         .stdin(Stdio::null());
+    if let Some(k) = a.copy_threads {
+        c.env("MULTIWORLD_SHM_COPY_THREADS", k.to_string());
+    }
     c
 }
 

@@ -569,6 +569,97 @@ fn own_parts_of_8_mib_and_more_are_copied_exactly() {
     });
 }
 
+/// Names of this process's threads.
+fn thread_names() -> Vec<String> {
+    std::fs::read_dir("/proc/self/task")
+        .map(|d| {
+            d.flatten()
+                .filter_map(|t| std::fs::read_to_string(t.path().join("comm")).ok())
+                .map(|c| c.trim().to_owned())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Run by [`copies_split_between_threads_are_exact`] in a child process
+/// whose environment asks for 3 copy threads: every kind of copy through the
+/// segment, in ranges large enough to be split between this thread and the
+/// copy pool's (256 KiB and more, ends off the cache lines), arrives exact,
+/// and the pool's threads exist.
+#[test]
+#[ignore = "run in a child process by copies_split_between_threads_are_exact"]
+fn copies_split_between_threads_child() {
+    assert_eq!(std::env::var("MULTIWORLD_SHM_COPY_THREADS").as_deref(), Ok("3"));
+    run(async {
+        const N: usize = 3;
+        let gs = with_cfg(&groups("shm-split-copies", N as u32).await, &shm_cfg());
+        // All-reduce (publish and take), 1 MiB and 28 bytes.
+        let ins = (0..N)
+            .map(|r| general_input(DType::F32, (1 << 18) + 7, r, 50))
+            .collect();
+        sum_checked(&gs, ins, "split copies").await;
+        on_all(&gs, |me, g| async move {
+            // Broadcast from 1 (3 pieces and 5 bytes) and all-gather.
+            let from_1 = input(DType::U8, (3 << 20) + 5, 1, 51);
+            let mut t = if me == 1 {
+                from_1.clone()
+            } else {
+                Tensor::zeros(DType::U8, [(3 << 20) + 5]).unwrap()
+            };
+            g.broadcast(&mut t, Rank(1)).await.unwrap();
+            assert_same(&t, &from_1, "broadcast");
+            let ins: Vec<Tensor> = (0..N).map(|r| input(DType::F64, (1 << 17) + 3, r, 52)).collect();
+            let mut out = Tensor::zeros(DType::F64, [N * ((1 << 17) + 3)]).unwrap();
+            g.all_gather_into_tensor(&mut out, &ins[me]).await.unwrap();
+            assert_same(&out, &concat(&ins), "all_gather_into_tensor");
+        })
+        .await;
+        // Pairs of a third of a piece and more; own parts of 8 MiB and more.
+        let sizes: Sizes = Arc::new(|p, q| {
+            if p == q {
+                (2 << 20) + 3
+            } else {
+                (1 << 17) + 31 * p + q
+            }
+        });
+        for call in [
+            Moving::Scatter(2),
+            Moving::Gather(0),
+            Moving::AllToAll,
+            Moving::AllToAllSingle,
+        ] {
+            moved_checked(&gs, call, DType::F32, Arc::clone(&sizes), 53, "split copies").await;
+        }
+    });
+    let names = thread_names();
+    for want in ["mw-copy-0", "mw-copy-1"] {
+        assert!(names.iter().any(|n| n == want), "no thread {want}: {names:?}");
+    }
+}
+
+/// Copies split between threads (`MULTIWORLD_SHM_COPY_THREADS`, more than
+/// one by default on 8 CPUs or more) are exact: runs
+/// [`copies_split_between_threads_child`] in a child process with 3.
+#[test]
+fn copies_split_between_threads_are_exact() {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "copies_split_between_threads_child",
+            "--exact",
+            "--ignored",
+            "--nocapture",
+        ])
+        .env("MULTIWORLD_SHM_COPY_THREADS", "3")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("1 passed"),
+        "child failed: {stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// Gather, scatter and the all-to-alls through the segment (forced), on 3
 /// members with small pieces (4 KiB: 1344 bytes per pair in an all-to-all):
 /// the first such call sets the segment up; sizes that differ per pair,

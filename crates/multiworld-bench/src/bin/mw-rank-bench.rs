@@ -77,6 +77,7 @@ fn main() {
                 after_large: false,
                 shm_spin_us: None,
                 shm_min_bytes: None,
+                copy_threads: None,
                 load: load.clone(),
             };
             ranks::run(&a, print)
