@@ -1151,6 +1151,42 @@ impl World {
         got.map(Some)
     }
 
+    /// `World.all_reduce`'s fast path (blocking): a plain, writeable numpy
+    /// array (`lent::plain`) lent for the call and reduced in place with
+    /// `op` (a name, as `all_reduce_into` takes). Returns false, doing
+    /// nothing, for any other array (the Python layer then takes its
+    /// general path); a call that fails raises as the general path's does.
+    fn all_reduce_plain(&self, py: Python<'_>, obj: &Bound<'_, PyAny>, op: &str) -> PyResult<bool> {
+        let Some(a) = lent::plain(obj) else {
+            return Ok(false);
+        };
+        let op = reduce_op(op)?;
+        let Some(loan) = a.lend("all_reduce")? else {
+            return Ok(false);
+        };
+        self.in_place(py, loan, InPlace::AllReduce(op))?;
+        Ok(true)
+    }
+
+    /// `World.broadcast`'s fast path (blocking), as
+    /// [`World::all_reduce_plain`]: `root` must be a Python int (anything
+    /// else returns false, for the general path to word the error).
+    fn broadcast_plain(
+        &self,
+        py: Python<'_>,
+        obj: &Bound<'_, PyAny>,
+        root: &Bound<'_, PyAny>,
+    ) -> PyResult<bool> {
+        let (Some(root), Some(a)) = (index(root), lent::plain(obj)) else {
+            return Ok(false);
+        };
+        let Some(loan) = a.lend("broadcast")? else {
+            return Ok(false);
+        };
+        self.in_place(py, loan, InPlace::Broadcast(Rank(root)))?;
+        Ok(true)
+    }
+
     /// Sends a flat byte view of `dtype` elements to `dst` (no copy).
     fn send(&self, py: Python<'_>, data: Readable<'_>, dtype: &str, dst: u32, tag: u32) -> PyResult<()> {
         let bytes = data

@@ -525,6 +525,8 @@ class World:
             work = self._lent("broadcast", tensor, _u32("src", src))
             if work is not None:
                 return work
+        elif self._w.broadcast_plain(tensor, src):  # a plain numpy array, lent natively
+            return None
         try:
             arr, (dtype, shp) = T.out_spec(tensor)
             raw = None if async_op else T.writable_bytes(arr)
@@ -543,6 +545,8 @@ class World:
             work = self._lent("all_reduce", tensor, _op(op))
             if work is not None:
                 return work
+        elif self._w.all_reduce_plain(tensor, _op(op)):  # a plain numpy array, lent natively
+            return None
         try:
             arr, (dtype, shp) = T.out_spec(tensor)
             raw = None if async_op else T.writable_bytes(arr)
