@@ -593,11 +593,36 @@ fn copies_split_between_threads_child() {
     run(async {
         const N: usize = 3;
         let gs = with_cfg(&groups("shm-split-copies", N as u32).await, &shm_cfg());
-        // All-reduce (publish and take), 1 MiB and 28 bytes.
+        // All-reduce (publish, the reduction, take), 1 MiB and 28 bytes.
         let ins = (0..N)
             .map(|r| general_input(DType::F32, (1 << 18) + 7, r, 50))
             .collect();
         sum_checked(&gs, ins, "split copies").await;
+        on_all(&gs, |me, g| async move {
+            // Reduce to 2 and reduce-scatter, general floats in rank order.
+            let ins: Vec<Tensor> = (0..N)
+                .map(|r| general_input(DType::F32, (1 << 18) + 9, r, 54))
+                .collect();
+            let mut t = ins[me].clone();
+            g.reduce(&mut t, Rank(2), ReduceOp::Sum).await.unwrap();
+            let want = if me == 2 {
+                reference(&ins, ReduceOp::Sum)
+            } else {
+                ins[me].clone()
+            };
+            assert_same(&t, &want, "reduce");
+            let seg = (1 << 17) + 5;
+            let big: Vec<Tensor> = (0..N)
+                .map(|r| general_input(DType::F64, N * seg, r, 55))
+                .collect();
+            let mut out = Tensor::zeros(DType::F64, [seg]).unwrap();
+            g.reduce_scatter_tensor(&mut out, &big[me], ReduceOp::Avg)
+                .await
+                .unwrap();
+            let want = slice(&reference(&big, ReduceOp::Avg), me * seg..(me + 1) * seg);
+            assert_same(&out, &want, "reduce_scatter_tensor");
+        })
+        .await;
         on_all(&gs, |me, g| async move {
             // Broadcast from 1 (3 pieces and 5 bytes) and all-gather.
             let from_1 = input(DType::U8, (3 << 20) + 5, 1, 51);
