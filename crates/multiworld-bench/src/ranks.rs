@@ -248,18 +248,9 @@ pub struct RankArgs {
     /// One untimed large all-reduce first (see [`RunArgs::after_large`]).
     #[arg(long)]
     pub after_large: bool,
-    /// The collectives' `CollectiveConfig::shm_spin` in µs (default: the
-    /// crate's).
-    #[arg(long)]
-    pub shm_spin_us: Option<u64>,
-    /// The collectives' `CollectiveConfig::shm_min_bytes` (default: the
-    /// crate's).
-    #[arg(long)]
-    pub shm_min_bytes: Option<usize>,
-    /// `MULTIWORLD_SHM_COPY_THREADS` for the ranks (see
-    /// [`RunArgs::copy_threads`]).
-    #[arg(long)]
-    pub copy_threads: Option<usize>,
+    /// The shared-memory settings to compare (default: the crate's).
+    #[command(flatten)]
+    pub shm: ShmTuning,
     /// How much to move.
     #[command(flatten)]
     pub load: Load,
@@ -299,23 +290,59 @@ pub struct RunArgs {
     /// says whether it has).
     #[arg(long)]
     pub after_large: bool,
-    /// The collectives' `CollectiveConfig::shm_spin` in µs, how long a
-    /// member waiting at a shared-memory barrier checks between yields
-    /// before it sleeps (default: the crate's; for comparisons).
-    #[arg(long)]
-    pub shm_spin_us: Option<u64>,
-    /// The collectives' `CollectiveConfig::shm_min_bytes` (default: the
-    /// crate's; for comparisons).
-    #[arg(long)]
-    pub shm_min_bytes: Option<usize>,
-    /// Threads that copy one large range through shared memory together,
-    /// passed to the ranks as `MULTIWORLD_SHM_COPY_THREADS` (default: the
-    /// crate's, a quarter of the CPUs, 1 to 4; for comparisons).
-    #[arg(long)]
-    pub copy_threads: Option<usize>,
+    /// The shared-memory settings to compare (default: the crate's).
+    #[command(flatten)]
+    pub shm: ShmTuning,
     /// How much to move.
     #[command(flatten)]
     pub load: Load,
+}
+
+/// The collectives' shared-memory settings a comparison may change
+/// (shared by the parent and the ranks; `None`: the crate's default).
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct ShmTuning {
+    /// The collectives' `CollectiveConfig::shm_spin` in µs, how long a
+    /// member waiting at a shared-memory barrier checks between yields
+    /// before it sleeps.
+    #[arg(long)]
+    pub shm_spin_us: Option<u64>,
+    /// The collectives' `CollectiveConfig::shm_min_bytes`.
+    #[arg(long)]
+    pub shm_min_bytes: Option<usize>,
+    /// Threads that copy one large range through shared memory together,
+    /// given to the ranks as `MULTIWORLD_SHM_COPY_THREADS` (the crate's
+    /// default: a quarter of the CPUs, 1 to 4).
+    #[arg(long)]
+    pub copy_threads: Option<usize>,
+}
+
+impl ShmTuning {
+    /// The settings given, as `(result field, value)`.
+    fn given(&self) -> Vec<(&'static str, u64)> {
+        [
+            ("shm_spin_us", self.shm_spin_us),
+            ("shm_min_bytes", self.shm_min_bytes.map(|b| b as u64)),
+            ("copy_threads", self.copy_threads.map(|k| k as u64)),
+        ]
+        .into_iter()
+        .filter_map(|(name, v)| Some((name, v?)))
+        .collect()
+    }
+
+    /// `cfg` with the settings given applied.
+    fn apply(
+        &self,
+        mut cfg: multiworld_collectives::CollectiveConfig,
+    ) -> multiworld_collectives::CollectiveConfig {
+        if let Some(us) = self.shm_spin_us {
+            cfg = cfg.with_shm_spin(std::time::Duration::from_micros(us));
+        }
+        if let Some(b) = self.shm_min_bytes {
+            cfg.shm_min_bytes = b;
+        }
+        cfg
+    }
 }
 
 /// The all-reduce of `--after-large`: above `CollectiveConfig::shm_min_bytes`
@@ -384,9 +411,7 @@ pub fn run(args: &RunArgs, mut emit: impl FnMut(Value)) -> Result<()> {
                 read_ahead: args.read_ahead,
                 algorithm: args.algorithm,
                 after_large: args.after_large,
-                shm_spin_us: args.shm_spin_us,
-                shm_min_bytes: args.shm_min_bytes,
-                copy_threads: args.copy_threads,
+                shm: args.shm.clone(),
                 load: load.clone(),
             };
             let mut v = run_ranks(&exe, &rank)?;
@@ -395,14 +420,8 @@ pub fn run(args: &RunArgs, mut emit: impl FnMut(Value)) -> Result<()> {
                 if args.scenario.is_collective() {
                     m.insert("algorithm".into(), json!(args.algorithm.name()));
                     m.insert("after_large".into(), json!(args.after_large));
-                    if let Some(us) = args.shm_spin_us {
-                        m.insert("shm_spin_us".into(), json!(us));
-                    }
-                    if let Some(b) = args.shm_min_bytes {
-                        m.insert("shm_min_bytes".into(), json!(b));
-                    }
-                    if let Some(k) = args.copy_threads {
-                        m.insert("copy_threads".into(), json!(k));
+                    for (name, v) in args.shm.given() {
+                        m.insert(name.into(), json!(v));
                     }
                 }
             }
@@ -427,16 +446,19 @@ fn rank_command(exe: &std::path::Path, a: &RankArgs, rank: u32, addr: &str) -> C
         .args(["--read-ahead", &a.read_ahead.to_string()])
         .args(["--algorithm", a.algorithm.name()])
         .args(a.after_large.then_some("--after-large"))
-        .args(a.shm_spin_us.map(|us| format!("--shm-spin-us={us}")))
-        .args(a.shm_min_bytes.map(|b| format!("--shm-min-bytes={b}")))
-        .args(a.copy_threads.map(|k| format!("--copy-threads={k}")))
+        .args(
+            a.shm
+                .given()
+                .into_iter()
+                .map(|(name, v)| format!("--{}={v}", name.replace('_', "-"))),
+        )
         .args(["--bytes", &a.load.bytes.to_string()])
         .args(["--min-messages", &a.load.min_messages.to_string()])
         .args(["--rounds", &a.load.rounds.to_string()])
         .args(["--max-iters", &a.load.max_iters.to_string()])
         .args(["--min-iters", &a.load.min_iters.to_string()])
         .stdin(Stdio::null());
-    if let Some(k) = a.copy_threads {
+    if let Some(k) = a.shm.copy_threads {
         c.env("MULTIWORLD_SHM_COPY_THREADS", k.to_string());
     }
     c
@@ -745,18 +767,12 @@ async fn leader(m: &WorldManager, a: &RankArgs, addr: &str) -> Result<Option<Val
 /// The world's collectives with the algorithm of `--algorithm`, after the
 /// untimed all-reduce of `--after-large`.
 async fn group(w: &World, a: &RankArgs) -> Result<multiworld::Group> {
-    let g = match (a.algorithm, a.shm_spin_us, a.shm_min_bytes) {
-        (AlgorithmArg::Auto, None, None) => w.collectives().clone(),
-        (alg, spin, min) => {
-            let mut cfg = multiworld_collectives::CollectiveConfig::default().with_algorithm(alg.algorithm());
-            if let Some(us) = spin {
-                cfg = cfg.with_shm_spin(std::time::Duration::from_micros(us));
-            }
-            if let Some(b) = min {
-                cfg.shm_min_bytes = b;
-            }
-            w.collectives().with_config(cfg)
-        }
+    let tuned = a.shm.shm_spin_us.is_some() || a.shm.shm_min_bytes.is_some();
+    let g = if a.algorithm == AlgorithmArg::Auto && !tuned {
+        w.collectives().clone()
+    } else {
+        let cfg = multiworld_collectives::CollectiveConfig::default().with_algorithm(a.algorithm.algorithm());
+        w.collectives().with_config(a.shm.apply(cfg))
     };
     if a.after_large {
         g.all_reduce(&mut buffer(AFTER_LARGE_BYTES)?, ReduceOp::Sum)

@@ -1025,11 +1025,7 @@ async fn copy_yielding<T: Copy + Send + Sync>(dst: &mut [T], src: &[T], stream: 
 /// copy does not stay in the caches anyway; 64 MiB here: 6.2–6.4 ms against
 /// 9.0–9.6 ms for `copy_from_slice`.
 pub(crate) fn copy_large<T: Copy + Send + Sync>(dst: &mut [T], src: &[T]) {
-    let big = std::mem::size_of_val(src) >= STREAM_MIN_BYTES;
-    let step = (YIELD_BYTES / std::mem::size_of::<T>().max(1)).max(1);
-    for (d, s) in dst.chunks_mut(step).zip(src.chunks(step)) {
-        copy_shared(d, s, big);
-    }
+    copy_shared(dst, src, std::mem::size_of_val(src) >= STREAM_MIN_BYTES);
 }
 
 /// Ranges of at least this many bytes are copied by this thread and the

@@ -75,9 +75,7 @@ fn main() {
                 read_ahead: multiworld::DEFAULT_READ_AHEAD,
                 algorithm: ranks::AlgorithmArg::Auto,
                 after_large: false,
-                shm_spin_us: None,
-                shm_min_bytes: None,
-                copy_threads: None,
+                shm: ranks::ShmTuning::default(),
                 load: load.clone(),
             };
             ranks::run(&a, print)
