@@ -1735,9 +1735,40 @@ fn calls_agree_through_the_segment_once_it_is_set_up() {
 /// every member agrees over TCP, and the calls give exact results.
 #[test]
 fn a_call_dropped_while_it_used_the_segment_fails_the_others_then_the_group_uses_tcp() {
-    run(async {
+    run(dropped_while_using_the_segment(Dropped::AllReduce));
+}
+
+/// As above, the dropped call a broadcast from the dropped member: the
+/// others wait in the broadcast's steps for pieces it never writes.
+#[test]
+fn a_broadcast_dropped_on_its_root_fails_the_others_then_the_group_uses_tcp() {
+    run(dropped_while_using_the_segment(Dropped::BroadcastFromIt));
+}
+
+/// The call that member 1 drops while it uses the segment.
+#[derive(Clone, Copy, Debug)]
+enum Dropped {
+    AllReduce,
+    /// A broadcast from member 1.
+    BroadcastFromIt,
+}
+
+impl Dropped {
+    async fn call(self, g: &Group, t: &mut Tensor) -> multiworld_tcp::Result<()> {
+        match self {
+            Dropped::AllReduce => g.all_reduce(t, ReduceOp::Sum).await,
+            Dropped::BroadcastFromIt => g.broadcast(t, Rank(1)).await,
+        }
+    }
+}
+
+/// Member 1 drops a `dropped` call while it waits for the others: they fail
+/// once its next call abandons the segment, and from then on every call of
+/// the group goes over TCP.
+async fn dropped_while_using_the_segment(dropped: Dropped) {
+    {
         const N: usize = 3;
-        let gs = groups("shm-abandoned", N as u32).await;
+        let gs = groups(&format!("shm-abandoned-{dropped:?}"), N as u32).await;
         let large = CollectiveConfig::default().shm_min_bytes / 4;
         let ins: Vec<Tensor> = (0..N).map(|r| general_input(DType::F32, large, r, 31)).collect();
         sum_checked(&gs, ins.clone(), "setting up").await;
@@ -1749,12 +1780,8 @@ fn a_call_dropped_while_it_used_the_segment_fails_the_others_then_the_group_uses
 
         // Member 1 calls alone and is dropped while it waits for the others.
         let mut t = ins[1].clone();
-        let dropped = tokio::time::timeout(
-            Duration::from_millis(100),
-            gs[1].all_reduce(&mut t, ReduceOp::Sum),
-        )
-        .await;
-        assert!(dropped.is_err(), "the call cannot end before the others make it");
+        let ended = tokio::time::timeout(Duration::from_millis(100), dropped.call(&gs[1], &mut t)).await;
+        assert!(ended.is_err(), "the call cannot end before the others make it");
         // The others make that call: member 1's arrival lets them through the
         // agreement, then they wait for it in the algorithm.
         let others: Vec<_> = [0, 2]
@@ -1762,9 +1789,7 @@ fn a_call_dropped_while_it_used_the_segment_fails_the_others_then_the_group_uses
             .map(|me| {
                 let (g, mut t) = (gs[me].clone(), ins[me].clone());
                 tokio::spawn(async move {
-                    let r =
-                        tokio::time::timeout(Duration::from_secs(20), g.all_reduce(&mut t, ReduceOp::Sum))
-                            .await;
+                    let r = tokio::time::timeout(Duration::from_secs(20), dropped.call(&g, &mut t)).await;
                     (r.expect("the others must not hang"), Instant::now())
                 })
             })
@@ -1828,7 +1853,7 @@ fn a_call_dropped_while_it_used_the_segment_fails_the_others_then_the_group_uses
                 "ring"
             );
         }
-    });
+    }
 }
 
 /// A call dropped after its member arrived at the agreement barrier: the
