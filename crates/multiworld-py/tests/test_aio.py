@@ -385,6 +385,68 @@ def test_a_large_message_waiting_in_the_socket_is_received_in_the_call(monkeypat
         asyncio.run(asyncio.wait_for(main(), 60))
 
 
+def _read_in_call(manager) -> float:
+    """The manager's ``multiworld_received_in_call_messages_total``: messages
+    whose payload a receiving call read from the socket itself."""
+    return sum(
+        float(line.split()[-1])
+        for line in manager.sync.metrics_text().splitlines()
+        if line.startswith("multiworld_received_in_call_messages_total")
+    )
+
+
+def test_a_small_message_held_back_is_left_to_the_reader_on_the_loop():
+    """64 KiB messages (small enough to be read ahead) from a sender far
+    ahead: the connection's reader reads 16 of them ahead (its 1 MiB window)
+    and holds the next back until a receive wants it. A blocking receive
+    that finds it held back reads it from the socket in its call; an asyncio
+    receive leaves it to the reader, which it wakes, so that the event
+    loop's thread (which serves every world alone) never spends a socket
+    read on a message the reader would have read ahead: the runtime's
+    count of messages read in the call stays 0. The control (the blocking
+    receives) shows that the situation arises. Every message arrives intact
+    and in order either way."""
+    n, rounds, size = 20, 3, 16 << 10  # float32: 64 KiB messages
+
+    async def run(blocking: bool) -> float:
+        a, b, w0, w1 = await pair()
+        go = [threading.Event() for _ in range(rounds)]
+
+        def send_all():
+            for r in range(rounds):
+                go[r].wait(10)
+                for i in range(n):
+                    w1.sync.send(np.full(size, r * n + i, np.float32), 0, 6)
+
+        t = threading.Thread(target=send_all, daemon=True)
+        t.start()
+        out = np.zeros(size, np.float32)
+        for r in range(rounds):
+            go[r].set()
+            # The sender gets far ahead: 16 read ahead, the next held back.
+            await asyncio.sleep(0.15)
+            for i in range(n):
+                if blocking:
+                    assert w0.sync.recv_into(out, 1, 6) == 1
+                else:
+                    assert await w0.recv_into(out, 1, 6) == 1
+                k = r * n + i
+                assert out[0] == k and out[-1] == k and (out == k).all(), (k, out[0])
+        t.join(10)
+        count = _read_in_call(a)
+        await asyncio.gather(w0.finish(10), w1.finish(10))
+        await a.shutdown()
+        await b.shutdown()
+        return count
+
+    with loop_copy_max(2**64 - 1):
+        blocking = asyncio.run(asyncio.wait_for(run(True), 60))
+        on_loop = asyncio.run(asyncio.wait_for(run(False), 60))
+    print("read in the call: blocking", blocking, "asyncio", on_loop)
+    assert blocking >= 1, "the control never found a 64 KiB message held back"
+    assert on_loop == 0, on_loop
+
+
 def test_the_loop_copy_limit_decides_what_the_loop_takes_itself():
     """A message larger than ``loop_copy_max`` is never copied on the event
     loop's thread, even when it is here: the shortcut does not take it (it

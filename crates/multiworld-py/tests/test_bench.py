@@ -108,6 +108,26 @@ def test_the_asyncio_paths_benchmark_runs():
     assert len(out) == 7 and all(v > 0 for v in out.values()), out
 
 
+def test_the_asyncio_leader_loop_benchmark_runs():
+    """``bench/asyncio_leader_loop.py`` with the quick load and two workers:
+    every message is counted once, taken at once or through the loop, and
+    the figures are positive (no timing is checked)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    sys.path.insert(0, str(root / "bench"))
+    try:
+        import asyncio_leader_loop as script
+
+        r = script.one_run(2, 64 << 10, bench.Load.quick())
+    finally:
+        sys.path.pop(0)
+    assert r["at_once"] + r["through_loop"] == r["messages"] > 0, r
+    assert 0 <= r["done_posting"] <= r["through_loop"], r
+    assert r["gb_per_s"] > 0 and r["loop_busy_us"] > 0, r
+    assert "GB/s" in script.describe(r)
+
+
 def test_the_async_all_reduce_benchmark_runs():
     """``bench/async_all_reduce.py`` with two small runs: its ranks check
     every result; a positive median comes back (no timing is checked)."""

@@ -713,7 +713,31 @@ impl Communicator {
     /// receive: a message that arrives later goes to the next matching receive (if
     /// it was already arriving, it is kept for the next matching receive too).
     pub fn irecv(&self, src: impl Into<Source>, tag: Tag, buf: Tensor) -> RecvHandle {
-        let state = match self.inner.post_recv(src.into(), tag, buf) {
+        self.post(src.into(), tag, buf, None)
+    }
+
+    /// [`Communicator::irecv`], except that a held-back message of at most
+    /// `leave_up_to` payload bytes is not read in this call: the
+    /// connection's reader is woken and reads it into `buf`. For a thread
+    /// whose time is worth more than the runtime's (an event loop's, which
+    /// serves many connections alone): a message small enough to be read
+    /// ahead is held back only until the reader runs again (the frame
+    /// behind one read in a call, say), and reading it from the socket
+    /// costs the caller several times what copying it once read ahead does.
+    /// A message read ahead is still copied in this call.
+    pub fn irecv_leaving(
+        &self,
+        src: impl Into<Source>,
+        tag: Tag,
+        buf: Tensor,
+        leave_up_to: usize,
+    ) -> RecvHandle {
+        self.post(src.into(), tag, buf, Some(leave_up_to))
+    }
+
+    /// [`Communicator::irecv_leaving`], `None` leaving nothing to the reader.
+    fn post(&self, src: Source, tag: Tag, buf: Tensor, leave_up_to: Option<usize>) -> RecvHandle {
+        let state = match self.inner.post_recv(src, tag, buf, leave_up_to) {
             Posting::Done(d) => {
                 self.inner.ready_in_a_row.fetch_add(1, Ordering::Relaxed);
                 RecvState::Ready(d)
@@ -1121,7 +1145,9 @@ impl Inner {
         }
     }
 
-    fn post_recv(&self, src: Source, tag: Tag, mut buf: Tensor) -> Posting {
+    /// Posts a receive (see [`Communicator::irecv_leaving`] for
+    /// `leave_up_to`; `None`: no frame is left to the reader).
+    fn post_recv(&self, src: Source, tag: Tag, mut buf: Tensor, leave_up_to: Option<usize>) -> Posting {
         let fail = |buf, e| Posting::Done(RecvDone { buf, result: Err(e) });
         if let Source::Rank(r) = src {
             if let Err(e) = self.check_rank(r, "source") {
@@ -1173,7 +1199,7 @@ impl Inner {
             }
         };
         if let Some(p) = candidate {
-            if self.read_parked(p) {
+            if self.read_parked(p, leave_up_to) {
                 p.wake.notify_one();
             }
             if let Ok(done) = rx.try_recv() {
@@ -1203,7 +1229,11 @@ impl Inner {
     /// Returns whether the reader must be woken: not when the link is left
     /// holding back a frame that no posted receive takes, which is what the
     /// reader was doing (it wakes by itself within [`CLOSED_POLL`]).
-    fn read_parked(&self, peer: &Peer) -> bool {
+    ///
+    /// A frame of at most `leave_up_to` payload bytes is left to the
+    /// reader, as one no posted receive fits is (see
+    /// [`Communicator::irecv_leaving`]).
+    fn read_parked(&self, peer: &Peer, leave_up_to: Option<usize>) -> bool {
         if self.closing.load(Ordering::Relaxed) {
             return true;
         }
@@ -1223,7 +1253,8 @@ impl Inner {
                 held.frame = Some(f);
                 break true;
             }
-            let fits = f.len <= left && f.dtype != DType::Bool;
+            let left_to_reader = leave_up_to.is_some_and(|max| f.len <= max);
+            let fits = f.len <= left && !left_to_reader && f.dtype != DType::Bool;
             let taken = if fits {
                 self.lock().take_posted_fitting(peer.rank, f.tag, f.dtype, f.len)
             } else {

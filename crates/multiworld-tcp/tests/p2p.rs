@@ -714,6 +714,73 @@ async fn held_back_messages_are_read_by_the_receiving_call_over_memory() {
     held_back_messages_are_read_by_the_receiving_call(a, b).await;
 }
 
+/// `irecv_leaving`: a held-back message of at most the bound is left to
+/// the connection's reader, which the post wakes, instead of being read in
+/// the posting call. 48 KiB messages (too large to read ahead with the
+/// default 16 KiB `eager_limit`, so each is held back while its receive is
+/// not posted) from a sender ahead of a slow receiver: posted with a
+/// 64 KiB bound, none is read in its call, and every one arrives intact
+/// and in order; then, as the control, the same messages posted with
+/// `irecv` are read in their calls.
+async fn held_back_messages_within_the_bound_are_left_to_the_reader(a: Communicator, b: Communicator) {
+    const N: usize = 16;
+    const SIZE: usize = 48 << 10;
+    let sender = tokio::spawn(async move {
+        for i in 0..2 * N {
+            a.send(Rank(1), Tag(7), &patterned(DType::U8, SIZE, i as u8))
+                .await
+                .unwrap();
+        }
+        a
+    });
+    let in_call = || b.peer_stats(Rank(0)).unwrap().messages_read_in_call;
+    for i in 0..2 * N {
+        // Slow: the next message is held back before its receive is posted.
+        tokio::time::sleep(Duration::from_millis(3)).await;
+        let buf = Tensor::zeros(DType::U8, [SIZE]).unwrap();
+        let h = if i < N {
+            b.irecv_leaving(Rank(0), Tag(7), buf, 64 << 10)
+        } else {
+            b.irecv(Rank(0), Tag(7), buf)
+        };
+        let got = h.wait().await.unwrap();
+        assert_eq!(got.src, Rank(0));
+        assert!(
+            got.tensor.as_bytes() == patterned(DType::U8, SIZE, i as u8).as_bytes(),
+            "message {i} arrived altered"
+        );
+        if i + 1 == N {
+            assert_eq!(in_call(), 0, "a message within the bound was read in its call");
+        }
+    }
+    let stats = b.peer_stats(Rank(0)).unwrap();
+    assert_eq!(stats.messages_received, 2 * N as u64);
+    eprintln!(
+        "{N} left to the reader, then {N} posted with irecv: {} read in the call",
+        stats.messages_read_in_call
+    );
+    assert!(
+        stats.messages_read_in_call >= 1,
+        "the control: no held-back message was read in its receiving call"
+    );
+    assert!(b.health().is_healthy());
+    sender.await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_back_messages_within_the_bound_are_left_to_the_reader_over_tcp() {
+    let (a, b) = pair("leave-to-reader").await;
+    held_back_messages_within_the_bound_are_left_to_the_reader(a, b).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_back_messages_within_the_bound_are_left_to_the_reader_over_memory() {
+    let mut v = multiworld_testkit::memory::memory_mesh("leave-to-reader-memory", 2);
+    let b = v.pop().unwrap();
+    let a = v.pop().unwrap();
+    held_back_messages_within_the_bound_are_left_to_the_reader(a, b).await;
+}
+
 /// Any-source receives read held-back messages in the call too, the
 /// earliest to arrive first: two senders take turns being first, and each
 /// receive gets the one that came first, whole and in the call.

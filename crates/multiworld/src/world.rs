@@ -1026,10 +1026,29 @@ impl World {
     /// the handle gives back the sender and the filled tensor. Dropping the
     /// handle cancels the receive.
     pub fn irecv(&self, src: Option<Rank>, tag: Tag, buf: Tensor) -> PendingRecv {
+        self.post_recv(src, tag, buf, false)
+    }
+
+    /// [`World::irecv`] for a thread whose time is worth more than the
+    /// runtime's (an event loop's, serving many worlds alone): a message
+    /// small enough to be read ahead ([`WorldConfig::read_ahead`]) that its
+    /// connection's reader has held back for the moment is left to the
+    /// reader, which is woken, instead of being read from the socket in
+    /// this call (`Communicator::irecv_leaving`); larger ones are read in
+    /// the call as by [`World::irecv`], and one already read ahead is
+    /// copied in the call.
+    pub fn irecv_leaving_small(&self, src: Option<Rank>, tag: Tag, buf: Tensor) -> PendingRecv {
+        self.post_recv(src, tag, buf, true)
+    }
+
+    /// [`World::irecv`] (`leave_small`: [`World::irecv_leaving_small`]).
+    fn post_recv(&self, src: Option<Rank>, tag: Tag, buf: Tensor, leave_small: bool) -> PendingRecv {
         let source = src.map_or(multiworld_tcp::Source::Any, multiworld_tcp::Source::Rank);
         let bytes = buf.nbytes() as u64;
+        let comm = &self.shared.comm;
         let inner = match self.shared.check().and_then(|()| self.shared.check_tag(tag)) {
-            Ok(()) => Ok(self.shared.comm.irecv(source, tag, buf)),
+            Ok(()) if leave_small => Ok(comm.irecv_leaving(source, tag, buf, comm.config().eager_limit)),
+            Ok(()) => Ok(comm.irecv(source, tag, buf)),
             Err(error) => Err(ReceiveFailed { error, buffer: buf }),
         };
         PendingRecv {
