@@ -1204,6 +1204,28 @@ impl World {
         Ok(true)
     }
 
+    /// `World.reduce`'s fast path (blocking), as
+    /// [`World::all_reduce_plain`]: `root` must be a Python int (anything
+    /// else returns false, for the general path to word the error); the
+    /// root's array gets the result, the others' are left as they were.
+    fn reduce_plain(
+        &self,
+        py: Python<'_>,
+        obj: &Bound<'_, PyAny>,
+        root: &Bound<'_, PyAny>,
+        op: &str,
+    ) -> PyResult<bool> {
+        let (Some(root), Some(a)) = (index(root), lent::plain(obj)) else {
+            return Ok(false);
+        };
+        let op = reduce_op(op)?;
+        let Some(loan) = a.lend("reduce")? else {
+            return Ok(false);
+        };
+        self.in_place(py, loan, InPlace::Reduce(Rank(root), op))?;
+        Ok(true)
+    }
+
     /// Sends a flat byte view of `dtype` elements to `dst` (no copy).
     fn send(&self, py: Python<'_>, data: Readable<'_>, dtype: &str, dst: u32, tag: u32) -> PyResult<()> {
         let bytes = data

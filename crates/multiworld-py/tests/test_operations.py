@@ -116,8 +116,9 @@ def test_wait_spin_is_bounded():
 
 
 def test_in_place_fast_paths(pair):
-    """A blocking all_reduce or broadcast of a plain, writeable numpy array
-    is lent to the runtime natively (`all_reduce_plain`, `broadcast_plain`);
+    """A blocking all_reduce, broadcast or reduce of a plain, writeable numpy
+    array is lent to the runtime natively (`all_reduce_plain`,
+    `broadcast_plain`, `reduce_plain`);
     anything else (a view with strides, a read-only array, a root that is
     not an int) is left to the general path, which gives the same results
     and words the errors."""
@@ -129,6 +130,11 @@ def test_in_place_fast_paths(pair):
     b = [np.full(3, 7 * r, np.int64) for r in range(2)]
     assert both(lambda: w0._w.broadcast_plain(b[0], 1), lambda: w1._w.broadcast_plain(b[1], 1)) == [True, True]
     assert (b[0] == 7).all()
+    c = [np.arange(5, dtype=np.int32) * (r + 2) for r in range(2)]
+    assert both(lambda: w0._w.reduce_plain(c[0], 0, "prod"),
+                lambda: w1._w.reduce_plain(c[1], 0, "prod")) == [True, True]
+    assert (c[0] == np.arange(5) ** 2 * 6).all()  # the root: 2x * 3x
+    assert (c[1] == np.arange(5) * 3).all()  # the other: as it was
     # Not plain: nothing done here, so nothing to pair with on the other side.
     strided = np.arange(8, dtype=np.float32)[::2]
     read_only = np.arange(4, dtype=np.float32)
@@ -136,7 +142,10 @@ def test_in_place_fast_paths(pair):
     for x in (strided, read_only, [1.0, 2.0]):
         assert w0._w.all_reduce_plain(x, "max") is False
         assert w0._w.broadcast_plain(x, 0) is False
+        assert w0._w.reduce_plain(x, 0, "sum") is False
     assert w0._w.broadcast_plain(np.zeros(2, np.float32), "0") is False
+    assert w0._w.reduce_plain(np.zeros(2, np.float32), "0", "sum") is False
+    assert w0._w.reduce_plain(np.zeros(2, np.float32), -1, "sum") is False
     # The public calls: the fast path for plain arrays, the general one for
     # a strided view, the same results.
     s = [np.arange(8, dtype=np.float64)[::2] * (r + 1) for r in range(2)]
@@ -144,8 +153,18 @@ def test_in_place_fast_paths(pair):
     both(lambda: (w0.all_reduce(s[0], "max"), w0.all_reduce(p[0], "max")),
          lambda: (w1.all_reduce(s[1], "max"), w1.all_reduce(p[1], "max")))
     assert (s[0] == np.arange(0, 8, 2) * 2).all() and (p[0] == np.arange(4) * 2).all()
+    s = [np.arange(8, dtype=np.float64)[::2] * (r + 1) for r in range(2)]
+    p = [np.arange(4, dtype=np.float64) * (r + 1) for r in range(2)]
+    both(lambda: (w0.reduce(s[0], 1), w0.reduce(p[0], 1)),
+         lambda: (w1.reduce(s[1], 1), w1.reduce(p[1], 1)))
+    assert (s[1] == np.arange(0, 8, 2) * 3).all() and (p[1] == np.arange(4) * 3).all()
+    assert (s[0] == np.arange(0, 8, 2)).all() and (p[0] == np.arange(4)).all()
     # Errors are the general path's: an unknown op, a root out of range.
     with pytest.raises(ValueError, match="op"):
         w0.all_reduce(np.zeros(2, np.float32), "median")
     with pytest.raises(ValueError):
         w0.broadcast(np.zeros(2, np.float32), 5)
+    with pytest.raises(ValueError):
+        w0.reduce(np.zeros(2, np.float32), 5)
+    with pytest.raises(ValueError, match="op"):
+        w0.reduce(np.zeros(2, np.float32), 0, "median")

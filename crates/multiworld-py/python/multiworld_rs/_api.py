@@ -564,6 +564,8 @@ class World:
             work = self._lent("reduce", tensor, _u32("dst", dst), _op(op))
             if work is not None:
                 return work
+        elif self._w.reduce_plain(tensor, dst, _op(op)):  # a plain numpy array, lent natively
+            return None
         try:
             arr, (dtype, shp) = T.out_spec(tensor)
             dst = _u32("dst", dst)
