@@ -437,6 +437,34 @@ impl<'a> Plain<'a> {
         fast(Loan::of(self.ptr, self.len, self.dtype, self.shape()), what)
     }
 
+    /// The array lent for reading to one blocking call (a collective's
+    /// input, passed as `&Tensor`: nothing writes through it, so a
+    /// read-only array is fine). `Ok(None)` for a `bool` array (the general
+    /// path copies it: the call would read as `bool` bytes another thread
+    /// may change) and for memory `from_external` refuses; `ValueError`
+    /// while a call that writes the memory holds it.
+    pub fn lend_to_read(&self, what: &str) -> PyResult<Option<Loan>> {
+        if self.dtype == DType::Bool {
+            return Ok(None);
+        }
+        let (tx, held) = mpsc::channel();
+        let lent = lend_tensor(
+            self.ptr,
+            self.len,
+            self.dtype,
+            self.shape(),
+            Held::Call(tx),
+            Access::Read,
+        );
+        fast(lent.map(|tensor| Loan { tensor, held }), what)
+    }
+
+    /// Whether this array's memory and `other`'s overlap.
+    pub fn overlaps(&self, other: &Plain<'_>) -> bool {
+        let (a, b) = (self.ptr as usize, other.ptr as usize);
+        a < b.saturating_add(other.len) && b < a.saturating_add(self.len)
+    }
+
     /// The array lent to a background operation (`irecv`): the tensor holds
     /// a reference to the array, and [`Released`] resolves once the runtime
     /// has let go of it. `Ok(None)` and errors as for [`Plain::lend`].

@@ -67,6 +67,35 @@ fn index(v: &Bound<'_, PyAny>) -> Option<u32> {
     v.extract::<u32>().ok()
 }
 
+/// The arrays of a two-array in-place collective's fast path (`what`): the
+/// output lent for writing, the input for reading; `None` (nothing lent)
+/// unless both are plain numpy arrays of one dtype that share no memory and
+/// can be lent (the general path copies an input lying in the output, and
+/// words every error).
+fn lend_out_in(
+    py: Python<'_>,
+    out: &Bound<'_, PyAny>,
+    input: &Bound<'_, PyAny>,
+    what: &str,
+) -> PyResult<Option<(Loan, Loan)>> {
+    let (Some(o), Some(i)) = (lent::plain(out), lent::plain(input)) else {
+        return Ok(None);
+    };
+    if o.dtype != i.dtype || o.overlaps(&i) {
+        return Ok(None);
+    }
+    let Some(loan) = o.lend(&format!("{what} output"))? else {
+        return Ok(None);
+    };
+    match i.lend_to_read(&format!("{what} input")) {
+        Ok(Some(input)) => Ok(Some((loan, input))),
+        other => {
+            loan.settle(py);
+            other.map(|_| None)
+        }
+    }
+}
+
 /// The arguments of a receive's fast path: the source (`None`: any), the
 /// tag and the plain array; `None` if any of them needs the general path.
 fn plain_recv<'a>(
@@ -1223,6 +1252,41 @@ impl World {
             return Ok(false);
         };
         self.in_place(py, loan, InPlace::Reduce(Rank(root), op))?;
+        Ok(true)
+    }
+
+    /// `World.all_gather_into_tensor`'s fast path (blocking): plain numpy
+    /// arrays of one dtype that share no memory, the output writeable, both
+    /// lent for the call (see [`lend_out_in`]). Returns false, doing
+    /// nothing, otherwise (the Python layer then takes its general path,
+    /// which also copies an input lying in the output).
+    fn all_gather_into_tensor_plain(
+        &self,
+        py: Python<'_>,
+        out: &Bound<'_, PyAny>,
+        input: &Bound<'_, PyAny>,
+    ) -> PyResult<bool> {
+        let Some((loan, input)) = lend_out_in(py, out, input, "all_gather_into_tensor")? else {
+            return Ok(false);
+        };
+        self.in_place(py, loan, InPlace::AllGatherFrom(CallInput::Lent(input)))?;
+        Ok(true)
+    }
+
+    /// `World.reduce_scatter_tensor`'s fast path (blocking), as
+    /// [`World::all_gather_into_tensor_plain`], reducing with `op`.
+    fn reduce_scatter_tensor_plain(
+        &self,
+        py: Python<'_>,
+        out: &Bound<'_, PyAny>,
+        input: &Bound<'_, PyAny>,
+        op: &str,
+    ) -> PyResult<bool> {
+        let op = reduce_op(op)?;
+        let Some((loan, input)) = lend_out_in(py, out, input, "reduce_scatter_tensor")? else {
+            return Ok(false);
+        };
+        self.in_place(py, loan, InPlace::ReduceScatterFrom(CallInput::Lent(input), op))?;
         Ok(true)
     }
 

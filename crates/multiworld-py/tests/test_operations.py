@@ -118,7 +118,8 @@ def test_wait_spin_is_bounded():
 def test_in_place_fast_paths(pair):
     """A blocking all_reduce, broadcast or reduce of a plain, writeable numpy
     array is lent to the runtime natively (`all_reduce_plain`,
-    `broadcast_plain`, `reduce_plain`);
+    `broadcast_plain`, `reduce_plain`), and so are the two arrays of an
+    all_gather_into_tensor or reduce_scatter_tensor that share no memory;
     anything else (a view with strides, a read-only array, a root that is
     not an int) is left to the general path, which gives the same results
     and words the errors."""
@@ -135,6 +136,29 @@ def test_in_place_fast_paths(pair):
                 lambda: w1._w.reduce_plain(c[1], 0, "prod")) == [True, True]
     assert (c[0] == np.arange(5) ** 2 * 6).all()  # the root: 2x * 3x
     assert (c[1] == np.arange(5) * 3).all()  # the other: as it was
+    # Two arrays: the output written, the input only read (read-only is fine).
+    ins = [np.arange(3, dtype=np.float32) + 10 * r for r in range(2)]
+    ins[1].flags.writeable = False
+    outs = [np.zeros(6, np.float32) for _ in range(2)]
+    assert both(lambda: w0._w.all_gather_into_tensor_plain(outs[0], ins[0]),
+                lambda: w1._w.all_gather_into_tensor_plain(outs[1], ins[1])) == [True, True]
+    for o in outs:
+        assert (o == np.concatenate(ins)).all()
+    rs_in = [np.arange(4, dtype=np.int64) * (r + 1) for r in range(2)]
+    rs_out = [np.zeros(2, np.int64) for _ in range(2)]
+    assert both(lambda: w0._w.reduce_scatter_tensor_plain(rs_out[0], rs_in[0], "sum"),
+                lambda: w1._w.reduce_scatter_tensor_plain(rs_out[1], rs_in[1], "sum")) == [True, True]
+    assert (rs_out[0] == [0, 3]).all() and (rs_out[1] == [6, 9]).all()
+    # Declined: an input inside the output, another dtype, a read-only or
+    # strided output, bool arrays.
+    whole = np.zeros(6, np.float32)
+    ro_out = np.zeros(6, np.float32)
+    ro_out.flags.writeable = False
+    for out, inp in ((whole, whole[:3]), (whole, np.zeros(3, np.float64)), (ro_out, np.zeros(3, np.float32)),
+                     (np.zeros(12, np.float32)[::2], np.zeros(3, np.float32)),
+                     (np.zeros(6, bool), np.zeros(3, bool))):
+        assert w0._w.all_gather_into_tensor_plain(out, inp) is False
+        assert w0._w.reduce_scatter_tensor_plain(out, inp, "sum") is False
     # Not plain: nothing done here, so nothing to pair with on the other side.
     strided = np.arange(8, dtype=np.float32)[::2]
     read_only = np.arange(4, dtype=np.float32)
@@ -159,6 +183,21 @@ def test_in_place_fast_paths(pair):
          lambda: (w1.reduce(s[1], 1), w1.reduce(p[1], 1)))
     assert (s[1] == np.arange(0, 8, 2) * 3).all() and (p[1] == np.arange(4) * 3).all()
     assert (s[0] == np.arange(0, 8, 2)).all() and (p[0] == np.arange(4)).all()
+    # An all-gather whose input lies in its output (declined by the fast
+    # path, copied by the general one) and one of plain arrays agree.
+    ag = [np.zeros(4, np.float32) for _ in range(2)]
+    for r in range(2):
+        ag[r][2 * r:2 * r + 2] = [r + 1, r + 2]
+    plain_out = [np.zeros(4, np.float32) for _ in range(2)]
+    plain_in = [np.array([r + 1, r + 2], np.float32) for r in range(2)]
+    both(lambda: (w0.all_gather_into_tensor(ag[0], ag[0][0:2]), w0.all_gather_into_tensor(plain_out[0], plain_in[0])),
+         lambda: (w1.all_gather_into_tensor(ag[1], ag[1][2:4]), w1.all_gather_into_tensor(plain_out[1], plain_in[1])))
+    for r in range(2):
+        assert (ag[r] == [1, 2, 2, 3]).all() and (plain_out[r] == [1, 2, 2, 3]).all()
+    rs = [np.arange(4, dtype=np.float64) * (r + 1) for r in range(2)]
+    rs_o = [np.zeros(2, np.float64) for _ in range(2)]
+    both(lambda: w0.reduce_scatter_tensor(rs_o[0], rs[0], "max"), lambda: w1.reduce_scatter_tensor(rs_o[1], rs[1], "max"))
+    assert (rs_o[0] == [0, 2]).all() and (rs_o[1] == [4, 6]).all()
     # Errors are the general path's: an unknown op, a root out of range.
     with pytest.raises(ValueError, match="op"):
         w0.all_reduce(np.zeros(2, np.float32), "median")
@@ -168,3 +207,5 @@ def test_in_place_fast_paths(pair):
         w0.reduce(np.zeros(2, np.float32), 5)
     with pytest.raises(ValueError, match="op"):
         w0.reduce(np.zeros(2, np.float32), 0, "median")
+    with pytest.raises(ValueError, match="op"):
+        w0.reduce_scatter_tensor(np.zeros(1, np.float32), np.zeros(2, np.float32), "median")

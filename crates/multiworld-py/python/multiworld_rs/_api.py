@@ -608,6 +608,8 @@ class World:
                                async_op: bool = False) -> Optional[Work]:
         """Gathers every member's ``input_tensor`` into ``output_tensor``
         (``size`` times as many elements), concatenated in rank order."""
+        if not async_op and self._w.all_gather_into_tensor_plain(output_tensor, input_tensor):
+            return None  # plain numpy arrays, lent natively
         try:
             view = T.send_view(input_tensor, "input_tensor")
             if async_op:
@@ -709,6 +711,8 @@ class World:
                               async_op: bool = False) -> Optional[Work]:
         """Reduces ``input`` (``size`` segments) over every member; rank i gets
         segment i in ``output``."""
+        if not async_op and self._w.reduce_scatter_tensor_plain(output, input, _op(op)):
+            return None  # plain numpy arrays, lent natively
         try:
             arr, spec = T.out_spec(output, "output")
             view = T.send_view(input, "input")
