@@ -1282,9 +1282,16 @@ impl World {
         input: &Bound<'_, PyAny>,
         op: &str,
     ) -> PyResult<bool> {
-        let op = reduce_op(op)?;
         let Some((loan, input)) = lend_out_in(py, out, input, "reduce_scatter_tensor")? else {
             return Ok(false);
+        };
+        let op = match reduce_op(op) {
+            Ok(op) => op,
+            Err(e) => {
+                loan.settle(py);
+                input.settle(py);
+                return Err(e);
+            }
         };
         self.in_place(py, loan, InPlace::ReduceScatterFrom(CallInput::Lent(input), op))?;
         Ok(true)

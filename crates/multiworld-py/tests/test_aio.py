@@ -406,7 +406,9 @@ def test_a_small_message_held_back_is_left_to_the_reader_on_the_loop():
     count of messages read in the call stays 0. The control (the blocking
     receives) shows that the situation arises. Every message arrives intact
     and in order either way."""
-    n, rounds, size = 20, 3, 16 << 10  # float32: 64 KiB messages
+    # Five rounds: the control needs one held-back message in any of them
+    # (each round's has about 10 ms, the reader's next look, to be posted).
+    n, rounds, size = 20, 5, 16 << 10  # float32: 64 KiB messages
 
     async def run(blocking: bool) -> float:
         a, b, w0, w1 = await pair()

@@ -724,7 +724,10 @@ impl Communicator {
     /// ahead is held back only until the reader runs again (the frame
     /// behind one read in a call, say), and reading it from the socket
     /// costs the caller several times what copying it once read ahead does.
-    /// A message read ahead is still copied in this call.
+    /// A message read ahead is still copied in this call. An any-source
+    /// receive reads in the call as [`Communicator::irecv`] does, so that
+    /// it still takes the earliest held-back message (woken readers would
+    /// race for it).
     pub fn irecv_leaving(
         &self,
         src: impl Into<Source>,
@@ -737,6 +740,7 @@ impl Communicator {
 
     /// [`Communicator::irecv_leaving`], `None` leaving nothing to the reader.
     fn post(&self, src: Source, tag: Tag, buf: Tensor, leave_up_to: Option<usize>) -> RecvHandle {
+        let leave_up_to = leave_up_to.filter(|_| src != Source::Any);
         let state = match self.inner.post_recv(src, tag, buf, leave_up_to) {
             Posting::Done(d) => {
                 self.inner.ready_in_a_row.fetch_add(1, Ordering::Relaxed);

@@ -721,12 +721,14 @@ async fn held_back_messages_are_read_by_the_receiving_call_over_memory() {
 /// not posted) from a sender ahead of a slow receiver: posted with a
 /// 64 KiB bound, none is read in its call, and every one arrives intact
 /// and in order; then, as the control, the same messages posted with
-/// `irecv` are read in their calls.
+/// `irecv` are read in their calls, and so are those posted with
+/// `irecv_leaving` from any source (which must take the earliest held-back
+/// message, so it reads as `irecv` does).
 async fn held_back_messages_within_the_bound_are_left_to_the_reader(a: Communicator, b: Communicator) {
     const N: usize = 16;
     const SIZE: usize = 48 << 10;
     let sender = tokio::spawn(async move {
-        for i in 0..2 * N {
+        for i in 0..3 * N {
             a.send(Rank(1), Tag(7), &patterned(DType::U8, SIZE, i as u8))
                 .await
                 .unwrap();
@@ -734,14 +736,17 @@ async fn held_back_messages_within_the_bound_are_left_to_the_reader(a: Communica
         a
     });
     let in_call = || b.peer_stats(Rank(0)).unwrap().messages_read_in_call;
-    for i in 0..2 * N {
+    let mut by_irecv = 0;
+    for i in 0..3 * N {
         // Slow: the next message is held back before its receive is posted.
         tokio::time::sleep(Duration::from_millis(3)).await;
         let buf = Tensor::zeros(DType::U8, [SIZE]).unwrap();
         let h = if i < N {
             b.irecv_leaving(Rank(0), Tag(7), buf, 64 << 10)
-        } else {
+        } else if i < 2 * N {
             b.irecv(Rank(0), Tag(7), buf)
+        } else {
+            b.irecv_leaving(Source::Any, Tag(7), buf, 64 << 10)
         };
         let got = h.wait().await.unwrap();
         assert_eq!(got.src, Rank(0));
@@ -752,16 +757,20 @@ async fn held_back_messages_within_the_bound_are_left_to_the_reader(a: Communica
         if i + 1 == N {
             assert_eq!(in_call(), 0, "a message within the bound was read in its call");
         }
+        if i + 1 == 2 * N {
+            by_irecv = in_call();
+        }
     }
     let stats = b.peer_stats(Rank(0)).unwrap();
-    assert_eq!(stats.messages_received, 2 * N as u64);
+    assert_eq!(stats.messages_received, 3 * N as u64);
+    let any = stats.messages_read_in_call - by_irecv;
     eprintln!(
-        "{N} left to the reader, then {N} posted with irecv: {} read in the call",
-        stats.messages_read_in_call
+        "{N} left to the reader, then {N} posted with irecv: {by_irecv} read in the call; \
+         {N} any-source: {any} read in the call"
     );
     assert!(
-        stats.messages_read_in_call >= 1,
-        "the control: no held-back message was read in its receiving call"
+        by_irecv >= 1 && any >= 1,
+        "the controls: held-back messages read in their receiving calls: {by_irecv} by irecv, {any} from any source"
     );
     assert!(b.health().is_healthy());
     sender.await.unwrap();

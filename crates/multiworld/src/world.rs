@@ -1036,7 +1036,9 @@ impl World {
     /// reader, which is woken, instead of being read from the socket in
     /// this call (`Communicator::irecv_leaving`); larger ones are read in
     /// the call as by [`World::irecv`], and one already read ahead is
-    /// copied in the call.
+    /// copied in the call. A receive from any member (`src` `None`) reads
+    /// in the call as [`World::irecv`] does, so that it still takes the
+    /// earliest held-back message.
     pub fn irecv_leaving_small(&self, src: Option<Rank>, tag: Tag, buf: Tensor) -> PendingRecv {
         self.post_recv(src, tag, buf, true)
     }
@@ -1047,7 +1049,11 @@ impl World {
         let bytes = buf.nbytes() as u64;
         let comm = &self.shared.comm;
         let inner = match self.shared.check().and_then(|()| self.shared.check_tag(tag)) {
-            Ok(()) if leave_small => Ok(comm.irecv_leaving(source, tag, buf, comm.config().eager_limit)),
+            Ok(()) if leave_small => {
+                // What the reader reads ahead (as the transport bounds it).
+                let ahead = comm.config().eager_limit.min(comm.config().unexpected_budget);
+                Ok(comm.irecv_leaving(source, tag, buf, ahead))
+            }
             Ok(()) => Ok(comm.irecv(source, tag, buf)),
             Err(error) => Err(ReceiveFailed { error, buffer: buf }),
         };
