@@ -67,35 +67,6 @@ fn index(v: &Bound<'_, PyAny>) -> Option<u32> {
     v.extract::<u32>().ok()
 }
 
-/// The arrays of a two-array in-place collective's fast path (`what`): the
-/// output lent for writing, the input for reading; `None` (nothing lent)
-/// unless both are plain numpy arrays of one dtype that share no memory and
-/// can be lent (the general path copies an input lying in the output, and
-/// words every error).
-fn lend_out_in(
-    py: Python<'_>,
-    out: &Bound<'_, PyAny>,
-    input: &Bound<'_, PyAny>,
-    what: &str,
-) -> PyResult<Option<(Loan, Loan)>> {
-    let (Some(o), Some(i)) = (lent::plain(out), lent::plain(input)) else {
-        return Ok(None);
-    };
-    if o.dtype != i.dtype || o.overlaps(&i) {
-        return Ok(None);
-    }
-    let Some(loan) = o.lend(&format!("{what} output"))? else {
-        return Ok(None);
-    };
-    match i.lend_to_read(&format!("{what} input")) {
-        Ok(Some(input)) => Ok(Some((loan, input))),
-        other => {
-            loan.settle(py);
-            other.map(|_| None)
-        }
-    }
-}
-
 /// The arguments of a receive's fast path: the source (`None`: any), the
 /// tag and the plain array; `None` if any of them needs the general path.
 fn plain_recv<'a>(
@@ -498,6 +469,65 @@ enum InPlace {
 }
 
 impl World {
+    /// A blocking in-place collective's fast path on `obj` (`what`): false,
+    /// doing nothing, unless it is a plain, writeable numpy array that can
+    /// be lent and `call` (made once the array is known to be plain, so
+    /// that the general path words the errors of anything else) says which
+    /// collective (`None`: an argument the general path must take).
+    fn in_place_plain(
+        &self,
+        py: Python<'_>,
+        obj: &Bound<'_, PyAny>,
+        what: &str,
+        call: impl FnOnce() -> PyResult<Option<InPlace>>,
+    ) -> PyResult<bool> {
+        let Some(a) = lent::plain(obj) else {
+            return Ok(false);
+        };
+        let Some(call) = call()? else {
+            return Ok(false);
+        };
+        let Some(loan) = a.lend(what)? else {
+            return Ok(false);
+        };
+        self.in_place(py, loan, call)?;
+        Ok(true)
+    }
+
+    /// [`World::in_place_plain`] for a collective of an output and a
+    /// separate input: both plain numpy arrays of one dtype that share no
+    /// memory, the output lent for writing and the input for reading;
+    /// `call` (made once both are known to qualify) makes the collective
+    /// from the input.
+    fn pair_in_place_plain<F: FnOnce(CallInput) -> InPlace>(
+        &self,
+        py: Python<'_>,
+        out: &Bound<'_, PyAny>,
+        input: &Bound<'_, PyAny>,
+        what: &str,
+        call: impl FnOnce() -> PyResult<F>,
+    ) -> PyResult<bool> {
+        let (Some(o), Some(i)) = (lent::plain(out), lent::plain(input)) else {
+            return Ok(false);
+        };
+        if o.dtype != i.dtype || o.overlaps(&i) {
+            return Ok(false);
+        }
+        let call = call()?;
+        let Some(loan) = o.lend(&format!("{what} output"))? else {
+            return Ok(false);
+        };
+        let input = match i.lend_to_read(&format!("{what} input")) {
+            Ok(Some(input)) => input,
+            other => {
+                loan.settle(py);
+                return other.map(|_| false);
+            }
+        };
+        self.in_place(py, loan, call(CallInput::Lent(input)))?;
+        Ok(true)
+    }
+
     /// Runs an in-place collective on a lent array and settles the loan.
     /// The call's future is polled on this thread (measured: faster here
     /// than as a task of the runtime, for 1 and 64 MiB over 2 and 4
@@ -1203,15 +1233,9 @@ impl World {
     /// nothing, for any other array (the Python layer then takes its
     /// general path); a call that fails raises as the general path's does.
     fn all_reduce_plain(&self, py: Python<'_>, obj: &Bound<'_, PyAny>, op: &str) -> PyResult<bool> {
-        let Some(a) = lent::plain(obj) else {
-            return Ok(false);
-        };
-        let op = reduce_op(op)?;
-        let Some(loan) = a.lend("all_reduce")? else {
-            return Ok(false);
-        };
-        self.in_place(py, loan, InPlace::AllReduce(op))?;
-        Ok(true)
+        self.in_place_plain(py, obj, "all_reduce", || {
+            reduce_op(op).map(|op| Some(InPlace::AllReduce(op)))
+        })
     }
 
     /// `World.broadcast`'s fast path (blocking), as
@@ -1223,14 +1247,9 @@ impl World {
         obj: &Bound<'_, PyAny>,
         root: &Bound<'_, PyAny>,
     ) -> PyResult<bool> {
-        let (Some(root), Some(a)) = (index(root), lent::plain(obj)) else {
-            return Ok(false);
-        };
-        let Some(loan) = a.lend("broadcast")? else {
-            return Ok(false);
-        };
-        self.in_place(py, loan, InPlace::Broadcast(Rank(root)))?;
-        Ok(true)
+        self.in_place_plain(py, obj, "broadcast", || {
+            Ok(index(root).map(|r| InPlace::Broadcast(Rank(r))))
+        })
     }
 
     /// `World.reduce`'s fast path (blocking), as
@@ -1244,33 +1263,26 @@ impl World {
         root: &Bound<'_, PyAny>,
         op: &str,
     ) -> PyResult<bool> {
-        let (Some(root), Some(a)) = (index(root), lent::plain(obj)) else {
-            return Ok(false);
-        };
-        let op = reduce_op(op)?;
-        let Some(loan) = a.lend("reduce")? else {
-            return Ok(false);
-        };
-        self.in_place(py, loan, InPlace::Reduce(Rank(root), op))?;
-        Ok(true)
+        self.in_place_plain(py, obj, "reduce", || match index(root) {
+            Some(r) => reduce_op(op).map(|op| Some(InPlace::Reduce(Rank(r), op))),
+            None => Ok(None),
+        })
     }
 
     /// `World.all_gather_into_tensor`'s fast path (blocking): plain numpy
-    /// arrays of one dtype that share no memory, the output writeable, both
-    /// lent for the call (see [`lend_out_in`]). Returns false, doing
-    /// nothing, otherwise (the Python layer then takes its general path,
-    /// which also copies an input lying in the output).
+    /// arrays of one dtype that share no memory, the output writeable
+    /// (see [`World::pair_in_place_plain`]). Returns false, doing nothing,
+    /// otherwise (the Python layer then takes its general path, which also
+    /// copies an input lying in the output).
     fn all_gather_into_tensor_plain(
         &self,
         py: Python<'_>,
         out: &Bound<'_, PyAny>,
         input: &Bound<'_, PyAny>,
     ) -> PyResult<bool> {
-        let Some((loan, input)) = lend_out_in(py, out, input, "all_gather_into_tensor")? else {
-            return Ok(false);
-        };
-        self.in_place(py, loan, InPlace::AllGatherFrom(CallInput::Lent(input)))?;
-        Ok(true)
+        self.pair_in_place_plain(py, out, input, "all_gather_into_tensor", || {
+            Ok(InPlace::AllGatherFrom)
+        })
     }
 
     /// `World.reduce_scatter_tensor`'s fast path (blocking), as
@@ -1282,19 +1294,10 @@ impl World {
         input: &Bound<'_, PyAny>,
         op: &str,
     ) -> PyResult<bool> {
-        let Some((loan, input)) = lend_out_in(py, out, input, "reduce_scatter_tensor")? else {
-            return Ok(false);
-        };
-        let op = match reduce_op(op) {
-            Ok(op) => op,
-            Err(e) => {
-                loan.settle(py);
-                input.settle(py);
-                return Err(e);
-            }
-        };
-        self.in_place(py, loan, InPlace::ReduceScatterFrom(CallInput::Lent(input), op))?;
-        Ok(true)
+        self.pair_in_place_plain(py, out, input, "reduce_scatter_tensor", || {
+            let op = reduce_op(op)?;
+            Ok(move |input| InPlace::ReduceScatterFrom(input, op))
+        })
     }
 
     /// Sends a flat byte view of `dtype` elements to `dst` (no copy).

@@ -1245,7 +1245,7 @@ impl Inner {
         let Some(mut held) = peer.parking.lend(untouched) else {
             return true;
         };
-        let eager = self.cfg.eager_limit.min(self.cfg.unexpected_budget);
+        let eager = self.cfg.read_ahead_limit();
         let budget = self.cfg.unexpected_budget;
         let mut left = READ_IN_CALL_MAX;
         let wake = loop {
@@ -1625,7 +1625,7 @@ impl Inner {
         mut frame: Frame,
     ) -> std::result::Result<(), String> {
         let from = peer.rank;
-        let eager = self.cfg.eager_limit.min(self.cfg.unexpected_budget);
+        let eager = self.cfg.read_ahead_limit();
         let budget = self.cfg.unexpected_budget;
         // Find where the payload goes before reading (or allocating) anything.
         // `draining`: the peer has closed its side, so nothing more is coming; what

@@ -132,6 +132,12 @@ impl CommConfig {
         }
     }
 
+    /// The largest message a connection's reader reads ahead of its
+    /// receive: `eager_limit`, within `unexpected_budget`.
+    pub fn read_ahead_limit(&self) -> usize {
+        self.eager_limit.min(self.unexpected_budget)
+    }
+
     /// Sets the shared secret.
     pub fn with_secret(mut self, secret: impl AsRef<[u8]>) -> Self {
         self.secret = Some(Secret::new(secret));

@@ -1050,9 +1050,7 @@ impl World {
         let comm = &self.shared.comm;
         let inner = match self.shared.check().and_then(|()| self.shared.check_tag(tag)) {
             Ok(()) if leave_small => {
-                // What the reader reads ahead (as the transport bounds it).
-                let ahead = comm.config().eager_limit.min(comm.config().unexpected_budget);
-                Ok(comm.irecv_leaving(source, tag, buf, ahead))
+                Ok(comm.irecv_leaving(source, tag, buf, comm.config().read_ahead_limit()))
             }
             Ok(()) => Ok(comm.irecv(source, tag, buf)),
             Err(error) => Err(ReceiveFailed { error, buffer: buf }),
