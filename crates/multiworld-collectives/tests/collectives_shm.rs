@@ -667,13 +667,7 @@ fn copies_split_between_threads_child() {
 /// [`copies_split_between_threads_child`] in a child process with 3.
 #[test]
 fn copies_split_between_threads_are_exact() {
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "copies_split_between_threads_child",
-            "--exact",
-            "--ignored",
-            "--nocapture",
-        ])
+    let out = multiworld_testkit::process::self_test_command("copies_split_between_threads_child")
         .env("MULTIWORLD_SHM_COPY_THREADS", "3")
         .output()
         .unwrap();
