@@ -67,6 +67,29 @@ fn index(v: &Bound<'_, PyAny>) -> Option<u32> {
     v.extract::<u32>().ok()
 }
 
+/// `all_to_all_single`'s split sizes for `array` in elements: `Some(None)`
+/// for `None` (even splits), `Some(Some(..))` for a list or tuple of Python
+/// ints, each a count of rows of `array`'s first dimension; `None` for
+/// anything else (a negative or huge count, another type), which the
+/// general path words.
+fn split_elements(splits: &Bound<'_, PyAny>, array: &lent::Plain<'_>) -> Option<Option<Vec<usize>>> {
+    if splits.is_none() {
+        return Some(None);
+    }
+    let items = if let Ok(l) = splits.cast::<pyo3::types::PyList>() {
+        l.iter().collect::<Vec<_>>()
+    } else {
+        splits.cast::<pyo3::types::PyTuple>().ok()?.iter().collect()
+    };
+    let shape = array.shape();
+    let row = shape.get(1..).map_or(1, |rest| rest.iter().product::<usize>());
+    let elements = items
+        .iter()
+        .map(|s| usize::try_from(index(s)?).ok()?.checked_mul(row))
+        .collect::<Option<Vec<usize>>>()?;
+    Some(Some(elements))
+}
+
 /// The arguments of a receive's fast path: the source (`None`: any), the
 /// tag and the plain array; `None` if any of them needs the general path.
 fn plain_recv<'a>(
@@ -497,15 +520,16 @@ impl World {
     /// [`World::in_place_plain`] for a collective of an output and a
     /// separate input: both plain numpy arrays of one dtype that share no
     /// memory, the output lent for writing and the input for reading;
-    /// `call` (made once both are known to qualify) makes the collective
-    /// from the input.
+    /// `call` (made once both are known to qualify, from the output and
+    /// the input) makes the collective from the input (`None`: an argument
+    /// the general path must take).
     fn pair_in_place_plain<F: FnOnce(CallInput) -> InPlace>(
         &self,
         py: Python<'_>,
         out: &Bound<'_, PyAny>,
         input: &Bound<'_, PyAny>,
         what: &str,
-        call: impl FnOnce() -> PyResult<F>,
+        call: impl FnOnce(&lent::Plain<'_>, &lent::Plain<'_>) -> PyResult<Option<F>>,
     ) -> PyResult<bool> {
         let (Some(o), Some(i)) = (lent::plain(out), lent::plain(input)) else {
             return Ok(false);
@@ -513,7 +537,9 @@ impl World {
         if o.dtype != i.dtype || o.overlaps(&i) {
             return Ok(false);
         }
-        let call = call()?;
+        let Some(call) = call(&o, &i)? else {
+            return Ok(false);
+        };
         let Some(loan) = o.lend(&format!("{what} output"))? else {
             return Ok(false);
         };
@@ -1280,8 +1306,8 @@ impl World {
         out: &Bound<'_, PyAny>,
         input: &Bound<'_, PyAny>,
     ) -> PyResult<bool> {
-        self.pair_in_place_plain(py, out, input, "all_gather_into_tensor", || {
-            Ok(InPlace::AllGatherFrom)
+        self.pair_in_place_plain(py, out, input, "all_gather_into_tensor", |_, _| {
+            Ok(Some(InPlace::AllGatherFrom))
         })
     }
 
@@ -1294,9 +1320,35 @@ impl World {
         input: &Bound<'_, PyAny>,
         op: &str,
     ) -> PyResult<bool> {
-        self.pair_in_place_plain(py, out, input, "reduce_scatter_tensor", || {
+        self.pair_in_place_plain(py, out, input, "reduce_scatter_tensor", |_, _| {
             let op = reduce_op(op)?;
-            Ok(move |input| InPlace::ReduceScatterFrom(input, op))
+            Ok(Some(move |input| InPlace::ReduceScatterFrom(input, op)))
+        })
+    }
+
+    /// `World.all_to_all_single`'s fast path (blocking), as
+    /// [`World::all_gather_into_tensor_plain`]: each split list is `None`
+    /// (even splits) or a list or tuple of Python ints, in rows of its
+    /// array's first dimension (anything else returns false, for the
+    /// general path to word the error).
+    fn all_to_all_single_plain(
+        &self,
+        py: Python<'_>,
+        out: &Bound<'_, PyAny>,
+        input: &Bound<'_, PyAny>,
+        output_split_sizes: &Bound<'_, PyAny>,
+        input_split_sizes: &Bound<'_, PyAny>,
+    ) -> PyResult<bool> {
+        self.pair_in_place_plain(py, out, input, "all_to_all_single", |o, i| {
+            let (Some(out_splits), Some(in_splits)) = (
+                split_elements(output_split_sizes, o),
+                split_elements(input_split_sizes, i),
+            ) else {
+                return Ok(None);
+            };
+            Ok(Some(move |input| {
+                InPlace::AllToAllFrom(input, out_splits, in_splits)
+            }))
         })
     }
 

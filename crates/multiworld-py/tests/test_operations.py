@@ -198,6 +198,46 @@ def test_in_place_fast_paths(pair):
     rs_o = [np.zeros(2, np.float64) for _ in range(2)]
     both(lambda: w0.reduce_scatter_tensor(rs_o[0], rs[0], "max"), lambda: w1.reduce_scatter_tensor(rs_o[1], rs[1], "max"))
     assert (rs_o[0] == [0, 2]).all() and (rs_o[1] == [4, 6]).all()
+
+
+
+def test_all_to_all_single_fast_path(pair):
+    """A blocking all_to_all_single of two plain numpy arrays that share no
+    memory is lent natively (`all_to_all_single_plain`), its split sizes
+    counted in rows of each array's first dimension; splits that are not
+    lists or tuples of ints, and arrays the pair fast path declines, are
+    left to the general path, which gives the same results and words the
+    errors."""
+    w0, w1 = pair
+    # Rows of 2 elements; rank 0 sends 1 row to itself and 2 to rank 1;
+    # rank 1 sends 3 rows to rank 0 and 1 to itself.
+    ins = [np.arange(6, dtype=np.int32).reshape(3, 2), 100 + np.arange(8, dtype=np.int32).reshape(4, 2)]
+    outs = [np.zeros((4, 2), np.int32), np.zeros((3, 2), np.int32)]
+    assert both(lambda: w0._w.all_to_all_single_plain(outs[0], ins[0], [1, 3], (1, 2)),
+                lambda: w1._w.all_to_all_single_plain(outs[1], ins[1], (2, 1), [3, 1])) == [True, True]
+    assert (outs[0] == np.concatenate([ins[0][:1], ins[1][:3]])).all()
+    assert (outs[1] == np.concatenate([ins[0][1:], ins[1][3:]])).all()
+    # Even splits (None), through the public call.
+    even_in = [np.arange(4, dtype=np.float64) + 10 * r for r in range(2)]
+    even_out = [np.zeros(4, np.float64) for _ in range(2)]
+    both(lambda: w0.all_to_all_single(even_out[0], even_in[0]), lambda: w1.all_to_all_single(even_out[1], even_in[1]))
+    assert (even_out[0] == [0, 1, 10, 11]).all() and (even_out[1] == [2, 3, 12, 13]).all()
+    # Declined, nothing done: splits of another type or out of range, an
+    # input inside the output, mixed dtypes, a strided output.
+    x, y = np.zeros(4, np.float32), np.zeros(4, np.float32)
+    for o, i, so, si in ((x, y, [2, 2.0], None), (x, y, None, [-1, 5]), (x, y, "22", None),
+                         (x, y, np.array([2, 2]), None), (x, y, None, [2, 1 << 40]),
+                         (x, x, None, None), (x, np.zeros(4, np.float64), None, None),
+                         (np.zeros(8, np.float32)[::2], y, None, None)):
+        assert w0._w.all_to_all_single_plain(o, i, so, si) is False
+    # The public call with declined splits (numpy ints) takes the general
+    # path and agrees; a negative split is the general path's ValueError.
+    gen = [np.zeros((4, 2), np.int32), np.zeros((3, 2), np.int32)]
+    both(lambda: w0.all_to_all_single(gen[0], ins[0], np.array([1, 3]), np.array([1, 2])),
+         lambda: w1.all_to_all_single(gen[1], ins[1], np.array([2, 1]), np.array([3, 1])))
+    assert (gen[0] == outs[0]).all() and (gen[1] == outs[1]).all()
+    with pytest.raises(ValueError, match="input_split_sizes"):
+        w0.all_to_all_single(x, y, None, [-1, 5])
     # Errors are the general path's: an unknown op, a root out of range.
     with pytest.raises(ValueError, match="op"):
         w0.all_reduce(np.zeros(2, np.float32), "median")

@@ -759,6 +759,9 @@ class World:
         """All-to-all of one tensor split along its first dimension: rank i
         gets ``input_split_sizes[i]`` rows (even splits when ``None``), and
         ``output`` receives ``output_split_sizes[j]`` rows from rank j."""
+        if not async_op and self._w.all_to_all_single_plain(output, input, output_split_sizes,
+                                                            input_split_sizes):
+            return None  # plain numpy arrays, lent natively
         try:
             arr, spec = T.out_spec(output, "output")
             flat_in, dname, in_shape = T.send_view(input, "input")
