@@ -22,11 +22,11 @@
 use std::{
     future::Future,
     sync::{
-        OnceLock,
+        Arc, OnceLock,
         atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering},
     },
-    task::{Context, Poll, Waker},
-    time::Duration,
+    task::{Context, Poll, Wake, Waker},
+    time::{Duration, Instant},
 };
 
 use pyo3::prelude::*;
@@ -108,15 +108,16 @@ pub fn runtime() -> PyResult<&'static tokio::runtime::Runtime> {
     }
 }
 
-/// Runs `fut` to completion on the runtime with the GIL released, checking
-/// for signals (KeyboardInterrupt) every [`SLICE`]. On an exception from a
-/// signal handler, `fut` is dropped (cancelled) and the exception returned.
+/// Runs `fut` to completion on the calling thread, inside the runtime's
+/// context, with the GIL released, checking for signals (KeyboardInterrupt)
+/// every [`SLICE`]. On an exception from a signal handler, `fut` is dropped
+/// (cancelled) and the exception returned.
 ///
 /// A future that is ready at once (a send that fits the socket's buffer, a
 /// receive whose message is already here) completes in a first poll, with
-/// the GIL held, without releasing the GIL or entering the runtime's
-/// `block_on`: that poll does no more than the one `block_on` would make
-/// (Rust tasks never call into Python, so holding the GIL cannot block them).
+/// the GIL held, without releasing the GIL: that poll does no more than any
+/// other (Rust tasks never call into Python, so holding the GIL cannot
+/// block them).
 /// For operations that move more than [`held_poll_max`] bytes, use
 /// [`wait_moving`].
 pub fn wait<F>(py: Python<'_>, fut: F) -> PyResult<F::Output>
@@ -202,9 +203,9 @@ where
 {
     let rt = runtime()?;
     let mut fut = std::pin::pin!(fut);
-    // A poll outside `block_on`, inside the runtime's context (for the
+    // A poll outside `drive_for`, inside the runtime's context (for the
     // sockets and timers the poll touches); the no-op waker is replaced by
-    // `block_on`'s at the next poll.
+    // this thread's at the next poll.
     let poll_now = |fut: std::pin::Pin<&mut F>| {
         let _guard = rt.enter();
         fut.poll(&mut Context::from_waker(Waker::noop()))
@@ -223,32 +224,74 @@ where
         // itself to the pool).
         let slice = py.detach(|| {
             multiworld::as_blocking_caller(|| {
-                if std::mem::take(&mut first) {
-                    // The first poll, if it was not made with the GIL held,
-                    // then the spin: both without `block_on`'s set-up.
-                    if !poll_held && let Poll::Ready(out) = poll_now(fut.as_mut()) {
-                        return Ok(out);
-                    }
-                    if !spin.is_zero() {
-                        let until = std::time::Instant::now() + spin;
-                        loop {
-                            std::thread::yield_now();
-                            if let Poll::Ready(out) = poll_now(fut.as_mut()) {
-                                return Ok(out);
-                            }
-                            if std::time::Instant::now() >= until {
-                                break;
-                            }
+                if std::mem::take(&mut first) && !spin.is_zero() {
+                    let until = Instant::now() + spin;
+                    loop {
+                        if let Poll::Ready(out) = poll_now(fut.as_mut()) {
+                            return Some(out);
                         }
+                        if Instant::now() >= until {
+                            break;
+                        }
+                        std::thread::yield_now();
                     }
                 }
-                rt.block_on(async { tokio::time::timeout(SLICE, fut.as_mut()).await })
+                drive_for(rt, fut.as_mut(), SLICE)
             })
         });
         match slice {
-            Ok(out) => return Ok(out),
-            Err(_) => py.check_signals()?,
+            Some(out) => return Ok(out),
+            None => py.check_signals()?,
         }
+    }
+}
+
+/// Wakes the thread it was made on (the waker [`drive_for`] polls with).
+struct Unpark(std::thread::Thread);
+
+impl Wake for Unpark {
+    fn wake(self: Arc<Self>) {
+        self.0.unpark();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.0.unpark();
+    }
+}
+
+thread_local! {
+    /// This thread's [`Unpark`] waker, made once per thread.
+    static UNPARK: Waker = Waker::from(Arc::new(Unpark(std::thread::current())));
+}
+
+/// Polls `fut` on this thread, inside the runtime's context, until it is
+/// ready (`Some`) or `slice` has passed (`None`), the thread parked between
+/// polls until `fut`'s waker unparks it. Unlike the runtime's `block_on`
+/// with a timer for the slice, this registers no timer: a timer due before
+/// every other one the runtime holds makes the runtime wake a parked worker
+/// thread to rearm its clock, which a wait should not cost. A stray unpark
+/// (a waker that fires after its future is done) only makes one extra poll.
+fn drive_for<F: Future>(
+    rt: &tokio::runtime::Runtime,
+    mut fut: std::pin::Pin<&mut F>,
+    slice: Duration,
+) -> Option<F::Output> {
+    let waker = UNPARK.with(Waker::clone);
+    let mut cx = Context::from_waker(&waker);
+    let until = Instant::now() + slice;
+    loop {
+        let polled = {
+            let _guard = rt.enter();
+            fut.as_mut().poll(&mut cx)
+        };
+        if let Poll::Ready(out) = polled {
+            return Some(out);
+        }
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return None;
+        }
+        std::thread::park_timeout(left);
     }
 }
 
