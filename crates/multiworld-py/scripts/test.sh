@@ -5,8 +5,9 @@
 #   crates/multiworld-py/scripts/test.sh [pytest args...]
 #
 # The venv is target/py-venv at the repository root (or $MW_PY_VENV), made on
-# first use and reused after; maturin, pytest, pytest-timeout, numpy and
-# ml_dtypes come from the package registry when missing. The extension is
+# first use and reused after; maturin, pytest, pytest-timeout, numpy,
+# ml_dtypes and mypy (for tests/test_types.py) come from the package
+# registry when missing. The extension is
 # built with `maturin develop` (debug; MW_PY_RELEASE=1 for an optimized
 # build) into $CARGO_TARGET_DIR (default: the repository's target/).
 # The extension is built with the `nccl` feature by default (it builds
@@ -27,11 +28,11 @@ if [ ! -x "$venv/bin/python" ]; then
     "$python" -m venv "$venv"
 fi
 py="$venv/bin/python"
-if ! "$py" -c 'import maturin, pytest, pytest_timeout, numpy, ml_dtypes' 2>/dev/null; then
+if ! "$py" -c 'import maturin, pytest, pytest_timeout, numpy, ml_dtypes, mypy' 2>/dev/null; then
     echo "== installing the build and test requirements"
     "$py" -m pip install --disable-pip-version-check -q --upgrade pip
     "$py" -m pip install --disable-pip-version-check -q \
-        'maturin>=1.5,<2' 'pytest>=7' 'pytest-timeout>=2' 'numpy>=1.22' 'ml_dtypes>=0.2'
+        'maturin>=1.5,<2' 'pytest>=7' 'pytest-timeout>=2' 'numpy>=1.22' 'ml_dtypes>=0.2' 'mypy>=1.10'
 fi
 
 echo "== building multiworld_rs"

@@ -255,7 +255,7 @@ def _apart(out: np.ndarray, inp: np.ndarray) -> np.ndarray:
 try:
     from numpy.lib.array_utils import byte_bounds as _byte_bounds
 except ImportError:  # numpy < 2
-    _byte_bounds = np.byte_bounds
+    _byte_bounds = np.byte_bounds  # type: ignore[attr-defined]
 
 
 def _any_overlap(arrays: List[np.ndarray]) -> bool:
@@ -277,8 +277,8 @@ def _lent_outputs(outs: List[Tuple[np.ndarray, Any]], reads: List[np.ndarray]) -
     ``T.out_spec`` gives them) for a blocking call that lends them, or
     ``None`` when one cannot be lent or they and the inputs the call reads
     (``reads``) may share memory: the call then copies."""
-    raws = [T.writable_bytes(arr) for arr, _ in outs]
-    if any(r is None for r in raws) or _any_overlap(raws + reads):
+    raws = [r for r in (T.writable_bytes(arr) for arr, _ in outs) if r is not None]
+    if len(raws) < len(outs) or _any_overlap(raws + reads):
         return None
     return [(r, s[0], list(s[1])) for r, (_, s) in zip(raws, outs)]
 
@@ -646,7 +646,7 @@ class World:
                 return gather_list
 
             view = T.send_view(tensor)
-            if async_op and outs is not None:
+            if async_op and outs is not None and gather_list is not None:
                 work = self._lent_list(gather_list, lambda arrays: self._w.gather_lent(view, arrays, dst))
                 if work is not None:
                     return work

@@ -311,9 +311,9 @@ def _list_form(world: Any, nccl: Any, name: str, a: Dict[str, Any], wait: bool, 
             return NotImplemented
         smem, s2 = _mem(t, nccl, "tensor", False)
         flat = _flat(t, n) if root else None
-        fmem = _mem(flat, nccl, "gather_list", True)[0] if root else None
+        gmem = _mem(flat, nccl, "gather_list", True)[0] if root else None
         _order(nccl, t)
-        native = nccl.gather(smem, fmem, dst, [t, s2, flat], wait)
+        native = nccl.gather(smem, gmem, dst, [t, s2, flat], wait)
         return finish(native, outs, _spill(flat, outs) if root else None)
     if name == "scatter":
         t, ins, src = a["tensor"], a["scatter_list"], _u32("src", a["src"])
@@ -324,9 +324,9 @@ def _list_form(world: Any, nccl: Any, name: str, a: Dict[str, Any], wait: bool, 
         flat = _flat(t, n) if root else None
         if root:
             _fill(flat, ins)
-        fmem = _mem(flat, nccl, "scatter_list", False)[0] if root else None
+        lmem = _mem(flat, nccl, "scatter_list", False)[0] if root else None
         _order(nccl, t)
-        return finish(nccl.scatter(fmem, rmem, src, [t, flat], wait), t)
+        return finish(nccl.scatter(lmem, rmem, src, [t, flat], wait), t)
     if name == "reduce_scatter":
         out, ins = a["output"], a["input_list"]
         if not (is_cuda(out) and out.is_contiguous() and _alike(out, ins, n)):

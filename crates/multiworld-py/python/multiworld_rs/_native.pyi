@@ -6,13 +6,17 @@ the runtime's buffers (float16/bfloat16 as uint16). Use the wrappers in
 :mod:`multiworld_rs`, not this module.
 """
 
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple, final
 
 import numpy as np
+
+__all__ = ["Event", "EventStream", "Manager", "Notifier", "Work", "World", "nccl_built", "spin",
+           "loop_copy_max", "Nccl", "nccl_world"]
 
 _Input = Tuple[np.ndarray, str, Sequence[int]]
 _Output = Tuple[str, Sequence[int]]
 
+@final
 class Event:
     """Something that happened to one of the process's worlds."""
 
@@ -24,11 +28,13 @@ class Event:
     detail: Optional[str]
     flight_record: Optional[str]
 
+@final
 class EventStream:
     """A subscription to a manager's events."""
 
     def next(self, timeout: Optional[float] = None) -> Optional[Event]: ...
 
+@final
 class Notifier:
     """Wake-ups of one asyncio event loop when background operations end."""
 
@@ -36,6 +42,7 @@ class Notifier:
     def fileno(self) -> int: ...
     def drain(self) -> List[int]: ...
 
+@final
 class Work:
     """A handle on a background operation."""
 
@@ -46,6 +53,7 @@ class Work:
     def settled(self) -> bool: ...
     def unwatch(self) -> None: ...
 
+@final
 class World:
     """One membership of a world."""
 
@@ -143,6 +151,7 @@ class World:
     def abort(self) -> None: ...
     def wait_removed(self, timeout: Optional[float] = None) -> bool: ...
 
+@final
 class Manager:
     """Owns every world of this process."""
 
@@ -166,6 +175,7 @@ def loop_copy_max(nbytes: Optional[int] = None) -> int: ...
 # Only in a build with the nccl feature:
 _Mem = Tuple[int, str, int]  # (data_ptr, dtype name, element count) of a CUDA tensor
 
+@final
 class Nccl:
     """The NCCL side of an NCCL world: operations on borrowed device memory;
     each returns a Work that completes with the operation and keeps ``keep``

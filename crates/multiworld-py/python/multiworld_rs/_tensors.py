@@ -14,11 +14,11 @@ from typing import Any, Optional, Sequence, Tuple
 import numpy as np
 
 try:  # bfloat16 comes from ml_dtypes, when it is installed.
-    import ml_dtypes as _ml_dtypes
+    import ml_dtypes as _ml_dtypes  # type: ignore[import-untyped, unused-ignore]
 
     BFLOAT16: Any = np.dtype(_ml_dtypes.bfloat16)
 except ImportError:  # pragma: no cover - depends on the environment
-    _ml_dtypes = None
+    _ml_dtypes = None  # type: ignore[assignment]
     BFLOAT16 = None
 
 #: The dtype names the runtime carries.

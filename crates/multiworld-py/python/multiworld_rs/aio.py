@@ -110,7 +110,9 @@ def _bridge() -> _Bridge:
     return b
 
 
-async def _wait(work: Work, withdraw_on_cancel: bool = False) -> Any:
+async def _wait(work: Optional[Work], withdraw_on_cancel: bool = False) -> Any:
+    if work is None:  # a call with async_op=True always returns its handle
+        raise RuntimeError("multiworld_rs: an operation started in the background returned no handle")
     bridge = _bridge()
     token, fut = bridge.watch(work)
     try:
