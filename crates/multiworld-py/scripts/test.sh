@@ -32,7 +32,7 @@ if ! "$py" -c 'import maturin, pytest, pytest_timeout, numpy, ml_dtypes, mypy' 2
     echo "== installing the build and test requirements"
     "$py" -m pip install --disable-pip-version-check -q --upgrade pip
     "$py" -m pip install --disable-pip-version-check -q \
-        'maturin>=1.5,<2' 'pytest>=7' 'pytest-timeout>=2' 'numpy>=1.22' 'ml_dtypes>=0.2' 'mypy>=1.10,<2'
+        'maturin>=1.5,<2' 'pytest>=7' 'pytest-timeout>=2' 'numpy>=1.22' 'ml_dtypes>=0.2' 'mypy>=2.4,<3'
 fi
 
 echo "== building multiworld_rs"
