@@ -28,7 +28,8 @@ if [ ! -x "$venv/bin/python" ]; then
     "$python" -m venv "$venv"
 fi
 py="$venv/bin/python"
-if ! "$py" -c 'import maturin, pytest, pytest_timeout, numpy, ml_dtypes, mypy' 2>/dev/null; then
+if ! "$py" -c 'import maturin, pytest, pytest_timeout, numpy, ml_dtypes, mypy.version as v
+assert (2, 4) <= tuple(map(int, v.__version__.split("+")[0].split(".")[:2])) < (3, 0)' 2>/dev/null; then
     echo "== installing the build and test requirements"
     "$py" -m pip install --disable-pip-version-check -q --upgrade pip
     "$py" -m pip install --disable-pip-version-check -q \

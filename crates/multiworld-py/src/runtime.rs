@@ -3,8 +3,9 @@
 //! Every blocking call of the package goes through [`wait`] (or
 //! [`wait_moving`]): a first poll with the GIL held when the operation moves
 //! at most [`held_poll_max`] bytes (a result already there costs no release
-//! of the GIL), then, with the GIL released, the future driven on the
-//! runtime in slices of [`SLICE`], and between slices Python's signal
+//! of the GIL), then, with the GIL released, the future polled on the
+//! calling thread (inside the runtime's context, parked between polls) in
+//! slices of [`SLICE`], and between slices Python's signal
 //! handlers, so Ctrl-C interrupts a waiting call on the main thread within
 //! one slice (the future is then dropped; see `docs/python.md` for what that
 //! means for each operation). Before it parks, a call may poll its operation
@@ -246,40 +247,66 @@ where
     }
 }
 
-/// Wakes the thread it was made on (the waker [`drive_for`] polls with).
-struct Unpark(std::thread::Thread);
+/// Wakes the thread it was made on (the waker [`drive_for`] polls with):
+/// sets `woken`, then unparks it. The flag, not the thread's park token
+/// alone, says whether to poll again, so a wake whose token other code on
+/// the thread consumed during a poll (anything that parks the thread, as a
+/// blocking channel does) is still seen.
+struct Unpark {
+    thread: std::thread::Thread,
+    woken: AtomicBool,
+}
+
+impl Unpark {
+    fn for_this_thread() -> Arc<Unpark> {
+        Arc::new(Unpark {
+            thread: std::thread::current(),
+            woken: AtomicBool::new(false),
+        })
+    }
+}
 
 impl Wake for Unpark {
     fn wake(self: Arc<Self>) {
-        self.0.unpark();
+        self.wake_by_ref();
     }
 
     fn wake_by_ref(self: &Arc<Self>) {
-        self.0.unpark();
+        self.woken.store(true, Ordering::Release);
+        self.thread.unpark();
     }
 }
 
 thread_local! {
-    /// This thread's [`Unpark`] waker, made once per thread.
-    static UNPARK: Waker = Waker::from(Arc::new(Unpark(std::thread::current())));
+    /// This thread's [`Unpark`], made once per thread.
+    static UNPARK: Arc<Unpark> = Unpark::for_this_thread();
 }
 
 /// Polls `fut` on this thread, inside the runtime's context, until it is
 /// ready (`Some`) or `slice` has passed (`None`), the thread parked between
-/// polls until `fut`'s waker unparks it. Unlike the runtime's `block_on`
-/// with a timer for the slice, this registers no timer: a timer due before
-/// every other one the runtime holds makes the runtime wake a parked worker
-/// thread to rearm its clock, which a wait should not cost. A stray unpark
-/// (a waker that fires after its future is done) only makes one extra poll.
+/// polls until `fut`'s waker wakes it. Unlike the runtime's `block_on` with
+/// a timer for the slice, the wait adds no timer of its own: a timer due
+/// before every other one the runtime holds makes the runtime wake a parked
+/// worker thread to rearm its clock, which a wait should not cost. A stray
+/// wake (a waker that fires after its future is done) only makes one extra
+/// poll. Polls run outside any task, so Tokio's cooperative budget does
+/// not split a run of ready operations (as with the first poll of
+/// [`wait`]); the slice is checked between polls.
 fn drive_for<F: Future>(
     rt: &tokio::runtime::Runtime,
     mut fut: std::pin::Pin<&mut F>,
     slice: Duration,
 ) -> Option<F::Output> {
-    let waker = UNPARK.with(Waker::clone);
+    // A thread whose locals are being torn down gets a waker of its own.
+    let me = UNPARK
+        .try_with(Arc::clone)
+        .unwrap_or_else(|_| Unpark::for_this_thread());
+    let waker = Waker::from(Arc::clone(&me));
     let mut cx = Context::from_waker(&waker);
     let until = Instant::now() + slice;
     loop {
+        // Any wake from here on, during the poll too, means: poll again.
+        me.woken.store(false, Ordering::Relaxed);
         let polled = {
             let _guard = rt.enter();
             fut.as_mut().poll(&mut cx)
@@ -287,11 +314,19 @@ fn drive_for<F: Future>(
         if let Poll::Ready(out) = polled {
             return Some(out);
         }
-        let left = until.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return None;
+        // The slice is checked after every poll, woken or not: a future
+        // that wakes itself as it returns (a yield) is polled again and
+        // again, and must still let the caller check for signals.
+        loop {
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return None;
+            }
+            if me.woken.swap(false, Ordering::Acquire) {
+                break;
+            }
+            std::thread::park_timeout(left);
         }
-        std::thread::park_timeout(left);
     }
 }
 

@@ -198,7 +198,17 @@ def test_in_place_fast_paths(pair):
     rs_o = [np.zeros(2, np.float64) for _ in range(2)]
     both(lambda: w0.reduce_scatter_tensor(rs_o[0], rs[0], "max"), lambda: w1.reduce_scatter_tensor(rs_o[1], rs[1], "max"))
     assert (rs_o[0] == [0, 2]).all() and (rs_o[1] == [4, 6]).all()
-
+    # Errors are the general path's: an unknown op, a root out of range.
+    with pytest.raises(ValueError, match="op"):
+        w0.all_reduce(np.zeros(2, np.float32), "median")
+    with pytest.raises(ValueError):
+        w0.broadcast(np.zeros(2, np.float32), 5)
+    with pytest.raises(ValueError):
+        w0.reduce(np.zeros(2, np.float32), 5)
+    with pytest.raises(ValueError, match="op"):
+        w0.reduce(np.zeros(2, np.float32), 0, "median")
+    with pytest.raises(ValueError, match="op"):
+        w0.reduce_scatter_tensor(np.zeros(1, np.float32), np.zeros(2, np.float32), "median")
 
 
 def test_all_to_all_single_fast_path(pair):
@@ -228,7 +238,8 @@ def test_all_to_all_single_fast_path(pair):
     for o, i, so, si in ((x, y, [2, 2.0], None), (x, y, None, [-1, 5]), (x, y, "22", None),
                          (x, y, np.array([2, 2]), None), (x, y, None, [2, 1 << 40]),
                          (x, x, None, None), (x, np.zeros(4, np.float64), None, None),
-                         (np.zeros(8, np.float32)[::2], y, None, None)):
+                         (np.zeros(8, np.float32)[::2], y, None, None), (x, y, [True, 3], None),
+                         (np.zeros(4, bool), np.zeros(4, bool), None, None)):
         assert w0._w.all_to_all_single_plain(o, i, so, si) is False
     # The public call with declined splits (numpy ints) takes the general
     # path and agrees; a negative split is the general path's ValueError.
@@ -238,14 +249,3 @@ def test_all_to_all_single_fast_path(pair):
     assert (gen[0] == outs[0]).all() and (gen[1] == outs[1]).all()
     with pytest.raises(ValueError, match="input_split_sizes"):
         w0.all_to_all_single(x, y, None, [-1, 5])
-    # Errors are the general path's: an unknown op, a root out of range.
-    with pytest.raises(ValueError, match="op"):
-        w0.all_reduce(np.zeros(2, np.float32), "median")
-    with pytest.raises(ValueError):
-        w0.broadcast(np.zeros(2, np.float32), 5)
-    with pytest.raises(ValueError):
-        w0.reduce(np.zeros(2, np.float32), 5)
-    with pytest.raises(ValueError, match="op"):
-        w0.reduce(np.zeros(2, np.float32), 0, "median")
-    with pytest.raises(ValueError, match="op"):
-        w0.reduce_scatter_tensor(np.zeros(1, np.float32), np.zeros(2, np.float32), "median")

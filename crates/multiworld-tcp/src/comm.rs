@@ -372,7 +372,9 @@ fn paced_here() -> bool {
 /// were already here turned off on this thread. For a thread that runs no
 /// runtime tasks and drives its own receives (a foreign language's thread
 /// polling them, or calling `block_on`): nothing shares its turn, so the
-/// yield would only cost time. Tokio's cooperative budget still applies.
+/// yield would only cost time. Tokio's cooperative budget still applies
+/// where the thread polls inside `block_on`; a thread that polls outside
+/// any task has none to spend.
 pub fn without_pacing<T>(f: impl FnOnce() -> T) -> T {
     with_flag(&UNPACED, f)
 }
@@ -398,8 +400,8 @@ thread_local! {
 /// Runs `f` (and [`without_pacing`]) on a thread that does nothing but wait
 /// for its own operations: it runs no runtime tasks and no event loop, and
 /// holds no lock that other threads wait for (a foreign language's thread
-/// inside a blocking call, its interpreter lock released, driving its
-/// operation with `block_on`). Waits that would otherwise hand their sleeping
+/// inside a blocking call, its interpreter lock released, polling its
+/// operation itself or through `block_on`). Waits that would otherwise hand their sleeping
 /// to a blocking-pool thread, to keep a runtime thread free (a shared-memory
 /// barrier of the collectives, a device operation's poller), sleep on this
 /// thread instead: that saves waking the pool's thread and being woken by it,
