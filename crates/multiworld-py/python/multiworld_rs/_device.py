@@ -153,7 +153,7 @@ def _order(nccl: Any, t: Any) -> None:
     that the world's stream waits for): the tensors' producers are done
     before NCCL reads them, and the host does not wait for them, as with
     torch.distributed."""
-    import torch
+    import torch  # type: ignore[import-not-found, import-untyped, unused-ignore]
 
     nccl.after_stream(torch.cuda.current_stream(t.device).cuda_stream)
 
@@ -398,7 +398,7 @@ def device_index(device: Any) -> Optional[int]:
     if kind != "cuda":
         raise ValueError(f"device must be a CUDA device, got {device!r}")
     if index is None:
-        import torch
+        import torch  # type: ignore[import-not-found, import-untyped, unused-ignore]
 
         index = torch.cuda.current_device()
     return int(index)

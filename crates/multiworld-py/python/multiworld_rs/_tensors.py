@@ -14,7 +14,7 @@ from typing import Any, Optional, Sequence, Tuple
 import numpy as np
 
 try:  # bfloat16 comes from ml_dtypes, when it is installed.
-    import ml_dtypes as _ml_dtypes  # type: ignore[import-untyped, unused-ignore]
+    import ml_dtypes as _ml_dtypes  # type: ignore[import-not-found, import-untyped, unused-ignore]
 
     BFLOAT16: Any = np.dtype(_ml_dtypes.bfloat16)
 except ImportError:  # pragma: no cover - depends on the environment
@@ -133,7 +133,7 @@ def as_array(obj: Any, what: str = "tensor") -> np.ndarray:
             raise TypeError(f"{what}: only CPU tensors are supported (and CUDA tensors, by World "
                             f"methods), got one on {obj.device}")
         if str(obj.dtype) == "torch.bfloat16":
-            import torch  # only reached when torch is installed
+            import torch  # type: ignore[import-not-found, import-untyped, unused-ignore]  # only reached when torch is installed
 
             if BFLOAT16 is None:
                 raise TypeError("bfloat16 tensors need the ml_dtypes package")
