@@ -708,9 +708,7 @@ async fn held_back_messages_are_read_by_the_receiving_call_over_tcp() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn held_back_messages_are_read_by_the_receiving_call_over_memory() {
-    let mut v = multiworld_testkit::memory::memory_mesh("read-in-call-memory", 2);
-    let b = v.pop().unwrap();
-    let a = v.pop().unwrap();
+    let (a, b) = multiworld_testkit::memory::memory_pair("read-in-call-memory");
     held_back_messages_are_read_by_the_receiving_call(a, b).await;
 }
 
@@ -784,9 +782,7 @@ async fn held_back_messages_within_the_bound_are_left_to_the_reader_over_tcp() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn held_back_messages_within_the_bound_are_left_to_the_reader_over_memory() {
-    let mut v = multiworld_testkit::memory::memory_mesh("leave-to-reader-memory", 2);
-    let b = v.pop().unwrap();
-    let a = v.pop().unwrap();
+    let (a, b) = multiworld_testkit::memory::memory_pair("leave-to-reader-memory");
     held_back_messages_within_the_bound_are_left_to_the_reader(a, b).await;
 }
 

@@ -16,6 +16,14 @@ pub fn memory_mesh(name: &str, size: u32) -> Vec<Communicator> {
     memory_mesh_with(name, size, |c| c)
 }
 
+/// A world of two built in memory, as [`pair`](crate::pair) joins one over TCP.
+pub fn memory_pair(name: &str) -> (Communicator, Communicator) {
+    let mut v = memory_mesh(name, 2);
+    let b = v.pop().expect("two members");
+    let a = v.pop().expect("two members");
+    (a, b)
+}
+
 /// [`memory_mesh`] with `tweak` adjusting the members' config (its rank is
 /// ignored: each member gets its own). Must run within a Tokio runtime.
 pub fn memory_mesh_with(
