@@ -14,9 +14,21 @@ the same tensors (float32, `size` bytes per rank):
 - all_to_all: `size` in and out, `size / procs` to each rank;
 - gather (to rank 0), scatter (from rank 0): `size` per rank.
 
-The physical reference, measured in the same run: one copy of `size` bytes
-between two aligned buffers in one process (`mw-rank-bench run memcpy`), the
-least one copy into or out of shared memory costs.
+The physical references, measured in the same run:
+
+- one copy of `size` bytes between two aligned buffers in one process
+  (`mw-rank-bench run memcpy`), the least one copy into or out of shared
+  memory costs;
+- the copy floor: every one of the `procs` processes copying `size` bytes
+  at once, with no communication (`mw-rank-bench run copy-floor`, the
+  faster of a plain copy and the runtime's non-temporal one). A collective
+  whose processes together must read at least `procs x size` bytes and
+  write at least as many (all_reduce, all_gather, all_to_all, gather,
+  scatter) cannot take less time than that on the same cores and memory,
+  whatever its design, so `gloo ms / floor ms` is the highest ratio to
+  gloo any implementation can reach in that cell on this machine: the
+  "ceiling" column, with "(below 5x)" where even that is under issue 18's
+  target.
 
     python3 -m venv target/py-venv && target/py-venv/bin/pip install torch   # once
     cargo build --release -p multiworld-bench --bin mw-rank-bench
@@ -139,6 +151,18 @@ def memcpy_ms(binary: Path, size: int) -> float:
     return json.loads(done.stdout.strip().splitlines()[-1])["ms"]
 
 
+# The collectives whose processes together read and write at least
+# `procs x size` bytes each way: the copy floor bounds them from below.
+FLOORED = {"all_reduce", "all_gather", "all_to_all", "gather", "scatter"}
+
+
+def copy_floor_ms(binary: Path, n: int, size: int) -> float:
+    """The copy floor: `n` processes each copying `size` bytes at once."""
+    cmd = [str(binary), "run", "copy-floor", "--sizes", str(size), "--n", str(n), "--bytes", str(BYTES)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])["ms"]
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--procs", default="2,4")
@@ -159,6 +183,7 @@ def main() -> None:
     for n in [int(x) for x in a.procs.split(",")]:
         results = {(c, s): ([], [], []) for c in COLLECTIVES for s in sizes}
         copies = {s: [] for s in sizes}
+        floors = {s: [] for s in sizes}
         notes = {}
         for _ in range(a.repeats):
             for (c, s), (ms, why) in gloo(n, sizes).items():
@@ -168,6 +193,7 @@ def main() -> None:
                     notes[(c, s)] = why
             for s in sizes:
                 copies[s].append(memcpy_ms(binary, s))
+                floors[s].append(copy_floor_ms(binary, n, s))
                 for c in COLLECTIVES:
                     results[(c, s)][1].append(multiworld(binary, c, n, s))
                     if also:
@@ -175,12 +201,17 @@ def main() -> None:
         for s in sizes:
             print(f"{'(memcpy)':15} {1:>5} {s:>10}  {'':>10} "
                   f"{' / '.join(f'{x:.3f}' for x in copies[s]):>14}  one copy, the reference", flush=True)
+            print(f"{'(copy floor)':15} {n:>5} {s:>10}  {'':>10} "
+                  f"{' / '.join(f'{x:.3f}' for x in floors[s]):>14}  every process copies at once", flush=True)
             for c in COLLECTIVES:
                 g, m, m2 = results[(c, s)]
                 ratios = [gi / mi for gi, mi in zip(g, m)]
                 rows.append({"collective": c, "procs": n, "size": s, "gloo_ms": g, "multiworld_ms": m,
                              "ratios": ratios, "gloo_note": notes.get((c, s), ""),
-                             "memcpy_ms": list(copies[s])})
+                             "memcpy_ms": list(copies[s]), "copy_floor_ms": list(floors[s])})
+                ceilings = [gi / fi for gi, fi in zip(g, floors[s])] if c in FLOORED else []
+                if ceilings:
+                    rows[-1]["ceilings"] = ceilings
                 if also:
                     rows[-1].update({"also": a.also, "also_ms": m2,
                                      "also_ratios": [gi / mi for gi, mi in zip(g, m2)]})
@@ -191,6 +222,9 @@ def main() -> None:
                 if also:
                     more = ("   with " + a.also + ": " + " / ".join(f"{x:.3f}" for x in m2) + " ms, "
                             + " / ".join(f"{gi / mi:.2f}x" for gi, mi in zip(g, m2)))
+                if ceilings:
+                    more += ("   ceiling " + " / ".join(f"{x:.2f}x" for x in ceilings)
+                             + (" (below 5x)" if min(ceilings) < 5 else ""))
                 print(f"{c:15} {n:>5} {s:>10}  {gs:>10} {ms_:>14}  {rs}{more}", flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))

@@ -33,7 +33,11 @@
 //!   `bench/collectives_side_by_side.py` runs them against gloo;
 //! - `tcp-stream`, `tcp-pingpong`: the same traffic as `stream`/`pingpong`
 //!   over a raw blocking TCP socket between two processes (the physical
-//!   reference).
+//!   reference);
+//! - `memcpy`: one copy of `size` bytes in one process; `copy-floor`:
+//!   `procs` processes each copying `size` bytes at once, with no
+//!   communication (the physical references of the collectives: see
+//!   [`Scenario::CopyFloor`]).
 //!
 //! Tensors are float32 (a 4-byte ping-pong is one element).
 
@@ -120,6 +124,13 @@ pub enum Scenario {
     /// process (physical reference for the collectives: what one copy in or
     /// out of shared memory costs at best).
     Memcpy,
+    /// Every one of `procs` processes copies `size` bytes between its own
+    /// buffers, all at once, with no communication (physical reference: the
+    /// least time any collective takes whose processes together read and
+    /// write at least `procs × size` bytes, e.g. an all-reduce, an
+    /// all-to-all, a scatter or a gather; the faster of a plain copy and the
+    /// runtime's non-temporal one).
+    CopyFloor,
 }
 
 impl Scenario {
@@ -140,6 +151,7 @@ impl Scenario {
             Scenario::Gather => "gather",
             Scenario::Scatter => "scatter",
             Scenario::Memcpy => "memcpy",
+            Scenario::CopyFloor => "copy_floor",
         }
     }
 
@@ -163,6 +175,7 @@ impl Scenario {
         match self {
             Scenario::Leader => n + 1,
             Scenario::Memcpy => 1,
+            Scenario::CopyFloor => n,
             s if s.is_collective() => n,
             _ => 2,
         }
@@ -310,6 +323,9 @@ pub struct ShmTuning {
     /// The collectives' `CollectiveConfig::shm_min_bytes`.
     #[arg(long)]
     pub shm_min_bytes: Option<usize>,
+    /// The collectives' `CollectiveConfig::shm_piece_bytes`.
+    #[arg(long)]
+    pub shm_piece_bytes: Option<usize>,
     /// Threads that copy one large range through shared memory together,
     /// given to the ranks as `MULTIWORLD_SHM_COPY_THREADS` (the crate's
     /// default: a quarter of the CPUs, 1 to 4).
@@ -323,6 +339,7 @@ impl ShmTuning {
         [
             ("shm_spin_us", self.shm_spin_us),
             ("shm_min_bytes", self.shm_min_bytes.map(|b| b as u64)),
+            ("shm_piece_bytes", self.shm_piece_bytes.map(|b| b as u64)),
             ("copy_threads", self.copy_threads.map(|k| k as u64)),
         ]
         .into_iter()
@@ -341,6 +358,9 @@ impl ShmTuning {
         if let Some(b) = self.shm_min_bytes {
             cfg.shm_min_bytes = b;
         }
+        if let Some(b) = self.shm_piece_bytes {
+            cfg.shm_piece_bytes = b;
+        }
         cfg
     }
 }
@@ -353,8 +373,12 @@ pub const AFTER_LARGE_BYTES: usize = 16 << 20;
 pub fn default_sizes(scenario: Scenario, quick: bool) -> Vec<usize> {
     match (scenario, quick) {
         (Scenario::Pingpong | Scenario::TcpPingpong, _) => vec![4],
-        (s, false) if s.is_collective() || s == Scenario::Memcpy => vec![1 << 20, 64 << 20],
-        (s, true) if s.is_collective() || s == Scenario::Memcpy => vec![1 << 20],
+        (s, false) if s.is_collective() || matches!(s, Scenario::Memcpy | Scenario::CopyFloor) => {
+            vec![1 << 20, 64 << 20]
+        }
+        (s, true) if s.is_collective() || matches!(s, Scenario::Memcpy | Scenario::CopyFloor) => {
+            vec![1 << 20]
+        }
         (_, false) => vec![64 << 10, 1 << 20],
         (_, true) => vec![64 << 10],
     }
@@ -395,7 +419,7 @@ pub fn run(args: &RunArgs, mut emit: impl FnMut(Value)) -> Result<()> {
     };
     let ns: Vec<u32> = match args.scenario {
         Scenario::Memcpy => vec![1],
-        s if s == Scenario::Leader || s.is_collective() => args.n.clone(),
+        s if s == Scenario::Leader || s == Scenario::CopyFloor || s.is_collective() => args.n.clone(),
         _ => vec![2],
     };
     let exe = std::env::current_exe().map_err(|e| err(format!("cannot find this binary: {e}")))?;
@@ -549,6 +573,7 @@ pub fn rank_main(a: &RankArgs) -> Result<()> {
         Scenario::TcpStream => tcp_stream(a)?,
         Scenario::TcpPingpong => tcp_pingpong(a)?,
         Scenario::Memcpy => memcpy(a),
+        Scenario::CopyFloor => copy_floor(a)?,
         _ => {
             // The same runtime as the Python package's (2 to 8 workers).
             let threads = std::thread::available_parallelism().map_or(2, |n| n.get().clamp(2, 8));
@@ -577,8 +602,29 @@ fn elements(size: usize) -> usize {
     size / 4
 }
 
+/// A receive buffer: float32 zeros (its pages are first touched by the
+/// first message or call written into it, an untimed one).
 fn buffer(size: usize) -> Result<Tensor> {
     Tensor::zeros(DType::F32, [elements(size)]).map_err(err)
+}
+
+/// What a rank sends or gives a collective: float32 ones, every page
+/// written. A large zeroed allocation that is only ever read maps the
+/// kernel's shared zero page, which stays in the caches: copying 64 MiB out
+/// of it here took 5.5 ms against 7.5 ms out of written memory, so reading
+/// such a buffer would make this side look faster than a peer whose
+/// tensors hold data (gloo's are `torch.ones`).
+fn ones(size: usize) -> Result<Tensor> {
+    let mut t = buffer(size)?;
+    t.as_mut_slice::<f32>().map_err(err)?.fill(1.0);
+    Ok(t)
+}
+
+/// [`ones`] as raw bytes (the raw-TCP references).
+fn raw_ones(size: usize) -> multiworld::Tensor {
+    let mut t = crate::raw_buffer(size);
+    t.bytes_mut().fill(1);
+    t
 }
 
 const FINISH: Duration = Duration::from_secs(60);
@@ -613,7 +659,7 @@ async fn join(m: &WorldManager, a: &RankArgs, name: &str, rank: u32, size: u32, 
 /// Rank 1's side of a stream to rank 0: `warm` untimed messages, then, on
 /// rank 0's "go", the `count` measured ones.
 async fn send_stream(w: &World, size: usize, warm: usize, count: usize) -> Result<()> {
-    let data = buffer(size)?;
+    let data = ones(size)?;
     let mut go = buffer(4)?;
     for _ in 0..warm {
         w.send(Rank(0), DATA, &data).await.map_err(err)?;
@@ -708,7 +754,7 @@ async fn pingpong(m: &WorldManager, a: &RankArgs, addr: &str) -> Result<Option<V
         w.finish(FINISH).await.map_err(err)?;
         return Ok(None);
     }
-    let data = buffer(a.size)?;
+    let data = ones(a.size)?;
     let mut rtts = Vec::with_capacity(rounds);
     for i in 0..warm + rounds {
         let t0 = Instant::now();
@@ -767,7 +813,8 @@ async fn leader(m: &WorldManager, a: &RankArgs, addr: &str) -> Result<Option<Val
 /// The world's collectives with the algorithm of `--algorithm`, after the
 /// untimed all-reduce of `--after-large`.
 async fn group(w: &World, a: &RankArgs) -> Result<multiworld::Group> {
-    let tuned = a.shm.shm_spin_us.is_some() || a.shm.shm_min_bytes.is_some();
+    let tuned =
+        a.shm.shm_spin_us.is_some() || a.shm.shm_min_bytes.is_some() || a.shm.shm_piece_bytes.is_some();
     let g = if a.algorithm == AlgorithmArg::Auto && !tuned {
         w.collectives().clone()
     } else {
@@ -796,7 +843,7 @@ async fn all_reduce(m: &WorldManager, a: &RankArgs, addr: &str) -> Result<Option
     let iters = a.load.iters(a.size);
     let w = join(m, a, "all-reduce", a.rank, a.n, addr).await?;
     let g = group(&w, a).await?;
-    let mut t = buffer(a.size)?;
+    let mut t = ones(a.size)?;
     let (mut times, mut first) = (Vec::with_capacity(iters), 0.0);
     for i in 0..2 + iters {
         let t0 = Instant::now();
@@ -828,11 +875,21 @@ async fn collective(m: &WorldManager, a: &RankArgs, addr: &str) -> Result<Option
     let is_root = a.rank == 0;
     let elems = elements(a.size);
     let part = (elems / n).max(1);
-    let mut t = buffer(a.size)?;
+    // Inputs hold data (ones), outputs are zeros: see `ones`.
+    let mut t = ones(a.size)?;
     let zeros = |k: usize| Tensor::zeros(DType::F32, [k]).map_err(err);
     let (mut big, mut small) = (zeros(n * elems)?, zeros(part)?);
-    let (even_in, mut even_out) = (zeros(part * n)?, zeros(part * n)?);
-    let mut list = (0..n).map(|_| zeros(elems)).collect::<Result<Vec<_>>>()?;
+    let (even_in, mut even_out) = (ones(part * n * 4)?, zeros(part * n)?);
+    // The root's outputs of a gather, its inputs of a scatter.
+    let mut list = (0..n)
+        .map(|_| {
+            if a.scenario == Scenario::Scatter {
+                ones(a.size)
+            } else {
+                zeros(elems)
+            }
+        })
+        .collect::<Result<Vec<_>>>()?;
     let (mut times, mut first) = (Vec::with_capacity(iters), 0.0);
     for i in 0..2 + iters {
         let t0 = Instant::now();
@@ -903,6 +960,79 @@ fn memcpy(a: &RankArgs) -> Option<Value> {
     Some(v)
 }
 
+/// [`Scenario::CopyFloor`]: rank 0 listens, the others connect; each pass
+/// (a plain copy, then the runtime's large copy with non-temporal stores)
+/// starts on rank 0's "go" to every rank, after two untimed copies, and
+/// ends when the last rank reports that its `iters` copies are done. The
+/// result is the faster pass's time divided by `iters`: what one call
+/// costs when every process copies at once.
+fn copy_floor(a: &RankArgs) -> Result<Option<Value>> {
+    let iters = a.load.iters(a.size).max(20);
+    let mut src = crate::raw_buffer(a.size);
+    for (i, b) in src.bytes_mut().iter_mut().enumerate() {
+        *b = (i % 251) as u8;
+    }
+    let mut dst = crate::raw_buffer(a.size);
+    let mut pass = |streaming: bool| {
+        for _ in 0..iters {
+            if streaming {
+                multiworld_collectives::copy_large(dst.bytes_mut(), src.as_bytes());
+            } else {
+                dst.bytes_mut().copy_from_slice(src.as_bytes());
+            }
+            std::hint::black_box(dst.as_bytes());
+        }
+    };
+    if a.rank != 0 {
+        let mut s = TcpStream::connect(&a.addr).map_err(err)?;
+        s.set_nodelay(true).map_err(err)?;
+        for streaming in [false, true] {
+            pass(streaming);
+            let mut go = [0u8; 1];
+            s.write_all(&[1]).map_err(err)?;
+            s.read_exact(&mut go).map_err(err)?;
+            pass(streaming);
+            s.write_all(&[2]).map_err(err)?;
+        }
+        return Ok(None);
+    }
+    let l = TcpListener::bind(&a.addr).map_err(err)?;
+    say(&json!({ "addr": l.local_addr().map_err(err)?.to_string() }));
+    let mut peers = Vec::new();
+    for _ in 1..a.n {
+        let s = l.accept().map_err(err)?.0;
+        s.set_nodelay(true).map_err(err)?;
+        peers.push(s);
+    }
+    let mut per_call = [0.0f64; 2];
+    for (k, streaming) in [false, true].into_iter().enumerate() {
+        pass(streaming);
+        let mut byte = [0u8; 1];
+        for p in &mut peers {
+            p.read_exact(&mut byte).map_err(err)?;
+        }
+        let t0 = Instant::now();
+        for p in &mut peers {
+            p.write_all(&[1]).map_err(err)?;
+        }
+        pass(streaming);
+        for p in &mut peers {
+            p.read_exact(&mut byte).map_err(err)?;
+        }
+        per_call[k] = t0.elapsed().as_secs_f64() / iters as f64;
+    }
+    let best = per_call[0].min(per_call[1]);
+    Ok(Some(json!({
+        "scenario": "copy_floor",
+        "size": a.size,
+        "procs": a.n,
+        "iters": iters,
+        "ms": best * 1e3,
+        "ms_plain": per_call[0] * 1e3,
+        "ms_streaming": per_call[1] * 1e3,
+    })))
+}
+
 fn tcp_pair(a: &RankArgs) -> Result<TcpStream> {
     let s = if a.rank == 0 {
         let l = TcpListener::bind(&a.addr).map_err(err)?;
@@ -921,7 +1051,12 @@ fn tcp_stream(a: &RankArgs) -> Result<Option<Value>> {
         a.load.warmup(a.load.messages(a.size, 1)),
     );
     let mut s = tcp_pair(a)?;
-    let mut buf = crate::raw_buffer(a.size);
+    // The sender's bytes hold data (see `ones`); the receiver's are zeros.
+    let mut buf = if a.rank == 1 {
+        raw_ones(a.size)
+    } else {
+        crate::raw_buffer(a.size)
+    };
     let mut go = [0u8; 1];
     if a.rank == 1 {
         for _ in 0..warm {

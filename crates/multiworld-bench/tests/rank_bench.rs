@@ -93,6 +93,44 @@ fn the_memory_copy_reference_runs_once_per_size() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The collectives' copy floor: every process copies at once, for each
+/// process count; the result is the faster of its two passes.
+#[test]
+fn the_copy_floor_runs_every_process_count() -> anyhow::Result<()> {
+    let out = Command::new(env!("CARGO_BIN_EXE_mw-rank-bench"))
+        .args([
+            "run",
+            "copy-floor",
+            "--quick",
+            "--n",
+            "1,3",
+            "--sizes",
+            "65536",
+            "--deadline-s",
+            "60",
+        ])
+        .output()?;
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let lines: Vec<serde_json::Value> = String::from_utf8(out.stdout)?
+        .lines()
+        .map(serde_json::from_str)
+        .collect::<Result<_, _>>()?;
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    for (v, procs) in lines.iter().zip([1, 3]) {
+        assert_eq!(v["scenario"], "copy_floor", "{v}");
+        assert_eq!(v["procs"], procs, "{v}");
+        assert_eq!(v["size"], 65536, "{v}");
+        assert!(v["iters"].as_u64() >= Some(20), "{v}");
+        for f in ["ms", "ms_plain", "ms_streaming"] {
+            assert!(positive(v, f), "{f} is not a positive number in {v}");
+        }
+        let (plain, streaming) = (v["ms_plain"].as_f64(), v["ms_streaming"].as_f64());
+        let best = plain.zip(streaming).map(|(p, s)| p.min(s));
+        assert_eq!(v["ms"].as_f64(), best, "{v}");
+    }
+    Ok(())
+}
+
 #[test]
 fn every_other_collective_runs_one_process_per_rank() -> anyhow::Result<()> {
     for (arg, name) in [

@@ -58,4 +58,4 @@ mod util;
 pub use desc::Kind as CollectiveKind;
 pub use group::{Algorithm, CallEnd, CallObserver, CollectiveConfig, Group};
 pub use handle::CollectiveHandle;
-pub use shm::SharedMemory;
+pub use shm::{SharedMemory, copy_large};

@@ -1023,8 +1023,9 @@ async fn copy_yielding<T: Copy + Send + Sync>(dst: &mut [T], src: &[T], stream: 
 /// non-temporal stores from [`STREAM_MIN_BYTES`] on: the copy of a member's
 /// own part into its output in the collectives, whatever their path. Such a
 /// copy does not stay in the caches anyway; 64 MiB here: 6.2–6.4 ms against
-/// 9.0–9.6 ms for `copy_from_slice`.
-pub(crate) fn copy_large<T: Copy + Send + Sync>(dst: &mut [T], src: &[T]) {
+/// 9.0–9.6 ms for `copy_from_slice`. Public for the benchmarks' physical
+/// references (`mw-rank-bench run copy-floor`).
+pub fn copy_large<T: Copy + Send + Sync>(dst: &mut [T], src: &[T]) {
     copy_shared(dst, src, std::mem::size_of_val(src) >= STREAM_MIN_BYTES);
 }
 

@@ -120,6 +120,15 @@ def _zeros(n: int) -> Any:
     return zeros(n, "float32")
 
 
+def _ones(n: int) -> Any:
+    """What a rank sends or reduces: ``_zeros`` filled with ones, every page
+    written, as the Rust ranks' (a zeroed buffer that is only read maps the
+    kernel's shared zero page, which stays in the caches)."""
+    t = _zeros(n)
+    t.fill(1)
+    return t
+
+
 def _streamed(scenario: str, size: int, senders: int, count: int, secs: float) -> Dict[str, Any]:
     total = count * senders
     return {"scenario": scenario, "size": size, "senders": senders, "messages": total,
@@ -135,7 +144,7 @@ def _median_p99(v: List[float]) -> tuple:
 def _send_stream(w: Any, size: int, warm: int, count: int) -> None:
     import numpy as np
 
-    data = _zeros(size // 4)
+    data = _ones(size // 4)
     go = np.zeros(1, dtype=np.float32)
     for _ in range(warm):
         w.send(data, 0, _DATA)
@@ -180,7 +189,7 @@ def _rank_pingpong(m: Any, a: argparse.Namespace, addr: str, load: Load) -> Opti
             send(buf, 0, _DATA)
         w.finish(_FINISH)
         return None
-    data = _zeros(a.size // 4)
+    data = _ones(a.size // 4)
     rtts = []
     clock = time.perf_counter
     for i in range(warm + rounds):
@@ -265,7 +274,7 @@ def _rank_all_reduce(m: Any, a: argparse.Namespace, addr: str, load: Load) -> Op
 
     iters = load.iters(a.size)
     w = m.join("all-reduce", a.rank, a.n, addr)
-    t = _zeros(a.size // 4)
+    t = _ones(a.size // 4)
     times = []
     for i in range(2 + iters):
         t0 = time.perf_counter()
