@@ -76,7 +76,7 @@ use crate::group::{Algorithm, CollectiveConfig, Ctx};
 use crate::util::{Scratch, even_segments, try_join_all};
 use multiworld_tcp::{Error, Result};
 use multiworld_types::{DType, Rank, Tensor};
-use multiworld_types::{Kernel, ReduceOp};
+use multiworld_types::{ElemOp, Kernel, ReduceOp};
 
 /// Size of the segment header (keeps the slots page-aligned).
 const HEADER: usize = 4096;
@@ -1623,27 +1623,83 @@ impl Fold<'_> {
 
 /// Reduces one block over every member's copy in rank order into `a`
 /// (`x0 op x1 op ...`, then the division of an average): `src(q)` is member
-/// `q`'s copy, as long as `a`.
+/// `q`'s copy, as long as `a`. The first two copies are combined in one
+/// pass (`a = x0 op x1`), not copied and then combined.
 fn fold_block<'s, T: Kernel>(
     a: &mut [T],
     n: usize,
     op: ReduceOp,
-    mut src: impl FnMut(usize) -> Result<&'s [T]>,
+    src: impl FnMut(usize) -> Result<&'s [T]>,
 ) -> Result<()> {
-    let eop = op.elem();
-    for q in 0..n {
-        let s = src(q)?;
-        if s.len() != a.len() {
-            return Err(Error::invalid("internal: shared-memory block sizes"));
-        }
-        if q == 0 {
-            a.copy_from_slice(s);
-        } else {
-            T::combine_assign(eop, a, s);
-        }
-    }
+    fold_members(a, None, n, op.elem(), src)?;
     if op == ReduceOp::Avg {
         T::divide(a, n);
+    }
+    Ok(())
+}
+
+/// [`fold_block`] with the result written into `dst` rather than `a`
+/// (scratch here, as long as `dst`): the last combination writes `dst`
+/// itself, which saves copying the result out of `a`. The same operations
+/// in the same order as [`fold_block`], so the same bits.
+fn fold_block_into<'s, T: Kernel>(
+    a: &mut [T],
+    dst: &mut [T],
+    n: usize,
+    op: ReduceOp,
+    src: impl FnMut(usize) -> Result<&'s [T]>,
+) -> Result<()> {
+    fold_members(a, Some(&mut *dst), n, op.elem(), src)?;
+    if op == ReduceOp::Avg {
+        T::divide(dst, n);
+    }
+    Ok(())
+}
+
+/// `x0 op x1 op ... op x(n−1)` in rank order (`src(q)` is `xq`, as long as
+/// `a`), into `a`, or with `dst` into `dst` (`a` then holds the partial
+/// results before the last member's). Every pass but the last reads and
+/// writes `a`, which stays in the L1/L2 cache.
+fn fold_members<'s, T: Kernel>(
+    a: &mut [T],
+    dst: Option<&mut [T]>,
+    n: usize,
+    eop: ElemOp,
+    mut src: impl FnMut(usize) -> Result<&'s [T]>,
+) -> Result<()> {
+    let len = a.len();
+    if dst.as_ref().is_some_and(|d| d.len() != len) {
+        return Err(Error::invalid("internal: shared-memory block sizes"));
+    }
+    let mut next = |q: usize| -> Result<&'s [T]> {
+        let s = src(q)?;
+        if s.len() != len {
+            return Err(Error::invalid("internal: shared-memory block sizes"));
+        }
+        Ok(s)
+    };
+    if n == 0 {
+        return Err(Error::invalid("internal: a reduction over no member"));
+    }
+    match dst {
+        Some(dst) if n == 1 => dst.copy_from_slice(next(0)?),
+        Some(dst) if n == 2 => T::combine(eop, dst, next(0)?, next(1)?),
+        dst => {
+            // The members folded into `a`; with `dst`, the last goes there.
+            let k = if dst.is_some() { n - 1 } else { n };
+            if k == 1 {
+                a.copy_from_slice(next(0)?);
+            } else {
+                let (x0, x1) = (next(0)?, next(1)?);
+                T::combine(eop, a, x0, x1);
+                for q in 2..k {
+                    T::combine_assign(eop, a, next(q)?);
+                }
+            }
+            if let Some(dst) = dst {
+                T::combine(eop, dst, a, next(n - 1)?);
+            }
+        }
     }
     Ok(())
 }
@@ -1694,15 +1750,18 @@ impl Io<'_> {
         while at < mine.end {
             let b = at..(at + acc.len()).min(mine.end);
             let a = &mut acc[..b.len()];
-            fold_block(a, n, op, |q| {
+            // The result goes into this member's own part of its slot (which
+            // its publish phase left alone and nobody reads until the next
+            // barrier), then from there into the tensor.
+            let slot = seg.write::<T>(n, buf, me, b.clone())?;
+            fold_block_into(a, slot, n, op, |q| {
                 if q == me {
                     Ok(&x[b.clone()])
                 } else {
                     seg.read::<T>(n, buf, q, b.clone())
                 }
             })?;
-            copy(&mut x[b.clone()], a, stream);
-            seg.write::<T>(n, buf, me, b.clone())?.copy_from_slice(a);
+            copy(&mut x[b.clone()], slot, stream);
             done += b.len() * size * n;
             if done >= YIELD_BYTES {
                 done = 0;
@@ -2129,5 +2188,71 @@ mod tests {
         assert_eq!(segment_len(usize::MAX, 2), None, "overflow");
         assert_eq!(segment_len(usize::MAX / 8, 4), None, "overflow");
         assert_eq!(segment_len(isize::MAX as usize / 6, 2), None, "beyond isize");
+    }
+
+    /// Member `q`'s block: floats whose sum depends on the order.
+    fn member_block(q: usize, len: usize) -> Vec<f32> {
+        (0..len)
+            .map(|i| {
+                let i = i as f32;
+                match q {
+                    0 => 1.0e8 + i,
+                    1 => 3.7 + i * 0.37,
+                    2 => 5.3 - i * 0.11,
+                    3 => -1.0e8,
+                    _ => 0.77 * i,
+                }
+            })
+            .collect()
+    }
+
+    /// `x0 op x1 op ...` one member at a time, the order the results must
+    /// keep bit for bit.
+    fn naive(blocks: &[Vec<f32>], op: ReduceOp) -> Vec<f32> {
+        let mut acc = blocks[0].clone();
+        for b in &blocks[1..] {
+            f32::combine_assign(op.elem(), &mut acc, b);
+        }
+        if op == ReduceOp::Avg {
+            f32::divide(&mut acc, blocks.len());
+        }
+        acc
+    }
+
+    #[test]
+    fn folds_keep_rank_order_bit_for_bit_into_scratch_or_a_destination() {
+        let len = 37;
+        for n in 1..=5 {
+            let blocks: Vec<Vec<f32>> = (0..n).map(|q| member_block(q, len)).collect();
+            for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Product] {
+                let want = naive(&blocks, op);
+                let src = |q: usize| Ok(&blocks[q][..]);
+                let mut a = vec![0.0f32; len];
+                fold_block(&mut a, n, op, src).unwrap();
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&a), bits(&want), "fold_block n={n} {op:?}");
+                let (mut a, mut dst) = (vec![0.0f32; len], vec![0.0f32; len]);
+                fold_block_into(&mut a, &mut dst, n, op, src).unwrap();
+                assert_eq!(bits(&dst), bits(&want), "fold_block_into n={n} {op:?}");
+            }
+        }
+        // With 3 members, another order gives other bits: the check above
+        // can tell.
+        let blocks: Vec<Vec<f32>> = (0..3).map(|q| member_block(q, len)).collect();
+        let reversed: Vec<Vec<f32>> = blocks.iter().rev().cloned().collect();
+        assert_ne!(naive(&blocks, ReduceOp::Sum), naive(&reversed, ReduceOp::Sum));
+    }
+
+    #[test]
+    fn folds_refuse_blocks_of_other_lengths_and_no_members() {
+        let (short, full) = (vec![1.0f32; 3], vec![1.0f32; 4]);
+        let mut a = vec![0.0f32; 4];
+        let mut dst = vec![0.0f32; 4];
+        let src = |q: usize| Ok(if q == 1 { &short[..] } else { &full[..] });
+        assert!(fold_block(&mut a, 2, ReduceOp::Sum, src).is_err());
+        assert!(fold_block_into(&mut a, &mut dst, 3, ReduceOp::Sum, src).is_err());
+        assert!(fold_block_into(&mut a, &mut dst[..3], 1, ReduceOp::Sum, |_| Ok(&full[..])).is_err());
+        assert!(fold_block(&mut a, 0, ReduceOp::Sum, |_| Ok(&full[..])).is_err());
+        assert!(fold_block_into(&mut a, &mut dst, 0, ReduceOp::Sum, |_| Ok(&full[..])).is_err());
     }
 }
