@@ -34,6 +34,7 @@ The physical references, measured in the same run:
     cargo build --release -p multiworld-bench --bin mw-rank-bench
     target/py-venv/bin/python bench/collectives_side_by_side.py [--procs 2,4]
         [--sizes 1024,1048576,67108864] [--repeats 1] [--json FILE] [--also ARGS]
+        [--collectives all_reduce,reduce]
 
 `--also '--shm-spin-us=0'` measures a second multiworld setting beside the
 default in every cell (a before/after against the same gloo figures).
@@ -94,13 +95,13 @@ def gloo_call(name: str, rank: int, n: int, size: int):
     raise ValueError(name)
 
 
-def gloo_rank(rank: int, n: int, port: int, sizes, out) -> None:
+def gloo_rank(rank: int, n: int, port: int, sizes, out, names=COLLECTIVES) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=n)
     for size in sizes:
-        for name in COLLECTIVES:
+        for name in names:
             call = gloo_call(name, rank, n, size)
             try:
                 call()
@@ -121,15 +122,15 @@ def gloo_rank(rank: int, n: int, port: int, sizes, out) -> None:
     dist.destroy_process_group()
 
 
-def gloo(n: int, sizes) -> dict:
+def gloo(n: int, sizes, names=COLLECTIVES) -> dict:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=gloo_rank, args=(r, n, port, sizes, out)) for r in range(n)]
+    procs = [ctx.Process(target=gloo_rank, args=(r, n, port, sizes, out, names)) for r in range(n)]
     for p in procs:
         p.start()
     got = {}
-    for _ in range(len(sizes) * len(COLLECTIVES)):
+    for _ in range(len(sizes) * len(names)):
         name, size, ms, why = out.get(timeout=1800)
         got[(name, size)] = (ms, why)
     for p in procs:
@@ -171,8 +172,14 @@ def main() -> None:
     p.add_argument("--also", default="",
                    help="extra mw-rank-bench arguments of a second multiworld setting measured beside "
                         "the default in each cell, e.g. '--shm-spin-us=0' (a before/after in one run)")
+    p.add_argument("--collectives", default=",".join(COLLECTIVES),
+                   help="the collectives to run, comma-separated (default: all of them)")
     add_rust_bin(p)
     a = p.parse_args()
+    names = [c.strip() for c in a.collectives.split(",") if c.strip()]
+    unknown = [c for c in names if c not in COLLECTIVES]
+    if unknown or not names:
+        p.error(f"--collectives: unknown {unknown}, choose from {COLLECTIVES}")
     binary = rust_bin(a)
     sizes = [int(s) for s in a.sizes.split(",")]
     also = a.also.split()
@@ -181,12 +188,12 @@ def main() -> None:
           f"median ms per call, {a.repeats} repeat(s)", flush=True)
     print(f"{'collective':15} {'procs':>5} {'size':>10}  {'gloo ms':>10} {'multiworld ms':>14}  ratio", flush=True)
     for n in [int(x) for x in a.procs.split(",")]:
-        results = {(c, s): ([], [], []) for c in COLLECTIVES for s in sizes}
+        results = {(c, s): ([], [], []) for c in names for s in sizes}
         copies = {s: [] for s in sizes}
         floors = {s: [] for s in sizes}
         notes = {}
         for _ in range(a.repeats):
-            for (c, s), (ms, why) in gloo(n, sizes).items():
+            for (c, s), (ms, why) in gloo(n, sizes, names).items():
                 if ms is not None:
                     results[(c, s)][0].append(ms)
                 else:
@@ -194,7 +201,7 @@ def main() -> None:
             for s in sizes:
                 copies[s].append(memcpy_ms(binary, s))
                 floors[s].append(copy_floor_ms(binary, n, s))
-                for c in COLLECTIVES:
+                for c in names:
                     results[(c, s)][1].append(multiworld(binary, c, n, s))
                     if also:
                         results[(c, s)][2].append(multiworld(binary, c, n, s, also))
@@ -203,7 +210,7 @@ def main() -> None:
                   f"{' / '.join(f'{x:.3f}' for x in copies[s]):>14}  one copy, the reference", flush=True)
             print(f"{'(copy floor)':15} {n:>5} {s:>10}  {'':>10} "
                   f"{' / '.join(f'{x:.3f}' for x in floors[s]):>14}  every process copies at once", flush=True)
-            for c in COLLECTIVES:
+            for c in names:
                 g, m, m2 = results[(c, s)]
                 ratios = [gi / mi for gi, mi in zip(g, m)]
                 rows.append({"collective": c, "procs": n, "size": s, "gloo_ms": g, "multiworld_ms": m,
