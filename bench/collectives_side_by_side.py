@@ -21,14 +21,14 @@ The physical references, measured in the same run:
   memory costs;
 - the copy floor: every one of the `procs` processes copying `size` bytes
   at once, with no communication (`mw-rank-bench run copy-floor`, the
-  faster of a plain copy and the runtime's non-temporal one). A collective
+  faster of a plain copy and the runtime's large copy). A collective
   whose processes together must read at least `procs x size` bytes and
   write at least as many (all_reduce, all_gather, all_to_all, gather,
-  scatter) cannot take less time than that on the same cores and memory,
-  whatever its design, so `gloo ms / floor ms` is the highest ratio to
-  gloo any implementation can reach in that cell on this machine: the
-  "ceiling" column, with "(below 5x)" where even that is under issue 18's
-  target.
+  scatter) moves at least that much, so `gloo ms / floor ms` is about the
+  highest ratio to gloo any implementation could reach in that cell on
+  this machine: the "ceiling" column, with "(below 5x)" where even that
+  is under issue 18's target. It is a reference, not a strict bound: it
+  is measured minutes apart from each cell, and a noisy machine moves it.
 
     python3 -m venv target/py-venv && target/py-venv/bin/pip install torch   # once
     cargo build --release -p multiworld-bench --bin mw-rank-bench

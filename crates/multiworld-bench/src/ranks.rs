@@ -125,11 +125,11 @@ pub enum Scenario {
     /// out of shared memory costs at best).
     Memcpy,
     /// Every one of `procs` processes copies `size` bytes between its own
-    /// buffers, all at once, with no communication (physical reference: the
-    /// least time any collective takes whose processes together read and
-    /// write at least `procs × size` bytes, e.g. an all-reduce, an
-    /// all-to-all, a scatter or a gather; the faster of a plain copy and the
-    /// runtime's non-temporal one).
+    /// buffers, all at once, with no communication (physical reference for
+    /// the collectives whose processes together read and write at least
+    /// `procs × size` bytes, e.g. an all-reduce, an all-to-all, a scatter or
+    /// a gather: what moving those bytes once costs in the same minutes; the
+    /// faster of a plain copy and the runtime's large copy).
     CopyFloor,
 }
 
@@ -875,21 +875,34 @@ async fn collective(m: &WorldManager, a: &RankArgs, addr: &str) -> Result<Option
     let is_root = a.rank == 0;
     let elems = elements(a.size);
     let part = (elems / n).max(1);
-    // Inputs hold data (ones), outputs are zeros: see `ones`.
-    let mut t = ones(a.size)?;
+    // Inputs hold data (ones), outputs are zeros (see `ones`); each buffer
+    // is allocated only for the scenarios that use it, so none is filled
+    // in vain.
+    let uses = |s: &[Scenario]| s.contains(&a.scenario);
     let zeros = |k: usize| Tensor::zeros(DType::F32, [k]).map_err(err);
-    let (mut big, mut small) = (zeros(n * elems)?, zeros(part)?);
-    let (even_in, mut even_out) = (ones(part * n * 4)?, zeros(part * n)?);
+    let per_rank = [
+        Scenario::Broadcast,
+        Scenario::Reduce,
+        Scenario::AllGather,
+        Scenario::Gather,
+        Scenario::Scatter,
+    ];
+    let mut t = if uses(&per_rank) { ones(a.size)? } else { zeros(0)? };
+    let mut big = zeros(if uses(&[Scenario::AllGather]) {
+        n * elems
+    } else {
+        0
+    })?;
+    let mut small = zeros(if uses(&[Scenario::ReduceScatter]) { part } else { 0 })?;
+    let evenly = uses(&[Scenario::ReduceScatter, Scenario::AllToAll]);
+    let even_in = if evenly { ones(part * n * 4)? } else { zeros(0)? };
+    let mut even_out = zeros(if uses(&[Scenario::AllToAll]) { part * n } else { 0 })?;
     // The root's outputs of a gather, its inputs of a scatter.
-    let mut list = (0..n)
-        .map(|_| {
-            if a.scenario == Scenario::Scatter {
-                ones(a.size)
-            } else {
-                zeros(elems)
-            }
-        })
-        .collect::<Result<Vec<_>>>()?;
+    let mut list = match a.scenario {
+        Scenario::Scatter if is_root => (0..n).map(|_| ones(a.size)).collect::<Result<Vec<_>>>()?,
+        Scenario::Gather if is_root => (0..n).map(|_| zeros(elems)).collect::<Result<Vec<_>>>()?,
+        _ => Vec::new(),
+    };
     let (mut times, mut first) = (Vec::with_capacity(iters), 0.0);
     for i in 0..2 + iters {
         let t0 = Instant::now();
@@ -960,10 +973,13 @@ fn memcpy(a: &RankArgs) -> Option<Value> {
     Some(v)
 }
 
-/// [`Scenario::CopyFloor`]: rank 0 listens, the others connect; each pass
-/// (a plain copy, then the runtime's large copy with non-temporal stores)
-/// starts on rank 0's "go" to every rank, after two untimed copies, and
-/// ends when the last rank reports that its `iters` copies are done. The
+/// [`Scenario::CopyFloor`]: rank 0 listens, the others connect. Two passes,
+/// a plain copy (`copy_from_slice`) and then the runtime's large copy
+/// ([`multiworld_collectives::copy_large`]: non-temporal stores from 8 MiB
+/// on, and split with the copy pool's threads on machines that have one,
+/// 8 CPUs or more); each rank makes `iters` untimed copies, reports, waits
+/// for rank 0's "go", makes `iters` timed copies and reports again. A
+/// pass's time runs from rank 0's "go" to the last rank's report; the
 /// result is the faster pass's time divided by `iters`: what one call
 /// costs when every process copies at once.
 fn copy_floor(a: &RankArgs) -> Result<Option<Value>> {
