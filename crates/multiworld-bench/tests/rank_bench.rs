@@ -61,25 +61,29 @@ fn one_scenario_with_explicit_sizes() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `mw-rank-bench run ARGS --quick` (60-second deadline): its JSON lines,
+/// after checking that it succeeded.
+fn quick_run(args: &[&str]) -> anyhow::Result<Vec<serde_json::Value>> {
+    let out = Command::new(env!("CARGO_BIN_EXE_mw-rank-bench"))
+        .arg("run")
+        .args(args)
+        .args(["--quick", "--deadline-s", "60"])
+        .output()?;
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8(out.stdout)?
+        .lines()
+        .map(serde_json::from_str)
+        .collect::<Result<_, _>>()?)
+}
+
 /// The collectives' physical reference: one copy in one process.
 #[test]
 fn the_memory_copy_reference_runs_once_per_size() -> anyhow::Result<()> {
-    let out = Command::new(env!("CARGO_BIN_EXE_mw-rank-bench"))
-        .args([
-            "run",
-            "memcpy",
-            "--quick",
-            "--sizes",
-            "4096,65536",
-            "--deadline-s",
-            "60",
-        ])
-        .output()?;
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let lines: Vec<serde_json::Value> = String::from_utf8(out.stdout)?
-        .lines()
-        .map(serde_json::from_str)
-        .collect::<Result<_, _>>()?;
+    let lines = quick_run(&["memcpy", "--sizes", "4096,65536"])?;
     assert_eq!(lines.len(), 2, "{lines:?}");
     for (v, size) in lines.iter().zip([4096, 65536]) {
         assert_eq!(v["scenario"], "memcpy", "{v}");
@@ -97,24 +101,7 @@ fn the_memory_copy_reference_runs_once_per_size() -> anyhow::Result<()> {
 /// process count; the result is the faster of its two passes.
 #[test]
 fn the_copy_floor_runs_every_process_count() -> anyhow::Result<()> {
-    let out = Command::new(env!("CARGO_BIN_EXE_mw-rank-bench"))
-        .args([
-            "run",
-            "copy-floor",
-            "--quick",
-            "--n",
-            "1,3",
-            "--sizes",
-            "65536",
-            "--deadline-s",
-            "60",
-        ])
-        .output()?;
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let lines: Vec<serde_json::Value> = String::from_utf8(out.stdout)?
-        .lines()
-        .map(serde_json::from_str)
-        .collect::<Result<_, _>>()?;
+    let lines = quick_run(&["copy-floor", "--n", "1,3", "--sizes", "65536"])?;
     assert_eq!(lines.len(), 2, "{lines:?}");
     for (v, procs) in lines.iter().zip([1, 3]) {
         assert_eq!(v["scenario"], "copy_floor", "{v}");
