@@ -22,6 +22,7 @@
 
 use std::{
     future::Future,
+    pin::Pin,
     sync::{
         Arc, OnceLock,
         atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering},
@@ -192,22 +193,25 @@ where
     F: Future + Send,
     F::Output: Send,
 {
+    // Pinned once, here: an operation's future can be tens of KiB (a
+    // collective's is), and each move on the way down copied all of it
+    // (a call on a world of one spent about half its time in such copies).
+    let fut = std::pin::pin!(fut);
     // This thread runs no runtime tasks: a receive whose message is here
     // need not yield its turn to any (see `multiworld::without_pacing`).
     multiworld::without_pacing(|| wait_on_runtime(py, fut, bytes <= held_poll_max()))
 }
 
-fn wait_on_runtime<F>(py: Python<'_>, fut: F, poll_held: bool) -> PyResult<F::Output>
+fn wait_on_runtime<F>(py: Python<'_>, mut fut: Pin<&mut F>, poll_held: bool) -> PyResult<F::Output>
 where
     F: Future + Send,
     F::Output: Send,
 {
     let rt = runtime()?;
-    let mut fut = std::pin::pin!(fut);
     // A poll outside `drive_for`, inside the runtime's context (for the
     // sockets and timers the poll touches); the no-op waker is replaced by
     // this thread's at the next poll.
-    let poll_now = |fut: std::pin::Pin<&mut F>| {
+    let poll_now = |fut: Pin<&mut F>| {
         let _guard = rt.enter();
         fut.poll(&mut Context::from_waker(Waker::noop()))
     };
@@ -294,7 +298,7 @@ thread_local! {
 /// [`wait`]); the slice is checked between polls.
 fn drive_for<F: Future>(
     rt: &tokio::runtime::Runtime,
-    mut fut: std::pin::Pin<&mut F>,
+    mut fut: Pin<&mut F>,
     slice: Duration,
 ) -> Option<F::Output> {
     // A thread whose locals are being torn down gets a waker of its own.

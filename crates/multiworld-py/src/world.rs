@@ -206,6 +206,9 @@ impl World {
         fut: impl Future<Output = Result<T, CommError>> + Send,
     ) -> PyResult<T> {
         let w = self.w()?;
+        // Pinned here, so that the block below holds a reference to it, not
+        // a second copy of a future of several KiB.
+        let fut = std::pin::pin!(fut);
         // A collective's first poll may already copy its whole tensor (into
         // a shared-memory segment, or out of messages that are here): never
         // with the GIL held.
