@@ -347,6 +347,12 @@ impl ShmTuning {
         .collect()
     }
 
+    /// Whether a setting of the group's `CollectiveConfig` is given (the
+    /// copy threads are the process's, not the group's).
+    fn changes_config(&self) -> bool {
+        self.shm_spin_us.is_some() || self.shm_min_bytes.is_some() || self.shm_piece_bytes.is_some()
+    }
+
     /// `cfg` with the settings given applied.
     fn apply(
         &self,
@@ -373,11 +379,12 @@ pub const AFTER_LARGE_BYTES: usize = 16 << 20;
 pub fn default_sizes(scenario: Scenario, quick: bool) -> Vec<usize> {
     match (scenario, quick) {
         (Scenario::Pingpong | Scenario::TcpPingpong, _) => vec![4],
-        (s, false) if s.is_collective() || matches!(s, Scenario::Memcpy | Scenario::CopyFloor) => {
-            vec![1 << 20, 64 << 20]
-        }
-        (s, true) if s.is_collective() || matches!(s, Scenario::Memcpy | Scenario::CopyFloor) => {
-            vec![1 << 20]
+        (s, quick) if s.is_collective() || matches!(s, Scenario::Memcpy | Scenario::CopyFloor) => {
+            if quick {
+                vec![1 << 20]
+            } else {
+                vec![1 << 20, 64 << 20]
+            }
         }
         (_, false) => vec![64 << 10, 1 << 20],
         (_, true) => vec![64 << 10],
@@ -813,9 +820,7 @@ async fn leader(m: &WorldManager, a: &RankArgs, addr: &str) -> Result<Option<Val
 /// The world's collectives with the algorithm of `--algorithm`, after the
 /// untimed all-reduce of `--after-large`.
 async fn group(w: &World, a: &RankArgs) -> Result<multiworld::Group> {
-    let tuned =
-        a.shm.shm_spin_us.is_some() || a.shm.shm_min_bytes.is_some() || a.shm.shm_piece_bytes.is_some();
-    let g = if a.algorithm == AlgorithmArg::Auto && !tuned {
+    let g = if a.algorithm == AlgorithmArg::Auto && !a.shm.changes_config() {
         w.collectives().clone()
     } else {
         let cfg = multiworld_collectives::CollectiveConfig::default().with_algorithm(a.algorithm.algorithm());
@@ -949,16 +954,22 @@ fn reduced(size: usize, procs: u32, times: &mut [f64]) -> Value {
     })
 }
 
+/// The two buffers of the copy references: a source holding a pattern
+/// (every page written) and a destination.
+fn copy_buffers(size: usize) -> (multiworld::Tensor, multiworld::Tensor) {
+    let mut src = crate::raw_buffer(size);
+    for (i, b) in src.bytes_mut().iter_mut().enumerate() {
+        *b = (i % 251) as u8;
+    }
+    (src, crate::raw_buffer(size))
+}
+
 /// [`Scenario::Memcpy`]: timed like a collective (two untimed copies, then
 /// at least 20), the median.
 fn memcpy(a: &RankArgs) -> Option<Value> {
     say(&json!({ "addr": "" }));
     let iters = a.load.iters(a.size).max(20);
-    let mut src = crate::raw_buffer(a.size);
-    for (i, b) in src.bytes_mut().iter_mut().enumerate() {
-        *b = (i % 251) as u8;
-    }
-    let mut dst = crate::raw_buffer(a.size);
+    let (src, mut dst) = copy_buffers(a.size);
     let mut times = Vec::with_capacity(iters);
     for i in 0..2 + iters {
         let t0 = Instant::now();
@@ -984,11 +995,7 @@ fn memcpy(a: &RankArgs) -> Option<Value> {
 /// costs when every process copies at once.
 fn copy_floor(a: &RankArgs) -> Result<Option<Value>> {
     let iters = a.load.iters(a.size).max(20);
-    let mut src = crate::raw_buffer(a.size);
-    for (i, b) in src.bytes_mut().iter_mut().enumerate() {
-        *b = (i % 251) as u8;
-    }
-    let mut dst = crate::raw_buffer(a.size);
+    let (src, mut dst) = copy_buffers(a.size);
     let mut pass = |streaming: bool| {
         for _ in 0..iters {
             if streaming {
