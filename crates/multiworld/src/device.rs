@@ -249,10 +249,18 @@ fn device_call_error(world: &WorldName, err: NcclError) -> WorldError {
 /// Holds at most [`Self::KEEP`]
 /// tensors and [`Self::KEEP_BYTES`] bytes, the ones given back last, and
 /// hands out only one of the same dtype and length (the receive checks both
-/// against the message). What it holds is freed with the world's last
-/// handle; a larger transfer is staged through memory of its own.
+/// against the message). What it holds is freed when the world is torn
+/// down ([`Self::close`]), not whenever its last handle goes; a larger
+/// transfer is staged through memory of its own.
 #[derive(Debug, Default)]
-pub(crate) struct HostStaging(Mutex<Vec<Tensor>>);
+pub(crate) struct HostStaging(Mutex<Kept>);
+
+/// The tensors a [`HostStaging`] holds, and whether its world has ended.
+#[derive(Debug, Default)]
+pub(crate) struct Kept {
+    tensors: Vec<Tensor>,
+    closed: bool,
+}
 
 impl HostStaging {
     /// A send and a receive in flight at once each use their own.
@@ -289,8 +297,11 @@ impl HostStaging {
     /// A kept tensor of `dtype` and `len` elements, taken out.
     fn kept(&self, dtype: DType, len: usize) -> Option<Tensor> {
         let mut kept = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        let i = kept.iter().position(|t| t.dtype() == dtype && t.numel() == len)?;
-        Some(kept.remove(i))
+        let i = kept
+            .tensors
+            .iter()
+            .position(|t| t.dtype() == dtype && t.numel() == len)?;
+        Some(kept.tensors.remove(i))
     }
 
     /// Keeps `t` for a later transfer (dropping the oldest beyond `KEEP`
@@ -303,13 +314,34 @@ impl HostStaging {
         }
         let mut evicted = Vec::new();
         let mut kept = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        kept.push(t);
-        while kept.len() > Self::KEEP || kept.iter().map(Tensor::nbytes).sum::<usize>() > Self::KEEP_BYTES {
-            evicted.push(kept.remove(0));
+        if kept.closed {
+            // The world has ended: a transfer that finished during its
+            // teardown frees its tensor (after the lock).
+            drop(kept);
+            drop(t);
+            return;
+        }
+        kept.tensors.push(t);
+        while kept.tensors.len() > Self::KEEP
+            || kept.tensors.iter().map(Tensor::nbytes).sum::<usize>() > Self::KEEP_BYTES
+        {
+            evicted.push(kept.tensors.remove(0));
         }
         // Freed after the lock (pinned memory goes back to the driver).
         drop(kept);
         drop(evicted);
+    }
+
+    /// Frees what it holds and keeps nothing from now on: called by the
+    /// world's teardown, so a removed world's pinned memory goes back to
+    /// the driver then, even while a task or a caller still holds a
+    /// reference to the world.
+    pub(crate) fn close(&self) {
+        let mut kept = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        kept.closed = true;
+        let freed = std::mem::take(&mut kept.tensors);
+        drop(kept);
+        drop(freed);
     }
 }
 
@@ -913,8 +945,8 @@ mod tests {
             s.give(take(&s, DType::U8, len));
         }
         let kept = s.0.lock().unwrap();
-        assert_eq!(kept.len(), HostStaging::KEEP);
-        assert_eq!(kept.iter().map(|t| t.numel()).collect::<Vec<_>>(), [2, 3]);
+        assert_eq!(kept.tensors.len(), HostStaging::KEEP);
+        assert_eq!(kept.tensors.iter().map(|t| t.numel()).collect::<Vec<_>>(), [2, 3]);
     }
 
     #[test]
@@ -924,14 +956,27 @@ mod tests {
         s.give(take(&s, DType::U8, 16));
         s.give(take(&s, DType::U8, half + 1));
         // Both together are within budget.
-        assert_eq!(s.0.lock().unwrap().len(), 2);
+        assert_eq!(s.0.lock().unwrap().tensors.len(), 2);
         // Another large one pushes the older ones out, the small one first.
         s.give(take(&s, DType::U8, half));
-        let sizes: Vec<usize> = s.0.lock().unwrap().iter().map(Tensor::nbytes).collect();
+        let sizes: Vec<usize> = s.0.lock().unwrap().tensors.iter().map(Tensor::nbytes).collect();
         assert_eq!(sizes, [half]);
         // One over the whole budget is never kept.
         s.give(take(&s, DType::U8, HostStaging::KEEP_BYTES + 1));
-        let sizes: Vec<usize> = s.0.lock().unwrap().iter().map(Tensor::nbytes).collect();
+        let sizes: Vec<usize> = s.0.lock().unwrap().tensors.iter().map(Tensor::nbytes).collect();
         assert_eq!(sizes, [half]);
+    }
+
+    #[test]
+    fn closed_host_staging_frees_what_it_held_and_keeps_nothing_more() {
+        let s = HostStaging::default();
+        s.give(take(&s, DType::U8, 16));
+        s.close();
+        assert!(s.0.lock().unwrap().tensors.is_empty());
+        // A transfer that ends after the teardown gives its tensor back in
+        // vain, and the next take makes a new one.
+        s.give(take(&s, DType::U8, 16));
+        assert!(s.0.lock().unwrap().tensors.is_empty());
+        assert!(s.kept(DType::U8, 16).is_none());
     }
 }

@@ -542,6 +542,11 @@ impl WorldShared {
                 tracing::debug!(world = %self.name, ?outcome, "NCCL communicator aborted");
             }
         }
+        // The kept (pinned) memory of host-staged device transfers goes back
+        // now, not with the world's last reference (a transfer still
+        // running fails with the communicator and frees its own).
+        #[cfg(feature = "nccl")]
+        self.host_staging.close();
         // Close exactly this generation of the world's store, so its waiters
         // wake and a re-join gets a fresh generation, even on a standalone
         // store that no member hosts.
