@@ -351,7 +351,8 @@ async fn rank0(comm: &Communicator, cfg: &P2pBenchConfig) -> Result<CommRun> {
     let peer = Rank(1);
     let mut token = Tensor::zeros(DType::U8, [1])?;
     for &size in &cfg.sizes {
-        let buf = Tensor::zeros(DType::U8, [size])?;
+        // Written, as a user's data is (see `crate::raw_ones`).
+        let buf = crate::raw_ones(size);
         let warm = cfg.messages(size).min(8);
         for _ in 0..warm {
             comm.send(peer, DATA, &buf).await?;
@@ -426,7 +427,7 @@ fn raw_stream(size: usize, n: usize) -> Result<f64> {
     let (mut tx, mut rx) = raw_pair()?;
     let warm = n.min(8);
     let sender = std::thread::spawn(move || -> Result<()> {
-        let buf = crate::raw_buffer(size);
+        let buf = crate::raw_ones(size);
         for _ in 0..warm {
             tx.write_all(buf.as_bytes()).map_err(io("raw write"))?;
         }

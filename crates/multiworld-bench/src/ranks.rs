@@ -616,22 +616,11 @@ fn buffer(size: usize) -> Result<Tensor> {
 }
 
 /// What a rank sends or gives a collective: float32 ones, every page
-/// written. A large zeroed allocation that is only ever read maps the
-/// kernel's shared zero page, which stays in the caches: copying 64 MiB out
-/// of it here took 5.5 ms against 7.5 ms out of written memory, so reading
-/// such a buffer would make this side look faster than a peer whose
-/// tensors hold data (gloo's are `torch.ones`).
+/// written, as gloo's `torch.ones` are (why: [`crate::raw_ones`]).
 fn ones(size: usize) -> Result<Tensor> {
     let mut t = buffer(size)?;
     t.as_mut_slice::<f32>().map_err(err)?.fill(1.0);
     Ok(t)
-}
-
-/// [`ones`] as raw bytes (the raw-TCP references).
-fn raw_ones(size: usize) -> multiworld::Tensor {
-    let mut t = crate::raw_buffer(size);
-    t.bytes_mut().fill(1);
-    t
 }
 
 const FINISH: Duration = Duration::from_secs(60);
@@ -1076,7 +1065,7 @@ fn tcp_stream(a: &RankArgs) -> Result<Option<Value>> {
     let mut s = tcp_pair(a)?;
     // The sender's bytes hold data (see `ones`); the receiver's are zeros.
     let mut buf = if a.rank == 1 {
-        raw_ones(a.size)
+        crate::raw_ones(a.size)
     } else {
         crate::raw_buffer(a.size)
     };
