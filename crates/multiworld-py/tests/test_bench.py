@@ -186,3 +186,32 @@ def test_the_fake_nccl_call_cost_benchmark_runs():
         assert set(got) == set(script.MODES) and all(us > 0 for us in got.values()), got
     finally:
         sys.path.pop(0)
+
+
+@pytest.mark.timeout(120)
+def test_the_single_copy_reference_builds_and_runs(tmp_path):
+    """``bench/cma_copy.c`` (the cost of one copy between processes against
+    the segment's copies) compiles and prints five rounds of positive
+    figures for every way of copying (no timing is checked)."""
+    import re
+    import shutil
+    from pathlib import Path
+
+    cc = os.environ.get("CC", "cc")
+    if shutil.which(cc) is None:
+        pytest.skip("needs a C compiler")
+    if os.uname().machine != "x86_64":
+        pytest.skip("the reference uses AVX2 stores")
+    root = Path(__file__).resolve().parents[3]
+    exe = tmp_path / "cma_copy"
+    subprocess.run([cc, "-O2", "-mavx2", "-o", str(exe), str(root / "bench" / "cma_copy.c")], check=True)
+    done = subprocess.run([str(exe), "64"], capture_output=True, text=True, timeout=100)
+    if done.returncode != 0 and "ptrace" in done.stderr:
+        pytest.skip(f"process_vm_readv is not allowed here: {done.stderr.strip()}")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) == 5, done.stdout
+    for line in lines:
+        figures = [float(x) for x in re.findall(r"([0-9.]+) ms", line)]
+        assert len(figures) == 5 and all(f > 0 for f in figures), line
+        assert "(64 KiB)" in line, line
