@@ -321,6 +321,40 @@ def test_an_irecv_handle_runs_without_a_task_and_a_cancel_reaches_its_waiter(pai
         assert (got == 3).all(), "the message after the cancel was lost"
 
 
+def test_dropping_an_irecv_handle_withdraws_its_receive_without_the_cycle_collector(pair):
+    """Dropping a handle before its message withdraws the receive at once on
+    every path: a lent plain array, a new array (``dtype``/``shape``) and a
+    tensor that cannot be lent (strided). With the cycle collector off, a
+    handle caught in a reference cycle would live on and its receive would
+    take the next message; here the next receive gets it."""
+    import gc
+
+    w0, w1 = pair
+    strided = np.zeros(16, np.int32)[::2]
+    starts = {
+        "lent": lambda tag: w0.irecv(np.zeros(8, np.int32), 1, tag=tag),
+        "new array": lambda tag: w0.irecv(None, 1, tag=tag, dtype=np.int32, shape=8),
+        "strided": lambda tag: w0.irecv(strided, 1, tag=tag),
+    }
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for tag, (what, start) in enumerate(starts.items(), start=20):
+            handle = start(tag)
+            del handle
+            got = np.zeros(8, np.int32)
+            after = w0.irecv(got, 1, tag=tag)
+            w1.send(np.full(8, tag, np.int32), 0, tag=tag)
+            try:
+                after.wait(10)
+            except mw.WorldTimeoutError:
+                pytest.fail(f"{what}: the dropped handle's receive took the message")
+            assert (got == tag).all(), what
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def test_a_received_irecv_left_unwaited_does_not_break_a_world_with_an_op_timeout():
     """With ``op_timeout``, a receive counts as done for its deadline when
     its message is in, whether or not anyone has waited on the handle yet."""

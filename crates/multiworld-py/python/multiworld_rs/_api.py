@@ -225,6 +225,24 @@ class _LentRecv(Work):
         return self._result
 
 
+class _Recv(Work):
+    """An ``irecv`` on the general path (a new array, or a tensor that cannot
+    be lent): ``wait()`` sets ``source`` and gives the received data to the
+    finisher. Nothing here refers back to the handle, so dropping it cancels
+    the receive at once; a finisher closing over the handle would make a
+    reference cycle, and until the cycle collector ran, the orphaned receive
+    would take the next message."""
+
+    def wait(self, timeout: Optional[float] = None) -> Any:
+        raw = self._w.wait(_seconds("timeout", timeout))
+        if not self._done:
+            got, flat = raw
+            self.source = got
+            self._result = self._finish(flat) if self._finish is not None else flat
+            self._done = True
+        return self._result
+
+
 def _lendable(tensor: Any) -> Any:
     """What the native fast paths may be lent for ``tensor``: a numpy array
     as it is; for a CPU torch tensor or a ``__dlpack__`` object, the numpy
@@ -466,18 +484,14 @@ class World:
                 arr, d, shp = None, T.np_dtype(dtype), _shape(shape)
                 dname = d.name
             native = self._w.irecv(_opt_rank("src", src), _u32("tag", tag), (dname, list(shp)), _off_loop)
-            work = Work(native)
 
-            def finish(raw: Any) -> np.ndarray:
-                got, flat = raw
-                work.source = got  # type: ignore[attr-defined]
+            def finish(flat: Any) -> np.ndarray:
                 if arr is not None:
                     T.write(arr, flat)
                     return tensor
                 return T.from_flat(flat, d, shp)
 
-            work._finish = finish
-            return work
+            return _Recv(native, finish)
         except T.DeviceTensor:
             return self._device("irecv", {
                 "tensor": tensor, "src": src, "tag": tag, "dtype": dtype, "shape": shape})
