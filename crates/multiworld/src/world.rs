@@ -754,16 +754,30 @@ fn parse_announcement(value: &[u8]) -> (u32, String) {
     }
 }
 
-/// Keeps a long-poll on the world's `broken` key: returns when a member
-/// announces a break; fails at once when the store's connection breaks.
-async fn store_watcher(w: Arc<WorldShared>, tx: watch::Sender<StoreStatus>) {
+/// How long the store watcher's next wait on the world's `broken` key
+/// lasts: a long poll while the store works, and a short probe while it
+/// fails. The probe's timeout (the store answered, and nobody announced a
+/// break) is what tells the watcher that the store is back: a long poll
+/// would only end with an announcement, an error or the hour, and the
+/// failure it replaced would stand until the watchdog broke the world with
+/// `StoreLost` after `store_grace`, however short the outage.
+fn store_wait(failing: bool) -> Duration {
     const POLL: Duration = Duration::from_secs(3600);
+    const PROBE: Duration = Duration::from_millis(50);
+    if failing { PROBE } else { POLL }
+}
+
+/// Keeps a long-poll on the world's `broken` key: returns when a member
+/// announces a break; reports a failure at once when the store's connection
+/// breaks, and its end once the store answers again (see [`store_wait`]).
+async fn store_watcher(w: Arc<WorldShared>, tx: watch::Sender<StoreStatus>) {
     const RETRY: Duration = Duration::from_millis(100);
     loop {
+        let wait = store_wait(tx.borrow().error.is_some());
         let result = tokio::select! {
             biased;
             _ = w.token.cancelled() => return,
-            r = w.store.get(BROKEN_KEY, POLL) => r,
+            r = w.store.get(BROKEN_KEY, wait) => r,
         };
         match result {
             Ok(value) => {

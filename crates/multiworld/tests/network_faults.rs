@@ -36,6 +36,10 @@ const HB_TIMEOUT: Duration = Duration::from_millis(600);
 /// timeout + 250 ms. Asserted with slack for a busy 2-core machine.
 const HB_TARGET: Duration = Duration::from_millis(850);
 const HB_BOUND: Duration = Duration::from_secs(4);
+/// How long a faulted world's member may fail to reach the store before the
+/// world breaks (`WatchdogConfig::store_grace`, default 1 s): longer here, so
+/// that the outage the store test rides out leaves a wide margin.
+const STORE_GRACE: Duration = Duration::from_secs(2);
 /// A break that a socket error (RST, FIN) or an announcement causes is prompt.
 const PROMPT_BOUND: Duration = Duration::from_secs(2);
 /// The healthy world never pauses this long.
@@ -50,7 +54,7 @@ fn cfg(name: &str, rank: u32, size: u32, store: &str, short_watchdog: bool) -> W
         c.watchdog = WatchdogConfig {
             heartbeat_interval: HB_INTERVAL,
             heartbeat_timeout: HB_TIMEOUT,
-            ..WatchdogConfig::default()
+            store_grace: STORE_GRACE,
         };
     }
     c
@@ -585,6 +589,91 @@ async fn closing_one_connection_of_a_world_of_three_breaks_it_for_every_member()
 
 /// Sends `bytes` from rank 0 to rank 1 of a world behind a slow link and
 /// checks that nothing breaks while it is in flight.
+/// Resets every connection through the store's proxy every 10 ms until
+/// `until` says stop; returns how many it reset.
+async fn store_outage(store: multiworld_testkit::proxy::Proxy, mut until: impl FnMut() -> bool) -> usize {
+    let mut resets = 0;
+    while !until() {
+        resets += store.reset_all();
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    resets
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_outage_shorter_than_store_grace_breaks_nothing_and_a_longer_one_breaks_the_world() {
+    let mut f = fixture("storeout", 2).await;
+    let mut events = f.events();
+    // Rank 1 reaches the store through the proxy (rank 0 hosts it); let its
+    // watcher settle into its long poll first.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    // A short outage: every store connection of rank 1 reset as soon as it
+    // opens, for a quarter of the grace. Its watcher sees the failure at
+    // once; once the store answers again it must see that too, or the
+    // watchdog would break the world a grace after the first failure.
+    let short = STORE_GRACE / 4;
+    let start = Instant::now();
+    let resets = store_outage(f.net.store(), || start.elapsed() >= short).await;
+    assert!(resets > 0, "no store connection was open to reset");
+    tokio::time::sleep(STORE_GRACE + Duration::from_secs(1)).await;
+    for rx in &mut events {
+        while let Ok(ev) = rx.try_recv() {
+            if let WorldEvent::Broken { world, cause, .. } = ev {
+                assert_ne!(
+                    world, f.name,
+                    "a {short:?} store outage broke the world: {cause:?}"
+                );
+            }
+        }
+    }
+    for w in &f.worlds {
+        assert_eq!(w.state(), WorldState::Ready);
+    }
+    let mut got = Tensor::zeros(DType::U8, [4]).unwrap();
+    let (sent, received) = tokio::join!(
+        f.worlds[0].send(Rank(1), Tag(2), &[7u8; 4][..]),
+        f.worlds[1].recv(Rank(0), Tag(2), &mut got)
+    );
+    sent.unwrap();
+    received.unwrap();
+    assert_eq!(got.as_bytes(), &[7u8; 4]);
+
+    // An outage that outlasts the grace: rank 1 breaks the world with
+    // `StoreLost` a grace after its first failure; rank 0, which reaches the
+    // store directly, learns it from rank 1 (its announcement cannot reach
+    // the store, so by the closed connections). The other world flows on.
+    let pending = f.pending();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let t0 = Instant::now();
+    let outage = tokio::spawn(store_outage(f.net.store(), {
+        let stop = Arc::clone(&stop);
+        move || stop.load(std::sync::atomic::Ordering::SeqCst) || t0.elapsed() > LIMIT
+    }));
+    let b = f.broken(&mut events, t0).await;
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    assert!(outage.await.unwrap() > 0, "no store connection was open to reset");
+    assert!(
+        matches!(&b.causes[1], BreakCause::StoreLost { reason } if !reason.is_empty()),
+        "{:?}",
+        b.causes[1]
+    );
+    assert!(
+        b.after[1] >= STORE_GRACE && b.after[1] < STORE_GRACE + PROMPT_BOUND,
+        "rank 1 broke {:?} into the outage (grace {STORE_GRACE:?})",
+        b.after[1]
+    );
+    assert!(is_told_by(&b.causes[0], 1), "{:?}", b.causes[0]);
+    let (pause, ratio) = f.assert_flowed(t0, Instant::now());
+    eprintln!(
+        "store outage: {short:?} of resets ridden out; a longer one broke rank 1 after {:?} ({:?}) \
+         and rank 0 after {:?} ({:?}); healthy world: max pause {pause:?}, throughput ratio {ratio:.2}",
+        b.after[1], b.causes[1], b.after[0], b.causes[0]
+    );
+    f.assert_failed_and_removed(pending).await;
+    f.heal_and_rejoin().await;
+}
+
 async fn slow_link_carries_a_large_message(name: &'static str, bytes: usize, link: Link) {
     multiworld_testkit::init_tracing();
     let managers = vec![WorldManager::default(), WorldManager::default()];
