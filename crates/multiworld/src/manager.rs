@@ -24,7 +24,7 @@ use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
 
 use crate::{
-    config::{Backend, WorldConfig},
+    config::{Backend, ConfigError, WorldConfig},
     error::{JoinFailure, WorldError},
     events::WorldEvent,
     lifecycle::WorldState,
@@ -308,6 +308,7 @@ impl WorldManager {
     /// is still being torn down waits for that teardown first.
     pub async fn join(&self, config: WorldConfig) -> Result<World, WorldError> {
         config.validate()?;
+        check_stall_after(&config, self.inner.config.stall_after)?;
         if self.inner.root.is_cancelled() {
             return Err(WorldError::ShutDown);
         }
@@ -597,6 +598,23 @@ impl WorldManager {
     }
 }
 
+/// A watchdog runs at least once per heartbeat interval, so the process
+/// monitor, which reports one that has not run for the manager's
+/// `stall_after`, needs that to be at least two intervals: refuses a world
+/// whose heartbeats are slower than that (it would be reported stuck while
+/// healthy).
+fn check_stall_after(config: &WorldConfig, stall_after: Duration) -> Result<(), ConfigError> {
+    let interval = config.watchdog.heartbeat_interval;
+    if stall_after < interval * 2 {
+        return Err(ConfigError::Invalid {
+            what: "heartbeat interval",
+            value: format!("{interval:?}"),
+            why: format!("must be at most half the manager's stall_after ({stall_after:?})"),
+        });
+    }
+    Ok(())
+}
+
 /// The address this member's mesh listens on and publishes: the configured
 /// one, else the address of this host's interface that reaches the store, so
 /// members on other hosts can connect back (loopback when the store is on
@@ -720,5 +738,28 @@ mod tests {
         if let Some(ip) = local_ip_towards("10.255.255.254:9".parse().unwrap()) {
             assert!(!ip.is_unspecified(), "{ip}");
         }
+    }
+
+    #[tokio::test]
+    async fn a_world_whose_heartbeats_are_slower_than_half_the_stall_threshold_is_refused() {
+        let mut c = WorldConfig::new("slow", 0, 1, "127.0.0.1:1").unwrap();
+        let stall = ManagerConfig::default().stall_after;
+        assert!(check_stall_after(&c, stall).is_ok(), "the defaults fit");
+        c.watchdog.heartbeat_interval = stall / 2;
+        c.watchdog.heartbeat_timeout = stall * 2;
+        assert!(check_stall_after(&c, stall).is_ok(), "exactly half fits");
+        c.watchdog.heartbeat_interval = stall;
+        c.watchdog.heartbeat_timeout = stall * 3;
+        assert!(c.validate().is_ok(), "valid for the world alone");
+        let e = check_stall_after(&c, stall).unwrap_err().to_string();
+        assert!(
+            e.contains("stall_after") && e.contains("heartbeat interval"),
+            "{e}"
+        );
+        // The manager refuses it before reaching for any store.
+        let m = WorldManager::default();
+        let e = m.join(c).await.unwrap_err();
+        assert!(matches!(e, WorldError::Config(_)), "{e}");
+        m.shutdown().await;
     }
 }
