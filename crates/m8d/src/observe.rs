@@ -38,9 +38,10 @@ pub fn flight(args: &FlightArgs) -> anyhow::Result<()> {
 pub struct StatusArgs {
     /// The process's metrics endpoint (`host:port`, as served with
     /// `--metrics` or MULTIWORLD_METRICS_ADDR).
+    #[arg(value_parser = crate::args::host_port)]
     addr: String,
     /// Seconds between the two scrapes that give the rates.
-    #[arg(long, value_parser = crate::args::seconds, default_value = "1")]
+    #[arg(long, value_parser = crate::args::seconds, allow_negative_numbers = true, default_value = "1")]
     interval: Duration,
     /// Keep refreshing until Ctrl-C (on a terminal the screen is redrawn).
     #[arg(long)]

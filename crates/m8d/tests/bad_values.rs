@@ -94,4 +94,12 @@ fn malformed_addresses_are_usage_errors() {
         "--store",
         "bad port",
     );
+    // A positional address too (`m8d status ADDR`), and its interval.
+    refused(&["status", "127.0.0.1:70000"], "<ADDR>", "bad port");
+    refused(&["status", "metrics.example"], "<ADDR>", "no port");
+    refused(
+        &["status", "127.0.0.1:9", "--interval", "-1"],
+        "--interval",
+        "negative",
+    );
 }
