@@ -682,10 +682,13 @@ impl Communicator {
     /// message's dtype and byte size (the shape is the receiver's; only the element
     /// count must agree); otherwise the message is consumed and
     /// [`Error::Mismatch`] returned. Large messages are read straight into `buf`.
-    /// Uses the configured `op_timeout`. On any error `buf` is given back
-    /// unchanged, except if the receive was cancelled or timed out while its
-    /// message was being read into it: then `buf` is left empty and the message
-    /// goes to the next matching receive.
+    /// Uses the configured `op_timeout`. On any error `buf` is given back with
+    /// its dtype and shape; its contents are unchanged when the error came
+    /// before its message began to arrive, and unspecified when it came while
+    /// the message was being read into it (the peer lost mid-payload; a bool
+    /// payload with a byte other than 0 or 1, which zeroes it). If the receive
+    /// was cancelled or timed out while its message was being read into it,
+    /// `buf` is left empty and the message goes to the next matching receive.
     pub async fn recv(&self, src: Rank, tag: Tag, buf: &mut Tensor) -> Result<()> {
         self.recv_into(Source::Rank(src), tag, buf, "recv")
             .await

@@ -148,7 +148,7 @@ impl Metrics {
         );
         registry.register(
             "multiworld_store_round_trip_seconds",
-            "Round trips of the worlds' store health checks",
+            "Request/response calls to the worlds' stores (barrier keys, break announcements, closes)",
             store_round_trip_seconds.clone(),
         );
         registry.register_collector(Box::new(WorldsCollector { worlds }));
