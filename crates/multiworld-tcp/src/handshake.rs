@@ -36,7 +36,8 @@ pub const PROTOCOL_VERSION: u16 = 2;
 pub const NONCE_LEN: usize = 32;
 /// Length of a proof (HMAC-SHA256) in bytes.
 pub const MAC_LEN: usize = 32;
-/// Longest reject detail sent or accepted, in bytes.
+/// Longest reject detail sent, in bytes (a received one may be up to 255,
+/// all its `u8` length allows).
 pub const MAX_DETAIL_LEN: usize = 200;
 
 /// Message type: Hello.
