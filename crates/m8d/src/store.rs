@@ -34,6 +34,14 @@ pub async fn run(args: StoreArgs) -> anyhow::Result<()> {
         max_worlds: args.max_worlds,
         ..ServerConfig::default()
     };
+    if config.allow_remote_create && config.remote_create_secret.is_none() {
+        // Not an error: a world of members without secrets is allowed.
+        eprintln!(
+            "m8d store: no secret (--secret-file or MULTIWORLD_SECRET): the worlds it creates for \
+             clients are open to anyone who can reach this port, and members holding a secret \
+             will refuse them"
+        );
+    }
     let server = StoreServer::bind(args.bind, config).await?;
     {
         let mut out = std::io::stdout().lock();

@@ -406,6 +406,27 @@ impl Drop for WaiterPlace<'_> {
     }
 }
 
+/// Refuses to open a world kept without a secret to a caller that holds one
+/// (its request carries a proof): such a member expects a world that only
+/// holders of its secret can read and write, and this one anyone can. It
+/// happens on a server without a secret of its own that creates worlds for
+/// its clients (`m8d store` without `--secret-file`), which cannot learn a
+/// member's secret from its proof, and when a stranger created the name
+/// first. Refused rather than opened silently, so the member fails its join
+/// with the reason instead of using a public world.
+fn refuse_unsecured(world: &str, unsecured: bool, caller: &Caller) -> Result<(), StoreError> {
+    if unsecured && caller.proof.is_some() {
+        return Err(StoreError::Unauthenticated {
+            world: world.to_string(),
+            reason: "the store keeps this world without a secret, so anyone can read and write it, \
+                     but this member holds one: give the store a secret of its own \
+                     (m8d store --secret-file or MULTIWORLD_SECRET), or join without one"
+                .to_string(),
+        });
+    }
+    Ok(())
+}
+
 /// Who sent a request, as either front tells it: the world its header
 /// names, its proof, and its connection.
 #[derive(Debug, Clone)]
@@ -544,11 +565,13 @@ impl Shared {
         let generation = match existing {
             Some(slot) => {
                 self.authenticate(&slot.name, slot.secret.as_ref(), caller)?;
+                refuse_unsecured(&req.name, slot.secret.is_none(), caller)?;
                 slot.generation
             }
             None if req.create && self.config.allow_remote_create => {
                 let secret = self.config.remote_create_secret.clone();
                 self.authenticate(&req.name, secret.as_ref(), caller)?;
+                refuse_unsecured(&req.name, secret.is_none(), caller)?;
                 match self.open(&req.name, WorldOptions { secret, limits: None }) {
                     Ok(g) => g,
                     // Another client created it in between: attach to it.

@@ -334,6 +334,64 @@ async fn remote_creation_only_where_allowed() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_holding_a_secret_never_opens_a_world_kept_without_one() {
+    // A server that creates worlds for its clients but has no secret of its
+    // own (`m8d store` without one) cannot keep a secret world: it cannot
+    // learn the member's secret from its proof. A member holding a secret is
+    // refused, with the reason, rather than given a world anyone can use.
+    let open = server(ServerConfig {
+        allow_remote_create: true,
+        ..ServerConfig::default()
+    })
+    .await;
+    let c = client(open.local_addr()).await;
+    let with_secret = OpenOptions {
+        create: true,
+        secret: Some(Secret::new("ours")),
+        timeout: Duration::from_millis(200),
+    };
+    let unsecured = |e: &StoreError| {
+        matches!(e, StoreError::Unauthenticated { reason, .. } if reason.contains("without a secret"))
+    };
+    let err = c.open("job", with_secret.clone()).await.unwrap_err();
+    assert!(unsecured(&err), "{err}");
+    assert!(open.worlds().is_empty(), "the refused open created the world");
+    // A stranger takes the name first (no secret needed there): the member
+    // is refused the public world, not attached to it.
+    let stranger = c
+        .open(
+            "job",
+            OpenOptions {
+                create: true,
+                ..OpenOptions::default()
+            },
+        )
+        .await
+        .unwrap();
+    stranger.set("planted", "x").await.unwrap();
+    let err = c.open("job", with_secret).await.unwrap_err();
+    assert!(unsecured(&err), "{err}");
+
+    // With a secret of its own the server creates the world secured, and
+    // members holding that secret open it.
+    let secured = server(ServerConfig {
+        allow_remote_create: true,
+        remote_create_secret: Some(Secret::new("ours")),
+        ..ServerConfig::default()
+    })
+    .await;
+    let c = client(secured.local_addr()).await;
+    let opts = OpenOptions {
+        create: true,
+        secret: Some(Secret::new("ours")),
+        ..OpenOptions::default()
+    };
+    let w = c.open("job", opts.clone()).await.unwrap();
+    w.set("k", "v").await.unwrap();
+    assert_eq!(c.open("job", opts).await.unwrap().generation(), w.generation());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_connects_to_a_server_that_starts_later() {
     // Reserve a port, free it, and start the server there after the client
     // has begun retrying.
