@@ -221,6 +221,10 @@ impl CollectiveConfig {
             self.chunk_bytes.max(1) as u64,
             self.shm_min_bytes as u64,
             self.shm_piece_bytes as u64,
+            // Each member checks object sizes against its own limit: with
+            // different limits one member could refuse an object the others
+            // take, and they would wait for what it never sends.
+            self.max_object_bytes as u64,
         ] {
             h ^= v;
             h = h.wrapping_mul(0x0000_0100_0000_01b3);

@@ -178,6 +178,29 @@ async fn disagreements_fail_on_every_rank_and_the_group_recovers() {
         "{errs:?}"
     );
     still_works(&base).await;
+    // Object size limits that differ: an object one member would refuse and
+    // the others take fails the call on every member, before any of it is
+    // sent (no member waits for an object that never comes).
+    let errs = all_fail(&base, |r, g| async move {
+        let mut cfg = CollectiveConfig::default();
+        if r == 2 {
+            cfg.max_object_bytes = 1 << 20;
+        }
+        let g = g.with_config(cfg);
+        // Rank 0's object is within its own limit and above rank 2's; rank
+        // 2's own object is small, so rank 2 has nothing to refuse locally.
+        let value = vec![r as u8; if r == 0 { 2 << 20 } else { 16 }];
+        g.all_gather_object(&value).await.map(drop)
+    })
+    .await;
+    // Each member names the difference it sees first: the settings, or (on
+    // rank 2) the object above its limit.
+    assert!(
+        errs.iter()
+            .all(|e| e.to_string().contains("CollectiveConfig") || e.to_string().contains("max_object_bytes")),
+        "{errs:?}"
+    );
+    still_works(&base).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
