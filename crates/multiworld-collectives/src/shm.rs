@@ -59,7 +59,8 @@
 //! **Trust.** Only members that proved the world's secret get an offer, and the
 //! file can only be opened by the same user. A member that broke the protocol
 //! could corrupt results, as it could by sending wrong data over TCP; it cannot
-//! make others fault (the file is sealed against shrinking).
+//! make others fault: the file is sealed against shrinking and growing, and
+//! every other member checks those seals before mapping it.
 
 // The segment is memory shared with other processes: mapping it and reading and
 // writing it need raw pointers. Every `unsafe` block below says why it is sound.
@@ -380,6 +381,16 @@ impl Segment {
                 "{path} has {} bytes, not the offered {}",
                 meta.len(),
                 offer.len
+            ));
+        }
+        // Only a file that cannot shrink is safe to map: one truncated under
+        // this member would fault it (SIGBUS) at its next access.
+        let seals = nix::fcntl::fcntl(&file, nix::fcntl::FcntlArg::F_GET_SEALS)
+            .map_err(|e| format!("{path}: no seals to read ({e}): not a sealed memfd, refusing to map it"))?;
+        let needed = nix::fcntl::SealFlag::F_SEAL_SHRINK | nix::fcntl::SealFlag::F_SEAL_GROW;
+        if !nix::fcntl::SealFlag::from_bits_truncate(seals).contains(needed) {
+            return Err(format!(
+                "{path} is not sealed against resizing: refusing to map it"
             ));
         }
         let seg = Segment::map(&file, want_len)?;
@@ -1802,6 +1813,46 @@ mod tests {
         let (a, file, offer) = Segment::create(len).unwrap();
         let b = Segment::open(&offer, len).unwrap();
         (Arc::new(a), Arc::new(b), file)
+    }
+
+    /// A member maps only a segment sealed against resizing: an offer of a
+    /// file of the right size and header that could be truncated under it
+    /// (a plain memfd, a regular file) is refused.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn an_offered_file_that_could_shrink_is_refused() {
+        use nix::sys::memfd::{MFdFlags, memfd_create};
+        use std::os::fd::AsRawFd;
+
+        let len = segment_len(4096, 2).unwrap();
+        let nonce = [7, 9];
+        let unsealed = std::fs::File::from(memfd_create("unsealed", MFdFlags::MFD_CLOEXEC).unwrap());
+        let dir = std::env::temp_dir().join(format!("mw-shm-seal-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let regular = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(dir.join("segment"))
+            .unwrap();
+        for file in [&unsealed, &regular] {
+            file.set_len(len as u64).unwrap();
+            Segment::map(file, len).unwrap().write_header(nonce);
+            let offer = Offer {
+                pid: u64::from(std::process::id()),
+                fd: file.as_raw_fd() as u64,
+                len: len as u64,
+                nonce,
+            };
+            let e = Segment::open(&offer, len)
+                .err()
+                .expect("an unsealed file was mapped");
+            assert!(e.contains("seal"), "{e}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+        // The runtime's own segments are sealed, and open.
+        let (_a, _b, _file) = two_members();
     }
 
     /// A runtime whose only blocking-pool thread is held until the returned
