@@ -71,9 +71,10 @@ pub enum Algorithm {
     SharedMemory,
 }
 
-/// Settings of a [`Group`]'s collectives. Fields that change the algorithm
-/// (`algorithm`, `direct_max_bytes`, `chunk_bytes`) must be the same on every
-/// member: a call whose members disagree on them fails on every member.
+/// Settings of a [`Group`]'s collectives. Fields that change what a call does
+/// (`algorithm`, `direct_max_bytes`, `chunk_bytes`, `shm_min_bytes`,
+/// `shm_piece_bytes`, `max_object_bytes`) must be the same on every member: a
+/// call whose members disagree on them fails on every member.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct CollectiveConfig {
@@ -92,8 +93,10 @@ pub struct CollectiveConfig {
     pub chunk_bytes: usize,
     /// Receives posted ahead in a pipeline. Default 4.
     pub pipeline_depth: usize,
-    /// Largest serialised object accepted by the object collectives (checked before
-    /// any allocation). Default 256 MiB.
+    /// Largest serialised object accepted by the object collectives (the
+    /// sender checks its object once serialised, every receiver the announced
+    /// length before allocating for it; the same on every member). Default
+    /// 256 MiB.
     pub max_object_bytes: usize,
     /// Scratch memory a group keeps between calls for reuse. Default 256 MiB.
     pub scratch_cache_bytes: usize,
@@ -321,8 +324,10 @@ static WORLDS: Mutex<Registry> = Mutex::new(Vec::new());
 /// when: the call is invalid on some member ([`Error::InvalidArgument`] there, a
 /// "rejected its own call" [`Error::InvalidArgument`] on the others); members
 /// disagree on the operation, root, reduce op or algorithm settings
-/// ([`Error::InvalidArgument`] naming each rank's value) or on the dtype or
-/// element count ([`Error::Mismatch`] naming a rank that differs); a member is
+/// ([`Error::InvalidArgument`] naming each rank's value), on the dtype, or on
+/// the element count where it must be equal everywhere ([`Error::Mismatch`]
+/// naming a rank that differs; a disagreement on per-member sizes or splits is
+/// [`Error::InvalidArgument`]); a member is
 /// lost ([`Error::PeerLost`]) or the communicator aborted ([`Error::Aborted`]). A
 /// failed call never reports success: **after an error, the contents of the
 /// caller's output tensors are unspecified** (they keep their dtype and shape, and
@@ -461,7 +466,10 @@ impl Group {
     /// including ranks that will not be members: it is a collective call on this
     /// group that agrees on the new group's id and checks that all callers passed
     /// the same list. Ranks outside `ranks` get a group on which every call fails
-    /// with [`Error::InvalidArgument`]. At most 1023 sub-groups per communicator.
+    /// with [`Error::InvalidArgument`]. At most 1022 sub-groups per communicator
+    /// (ids 1 to 1022). Create sub-groups one at a time: two created
+    /// concurrently from different parent groups that share members may get
+    /// the same id.
     pub async fn new_group(&self, ranks: &[Rank]) -> Result<Group> {
         let call = self.begin(self.ticket(), Kind::NewGroup).await?;
         let mut sorted = ranks.to_vec();

@@ -3,8 +3,8 @@
 //! functions. Values are encoded with `postcard` (compact, maintained, `no_std`
 //! friendly) and travel as `u8` messages. Each encoded value's length is part of
 //! the call descriptor, so every receiver knows the exact size before allocating,
-//! and lengths above [`CollectiveConfig::max_object_bytes`] are refused on every
-//! member before any data moves. Decoding can still allocate more than the encoded
+//! and lengths above [`CollectiveConfig::max_object_bytes`] (the same on every
+//! member) are refused on every member before any of the object is sent. Decoding can still allocate more than the encoded
 //! size for some types (serde grows collections as elements decode); peers are
 //! authenticated members of the world, so this bounds mistakes, not attacks.
 //!
