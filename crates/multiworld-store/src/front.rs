@@ -171,6 +171,27 @@ impl Conn {
         }
     }
 
+    /// Where the connection stands among those that may make room for a
+    /// new one at the cap (lowest first), or `None` if it may not: first
+    /// those that never sent a request (oldest first), then the idle ones
+    /// (idle longest first), then those whose every request in flight is a
+    /// pre-authentication one (a world-less `Ping`, an `Open` of a world the
+    /// server cannot judge; oldest first). A connection with an admitted
+    /// request in flight is never evicted. Without the third class, a
+    /// stranger could hold every place by keeping a stalled world-less `Ping`
+    /// on each connection, and every new client would be refused.
+    fn eviction_order(&self) -> Option<(u8, Instant)> {
+        let open = self.open.load(Ordering::Acquire);
+        if open == 0 {
+            return Some(if self.requests.load(Ordering::Acquire) == 0 {
+                (0, self.accepted)
+            } else {
+                (1, self.idle_since())
+            });
+        }
+        (open <= self.unauthenticated.load(Ordering::Acquire)).then_some((2, self.accepted))
+    }
+
     /// Why the connection should go, if it should.
     fn expired(&self, now: Instant, config: &ServerConfig) -> Option<&'static str> {
         if self.requests.load(Ordering::Acquire) == 0 {
@@ -234,13 +255,11 @@ impl Connections {
     fn admit(&self, max: usize) -> Option<(u64, Arc<Conn>)> {
         let mut live = self.live.lock().unwrap_or_else(|e| e.into_inner());
         if live.len() >= max {
-            // Connections that never sent a request go first (oldest
-            // first), then the one idle longest; a busy one is never evicted.
             let victim = live
                 .iter()
-                .filter(|(_, c)| c.open.load(Ordering::Acquire) == 0)
-                .min_by_key(|(_, c)| (c.requests.load(Ordering::Acquire) > 0, c.idle_since()))
-                .map(|(id, _)| *id);
+                .filter_map(|(id, c)| c.eviction_order().map(|k| (k, *id)))
+                .min()
+                .map(|(_, id)| id);
             let victim = victim.and_then(|id| live.remove(&id));
             match victim {
                 Some(c) => {

@@ -82,8 +82,11 @@ pub struct ServerConfig {
     pub keepalive_timeout: Duration,
     /// Most client connections open at once (default 1,024). At the cap, a
     /// new connection evicts one that never sent a request (oldest first),
-    /// else the one idle longest (no request in flight); if every connection
-    /// has a request in flight, the new one is closed at once.
+    /// else the one idle longest (no request in flight), else the oldest
+    /// whose every request in flight is a pre-authentication one (a
+    /// world-less `Ping`, an `Open` the server cannot judge); if every
+    /// connection has an admitted request in flight, the new one is closed
+    /// at once.
     pub max_connections: usize,
     /// Most concurrent requests (HTTP/2 streams) on one connection; on a
     /// framed connection, most waiting requests (get, wait, multi-get) at

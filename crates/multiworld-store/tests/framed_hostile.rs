@@ -569,6 +569,53 @@ async fn a_connection_that_never_sends_a_request_is_closed() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn strangers_holding_stalled_pings_on_every_place_do_not_lock_members_out() {
+    // Every connection place taken by a stranger whose connection keeps a
+    // world-less Ping (allowed before any proof) stalled in the middle of
+    // its message: a member's new connection evicts one of them rather than
+    // being refused, and its world works. A member's own busy connection is
+    // never evicted for a stranger's.
+    const PLACES: usize = 4;
+    let s = server(ServerConfig {
+        max_connections: PLACES,
+        ..ServerConfig::default()
+    })
+    .await;
+    s.open_world("w", secure()).unwrap();
+    let addr = s.local_addr();
+    let first = member(addr, "w", Some(SECRET)).await;
+    // The member's connection is busy: a wait in flight.
+    let waiting = {
+        let w = first.clone();
+        tokio::spawn(async move { w.get("later", Duration::from_secs(20)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let ping = pb::PingRequest { world: None }.encode_to_vec();
+    let mut strangers = Vec::new();
+    for id in 0..PLACES as u32 * 2 {
+        // The preface, the head and the start of the message, 100 more bytes
+        // declared (a connection refused at the cap just fails its write).
+        let mut sock = TcpStream::connect(addr).await.unwrap();
+        let frame = request(id + 1, PING_METHOD, b"", b"", &ping, Some(5 + ping.len() + 100));
+        let _ = sock.write_all(&[&PREFACE[..], &frame].concat()).await;
+        strangers.push(sock);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // A member arrives while every place is a stranger's or the first
+    // member's: it gets in, and both members' calls work.
+    // (Refused, its client would retry until a stranger's stalled message
+    // timed out, request_body_timeout = 10 s later.)
+    let second = tokio::time::timeout(Duration::from_secs(5), member(addr, "w", Some(SECRET)))
+        .await
+        .expect("the member was kept out");
+    assert!(set_get(&second).await < Duration::from_secs(10));
+    second.set("later", "v").await.unwrap();
+    let got = waiting.await.unwrap().unwrap();
+    assert_eq!(&got[..], b"v", "the first member's busy connection was evicted");
+    assert!(s.stats().evicted_connections > 0, "{:?}", s.stats());
+}
+
 /// One fuzzed request frame: a method (known or not), a world (open, secret,
 /// missing or arbitrary bytes), a proof (right, wrong, none or arbitrary)
 /// and a message (valid for the method and maybe mutated, or arbitrary).
