@@ -579,7 +579,11 @@ async fn handle<S: Grpc>(
         None => None,
         Some(v) => match decode_world(v.as_bytes(), config.max_name_len) {
             Ok(name) => Some(name),
-            Err(why) => return refusal(StoreError::InvalidArgument(why.into())),
+            Err(why) => {
+                let err = StoreError::InvalidArgument(why.into());
+                count_refusal(shared, &err);
+                return refusal(err);
+            }
         },
     };
     let proof = req.headers().get(AUTH_METADATA).and_then(|v| v.to_str().ok());

@@ -246,6 +246,10 @@ pub(crate) struct Shared {
     pub(crate) config: ServerConfig,
     pub(crate) worlds: DashMap<String, Arc<Slot>>,
     next_generation: AtomicU64,
+    /// Held while a world is opened, so that concurrent opens of different
+    /// names cannot together pass `max_worlds` (each counted the worlds
+    /// before the others inserted theirs).
+    opening: Mutex<()>,
     pub(crate) connections: Connections,
     pub(crate) budget: Arc<Budget>,
     /// Pending waits, all worlds together.
@@ -272,6 +276,7 @@ impl Shared {
             config,
             worlds: DashMap::new(),
             next_generation: AtomicU64::new(seed.max(1)),
+            opening: Mutex::new(()),
             connections: Connections::default(),
             waiters: AtomicUsize::new(0),
             refused_requests: AtomicU64::new(0),
@@ -289,6 +294,7 @@ impl Shared {
 
     fn open(&self, name: &str, options: WorldOptions) -> Result<u64, StoreError> {
         self.check_name(name)?;
+        let _opening = self.opening.lock().unwrap_or_else(|e| e.into_inner());
         let len = self.worlds.len();
         match self.worlds.entry(name.to_string()) {
             Entry::Occupied(e) => Err(StoreError::AlreadyOpen {

@@ -392,6 +392,62 @@ async fn a_member_holding_a_secret_never_opens_a_world_kept_without_one() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_opens_never_pass_max_worlds() {
+    // Many names opened at once, from threads and from remote clients: the
+    // count of worlds never passes the cap, and every refusal says why.
+    const MAX: usize = 8;
+    let s = std::sync::Arc::new(
+        server(ServerConfig {
+            allow_remote_create: true,
+            max_worlds: MAX,
+            ..ServerConfig::default()
+        })
+        .await,
+    );
+    let threads: Vec<_> = (0..4)
+        .map(|t| {
+            let s = std::sync::Arc::clone(&s);
+            std::thread::spawn(move || {
+                (0..16)
+                    .filter(|i| s.open_world(&format!("t{t}-{i}"), WorldOptions::default()).is_ok())
+                    .count()
+            })
+        })
+        .collect();
+    let c = client(s.local_addr()).await;
+    let tasks: Vec<_> = (0..16)
+        .map(|i| {
+            let c = c.clone();
+            tokio::spawn(async move {
+                c.open(
+                    &format!("r{i}"),
+                    OpenOptions {
+                        create: true,
+                        timeout: Duration::from_millis(50),
+                        ..OpenOptions::default()
+                    },
+                )
+                .await
+            })
+        })
+        .collect();
+    let mut remote = Vec::new();
+    for t in tasks {
+        remote.push(t.await.unwrap());
+    }
+    let opened: usize = threads.into_iter().map(|t| t.join().unwrap()).sum::<usize>()
+        + remote.iter().filter(|r| r.is_ok()).count();
+    assert_eq!(s.worlds().len(), MAX);
+    assert_eq!(opened, MAX, "{} worlds opened for a cap of {MAX}", opened);
+    for r in remote.iter().filter_map(|r| r.as_ref().err()) {
+        assert!(
+            matches!(r, StoreError::LimitExceeded { limit: Limit::Worlds, .. }),
+            "{r}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_connects_to_a_server_that_starts_later() {
     // Reserve a port, free it, and start the server there after the client
     // has begun retrying.
