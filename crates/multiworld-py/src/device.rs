@@ -114,9 +114,21 @@ impl Nccl {
                 .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
             bufs.push(buf);
         }
-        let op = py
-            .detach(|| runtime::enter(|| issue(n, &mut bufs)))?
-            .map_err(|e| errors::world(py, e, Some(self.generation)))?;
+        let op = match py.detach(|| runtime::enter(|| issue(n, &mut bufs)))? {
+            Ok(op) => op,
+            Err(e) => {
+                if may_have_been_enqueued(&e) {
+                    // NCCL may have taken the operation before it failed
+                    // (its enqueue outlived the deadline, or its completion
+                    // event could not be recorded): a kernel may still use
+                    // the memory, and there is no handle to wait on, so the
+                    // owners are kept for the rest of the process, as for an
+                    // operation that failed after its start.
+                    std::mem::forget((bufs, keep));
+                }
+                return Err(errors::world(py, e, Some(self.generation)));
+            }
+        };
         let in_flight = InFlight(Some((op, bufs, keep)));
         if wait {
             let done = runtime::wait(py, in_flight.wait())?.map(|()| Done::Unit);
@@ -180,6 +192,17 @@ impl Drop for InFlight {
             Err(_) => std::mem::forget((op, bufs, keep)),
         }
     }
+}
+
+/// Whether an operation whose start failed with `e` may nevertheless be on
+/// the device: the errors of a device call that can come after NCCL took the
+/// operation (a deadline, a device failure, the world broken by either).
+/// Invalid arguments and mismatches are found before anything is enqueued.
+fn may_have_been_enqueued(e: &WorldError) -> bool {
+    !matches!(
+        e,
+        WorldError::InvalidArgument { .. } | WorldError::Mismatch { .. } | WorldError::NotJoined { .. }
+    )
 }
 
 /// The end of an operation's hold on its memory: the buffers and the
