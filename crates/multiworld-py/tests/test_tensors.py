@@ -993,3 +993,62 @@ def test_a_handle_whose_wait_raised_is_collected_with_what_it_holds(pair):
     del works, work
     gc.collect()
     assert [sys.getrefcount(a) for a in arrays] == held
+
+
+def test_half_floats_of_the_other_byte_order_arrive_as_sent(pair):
+    """float16 in big-endian order (``>f2``): received into, reduced in place
+    and received as a new array, every value arrives as sent (the runtime's
+    native-order bits are converted, not reinterpreted)."""
+    w0, w1 = pair
+    x = np.array([1.5, 2.0, -3.25], np.float16)
+    out = np.zeros(3, ">f2")
+    both(lambda: w1.send(x, 0), lambda: w0.recv_into(out, 1))
+    assert out.dtype == np.dtype(">f2") and out.tolist() == [1.5, 2.0, -3.25]
+    got = both(lambda: w1.send(x, 0, tag=1), lambda: w0.recv(1, tag=1, dtype=">f2", shape=3))[1]
+    assert got.dtype == np.dtype(">f2") and got.tolist() == [1.5, 2.0, -3.25]
+    a, b = np.array([1.0, 2.0], ">f2"), np.array([1.0, 2.0], np.float16)
+    both(lambda: w0.all_reduce(a), lambda: w1.all_reduce(b))
+    assert a.tolist() == [2.0, 4.0] and b.tolist() == [2.0, 4.0]
+
+
+def test_an_output_whose_elements_share_memory_is_refused(pair):
+    """An output with a stride of 0 (torch's ``expand`` gives writeable ones)
+    has one place for several elements: refused with ``ValueError`` before
+    anything runs, as torch refuses in-place writes to it, rather than left
+    holding the last element everywhere."""
+    w0, _ = pair
+    shared = np.lib.stride_tricks.as_strided(np.zeros(1, np.float32), shape=(3,), strides=(0,),
+                                             writeable=True)
+    with pytest.raises(ValueError, match="share memory"):
+        w0.recv_into(shared, 1)
+    with pytest.raises(ValueError, match="share memory"):
+        w0.all_reduce(shared)
+
+
+def test_object_lists_follow_torch(pair):
+    """``broadcast_object_list`` leaves the source's list and objects as
+    they are and fills the others' (a list of another length is a
+    ``ValueError`` there, once every member took part, and is left as it
+    was); ``gather_object`` needs its list on the destination, like
+    ``gather``."""
+    w0, w1 = pair
+    obj = {"k": 1}
+    l0, l1 = [obj, "x"], [None, None]
+    both(lambda: w0.broadcast_object_list(l0, 0), lambda: w1.broadcast_object_list(l1, 0))
+    assert l0[0] is obj and l0 == [{"k": 1}, "x"]
+    assert l1 == [{"k": 1}, "x"]
+
+    def caught(call):
+        try:
+            call()
+        except ValueError as e:
+            return e
+        return None
+
+    longer = [None, None, None]
+    got = both(lambda: caught(lambda: w0.broadcast_object_list(l0, 0)),
+               lambda: caught(lambda: w1.broadcast_object_list(longer, 0)))
+    assert got[0] is None and "holds 3" in str(got[1]), got
+    assert longer == [None, None, None]
+    with pytest.raises(ValueError, match="object_gather_list is required"):
+        w0.gather_object("x", None, 0)

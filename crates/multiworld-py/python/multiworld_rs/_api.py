@@ -815,13 +815,23 @@ class World:
     # uses it); the lists are filled by ``wait()``.
     def broadcast_object_list(self, object_list: List[Any], src: int = 0,
                               async_op: bool = False) -> Optional[Work]:
-        """Replaces every member's ``object_list`` items with rank ``src``'s
-        (pickled; same length everywhere), like torch."""
+        """Replaces every other member's ``object_list`` items with rank
+        ``src``'s (pickled; the lists must be as long everywhere), like torch:
+        ``src``'s own list and objects are left as they are. A list of
+        another length raises ``ValueError`` once the call has ended (every
+        member took part), and is left as it was."""
         src = _u32("src", src)
         data = pickle.dumps(list(object_list)) if self.rank == src else None
+        mine = self.rank == src
 
         def finish(raw: bytes) -> Any:
-            object_list[:] = pickle.loads(raw)[: len(object_list)]
+            if mine:
+                return object_list
+            got = pickle.loads(raw)
+            if len(got) != len(object_list):
+                raise ValueError(f"broadcast_object_list: rank {src} sent {len(got)} objects, "
+                                 f"this rank's object_list holds {len(object_list)}")
+            object_list[:] = got
             return object_list
 
         return self._run("broadcast_object", (data, src), finish, async_op)
@@ -837,7 +847,10 @@ class World:
 
     def gather_object(self, obj: Any, object_gather_list: Optional[List[Any]] = None, dst: int = 0,
                       async_op: bool = False) -> Optional[Work]:
-        """Fills rank ``dst``'s ``object_gather_list`` with every member's ``obj``."""
+        """Fills rank ``dst``'s ``object_gather_list`` with every member's ``obj``
+        (required there, ignored elsewhere, as ``gather``'s ``gather_list``)."""
+        if self.rank == _u32("dst", dst) and object_gather_list is None:
+            raise ValueError("gather_object: object_gather_list is required on the destination rank")
 
         def finish(raw: Optional[List[bytes]]) -> Any:
             if raw is not None and object_gather_list is not None:
@@ -1019,7 +1032,7 @@ class WorldManager:
             raise TypeError(f"name must be a string, got {name!r}")
         if not isinstance(store, str):
             raise TypeError(f"store must be a 'host:port' string, got {store!r}")
-        if device is None and backend == "nccl":
+        if device is None and str(backend).strip().lower() == "nccl":
             device = _torch_current_device()
         opts = self._options(secret, timeout, op_timeout, backend, host_store,
                              heartbeat_interval, heartbeat_timeout, device, read_ahead)

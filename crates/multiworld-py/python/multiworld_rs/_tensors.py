@@ -177,7 +177,7 @@ def send_view(obj: Any, what: str = "tensor") -> Tuple[np.ndarray, str, Tuple[in
 def out_spec(obj: Any, what: str = "output") -> Tuple[np.ndarray, Tuple[str, Tuple[int, ...]]]:
     """``(array, (dtype name, shape))`` of an output the caller passed; the
     array must be writeable (checked before anything runs)."""
-    if type(obj) is np.ndarray and obj.flags.writeable:
+    if type(obj) is np.ndarray and obj.flags.writeable and not _overlaps_itself(obj):
         name = _NATIVE.get(obj.dtype)
         if name is not None:
             return obj, (name, obj.shape)
@@ -185,7 +185,17 @@ def out_spec(obj: Any, what: str = "output") -> Tuple[np.ndarray, Tuple[str, Tup
     name = check_dtype(arr, what)
     if not arr.flags.writeable:
         raise ValueError(f"{what} is read-only: an output array must be writeable")
+    if _overlaps_itself(arr):
+        raise ValueError(f"{what} has elements that share memory (a stride of 0, as from torch's "
+                         f"expand, strides {arr.strides}): an output needs one place per element")
     return arr, (name, arr.shape)
+
+
+def _overlaps_itself(arr: np.ndarray) -> bool:
+    """Whether two elements of ``arr`` are the same memory: a zero stride on
+    an axis of more than one element (torch's ``expand``; numpy's own
+    broadcasts are read-only)."""
+    return any(st == 0 and n > 1 for st, n in zip(arr.strides, arr.shape))
 
 
 def writable_bytes(arr: np.ndarray) -> Optional[np.ndarray]:
@@ -204,7 +214,11 @@ def writable_bytes(arr: np.ndarray) -> Optional[np.ndarray]:
 def from_flat(flat: np.ndarray, dtype: np.dtype, shape: Sequence[int]) -> np.ndarray:
     """The runtime's flat result as an array of ``dtype`` and ``shape`` (views only)."""
     if dtype.name in _HALF:
-        flat = flat.view(dtype)
+        # The runtime's bits are in this machine's byte order: view them as
+        # the native half type, then convert to the asked order if another.
+        flat = flat.view(dtype.newbyteorder("="))
+        if not dtype.isnative:
+            flat = flat.astype(dtype)
     return flat.reshape(shape)
 
 
@@ -218,6 +232,8 @@ def write(dst: np.ndarray, flat: np.ndarray) -> None:
         # since the array is C-contiguous).
         dst.reshape(-1)[...] = flat
         return
-    if dst.dtype.name in _HALF:
-        flat = flat.view(dst.dtype)
+    if dst.dtype.name in _HALF and flat.dtype.kind != "f" and flat.dtype.name not in _HALF:
+        # Native-order bits: viewed as the native half type; copyto swaps
+        # the bytes for a destination of the other order.
+        flat = flat.view(dst.dtype.newbyteorder("="))
     np.copyto(dst, flat.reshape(dst.shape), casting="equiv")

@@ -84,19 +84,24 @@ class _Bridge:
             if entry is None:
                 continue
             fut, work = entry
-            if fut.done():
-                continue
             if not work._w.settled():
                 # A wake-up before the end (a receive the loop polls itself
                 # rather than through a task): keep waiting for its token.
                 self._pending[token] = entry
                 continue
             # The operation has ended: wait() returns at once (at most the
-            # microseconds until its task hands over the outcome).
+            # microseconds until its task hands over the outcome). It runs
+            # even when the awaiting task was cancelled meanwhile: for an
+            # operation that copies its result into the caller's array,
+            # wait() is what writes it there.
             try:
-                fut.set_result(work.wait())
+                result = work.wait()
             except Exception as e:  # the operation's error, for the awaiting task
-                fut.set_exception(e)
+                if not fut.done():
+                    fut.set_exception(e)
+                continue
+            if not fut.done():
+                fut.set_result(result)
 
 
 _BRIDGES: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Bridge]" = weakref.WeakKeyDictionary()
@@ -118,24 +123,28 @@ async def _wait(work: Optional[Work], withdraw_on_cancel: bool = False) -> Any:
     try:
         return await fut
     except asyncio.CancelledError:
+        if not withdraw_on_cancel:
+            # The operation goes on (a send or a collective cannot be cut
+            # off): its token stays watched, so that the loop still ends it
+            # with wait(), which writes the result of a collective that
+            # copies into the caller's array.
+            raise
         bridge.forget(token)
-        if withdraw_on_cancel:
-            # Withdraws the receive (for a lent array: returns once the
-            # runtime has let go of it). If the message had already been
-            # received, the cancellation lost the race: deliver the message
-            # rather than drop it, and take the cancellation back.
-            work._w.cancel()
-            try:
-                # Returns at once: the task has ended (received) or the abort
-                # ends it within microseconds (it then raises).
-                result = work.wait()
-            except Exception:
-                raise asyncio.CancelledError from None
-            task = asyncio.current_task()
-            if task is not None and hasattr(task, "uncancel"):
-                task.uncancel()
-            return result
-        raise
+        # Withdraws the receive (for a lent array: returns once the runtime
+        # has let go of it). If the message had already been received, the
+        # cancellation lost the race: deliver the message rather than drop
+        # it, and take the cancellation back.
+        work._w.cancel()
+        try:
+            # Returns at once: the task has ended (received) or the abort
+            # ends it within microseconds (it then raises).
+            result = work.wait()
+        except Exception:
+            raise asyncio.CancelledError from None
+        task = asyncio.current_task()
+        if task is not None and hasattr(task, "uncancel"):
+            task.uncancel()
+        return result
 
 
 async def _call(fn: Any, *args: Any, **kw: Any) -> Any:
