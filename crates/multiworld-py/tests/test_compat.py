@@ -382,3 +382,36 @@ def test_compat_example(kill):
     else:
         assert "world1: 5/5 messages, removed" in r.stdout, r.stdout
         assert "world2: 5/5 messages, removed" in r.stdout, r.stdout
+
+
+def test_a_cancelled_initialize_world_can_still_be_removed():
+    """Cancelling ``initialize_world`` (a timeout around it) does not stop a
+    join already running in the background; if that join makes this process
+    a member after all, ``remove_world`` leaves it and frees the name, so
+    ``initialize_world`` can join the name again."""
+    port = free_port()
+    name = unique("cancelled-init")
+    a, b = WorldManager(), WorldManager()
+
+    async def main() -> None:
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(a.initialize_world(name, 0, 2, port=port, timeout=20), 0.3)
+        # The join went on: rank 1 arrives and both become members.
+        await b.initialize_world(name, 1, 2, port=port, timeout=20)
+        for _ in range(500):
+            w = a._aio.sync.world(name)
+            if w is not None and w.state == "ready":
+                break
+            await asyncio.sleep(0.01)
+        assert a._aio.sync.world(name) is not None, "the background join never finished"
+        a.remove_world(name)
+        assert a._aio.sync.world(name) is None
+        b.remove_world(name)
+        await pair(name, port, a, b)
+        assert not a.is_broken(name) and not b.is_broken(name)
+
+    try:
+        run(main())
+    finally:
+        a.cleanup()
+        b.cleanup()

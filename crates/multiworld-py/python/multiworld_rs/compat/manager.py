@@ -13,6 +13,8 @@ Differences from the older library are listed in docs/python.md
 
 from __future__ import annotations
 
+import asyncio
+
 import sys
 from typing import Any, Dict, Optional, Set
 
@@ -100,12 +102,24 @@ class WorldManager:
         existing = self._aio.sync.world(world_name) if isinstance(world_name, str) else None
         if existing is not None and existing.state in ("joining", "ready"):
             raise ValueError(f"World {world_name} already exists.")
+        # Known before the join ends: cancelling this coroutine does not stop
+        # a join already running in the background, which may still make this
+        # process a member, and remove_world must then be able to leave it.
+        known = world_name in self._names
+        self._names.add(world_name)
         try:
             await self._aio.join(world_name, rank, world_size, store, timeout=timeout,
                                  backend=be, **options)
+        except asyncio.CancelledError:
+            raise
         except AlreadyJoinedError as e:
+            if not known:
+                self._names.discard(world_name)
             raise ValueError(f"World {world_name} already exists.") from e
-        self._names.add(world_name)
+        except BaseException:
+            if not known:
+                self._names.discard(world_name)
+            raise
 
     def remove_world(self, world_name: str) -> None:
         """Leaves the world at once (the other members see this process as
