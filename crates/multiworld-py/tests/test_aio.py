@@ -716,3 +716,26 @@ def test_a_cancelled_in_place_collective_on_an_array_that_is_copied_still_gets_i
         await b.shutdown()
 
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_many_removal_waits_never_hold_the_housekeeping_pool():
+    """More ``wait_removed`` waits than the housekeeping pool has threads,
+    some cancelled: ``leave`` (which runs on that pool) still runs at once,
+    and the waits still standing see the removal."""
+
+    async def main():
+        m = aio.AsyncWorldManager()
+        store = await m.serve_store()
+        name = unique("waits")
+        w = await m.join(name, 0, 1, store, timeout=10)
+        cancelled = [asyncio.ensure_future(w.wait_removed()) for _ in range(40)]
+        standing = [asyncio.ensure_future(w.wait_removed()) for _ in range(40)]
+        await asyncio.sleep(0.2)
+        for t in cancelled:
+            t.cancel()
+        await asyncio.wait_for(m.leave(name), 5)
+        assert await asyncio.wait_for(asyncio.gather(*standing), 5) == [True] * 40
+        assert await w.wait_removed(0) is True
+        await m.shutdown()
+
+    asyncio.run(asyncio.wait_for(main(), 60))

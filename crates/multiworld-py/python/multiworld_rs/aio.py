@@ -42,7 +42,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from . import _api, _native
-from ._api import ReduceOp, Work, World, WorldInfo, WorldManager, _lendable
+from ._api import ReduceOp, Work, World, WorldInfo, WorldManager, _lendable, _seconds
 
 __all__ = ["AsyncWorldManager", "AsyncWorld", "AsyncGroup"]
 
@@ -52,6 +52,9 @@ __all__ = ["AsyncWorldManager", "AsyncWorld", "AsyncGroup"]
 #: of messages already here, sends that fit the socket's buffer) before it
 #: lets the event loop run other tasks.
 _BURST = 16
+
+#: Longest a housekeeping wait holds a pool thread at once (seconds).
+_WAIT_SLICE = 0.1
 
 _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="multiworld-aio")
 
@@ -358,8 +361,21 @@ class AsyncWorld:
         self.sync.abort()
 
     async def wait_removed(self, timeout: Optional[float] = None) -> bool:
-        """Waits until the world is torn down (see :meth:`World.wait_removed`)."""
-        return await _call(self.sync.wait_removed, timeout)
+        """Waits until the world is torn down (see :meth:`World.wait_removed`).
+
+        Waits in slices of at most :data:`_WAIT_SLICE` seconds on the
+        housekeeping pool, so that a cancelled wait frees its thread within
+        a slice and any number of waits cannot hold the pool (``leave`` and
+        ``shutdown``, which would end them, run there too)."""
+        loop = asyncio.get_running_loop()
+        limit = _seconds("timeout", timeout)
+        deadline = None if limit is None else loop.time() + limit
+        while True:
+            left = _WAIT_SLICE if deadline is None else min(_WAIT_SLICE, max(0.0, deadline - loop.time()))
+            if await _call(self.sync.wait_removed, left):
+                return True
+            if deadline is not None and loop.time() >= deadline:
+                return False
 
 
 class AsyncGroup(AsyncWorld):
