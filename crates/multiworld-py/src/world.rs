@@ -981,9 +981,12 @@ impl Work {
         lock(&self.outcome).take();
     }
 
-    /// Whether the operation has finished (successfully or not).
-    fn is_completed(&self) -> bool {
-        match self.pending.try_lock() {
+    /// Whether the operation has finished (successfully or not). In a
+    /// forked child it raises `ForkedProcessError`, as every call that
+    /// needs the runtime does (the parent's operations are not the child's).
+    fn is_completed(&self) -> PyResult<bool> {
+        runtime::runtime()?;
+        Ok(match self.pending.try_lock() {
             Ok(mut g) => match g.as_mut() {
                 None => true,
                 Some(Pending::Task(j, _)) => j.is_finished(),
@@ -991,7 +994,7 @@ impl Work {
             },
             // Someone is waiting on it right now.
             Err(_) => false,
-        }
+        })
     }
 
     /// Cancels the operation if it is still running (a later `wait` raises

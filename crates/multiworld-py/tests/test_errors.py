@@ -233,14 +233,22 @@ def test_forked_child_gets_a_clear_error():
     r = run_py("""
         import os
         import multiworld_rs as mw
+        import numpy as np
         m = mw.WorldManager()          # starts the runtime in the parent
         store = m.serve_store("127.0.0.1:0")
+        w = m.join("solo", 0, 1, store)
+        work = w.all_reduce(np.ones(4, np.float32), async_op=True)  # not waited on
         pid = os.fork()
         if pid == 0:
             try:
                 mw.WorldManager()
             except mw.ForkedProcessError as e:
                 ok = "spawn" in str(e) and e.parent_pid == os.getppid()
+                try:
+                    work.is_completed()              # an inherited handle
+                    os._exit(6)
+                except mw.ForkedProcessError:
+                    pass
                 try:
                     m.serve_store("127.0.0.1:0")   # an inherited manager too
                 except mw.ForkedProcessError:
