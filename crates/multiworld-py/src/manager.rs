@@ -81,7 +81,10 @@ fn config_error(py: Python<'_>, e: multiworld::ConfigError) -> PyErr {
 }
 
 impl Manager {
+    /// The manager, for a method of this handle; in a forked child
+    /// `ForkedProcessError`, also for the methods that only read state.
     fn m(&self) -> PyResult<&WorldManager> {
+        runtime::runtime()?;
         self.inner
             .as_ref()
             .ok_or_else(|| PyRuntimeError::new_err("the manager was released"))

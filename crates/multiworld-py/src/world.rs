@@ -162,7 +162,11 @@ impl World {
         }
     }
 
+    /// The world, for a method of this handle; in a forked child
+    /// `ForkedProcessError`, also for the methods that only read state (the
+    /// parent's worlds are not the child's).
     pub(crate) fn w(&self) -> PyResult<&multiworld::World> {
+        runtime::runtime()?;
         self.inner
             .as_ref()
             .ok_or_else(|| PyRuntimeError::new_err("the world handle was released"))

@@ -244,11 +244,12 @@ def test_forked_child_gets_a_clear_error():
                 mw.WorldManager()
             except mw.ForkedProcessError as e:
                 ok = "spawn" in str(e) and e.parent_pid == os.getppid()
-                try:
-                    work.is_completed()              # an inherited handle
-                    os._exit(6)
-                except mw.ForkedProcessError:
-                    pass
+                for read in (work.is_completed, lambda: w.state, lambda: m.world("solo"), m.worlds):
+                    try:
+                        read()                       # inherited handles, reads only
+                        os._exit(6)
+                    except mw.ForkedProcessError:
+                        pass
                 try:
                     m.serve_store("127.0.0.1:0")   # an inherited manager too
                 except mw.ForkedProcessError:
