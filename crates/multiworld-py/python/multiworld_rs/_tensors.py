@@ -194,7 +194,9 @@ def out_spec(obj: Any, what: str = "output") -> Tuple[np.ndarray, Tuple[str, Tup
 def _overlaps_itself(arr: np.ndarray) -> bool:
     """Whether two elements of ``arr`` are the same memory: a zero stride on
     an axis of more than one element (torch's ``expand``; numpy's own
-    broadcasts are read-only)."""
+    broadcasts are read-only). A C-contiguous array never does."""
+    if arr.flags.c_contiguous:
+        return False
     return any(st == 0 and n > 1 for st, n in zip(arr.strides, arr.shape))
 
 
@@ -227,13 +229,13 @@ def write(dst: np.ndarray, flat: np.ndarray) -> None:
     d = dst.dtype
     if d in _HALF_DTYPES:
         flat = flat.view(d)
+    elif not d.isnative and d.name in _HALF:
+        # The runtime's bits are in this machine's order: viewed as the
+        # native half type, and copyto below swaps them into the other.
+        flat = flat.view(d.newbyteorder("="))
     if dst.flags.c_contiguous and flat.dtype == d and flat.size == dst.size:
         # The common case: a plain copy into the array's flat view (a view,
         # since the array is C-contiguous).
         dst.reshape(-1)[...] = flat
         return
-    if dst.dtype.name in _HALF and flat.dtype.kind != "f" and flat.dtype.name not in _HALF:
-        # Native-order bits: viewed as the native half type; copyto swaps
-        # the bytes for a destination of the other order.
-        flat = flat.view(dst.dtype.newbyteorder("="))
     np.copyto(dst, flat.reshape(dst.shape), casting="equiv")

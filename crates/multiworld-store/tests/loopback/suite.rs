@@ -369,7 +369,7 @@ async fn a_member_holding_a_secret_never_opens_a_world_kept_without_one() {
         .await
         .unwrap();
     stranger.set("planted", "x").await.unwrap();
-    let err = c.open("job", with_secret).await.unwrap_err();
+    let err = c.open("job", with_secret.clone()).await.unwrap_err();
     assert!(unsecured(&err), "{err}");
 
     // With a secret of its own the server creates the world secured, and
@@ -381,14 +381,9 @@ async fn a_member_holding_a_secret_never_opens_a_world_kept_without_one() {
     })
     .await;
     let c = client(secured.local_addr()).await;
-    let opts = OpenOptions {
-        create: true,
-        secret: Some(Secret::new("ours")),
-        ..OpenOptions::default()
-    };
-    let w = c.open("job", opts.clone()).await.unwrap();
+    let w = c.open("job", with_secret.clone()).await.unwrap();
     w.set("k", "v").await.unwrap();
-    assert_eq!(c.open("job", opts).await.unwrap().generation(), w.generation());
+    assert_eq!(c.open("job", with_secret).await.unwrap().generation(), w.generation());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

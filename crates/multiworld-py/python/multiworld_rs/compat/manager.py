@@ -112,13 +112,11 @@ class WorldManager:
                                  backend=be, **options)
         except asyncio.CancelledError:
             raise
-        except AlreadyJoinedError as e:
+        except BaseException as e:
             if not known:
                 self._names.discard(world_name)
-            raise ValueError(f"World {world_name} already exists.") from e
-        except BaseException:
-            if not known:
-                self._names.discard(world_name)
+            if isinstance(e, AlreadyJoinedError):
+                raise ValueError(f"World {world_name} already exists.") from e
             raise
 
     def remove_world(self, world_name: str) -> None:
