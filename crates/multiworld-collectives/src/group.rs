@@ -37,7 +37,7 @@ use tracing::debug;
 use crate::desc::{self, AgreeCtx, Algo, Desc, Kind};
 use crate::handle::CollectiveHandle;
 use crate::shm::{self, SharedMemory, ShmChoice, ShmLoan, ShmShared, ShmState};
-use crate::util::{Scratch, try_join_all};
+use crate::util::{Scratch, try_join_all, try_join2};
 use multiworld_tcp::{Communicator, HealthEvent, Received, RecvHandle, SendHandle};
 use multiworld_tcp::{Error, Result};
 use multiworld_types::{DType, Tensor, TensorView};
@@ -243,9 +243,103 @@ pub(crate) struct GroupState {
     shm: ShmState,
 }
 
-/// The sub-group id counter of one communicator.
+/// The sub-group ids of one communicator, as this member knows them.
 struct Tree {
-    next_id: Mutex<u16>,
+    ids: Mutex<GroupIds>,
+}
+
+/// How many times [`Group::new_group`] tries to agree on an id that no
+/// member has given to another group before it gives up.
+const ID_ATTEMPTS: usize = 8;
+
+/// Which sub-group ids this member has given out (or holds while the members
+/// confirm them), and where its next proposal starts. A pure core: the
+/// agreement in [`Group::new_group`] drives it.
+#[derive(Debug, Clone)]
+pub(crate) struct GroupIds {
+    next: u16,
+    taken: [u64; 16],
+}
+
+impl Default for GroupIds {
+    fn default() -> GroupIds {
+        let mut ids = GroupIds {
+            next: 1,
+            taken: [0; 16],
+        };
+        ids.set(0, true); // the world group
+        ids
+    }
+}
+
+impl GroupIds {
+    fn is_taken(&self, id: u16) -> bool {
+        let i = usize::from(id);
+        self.taken.get(i / 64).is_some_and(|w| w & (1 << (i % 64)) != 0)
+    }
+
+    fn set(&mut self, id: u16, on: bool) {
+        let i = usize::from(id);
+        if let Some(w) = self.taken.get_mut(i / 64) {
+            if on {
+                *w |= 1 << (i % 64);
+            } else {
+                *w &= !(1 << (i % 64));
+            }
+        }
+    }
+
+    /// This member's proposal: the first id from its counter on that it has
+    /// not given out (past [`MAX_GROUP_ID`] when none is left, which the
+    /// agreement refuses).
+    pub(crate) fn propose(&mut self) -> u16 {
+        let mut p = self.next;
+        while p <= MAX_GROUP_ID && self.is_taken(p) {
+            p += 1;
+        }
+        self.next = p.saturating_add(1);
+        p
+    }
+
+    /// Takes `id`, agreed by the members, for a new group: false if this
+    /// member has given it to another group (or holds it for one being
+    /// created). Proposals go on past it either way.
+    pub(crate) fn claim(&mut self, id: u16) -> bool {
+        self.next = self.next.max(id.saturating_add(1));
+        if id > MAX_GROUP_ID || self.is_taken(id) {
+            return false;
+        }
+        self.set(id, true);
+        true
+    }
+
+    /// Gives back an id claimed for a group that another member refused.
+    pub(crate) fn release(&mut self, id: u16) {
+        self.set(id, false);
+    }
+}
+
+impl Tree {
+    fn ids(&self) -> std::sync::MutexGuard<'_, GroupIds> {
+        self.ids.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// Every member's `word`, by member index: one small message to and from each
+/// other member on the call's data tag.
+async fn all_gather_word(cx: &Ctx<'_>, word: u64) -> Result<Vec<u64>> {
+    let mine = [word];
+    let sends = try_join_all(cx.peers().map(|q| cx.send(q, &mine[..])));
+    let recvs = try_join_all(cx.peers().map(|q| async move {
+        let t = cx.recv_new(q, Tensor::from(vec![0u64])).await?;
+        Ok((q, t.as_slice::<u64>()?.first().copied().unwrap_or(0)))
+    }));
+    let (_, got) = try_join2(sends, recvs).await?;
+    let mut words = vec![word; cx.n()];
+    for (q, w) in got {
+        words[q] = w;
+    }
+    Ok(words)
 }
 
 struct GroupInner {
@@ -386,7 +480,7 @@ impl Group {
             None => {
                 let members = (0..comm.size()).map(Rank).collect();
                 let tree = Arc::new(Tree {
-                    next_id: Mutex::new(1),
+                    ids: Mutex::new(GroupIds::default()),
                 });
                 let inner = Arc::new(GroupInner::new(Arc::clone(comm), tree, None, 0, members));
                 reg.push((Arc::downgrade(comm), Arc::downgrade(&inner)));
@@ -467,9 +561,9 @@ impl Group {
     /// group that agrees on the new group's id and checks that all callers passed
     /// the same list. Ranks outside `ranks` get a group on which every call fails
     /// with [`Error::InvalidArgument`]. At most 1022 sub-groups per communicator
-    /// (ids 1 to 1022). Create sub-groups one at a time: two created
-    /// concurrently from different parent groups that share members may get
-    /// the same id.
+    /// (ids 1 to 1022, never reused). Sub-groups may be created at the same
+    /// time from different parent groups: the members confirm that the
+    /// agreed id is free at each of them and agree again if not.
     pub async fn new_group(&self, ranks: &[Rank]) -> Result<Group> {
         let call = self.begin(self.ticket(), Kind::NewGroup).await?;
         let mut sorted = ranks.to_vec();
@@ -488,46 +582,51 @@ impl Group {
         if let Some(msg) = invalid {
             return Err(call.abstain(Error::invalid(format!("new_group: {msg}"))).await);
         }
-        let proposal = {
-            let mut next = self
-                .inner
-                .tree
-                .next_id
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner);
-            let p = *next;
-            *next = next.saturating_add(1);
-            p
-        };
+        let proposal = self.inner.tree.ids().propose();
         let mut d = call.desc();
         d.count = u64::from(proposal);
         d.aux = desc::hash_ranks(&sorted);
         call.plan(&mut d, 0, 0);
         let cx = call.ctx();
-        let id = call
+        let tree = &self.inner.tree;
+        // The members agree on the largest proposal, then each claims it and
+        // they confirm: a member that gave that id to another group meanwhile
+        // (one created at the same time from another parent) refuses, and
+        // they agree again, on ids past it.
+        let agreed = call
             .guard(async {
                 let (descs, sends) = cx.exchange(&d, &[]).await?;
                 finish_sends(sends).await?;
-                Ok(descs.iter().map(|d| d.count).max().unwrap_or(0))
+                let mut id = descs.iter().map(|d| d.count).max().unwrap_or(0);
+                for attempt in 1..=ID_ATTEMPTS {
+                    let Some(candidate) = u16::try_from(id).ok().filter(|&id| id <= MAX_GROUP_ID) else {
+                        // Every member sees the same proposals, so all stop here.
+                        return Ok(Err(Error::invalid(format!(
+                            "new_group: no sub-group id left (at most {MAX_GROUP_ID})"
+                        ))));
+                    };
+                    let mine = tree.ids().claim(candidate);
+                    let confirmed = all_gather_word(&cx, u64::from(mine)).await?;
+                    if confirmed.iter().all(|&ok| ok == 1) {
+                        return Ok(Ok(candidate));
+                    }
+                    if mine {
+                        tree.ids().release(candidate);
+                    }
+                    if attempt == ID_ATTEMPTS {
+                        break;
+                    }
+                    let proposal = tree.ids().propose();
+                    let proposals = all_gather_word(&cx, u64::from(proposal)).await?;
+                    id = proposals.into_iter().max().unwrap_or(0);
+                }
+                Ok(Err(Error::invalid(format!(
+                    "new_group: no sub-group id free at every member after {ID_ATTEMPTS} tries \
+                     (other sub-groups are being created at the same time)"
+                ))))
             })
             .await?;
-        let id = u16::try_from(id)
-            .ok()
-            .filter(|&id| id <= MAX_GROUP_ID)
-            .ok_or_else(|| {
-                Error::invalid(format!(
-                    "new_group: no sub-group id left (at most {MAX_GROUP_ID})"
-                ))
-            })?;
-        {
-            let mut next = self
-                .inner
-                .tree
-                .next_id
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner);
-            *next = (*next).max(id.saturating_add(1));
-        }
+        let id = agreed?;
         let root = match &self.inner._parent {
             Some(p) => Arc::clone(p),
             None => Arc::clone(&self.inner),
@@ -1393,5 +1492,51 @@ impl<'g> Ctx<'g> {
         }
         let descs = decoded_or_abstaining(words, n);
         self.drop_eager(&descs).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn group_ids_propose_past_what_is_taken_and_claim_each_id_once() {
+        let mut ids = GroupIds::default();
+        assert!(!ids.claim(0), "the world group's id is taken");
+        assert_eq!(ids.propose(), 1);
+        // Another member proposed more: the agreed id is 3.
+        assert!(ids.claim(3));
+        assert_eq!(ids.propose(), 4, "proposals go on past an agreed id");
+        // A group created at the same time from another parent agreed on 3
+        // too: this member refuses it.
+        assert!(!ids.claim(3));
+        // An id claimed for a group another member refused is free again,
+        // but proposals do not go back to it.
+        assert!(ids.claim(7));
+        ids.release(7);
+        assert!(!ids.is_taken(7));
+        assert_eq!(ids.propose(), 8);
+        assert!(ids.claim(7), "a released id can be agreed on again");
+        assert!(ids.claim(9));
+        let mut ids2 = GroupIds::default();
+        assert!(ids2.claim(2));
+        ids2.next = 2;
+        assert_eq!(ids2.propose(), 3, "a proposal skips an id it has given out");
+    }
+
+    #[test]
+    fn group_ids_run_out_at_the_largest_id() {
+        let mut ids = GroupIds::default();
+        assert!(ids.claim(MAX_GROUP_ID));
+        assert!(ids.propose() > MAX_GROUP_ID);
+        assert!(!ids.claim(MAX_GROUP_ID + 1), "beyond the largest id");
+        assert!(!ids.claim(u16::MAX));
+        assert!(ids.propose() > MAX_GROUP_ID, "and stays there");
+        let mut fresh = GroupIds::default();
+        for id in 1..=MAX_GROUP_ID {
+            assert_eq!(fresh.propose(), id);
+            assert!(fresh.claim(id));
+        }
+        assert!(fresh.propose() > MAX_GROUP_ID);
     }
 }

@@ -629,6 +629,61 @@ async fn sub_groups() {
     .await;
 }
 
+/// Two sub-groups of the same ranks, created at the same time from two
+/// different parent groups, get distinct ids at the members they share — even
+/// when the members' id counters have drifted apart — so their calls never
+/// take each other's messages.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sub_groups_created_at_once_from_different_parents_get_distinct_ids() {
+    let gs = groups("concurrent-subgroups", 4).await;
+    on_all(&gs, |me, world| async move {
+        let a = world.new_group(&[Rank(0), Rank(1), Rank(2)]).await.unwrap();
+        let b = world.new_group(&[Rank(1), Rank(2), Rank(3)]).await.unwrap();
+        let c = world.new_group(&[Rank(0), Rank(3)]).await.unwrap();
+        // Ranks 0 and 3 create one group more than ranks 1 and 2: their
+        // id counters run one ahead.
+        if c.is_member() {
+            c.new_group(&[Rank(0), Rank(3)]).await.unwrap();
+        }
+        // Ranks 1 and 2 create a sub-group {1, 2} of `a` and one of `b` at
+        // the same time.
+        let pair = [Rank(1), Rank(2)];
+        let (p, q) = match me {
+            0 => (Some(a.new_group(&pair).await.unwrap()), None),
+            3 => (None, Some(b.new_group(&pair).await.unwrap())),
+            _ => {
+                let (p, q) = tokio::join!(a.new_group(&pair), b.new_group(&pair));
+                (Some(p.unwrap()), Some(q.unwrap()))
+            }
+        };
+        if let (Some(p), Some(q)) = (&p, &q) {
+            assert_ne!(p.id(), q.id(), "rank {me}: both sub-groups got id {}", p.id());
+            // The same call on both at once: each sums only its own inputs.
+            let hp = p.all_reduce_handle(Tensor::from(vec![1.0f32; 1000]), ReduceOp::Sum);
+            let hq = q.all_reduce_handle(Tensor::from(vec![10.0f32; 1000]), ReduceOp::Sum);
+            let (tp, tq) = (hp.await.unwrap(), hq.await.unwrap());
+            assert!(
+                tp.as_slice::<f32>().unwrap().iter().all(|&x| x == 2.0),
+                "rank {me}: p"
+            );
+            assert!(
+                tq.as_slice::<f32>().unwrap().iter().all(|&x| x == 20.0),
+                "rank {me}: q"
+            );
+        }
+        // Every member agrees on each group's id.
+        for g in [&p, &q].into_iter().flatten().filter(|g| g.is_member()) {
+            let ids: Vec<u16> = g
+                .all_gather_object(&g.id())
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+            assert!(ids.iter().all(|&i| i == g.id()), "rank {me}: ids {ids:?}");
+        }
+        world.barrier().await.unwrap();
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn handles_keep_call_order_and_report_completion() {
     let gs = groups("handles", 3).await;
