@@ -836,8 +836,10 @@ impl Communicator {
         inner.tracker.wait().await;
     }
 
-    /// Waits until every task of this communicator has finished (after an abort,
-    /// close or peer losses on all connections).
+    /// Waits until every task of this communicator has finished, which
+    /// happens after an abort or a close (or a drop of the last handle).
+    /// Losing every peer does not end them: the listener and the heartbeat
+    /// task run until the communicator is aborted or closed.
     pub async fn wait_closed(&self) {
         self.inner.tracker.wait().await;
     }
@@ -1157,7 +1159,11 @@ impl Inner {
     /// Posts a receive (see [`Communicator::irecv_leaving`] for
     /// `leave_up_to`; `None`: no frame is left to the reader).
     fn post_recv(&self, src: Source, tag: Tag, mut buf: Tensor, leave_up_to: Option<usize>) -> Posting {
-        let fail = |buf, e| Posting::Done(RecvDone { buf, result: Err(e) });
+        let fail = |buf, e| Posting::Done(RecvDone {
+            buf,
+            result: Err(e),
+            arrival: 0,
+        });
         if let Source::Rank(r) = src {
             if let Err(e) = self.check_rank(r, "source") {
                 return fail(buf, e);
@@ -1171,8 +1177,9 @@ impl Inner {
         }
         if let Some((from, st)) = m.take_stash(src, tag) {
             drop(m);
+            let arrival = st.arrival;
             let result = self.consume(&mut buf, from, tag, st);
-            return Posting::Done(RecvDone { buf, result });
+            return Posting::Done(RecvDone { buf, result, arrival });
         }
         let lost = match src {
             Source::Rank(r) => self.peer(r).and_then(|p| p.lost.get().map(|c| (r, c))),
@@ -1297,6 +1304,7 @@ impl Inner {
                     let _ = posted.tx.send(RecvDone {
                         buf: posted.buf,
                         result: Err(self.aborted_error().unwrap_or_else(|| self.peer_error(peer))),
+                        arrival: 0,
                     });
                 }
                 false
@@ -1316,10 +1324,11 @@ impl Inner {
         let done = RecvDone {
             buf: p.buf,
             result: Ok(peer.rank),
+            arrival: p.arrival,
         };
         if let Err(done) = p.tx.send(done) {
             let buf = StashData::Tensor(done.buf.into_owned());
-            self.deliver_or_stash(peer.rank, tag, dtype, buf, false);
+            self.deliver(peer.rank, tag, dtype, buf, false, Some(done.arrival));
         }
     }
 
@@ -1443,36 +1452,50 @@ impl Inner {
     /// keeps it for a later one. `reserved`: its bytes are already counted in
     /// `held`.
     fn deliver_or_stash(&self, from: Rank, tag: Tag, dtype: DType, data: StashData, reserved: bool) {
-        self.deliver(from, tag, dtype, data, reserved, false);
+        self.deliver(from, tag, dtype, data, reserved, None);
     }
 
     /// Puts back a message that was handed to a receive whose handle was
     /// dropped before it took the message (a cancellation that lost the race
     /// with the delivery): it goes to the earliest matching posted receive,
-    /// or is kept ahead of the messages from `from` on `tag` kept since.
-    fn give_back(&self, from: Rank, tag: Tag, buf: Tensor) {
+    /// or is kept ahead of the messages from `from` on `tag` that arrived
+    /// after it (`arrival`: its place in arrival order).
+    fn give_back(&self, from: Rank, tag: Tag, buf: Tensor, arrival: u64) {
         let dtype = buf.dtype();
-        self.deliver(from, tag, dtype, StashData::Tensor(buf.into_owned()), false, true);
+        self.deliver(from, tag, dtype, StashData::Tensor(buf.into_owned()), false, Some(arrival));
     }
 
-    fn deliver(&self, from: Rank, tag: Tag, dtype: DType, mut data: StashData, reserved: bool, front: bool) {
+    /// [`Inner::deliver_or_stash`] of a message that has a place in arrival
+    /// order already (`arrival`), or a new one (`None`).
+    fn deliver(
+        &self,
+        from: Rank,
+        tag: Tag,
+        dtype: DType,
+        mut data: StashData,
+        reserved: bool,
+        mut arrival: Option<u64>,
+    ) {
         let len = data.bytes().len();
         loop {
             let mut m = self.lock();
             let Some(mut p) = m.take_posted(from, tag) else {
-                if front {
-                    m.stash_front(from, tag, dtype, data);
-                } else {
-                    m.stash(from, tag, dtype, data, reserved);
-                }
+                m.stash(from, tag, dtype, data, reserved, arrival);
                 return;
             };
+            // A new message's place is the one it got here; it keeps it if
+            // this receive is cancelled meanwhile and it goes round again.
+            match arrival {
+                Some(a) => p.arrival = a,
+                None => arrival = Some(p.arrival),
+            }
             drop(m);
             match fill(&mut p.buf, from, tag, dtype, data) {
                 Filled::Done { spare } => {
                     match p.tx.send(RecvDone {
                         buf: p.buf,
                         result: Ok(from),
+                        arrival: p.arrival,
                     }) {
                         Ok(()) => {
                             let mut m = self.lock();
@@ -1499,6 +1522,7 @@ impl Inner {
                     match p.tx.send(RecvDone {
                         buf: p.buf,
                         result: Err(err),
+                        arrival: 0,
                     }) {
                         Ok(()) => {
                             if reserved {
@@ -1533,6 +1557,7 @@ impl Inner {
             let _ = p.tx.send(RecvDone {
                 buf: p.buf,
                 result: Err(err.clone()),
+                arrival: 0,
             });
         }
         if self.closing.load(Ordering::Relaxed) {
@@ -1570,6 +1595,7 @@ impl Inner {
             let _ = p.tx.send(RecvDone {
                 buf: p.buf,
                 result: Err(err.clone()),
+                arrival: 0,
             });
         }
         drop((stash, pool));
@@ -1753,6 +1779,7 @@ impl Inner {
                         let _ = p.tx.send(RecvDone {
                             buf: p.buf,
                             result: Err(err),
+                            arrival: 0,
                         });
                     }
                     return Ok(());
@@ -1769,11 +1796,13 @@ impl Inner {
                     if let Err(done) = p.tx.send(RecvDone {
                         buf: p.buf,
                         result: Ok(from),
+                        arrival: p.arrival,
                     }) {
                         // Cancelled while arriving: keep it for the next receive
                         // (a copy if the buffer was lent: the loan ends here).
+                        let arrival = done.arrival;
                         let buf = owned_off_runtime(peer, done.buf).await?;
-                        self.deliver_or_stash(from, tag, dtype, StashData::Tensor(buf), false);
+                        self.deliver(from, tag, dtype, StashData::Tensor(buf), false, Some(arrival));
                     }
                 }
             }
@@ -1943,6 +1972,7 @@ async fn reader_task(inner: Arc<Inner>, peer: Arc<Peer>, half: ReadLink) {
         let _ = p.tx.send(RecvDone {
             buf: p.buf,
             result: Err(inner.peer_error(&peer)),
+            arrival: 0,
         });
     }
 }
@@ -2361,11 +2391,13 @@ impl RecvHandle {
                         .inner
                         .aborted_error()
                         .unwrap_or_else(|| Error::invalid("receive was dropped by the communicator"))),
+                    arrival: 0,
                 }),
             },
             RecvState::Taken => Poll::Ready(RecvDone {
                 buf: Tensor::default(),
                 result: Err(Error::invalid("RecvHandle polled after completion")),
+                arrival: 0,
             }),
         }
     }
@@ -2404,9 +2436,10 @@ impl Drop for RecvHandle {
         if let Some(RecvDone {
             buf,
             result: Ok(from),
+            arrival,
         }) = done
         {
-            self.inner.give_back(from, self.tag, buf);
+            self.inner.give_back(from, self.tag, buf, arrival);
         }
     }
 }

@@ -51,6 +51,9 @@ const EMPTY_QUEUES_KEPT: usize = 64;
 pub(crate) struct RecvDone {
     pub(crate) buf: Tensor,
     pub(crate) result: Result<Rank>,
+    /// The message's place in arrival order (see [`Matching::stash`]); 0
+    /// for a failed receive.
+    pub(crate) arrival: u64,
 }
 
 /// A posted receive: where a message may come from, the buffer it goes into,
@@ -60,6 +63,9 @@ pub(crate) struct Posted {
     pub(crate) src: Source,
     pub(crate) buf: Tensor,
     pub(crate) tx: oneshot::Sender<RecvDone>,
+    /// The place in arrival order of the message it was handed (set when a
+    /// message is matched to it).
+    pub(crate) arrival: u64,
 }
 
 /// The payload of an early message.
@@ -154,7 +160,13 @@ impl Matching {
         self.posted
             .entry(tag)
             .or_default()
-            .push_back(Posted { id, src, buf, tx });
+            .push_back(Posted {
+                id,
+                src,
+                buf,
+                tx,
+                arrival: 0,
+            });
         self.count(src, true);
         id
     }
@@ -199,8 +211,9 @@ impl Matching {
             if !p.tx.is_closed() && !take(p) {
                 return None;
             }
-            let p = self.remove_posted(tag, idx)?;
+            let mut p = self.remove_posted(tag, idx)?;
             if !p.tx.is_closed() {
+                p.arrival = self.stamp();
                 return Some(p);
             }
         }
@@ -262,29 +275,38 @@ impl Matching {
         Some((from, s))
     }
 
-    /// Keeps a fully read message for a later receive. `reserved`: its bytes
-    /// are already held (it was read ahead); otherwise they are counted now.
-    pub(crate) fn stash(&mut self, from: Rank, tag: Tag, dtype: DType, data: StashData, reserved: bool) {
-        self.hold(from, &data, reserved);
-        let arrival = self.next_arrival;
+    /// The next place in arrival order: every message gets one when it is
+    /// matched to a receive or kept, in the order its connection's frames
+    /// come, so the places of one sender's messages follow its sending order.
+    pub(crate) fn stamp(&mut self) -> u64 {
+        let a = self.next_arrival;
         self.next_arrival += 1;
-        self.unexpected
-            .entry((from, tag))
-            .or_default()
-            .push_back(Stashed { arrival, dtype, data });
+        a
     }
 
-    /// Keeps a message ahead of every message from `from` on `tag` kept so
-    /// far: one that was handed to a receive that was then dropped before
-    /// taking it (the messages stashed since arrived after it).
-    pub(crate) fn stash_front(&mut self, from: Rank, tag: Tag, dtype: DType, data: StashData) {
-        self.hold(from, &data, false);
-        // It arrived before anything kept since: with no message of its own
-        // queue left to compare with, it counts as the oldest of all (an
-        // any-source receive takes it first).
+    /// Keeps an early message for a later receive. `reserved`: its bytes are
+    /// already counted in `held` (read ahead). `arrival`: its place in
+    /// arrival order if it has one (a message given back by a receive that
+    /// was dropped before taking it: it goes back ahead of the messages from
+    /// `from` on `tag` that arrived after it); `None` for a new message,
+    /// which is the latest.
+    pub(crate) fn stash(
+        &mut self,
+        from: Rank,
+        tag: Tag,
+        dtype: DType,
+        data: StashData,
+        reserved: bool,
+        arrival: Option<u64>,
+    ) {
+        self.hold(from, &data, reserved);
+        let arrival = match arrival {
+            Some(a) => a,
+            None => self.stamp(),
+        };
         let q = self.unexpected.entry((from, tag)).or_default();
-        let arrival = q.front().map_or(0, |s| s.arrival);
-        q.push_front(Stashed { arrival, dtype, data });
+        let at = q.iter().rposition(|s| s.arrival < arrival).map_or(0, |i| i + 1);
+        q.insert(at, Stashed { arrival, dtype, data });
     }
 
     fn hold(&mut self, from: Rank, data: &StashData, reserved: bool) {
@@ -577,10 +599,10 @@ mod tests {
     #[test]
     fn any_source_takes_the_earliest_arrival_and_keeps_each_senders_order() {
         let mut m = Matching::new(3);
-        m.stash(Rank(2), Tag(1), DType::U8, bytes(1, 20), false);
-        m.stash(Rank(1), Tag(1), DType::U8, bytes(1, 10), false);
-        m.stash(Rank(2), Tag(1), DType::U8, bytes(1, 21), false);
-        m.stash(Rank(1), Tag(2), DType::U8, bytes(1, 99), false);
+        m.stash(Rank(2), Tag(1), DType::U8, bytes(1, 20), false, None);
+        m.stash(Rank(1), Tag(1), DType::U8, bytes(1, 10), false, None);
+        m.stash(Rank(2), Tag(1), DType::U8, bytes(1, 21), false, None);
+        m.stash(Rank(1), Tag(2), DType::U8, bytes(1, 99), false, None);
         let order: Vec<(u32, u8)> = std::iter::from_fn(|| m.take_stash(Source::Any, Tag(1)))
             .map(|(r, s)| (r.0, s.data.bytes()[0]))
             .collect();
@@ -595,7 +617,7 @@ mod tests {
     fn held_bytes_follow_stash_and_take() {
         let mut m = Matching::new(2);
         // Stashed without a read-ahead reservation: counted now.
-        m.stash(Rank(1), Tag(0), DType::U8, bytes(30, 1), false);
+        m.stash(Rank(1), Tag(0), DType::U8, bytes(30, 1), false, None);
         assert_eq!(m.held(Rank(1)), 30);
         // Read ahead (reserved by route), then stashed: not counted twice.
         let Route::ReadAhead(mut v) = route(&mut m, 1, 0, 20, false) else {
@@ -603,7 +625,7 @@ mod tests {
         };
         assert_eq!(m.held(Rank(1)), 50);
         v.resize(20, 2);
-        m.stash(Rank(1), Tag(0), DType::U8, StashData::Bytes(v), true);
+        m.stash(Rank(1), Tag(0), DType::U8, StashData::Bytes(v), true, None);
         assert_eq!(m.held(Rank(1)), 50);
         m.take_stash(Source::Rank(Rank(1)), Tag(0)).unwrap();
         assert_eq!(m.held(Rank(1)), 20);
@@ -624,10 +646,11 @@ mod tests {
             p.tx.send(RecvDone {
                 buf: p.buf,
                 result: Ok(Rank(1)),
+                arrival: p.arrival,
             })
             .err()
             .unwrap();
-        m.stash(Rank(1), Tag(4), DType::U8, StashData::Tensor(done.buf), false);
+        m.stash(Rank(1), Tag(4), DType::U8, StashData::Tensor(done.buf), false, Some(done.arrival));
         // The next receive finds it.
         let (from, s) = m.take_stash(Source::Any, Tag(4)).unwrap();
         assert_eq!(from, Rank(1));
@@ -636,10 +659,36 @@ mod tests {
     }
 
     #[test]
+    fn messages_given_back_in_any_order_go_back_in_arrival_order() {
+        let mut m = Matching::new(3);
+        // Three receives get the first three messages from rank 1...
+        let mut handed = Vec::new();
+        for fill in 0..3u8 {
+            let (_id, rx) = recv(&mut m, Source::Rank(Rank(1)), 5);
+            let Route::Receive(p) = route(&mut m, 1, 5, 4, false) else {
+                panic!("expected the posted receive");
+            };
+            handed.push((fill, p.arrival, rx));
+        }
+        // ... the next two are kept, and one from rank 2 after them.
+        m.stash(Rank(1), Tag(5), DType::U8, bytes(4, 3), false, None);
+        m.stash(Rank(1), Tag(5), DType::U8, bytes(4, 4), false, None);
+        m.stash(Rank(2), Tag(5), DType::U8, bytes(4, 9), false, None);
+        // The three receives are dropped unread, the last first.
+        for (fill, arrival, _rx) in handed.into_iter().rev() {
+            m.stash(Rank(1), Tag(5), DType::U8, bytes(4, fill), false, Some(arrival));
+        }
+        let order: Vec<(u32, u8)> = std::iter::from_fn(|| m.take_stash(Source::Any, Tag(5)))
+            .map(|(r, s)| (r.0, s.data.bytes()[0]))
+            .collect();
+        assert_eq!(order, [(1, 0), (1, 1), (1, 2), (1, 3), (1, 4), (2, 9)]);
+    }
+
+    #[test]
     fn abort_takes_everything_and_releases_every_held_byte() {
         let mut m = Matching::new(2);
-        m.stash(Rank(0), Tag(0), DType::U8, bytes(10, 0), false);
-        m.stash(Rank(1), Tag(3), DType::U8, bytes(10, 0), false);
+        m.stash(Rank(0), Tag(0), DType::U8, bytes(10, 0), false, None);
+        m.stash(Rank(1), Tag(3), DType::U8, bytes(10, 0), false, None);
         m.recycle(Vec::with_capacity(16), EAGER);
         let (_a, _ra) = recv(&mut m, Source::Any, 1);
         let (_b, _rb) = recv(&mut m, Source::Rank(Rank(1)), 2);

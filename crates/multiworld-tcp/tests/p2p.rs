@@ -458,6 +458,38 @@ async fn a_dropped_receive_that_already_got_its_message_gives_it_back() {
     }
 }
 
+/// Several receives that got their messages, dropped unread in any order
+/// (a cancelled join of receives drops them together), give the messages
+/// back in the order they arrived, ahead of the ones kept since.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn receives_dropped_unread_give_their_messages_back_in_arrival_order() {
+    let (a, b) = pair("give-back-order").await;
+    for drop_order in [[0usize, 1, 2], [2, 1, 0], [1, 0, 2], [2, 0, 1]] {
+        let mut hs: Vec<Option<_>> = (0..3)
+            .map(|_| Some(b.irecv(Rank(0), Tag(9), Tensor::zeros(DType::U32, [1]).unwrap())))
+            .collect();
+        for i in 0..5u32 {
+            a.send(Rank(1), Tag(9), &[i]).await.unwrap();
+        }
+        // The marker behind them says all five were read: three handed to
+        // the receives, two kept.
+        a.send(Rank(1), Tag(8), &[0u8]).await.unwrap();
+        let mut marker = Tensor::zeros(DType::U8, [1]).unwrap();
+        b.recv(Rank(0), Tag(8), &mut marker).await.unwrap();
+        assert!(hs.iter().flatten().all(|h| h.is_completed()));
+        for i in drop_order {
+            drop(hs[i].take());
+        }
+        let mut got = Vec::new();
+        for _ in 0..5 {
+            let mut buf = Tensor::zeros(DType::U32, [1]).unwrap();
+            b.recv(Rank(0), Tag(9), &mut buf).await.unwrap();
+            got.push(buf.as_slice::<u32>().unwrap()[0]);
+        }
+        assert_eq!(got, [0, 1, 2, 3, 4], "handles dropped in order {drop_order:?}");
+    }
+}
+
 /// `try_recv` takes only a message already here, never waits or posts; a
 /// receive posted onto a kept message and dropped unread gives it back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
