@@ -1159,11 +1159,13 @@ impl Inner {
     /// Posts a receive (see [`Communicator::irecv_leaving`] for
     /// `leave_up_to`; `None`: no frame is left to the reader).
     fn post_recv(&self, src: Source, tag: Tag, mut buf: Tensor, leave_up_to: Option<usize>) -> Posting {
-        let fail = |buf, e| Posting::Done(RecvDone {
-            buf,
-            result: Err(e),
-            arrival: 0,
-        });
+        let fail = |buf, e| {
+            Posting::Done(RecvDone {
+                buf,
+                result: Err(e),
+                arrival: 0,
+            })
+        };
         if let Source::Rank(r) = src {
             if let Err(e) = self.check_rank(r, "source") {
                 return fail(buf, e);
@@ -1462,7 +1464,14 @@ impl Inner {
     /// after it (`arrival`: its place in arrival order).
     fn give_back(&self, from: Rank, tag: Tag, buf: Tensor, arrival: u64) {
         let dtype = buf.dtype();
-        self.deliver(from, tag, dtype, StashData::Tensor(buf.into_owned()), false, Some(arrival));
+        self.deliver(
+            from,
+            tag,
+            dtype,
+            StashData::Tensor(buf.into_owned()),
+            false,
+            Some(arrival),
+        );
     }
 
     /// [`Inner::deliver_or_stash`] of a message that has a place in arrival
@@ -1769,19 +1778,33 @@ impl Inner {
                     return Err("internal: receive slot empty".into());
                 };
                 if p.buf.dtype() != dtype || p.buf.nbytes() != len {
+                    // Reported before the payload is skipped: a slow payload
+                    // must not hold the error back (the caller's deadline
+                    // would pass first and hide it).
+                    if let Some(p) = slot.take() {
+                        let err = mismatch(&p.buf, from, tag, dtype, len as u64);
+                        debug!(local = %self.identity, %err, "receive mismatch");
+                        let unheard =
+                            p.tx.send(RecvDone {
+                                buf: p.buf,
+                                result: Err(err),
+                                arrival: 0,
+                            })
+                            .is_err();
+                        if unheard {
+                            // Cancelled before it heard: no byte of the
+                            // payload is read (a receive that does not fit
+                            // is never read into), so the message is routed
+                            // again, to the next receive or to be kept.
+                            return Box::pin(self.on_data(peer, reading, slot, self.frame(tag, dtype, len)))
+                                .await;
+                        }
+                    }
+                    let rd = &mut reading.as_mut().ok_or("internal: the reader lost its link")?.rd;
                     discard(rd, len as u64, c)
                         .await
                         .map_err(|e| format!("discarding a mismatched message: {}", describe_io(&e)))?;
                     c.messages_received.fetch_add(1, Ordering::Relaxed);
-                    if let Some(p) = slot.take() {
-                        let err = mismatch(&p.buf, from, tag, dtype, len as u64);
-                        debug!(local = %self.identity, %err, "receive mismatch");
-                        let _ = p.tx.send(RecvDone {
-                            buf: p.buf,
-                            result: Err(err),
-                            arrival: 0,
-                        });
-                    }
                     return Ok(());
                 }
                 let rest = p.buf.bytes_mut().get_mut(filled..).unwrap_or_default();

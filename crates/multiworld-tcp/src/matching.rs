@@ -157,16 +157,13 @@ impl Matching {
     pub(crate) fn post(&mut self, src: Source, tag: Tag, buf: Tensor, tx: oneshot::Sender<RecvDone>) -> u64 {
         let id = self.next_id;
         self.next_id += 1;
-        self.posted
-            .entry(tag)
-            .or_default()
-            .push_back(Posted {
-                id,
-                src,
-                buf,
-                tx,
-                arrival: 0,
-            });
+        self.posted.entry(tag).or_default().push_back(Posted {
+            id,
+            src,
+            buf,
+            tx,
+            arrival: 0,
+        });
         self.count(src, true);
         id
     }
@@ -650,7 +647,14 @@ mod tests {
             })
             .err()
             .unwrap();
-        m.stash(Rank(1), Tag(4), DType::U8, StashData::Tensor(done.buf), false, Some(done.arrival));
+        m.stash(
+            Rank(1),
+            Tag(4),
+            DType::U8,
+            StashData::Tensor(done.buf),
+            false,
+            Some(done.arrival),
+        );
         // The next receive finds it.
         let (from, s) = m.take_stash(Source::Any, Tag(4)).unwrap();
         assert_eq!(from, Rank(1));

@@ -326,6 +326,38 @@ async fn bad_frames_from_a_member_fail_that_peer() {
     }
 }
 
+/// A message that does not fit the receive it is routed to fails that
+/// receive as soon as its header is read, before its payload is skipped: a
+/// slow (or stalled) payload does not hold the error back, so a deadline of
+/// the caller's cannot pass first and hide it. The stream stays in step.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mismatch_is_reported_before_its_payload_is_skipped() {
+    let (a, mut s) = forged_pair("mismatch-first").await;
+    let h = a.irecv(Rank(1), Tag(5), Tensor::zeros(DType::U8, [4]).unwrap());
+    // A 1 MiB message, of which only 100 bytes come for now.
+    let len = 1u64 << 20;
+    s.write_all(&data_header(0, 1, DType::U8, 5, len)).await.unwrap();
+    s.write_all(&[3u8; 100]).await.unwrap();
+    let failed = tokio::time::timeout(DETECT, h.wait_timeout(Duration::from_secs(60)))
+        .await
+        .expect("the mismatch waited for the payload")
+        .unwrap_err();
+    assert!(matches!(failed.error, Error::Mismatch { .. }), "{}", failed.error);
+    assert_eq!(failed.buffer.shape(), &[4], "the caller's buffer comes back");
+    assert_eq!(failed.buffer.as_slice::<u8>().unwrap(), &[0; 4], "untouched");
+    // The rest of the payload, then a message that fits: the stream is in step.
+    s.write_all(&vec![3u8; (len - 100) as usize]).await.unwrap();
+    s.write_all(&[data_header(1, 1, DType::U8, 5, 4).as_slice(), &[1, 2, 3, 4]].concat())
+        .await
+        .unwrap();
+    let mut buf = Tensor::zeros(DType::U8, [4]).unwrap();
+    tokio::time::timeout(DETECT, a.recv(Rank(1), Tag(5), &mut buf))
+        .await
+        .expect("the next message")
+        .unwrap();
+    assert_eq!(buf.as_slice::<u8>().unwrap(), &[1, 2, 3, 4]);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_that_goes_away_fails_pending_operations() {
     let comms = mesh("departure", 3).await;
