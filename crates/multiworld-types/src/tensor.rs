@@ -1,7 +1,7 @@
 //! Host tensors: a [`DType`] (with its stable wire code, size and name), a shape, and
 //! contiguous typed storage. A [`Tensor`] is built from a `Vec<T>` without copying
-//! and viewed as `&[T]`, `&mut [T]` or bytes without copying (through `bytemuck`, as
-//! `unsafe` is denied in this workspace). `bool` is stored as bytes that are always
+//! and viewed as `&[T]`, `&mut [T]` or bytes without copying (through `bytemuck`: this module
+//! has no `unsafe`; the crate's only `unsafe`, an `madvise` call, is in `huge_pages`). `bool` is stored as bytes that are always
 //! 0 or 1: bytes received from the network are validated before a `bool` tensor is
 //! handed back, so a `&[bool]` view never sees an invalid value. [`TensorView`] is
 //! a borrowed, read-only view of any tensor or slice, which is what sends take.
@@ -604,6 +604,20 @@ impl fmt::Debug for Tensor {
     }
 }
 
+/// The byte size of `n` elements of `dtype` (shape `shape`, for the
+/// message): refused above what one allocation can hold (`isize::MAX` less
+/// the alignment slack of [`AlignedBytes`]), where allocating would panic.
+fn byte_size(dtype: DType, shape: &[usize], n: usize) -> Result<usize> {
+    const MAX_BYTES: usize = isize::MAX as usize - ALIGNMENT;
+    n.checked_mul(dtype.size())
+        .filter(|&b| b <= MAX_BYTES)
+        .ok_or_else(|| {
+            Error::new(format!(
+                "shape {shape:?} of {dtype} is larger than any allocation"
+            ))
+        })
+}
+
 fn numel_of(shape: &[usize]) -> Result<usize> {
     shape
         .iter()
@@ -636,8 +650,7 @@ impl Tensor {
     pub fn zeros(dtype: DType, shape: impl Into<Vec<usize>>) -> Result<Self> {
         let shape = shape.into();
         let n = numel_of(&shape)?;
-        n.checked_mul(dtype.size())
-            .ok_or_else(|| Error::new(format!("shape {shape:?} overflows usize bytes")))?;
+        byte_size(dtype, &shape, n)?;
         Ok(Tensor {
             shape,
             storage: Storage::zeros(dtype, n),
@@ -647,15 +660,17 @@ impl Tensor {
     /// A tensor copied from raw little-endian bytes (this copies). Fails if the byte
     /// count does not fit the shape, or if a `bool` byte is not 0 or 1.
     pub fn from_bytes(dtype: DType, shape: impl Into<Vec<usize>>, bytes: &[u8]) -> Result<Self> {
-        let mut t = Tensor::zeros(dtype, shape)?;
-        if t.nbytes() != bytes.len() {
+        let shape = shape.into();
+        // Checked before anything is allocated: a wrong shape must not
+        // allocate what it claims.
+        let want = byte_size(dtype, &shape, numel_of(&shape)?)?;
+        if want != bytes.len() {
             return Err(Error::new(format!(
-                "{} bytes do not fit {:?} of {dtype} ({} bytes)",
+                "{} bytes do not fit {shape:?} of {dtype} ({want} bytes)",
                 bytes.len(),
-                t.shape,
-                t.nbytes()
             )));
         }
+        let mut t = Tensor::zeros(dtype, shape)?;
         if dtype == DType::Bool && !valid_bool_bytes(bytes) {
             return Err(Error::new("bool bytes must be 0 or 1"));
         }
@@ -849,6 +864,11 @@ impl Tensor {
 }
 
 fn wrong_type(have: DType, wanted: DType) -> Error {
+    if have == wanted {
+        // Only a bool view fails on its own dtype: a byte written through
+        // `bytes_mut` that is not 0 or 1.
+        return Error::new(format!("{have} tensor holds a byte other than 0 or 1"));
+    }
     Error::new(format!("tensor holds {have}, not {wanted}"))
 }
 
@@ -935,6 +955,29 @@ mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
 
+    /// Sizes no allocation can hold are errors, never a panic; a byte count
+    /// that does not fit the shape is refused before anything is allocated.
+    #[test]
+    fn impossible_sizes_are_errors_not_panics() {
+        for (dtype, n) in [
+            (DType::U8, isize::MAX as usize),
+            (DType::U8, usize::MAX),
+            (DType::F64, usize::MAX / 8),
+            (DType::F32, isize::MAX as usize / 4 + 1),
+        ] {
+            let e = Tensor::zeros(dtype, [n]).unwrap_err();
+            assert!(e.to_string().contains("larger than any allocation"), "{e}");
+        }
+        let e = Tensor::zeros(DType::U16, [1 << 40, 1 << 40]).unwrap_err();
+        assert!(e.to_string().contains("overflows"), "{e}");
+        // A claimed 1 TiB with four bytes in hand: refused without allocating.
+        let e = Tensor::from_bytes(DType::U8, [1usize << 40], &[0; 4]).unwrap_err();
+        assert!(e.to_string().contains("4 bytes do not fit"), "{e}");
+        assert!(Tensor::from_bytes(DType::U8, [isize::MAX as usize], &[0; 4]).is_err());
+        let t = Tensor::from_bytes(DType::U16, [2], &[1, 0, 2, 0]).unwrap();
+        assert_eq!(t.as_slice::<u16>().unwrap(), &[1, 2]);
+    }
+
     #[test]
     fn dtype_codes_roundtrip_and_are_unique() {
         let mut seen = std::collections::HashSet::new();
@@ -982,6 +1025,16 @@ mod tests {
         check_zero_copy(vec![1u32, 2]);
         check_zero_copy(vec![1u64, 2]);
         check_zero_copy(vec![true, false, true]);
+    }
+
+    #[test]
+    fn a_bool_view_of_bytes_other_than_0_or_1_says_so() {
+        let mut t = Tensor::zeros(DType::Bool, [3]).unwrap();
+        t.bytes_mut()[1] = 2;
+        let e = t.as_slice::<bool>().unwrap_err().to_string();
+        assert!(e.contains("other than 0 or 1") && !e.contains("not bool"), "{e}");
+        let e = t.as_mut_slice::<bool>().unwrap_err().to_string();
+        assert!(e.contains("other than 0 or 1"), "{e}");
     }
 
     #[test]
