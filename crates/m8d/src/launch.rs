@@ -8,11 +8,13 @@
 //! rank fails, the others of this node are asked to stop (SIGTERM, then
 //! SIGKILL after a grace period) and the launcher exits with the first
 //! failing rank's exit code; the ranks on other nodes see their world break
-//! and fail in turn, which ends their launchers. Ctrl-C (SIGINT) and SIGTERM
-//! sent to the launcher are forwarded to every rank's process group (each
-//! rank leads its own, so nothing else reaches them); the launcher then
-//! exits with 130 or 143 (128 + the signal), whatever the ranks' own codes,
-//! after the same grace period and SIGKILL as above.
+//! and fail in turn, which ends their launchers. Ctrl-C (SIGINT), SIGTERM,
+//! SIGHUP and SIGQUIT sent to the launcher are forwarded to every rank's
+//! process group (each rank leads its own, so nothing else reaches them);
+//! the launcher then exits with 128 + the signal (130, 143, 129, 131),
+//! whatever the ranks' own codes, after the same grace period and SIGKILL as
+//! above. The grace period and SIGKILL cover everything in the ranks' process
+//! groups, also what outlives its rank.
 //!
 //! The pure part ([`Nodes`]: the rank arithmetic, the checks, every rank's
 //! environment) is apart from the driver that starts the processes
@@ -178,14 +180,29 @@ fn free_port(addr: &str) -> anyhow::Result<u16> {
     Ok(listener.local_addr()?.port())
 }
 
+/// Prints every line of a rank's output with its prefix. Bytes that are not
+/// UTF-8 are printed as U+FFFD, and the pipe is read to its end whatever
+/// happens to the launcher's own output (closed, full disk): a rank is
+/// never cut off from its output, which would kill it with SIGPIPE.
 async fn forward_lines(rank: u32, stream: impl AsyncRead + Unpin, to_stderr: bool) {
-    let mut lines = BufReader::new(stream).lines();
-    while let Ok(Some(line)) = lines.next_line().await {
-        if to_stderr {
-            eprintln!("[rank {rank}] {line}");
-        } else {
-            println!("[rank {rank}] {line}");
+    use std::io::Write;
+    let mut stream = BufReader::new(stream);
+    let mut line = Vec::new();
+    loop {
+        line.clear();
+        match stream.read_until(b'\n', &mut line).await {
+            Ok(0) => return,
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(_) => return,
         }
+        let text = String::from_utf8_lossy(line.strip_suffix(b"\n").unwrap_or(&line));
+        let text = text.strip_suffix('\r').unwrap_or(&text);
+        let _ = if to_stderr {
+            writeln!(std::io::stderr().lock(), "[rank {rank}] {text}")
+        } else {
+            writeln!(std::io::stdout().lock(), "[rank {rank}] {text}")
+        };
     }
 }
 
@@ -198,11 +215,13 @@ pub async fn launch(config: LaunchConfig) -> anyhow::Result<LaunchOutcome> {
 /// Runs this node's ranks to completion: `config.nproc` of them, numbered
 /// and given their environment by `nodes` ([`Nodes::rank_env`]).
 ///
-/// From the first call on, this process handles SIGINT and SIGTERM itself
-/// (forwarding them to the ranks while they run): the handlers are
-/// installed before any rank starts, so a signal can never end the launcher
-/// and leave its ranks running, and, as with any tokio signal handler, they
-/// stay installed for the rest of the process's life.
+/// From the first call on, this process handles SIGINT, SIGTERM, SIGHUP and
+/// SIGQUIT itself (forwarding them to the ranks while they run): the
+/// handlers are installed before any rank starts, so none of these signals
+/// can end the launcher and leave its ranks running, and, as with any tokio
+/// signal handler, they stay installed for the rest of the process's life.
+/// SIGKILL cannot be handled: a launcher killed by it leaves its ranks
+/// running (they get SIGPIPE at their next line of output).
 pub async fn launch_nodes(config: LaunchConfig, nodes: Nodes) -> anyhow::Result<LaunchOutcome> {
     nodes.check(config.nproc, config.master_port)?;
     let port = match config.master_port {
@@ -211,6 +230,8 @@ pub async fn launch_nodes(config: LaunchConfig, nodes: Nodes) -> anyhow::Result<
     };
     let mut sigint = signal(SignalKind::interrupt()).context("handling SIGINT")?;
     let mut sigterm = signal(SignalKind::terminate()).context("handling SIGTERM")?;
+    let mut sighup = signal(SignalKind::hangup()).context("handling SIGHUP")?;
+    let mut sigquit = signal(SignalKind::quit()).context("handling SIGQUIT")?;
     let (exit_tx, mut exit_rx) = mpsc::unbounded_channel::<(u32, ExitStatus)>();
     let mut children: Vec<Child> = Vec::new();
     let mut printers = Vec::new();
@@ -258,17 +279,26 @@ pub async fn launch_nodes(config: LaunchConfig, nodes: Nodes) -> anyhow::Result<
     };
     let mut finished = 0u32;
     let mut stopping = false;
-    let signal_pids = |sig: Signal| {
-        for pid in &pids {
-            if let Ok(pid) = i32::try_from(*pid) {
-                // The negative pid addresses the rank's process group.
-                let _ = kill(Pid::from_raw(-pid), sig);
+    // The ranks' process groups (each rank leads its own), until seen empty:
+    // an empty group's number may be reused, so it is never signalled again.
+    let mut groups: Vec<Option<Pid>> = pids
+        .iter()
+        .map(|&pid| i32::try_from(pid).ok().map(Pid::from_raw))
+        .collect();
+    let signal_pids = |groups: &mut Vec<Option<Pid>>, sig: Option<Signal>| {
+        for g in groups.iter_mut() {
+            if let Some(pgid) = *g {
+                // The negative pid addresses the whole process group.
+                if kill(Pid::from_raw(-pgid.as_raw()), sig) == Err(nix::errno::Errno::ESRCH) {
+                    *g = None;
+                }
             }
         }
     };
     let grace = tokio::time::sleep(Duration::MAX);
     tokio::pin!(grace);
     let mut interrupted = false;
+    let mut killed = false;
     while finished < config.nproc {
         tokio::select! {
             exit = exit_rx.recv() => {
@@ -281,7 +311,7 @@ pub async fn launch_nodes(config: LaunchConfig, nodes: Nodes) -> anyhow::Result<
                 }
                 if outcome.first_failure.is_some() && !stopping && finished < config.nproc {
                     stopping = true;
-                    signal_pids(Signal::SIGTERM);
+                    signal_pids(&mut groups, Some(Signal::SIGTERM));
                     grace.as_mut().reset(tokio::time::Instant::now() + config.grace);
                 }
             }
@@ -289,25 +319,57 @@ pub async fn launch_nodes(config: LaunchConfig, nodes: Nodes) -> anyhow::Result<
                 interrupted = true;
                 outcome.code = 128 + Signal::SIGINT as i32;
                 eprintln!("m8d launch: interrupted; forwarding to every rank");
-                signal_pids(Signal::SIGINT);
+                signal_pids(&mut groups, Some(Signal::SIGINT));
                 grace.as_mut().reset(tokio::time::Instant::now() + config.grace);
             }
-            _ = sigterm.recv(), if !interrupted => {
+            sig = async {
+                tokio::select! {
+                    _ = sigterm.recv() => Signal::SIGTERM,
+                    _ = sighup.recv() => Signal::SIGHUP,
+                    _ = sigquit.recv() => Signal::SIGQUIT,
+                }
+            }, if !interrupted => {
                 interrupted = true;
-                outcome.code = 128 + Signal::SIGTERM as i32;
-                eprintln!("m8d launch: terminated (SIGTERM); forwarding to every rank");
-                signal_pids(Signal::SIGTERM);
+                outcome.code = 128 + sig as i32;
+                eprintln!("m8d launch: terminated ({sig}); forwarding to every rank");
+                signal_pids(&mut groups, Some(sig));
                 grace.as_mut().reset(tokio::time::Instant::now() + config.grace);
             }
             _ = &mut grace => {
+                killed = true;
                 eprintln!("m8d launch: ranks still running after {:?}; killing them", config.grace);
-                signal_pids(Signal::SIGKILL);
+                signal_pids(&mut groups, Some(Signal::SIGKILL));
                 grace.as_mut().reset(tokio::time::Instant::now() + Duration::from_secs(3600));
             }
         }
     }
     for w in waiters {
         let _ = w.await;
+    }
+    if stopping || interrupted {
+        // The ranks are gone, but what they started may not be (a child that
+        // ignores the signal, or a shell's background job, which ignores
+        // SIGINT): it gets the rest of the grace period, then SIGKILL.
+        let deadline = if killed {
+            tokio::time::Instant::now()
+        } else {
+            grace.deadline()
+        };
+        loop {
+            signal_pids(&mut groups, None);
+            if groups.iter().all(Option::is_none) {
+                break;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                eprintln!(
+                    "m8d launch: processes the ranks started still run after {:?}; killing them",
+                    config.grace
+                );
+                signal_pids(&mut groups, Some(Signal::SIGKILL));
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
     // Output still buffered is printed; a grandchild that outlived its rank
     // and holds the pipe open is not waited for.

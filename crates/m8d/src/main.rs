@@ -48,8 +48,8 @@ enum Command {
     /// (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,
     /// MASTER_ADDR, MASTER_PORT); across machines, one launcher per node with
     /// --nnodes, --node-rank and --master-port. Exit with the first failing
-    /// rank's code. Ctrl-C and SIGTERM are forwarded to every rank (exit 130 /
-    /// 143).
+    /// rank's code. Ctrl-C, SIGTERM, SIGHUP and SIGQUIT are forwarded to every
+    /// rank (exit 128 + the signal: 130, 143, 129, 131).
     Launch(LaunchArgs),
     /// Run a standalone store server that hosts the stores of many worlds.
     Store(store::StoreArgs),
@@ -96,7 +96,7 @@ struct LaunchArgs {
     master_addr: String,
     /// MASTER_PORT for every rank (default on a single node: a free port;
     /// required with more than one node).
-    #[arg(long, alias = "master_port")]
+    #[arg(long, alias = "master_port", value_parser = clap::value_parser!(u16).range(1..))]
     master_port: Option<u16>,
     /// The address of this node that its ranks listen on and publish to the
     /// others (MULTIWORLD_LISTEN_HOST). Default: each rank uses the address
@@ -104,8 +104,8 @@ struct LaunchArgs {
     /// several networks.
     #[arg(long, value_name = "IP")]
     node_addr: Option<std::net::IpAddr>,
-    /// Seconds ranks get to stop, once asked (SIGTERM after a rank failed,
-    /// or the forwarded Ctrl-C / SIGTERM), before SIGKILL.
+    /// Seconds ranks (and what they started) get to stop, once asked
+    /// (SIGTERM after a rank failed, or a forwarded signal), before SIGKILL.
     #[arg(long, value_parser = args::seconds, allow_negative_numbers = true, default_value = "5")]
     grace: std::time::Duration,
     /// The program and its arguments (after `--`).

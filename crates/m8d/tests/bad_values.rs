@@ -71,6 +71,11 @@ fn durations_out_of_range_are_usage_errors() {
         "negative",
     );
     refused(
+        &["launch", "--nproc", "2", "--master-port", "0", "--", "true"],
+        "--master-port",
+        "0 is not in 1..=65535",
+    );
+    refused(
         &["bench", "worlds", "--seconds", "1e300"],
         "--seconds",
         "too long",

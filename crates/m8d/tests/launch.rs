@@ -1,6 +1,7 @@
-//! `m8d launch`: the launcher environment, per-rank output prefixes, the
-//! first failing rank's exit code, and Ctrl-C and SIGTERM forwarded to every
-//! rank (and everything it started).
+//! `m8d launch`: the launcher environment, per-rank output prefixes (also of
+//! output that is not UTF-8), the first failing rank's exit code, and
+//! Ctrl-C, SIGTERM and SIGHUP forwarded to every rank (and everything it
+//! started, which is killed after the grace period if it outlives its rank).
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
 use std::{
@@ -51,6 +52,34 @@ fn the_first_failing_rank_decides_the_exit_code_and_stops_the_others() {
     assert!(
         started.elapsed() < Duration::from_secs(20),
         "the other ranks were not stopped"
+    );
+}
+
+/// A rank whose output is not UTF-8 keeps running and printing: its lines
+/// come through with U+FFFD for the bytes, and nothing is cut off.
+#[test]
+fn output_that_is_not_utf8_is_printed_and_the_rank_is_not_cut_off() {
+    // About 110 KB after the bad line: more than a pipe holds, so a launcher
+    // that stopped reading would kill the rank with SIGPIPE.
+    let out = process::run(
+        Command::new(M8D)
+            .args(["launch", "--nproc", "1", "--"])
+            .args([
+                "sh",
+                "-c",
+                r#"printf 'bad \377 byte\n'; printf 'err \376\n' >&2; i=0; while [ $i -lt 20000 ]; do echo $i; i=$((i+1)); done; echo done"#,
+            ]),
+    );
+    assert!(out.success(), "{:?} {}", out.status, out.stderr);
+    assert!(
+        out.stdout.contains("[rank 0] bad \u{fffd} byte"),
+        "{}",
+        &out.stdout[..200.min(out.stdout.len())]
+    );
+    assert!(out.stderr.contains("[rank 0] err \u{fffd}"), "{}", out.stderr);
+    assert!(
+        out.stdout.contains("[rank 0] 19999\n[rank 0] done"),
+        "the output was cut off"
     );
 }
 
@@ -142,6 +171,61 @@ fn sigterm_is_forwarded_to_every_rank_and_what_it_started() {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// Reads the "pids" lines of both ranks (each rank's shell and the
+/// background job it started).
+fn pids_of(rx: &mpsc::Receiver<String>, lines: &mut Vec<String>) -> Vec<i32> {
+    wait_for_lines(rx, lines, "pids ", 2);
+    let pids: Vec<i32> = lines
+        .iter()
+        .filter_map(|l| l.split_once("pids "))
+        .flat_map(|(_, p)| p.split_whitespace().map(|p| p.parse::<i32>().unwrap()))
+        .collect();
+    assert_eq!(pids.len(), 4, "{lines:?}");
+    pids
+}
+
+/// Polls until every pid is gone, failing after `within`.
+fn all_gone(pids: &[i32], within: Duration, what: &str) {
+    let deadline = Instant::now() + within;
+    while !pids.iter().all(|&p| gone(p)) {
+        assert!(
+            Instant::now() < deadline,
+            "{what}: still running: {:?} of {pids:?}",
+            pids.iter().filter(|&&p| !gone(p)).collect::<Vec<_>>()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Ctrl-C ends each rank's shell, but its background job ignores SIGINT (a
+/// shell starts `&` jobs so): the launcher kills it once the grace period
+/// (5 s) is over, instead of leaving it running.
+#[test]
+fn what_a_rank_started_and_outlives_it_is_killed_after_the_grace_period() {
+    let (mut launcher, rx) = launch_two("sleep 300 & echo pids $$ $!; wait");
+    let mut lines = Vec::new();
+    let pids = pids_of(&rx, &mut lines);
+    let _cleanup = KillOnPanic(pids.clone());
+    launcher.signal(Signal::SIGINT);
+    let status = launcher.wait_within(process::DEADLINE, || format!("{lines:?}"));
+    assert_eq!(status.code(), Some(130), "{lines:?}");
+    // The launcher exits only once its ranks' process groups are empty.
+    all_gone(&pids, Duration::from_secs(10), "after the launcher exited");
+}
+
+/// A hangup (the terminal or ssh session gone) is forwarded like SIGTERM.
+#[test]
+fn sighup_is_forwarded_to_every_rank() {
+    let (mut launcher, rx) = launch_two("sleep 300 & echo pids $$ $!; wait");
+    let mut lines = Vec::new();
+    let pids = pids_of(&rx, &mut lines);
+    let _cleanup = KillOnPanic(pids.clone());
+    launcher.signal(Signal::SIGHUP);
+    let status = launcher.wait_within(process::DEADLINE, || format!("{lines:?}"));
+    assert_eq!(status.code(), Some(129), "{lines:?}");
+    all_gone(&pids, Duration::from_secs(30), "after the launcher exited");
 }
 
 /// The deadline every test here (and in demo.rs, bench_plots.rs,
