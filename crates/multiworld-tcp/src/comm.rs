@@ -1616,7 +1616,12 @@ impl Inner {
     }
 
     /// Reads frames from one peer until the connection ends.
-    async fn read_loop(&self, peer: &Peer, reading: &mut Option<Link>, slot: &mut Option<Posted>) -> ReadEnd {
+    async fn read_loop(
+        self: &Arc<Self>,
+        peer: &Peer,
+        reading: &mut Option<Link>,
+        slot: &mut Option<Posted>,
+    ) -> ReadEnd {
         let mut hb = [0u8; HEADER_LEN];
         loop {
             let Some(link) = reading.as_mut() else {
@@ -1658,7 +1663,7 @@ impl Inner {
     /// it: [`Inner::read_parked`]); this goes on from where that call left
     /// the link.
     async fn on_data(
-        &self,
+        self: &Arc<Self>,
         peer: &Peer,
         reading: &mut Option<Link>,
         slot: &mut Option<Posted>,
@@ -1823,9 +1828,7 @@ impl Inner {
                     }) {
                         // Cancelled while arriving: keep it for the next receive
                         // (a copy if the buffer was lent: the loan ends here).
-                        let arrival = done.arrival;
-                        let buf = owned_off_runtime(peer, done.buf).await?;
-                        self.deliver(from, tag, dtype, StashData::Tensor(buf), false, Some(arrival));
+                        self.redeliver(peer, from, tag, dtype, done).await?;
                     }
                 }
             }
@@ -1846,25 +1849,49 @@ impl Inner {
     }
 }
 
-/// `buf` as a tensor that owns its data: itself, or for lent memory a copy.
-/// The copy can be hundreds of MiB, so it is made on a blocking-pool thread:
-/// the reader calling this does not hold a runtime thread (and whatever waits
-/// behind it there: other worlds' readers, heartbeats, watchdogs) that long.
-/// Meanwhile nothing is read from `peer`, by our choice, so the peer counts as
-/// heard (as while the reader holds back); otherwise a copy longer than the
-/// heartbeat timeout (a busy machine) would break the world for a silent peer.
-async fn owned_off_runtime(peer: &Peer, buf: Tensor) -> std::result::Result<Tensor, String> {
-    if !buf.is_external() {
-        return Ok(buf);
-    }
-    let copy = tokio::task::spawn_blocking(move || buf.into_owned());
-    tokio::pin!(copy);
-    loop {
-        tokio::select! {
-            r = &mut copy => {
-                return r.map_err(|e| format!("internal: keeping a cancelled receive's message: {e}"));
+/// Messages from this many bytes on that a reader hands to the next receive
+/// ([`Inner::redeliver`]) are handed over on a blocking-pool thread.
+const REDELIVER_OFF_RUNTIME_FROM: usize = 1 << 20;
+
+impl Inner {
+    /// Hands a message that was read whole into a receive that was cancelled
+    /// meanwhile (`done`) to the next matching receive, or keeps it: for
+    /// lent memory, a copy (the loan ends here). Either step can copy the
+    /// whole message (into an owned tensor, or into the next receive's lent
+    /// memory), which can be hundreds of MiB, so a large message is handed
+    /// over on a blocking-pool thread: the reader calling this does not hold
+    /// a runtime thread (and whatever waits behind it there: other worlds'
+    /// readers, heartbeats, watchdogs) that long. Meanwhile nothing is read
+    /// from `peer`, by our choice, so the peer counts as heard (as while the
+    /// reader holds back); otherwise a copy longer than the heartbeat timeout
+    /// (a busy machine) would break the world for a silent peer.
+    async fn redeliver(
+        self: &Arc<Self>,
+        peer: &Peer,
+        from: Rank,
+        tag: Tag,
+        dtype: DType,
+        done: RecvDone,
+    ) -> std::result::Result<(), String> {
+        let RecvDone { buf, arrival, .. } = done;
+        if buf.nbytes() < REDELIVER_OFF_RUNTIME_FROM {
+            let buf = StashData::Tensor(buf.into_owned());
+            self.deliver(from, tag, dtype, buf, false, Some(arrival));
+            return Ok(());
+        }
+        let inner = Arc::clone(self);
+        let hand_over = tokio::task::spawn_blocking(move || {
+            let buf = StashData::Tensor(buf.into_owned());
+            inner.deliver(from, tag, dtype, buf, false, Some(arrival));
+        });
+        tokio::pin!(hand_over);
+        loop {
+            tokio::select! {
+                r = &mut hand_over => {
+                    return r.map_err(|e| format!("internal: keeping a cancelled receive's message: {e}"));
+                }
+                _ = tokio::time::sleep(CLOSED_POLL) => peer.counters.heard(),
             }
-            _ = tokio::time::sleep(CLOSED_POLL) => peer.counters.heard(),
         }
     }
 }

@@ -358,6 +358,70 @@ async fn a_mismatch_is_reported_before_its_payload_is_skipped() {
     assert_eq!(buf.as_slice::<u8>().unwrap(), &[1, 2, 3, 4]);
 }
 
+/// Lent memory that records which threads write it.
+struct Watched {
+    mem: Vec<u8>,
+    writers: Arc<std::sync::Mutex<Vec<std::thread::ThreadId>>>,
+}
+
+impl multiworld_types::ExternalMemory for Watched {
+    fn bytes(&self) -> &[u8] {
+        &self.mem
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        self.writers.lock().unwrap().push(std::thread::current().id());
+        &mut self.mem
+    }
+}
+
+/// A large message read whole into a receive that was cancelled while it
+/// arrived goes to the next receive; when that one's memory is lent, the
+/// copy into it is made off the runtime's threads (here the runtime is the
+/// test's one thread), so other worlds' readers and heartbeats on that
+/// thread do not wait for it.
+#[tokio::test]
+async fn a_large_message_handed_to_the_next_receive_is_copied_off_the_runtime() {
+    let runtime_thread = std::thread::current().id();
+    let (a, mut s) = forged_pair("off-runtime").await;
+    const N: usize = 4 << 20;
+    let first = a.irecv(Rank(1), Tag(7), Tensor::zeros(DType::U8, [N]).unwrap());
+    let payload: Vec<u8> = (0..N).map(|i| (i % 251) as u8).collect();
+    s.write_all(&data_header(0, 1, DType::U8, 7, N as u64))
+        .await
+        .unwrap();
+    s.write_all(&payload[..64 << 10]).await.unwrap();
+    // The reader has begun to read it into the first receive.
+    let t0 = Instant::now();
+    while a.peer_stats(Rank(1)).unwrap().bytes_received < (64 << 10) {
+        assert!(t0.elapsed() < DETECT, "the reader never read the start");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let writers = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let lent = Tensor::from_external(
+        DType::U8,
+        [N],
+        Box::new(Watched {
+            mem: vec![0; N],
+            writers: Arc::clone(&writers),
+        }),
+    )
+    .unwrap();
+    let second = a.irecv(Rank(1), Tag(7), lent);
+    drop(first);
+    s.write_all(&payload[64 << 10..]).await.unwrap();
+    let got = tokio::time::timeout(DETECT, second)
+        .await
+        .expect("the message")
+        .unwrap();
+    assert_eq!(got.tensor.as_bytes(), &payload[..]);
+    let writers = writers.lock().unwrap();
+    assert!(!writers.is_empty(), "the lent memory was never written");
+    assert!(
+        writers.iter().all(|&t| t != runtime_thread),
+        "the copy into lent memory ran on the runtime's thread"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_that_goes_away_fails_pending_operations() {
     let comms = mesh("departure", 3).await;
