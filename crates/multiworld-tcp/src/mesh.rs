@@ -209,6 +209,17 @@ struct AcceptCtx {
 }
 
 impl AcceptCtx {
+    /// Gives back a claim whose connection never came to be.
+    fn unclaim(&self, rank: Rank) {
+        let mut c = match self.claimed.lock() {
+            Ok(c) => c,
+            Err(p) => p.into_inner(),
+        };
+        if let Some(slot) = c.get_mut(rank.index()) {
+            *slot = false;
+        }
+    }
+
     fn claim(&self, rank: Rank) -> bool {
         let mut c = match self.claimed.lock() {
             Ok(c) => c,
@@ -318,9 +329,12 @@ impl AcceptCtx {
             )
             .into());
         }
-        s.write_all(&[MSG_ACCEPT])
-            .await
-            .map_err(|e| io_refusal("writing accept", &e))?;
+        if let Err(e) = s.write_all(&[MSG_ACCEPT]).await {
+            // The rank never learned it was accepted and will try again:
+            // its next attempt must not be refused as a duplicate.
+            self.unclaim(hello.from);
+            return Err(io_refusal("writing accept", &e));
+        }
         Ok(hello.from)
     }
 
