@@ -820,9 +820,24 @@ impl Communicator {
     ///
     /// Bounded: a peer that does not answer within [`CLOSE_LIMIT`] (frozen,
     /// or a send of ours still stuck on its full socket) is cut off with a
-    /// reset, as [`Communicator::abort`] does.
+    /// reset, as [`Communicator::abort`] does. A close whose future is dropped
+    /// before it ends aborts at once (the goodbyes that did not finish
+    /// become resets).
     pub async fn close(&self) {
+        /// Aborts the communicator if the close is dropped part-way: its
+        /// operations already fail as closed, and nothing else would end
+        /// its tasks and sockets.
+        struct AbortIfDropped<'a>(Option<&'a Inner>);
+        impl Drop for AbortIfDropped<'_> {
+            fn drop(&mut self) {
+                if let Some(inner) = self.0.take() {
+                    inner.cut_off.store(true, Ordering::Relaxed);
+                    inner.abort_with("closed (the close was cancelled before it ended)");
+                }
+            }
+        }
         let inner = &self.inner;
+        let mut guard = AbortIfDropped(Some(inner));
         inner.closing.store(true, Ordering::Relaxed);
         let farewells = inner.peers.iter().flatten().map(|peer| inner.farewell(peer));
         if tokio::time::timeout(CLOSE_LIMIT, futures::future::join_all(farewells))
@@ -832,6 +847,7 @@ impl Communicator {
             // Whoever has not answered gets the abortive close.
             inner.cut_off.store(true, Ordering::Relaxed);
         }
+        guard.0 = None;
         inner.abort_with("closed");
         inner.tracker.wait().await;
     }

@@ -190,3 +190,22 @@ async fn operations_started_once_the_close_has_begun_fail_as_closed() {
     );
     assert!(cause_seen(&b, Rank(0)).await.contains("orderly"));
 }
+
+/// A close whose future is dropped before it ends (a timeout around it, a
+/// `select!` that lost) aborts the communicator: its tasks end and
+/// `wait_closed` returns, instead of a communicator that refuses every
+/// operation as closed while its sockets and tasks stay up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_close_dropped_part_way_aborts() {
+    let (a, b) = pair("close-dropped").await;
+    {
+        let mut close = Box::pin(a.close());
+        assert!(futures::poll!(&mut close).is_pending());
+    }
+    assert!(a.is_aborted(), "the dropped close left the communicator up");
+    tokio::time::timeout(BOUND, a.wait_closed())
+        .await
+        .expect("the tasks of a communicator whose close was dropped never ended");
+    // The peer sees it go (a goodbye or a reset, either way promptly).
+    cause_seen(&b, Rank(0)).await;
+}
