@@ -802,6 +802,34 @@ async fn connect_peer(
 
 /// Binds, publishes, connects and accepts until every peer is connected or the
 /// join deadline passes. The accept loop it starts keeps running under `token`.
+/// A rendezvous call of the join (`what` it waits for), ended by the join's
+/// deadline (`left` from now: `Timeout { op: "join" }`) or its cancellation
+/// token. A lookup that the store itself times out stays
+/// `Rendezvous(Timeout)`, which names the key nobody published.
+async fn bounded_rdv<T>(
+    what: String,
+    call: impl Future<Output = std::result::Result<T, crate::rendezvous::RendezvousError>>,
+    left: Duration,
+    token: &CancellationToken,
+    join_timeout: Duration,
+) -> Result<T> {
+    let timed_out = || {
+        warn!(%what, after = ?join_timeout, "join timed out waiting for the rendezvous store");
+        Error::Timeout {
+            op: "join",
+            after: join_timeout,
+        }
+    };
+    tokio::select! {
+        _ = token.cancelled() => Err(Error::Aborted { reason: Arc::from("join cancelled") }),
+        r = tokio::time::timeout(left, call) => match r {
+            Err(_) => Err(timed_out()),
+            Ok(Err(e)) => Err(e.into()),
+            Ok(Ok(v)) => Ok(v),
+        },
+    }
+}
+
 pub(crate) async fn build(
     cfg: &CommConfig,
     rdv: &dyn Rendezvous,
@@ -861,9 +889,15 @@ pub(crate) async fn build(
         op: "join",
         after: cfg.join_timeout,
     };
-    rdv.set(
-        &addr_key(&cfg.world, cfg.generation, cfg.rank),
-        publish.to_string().into_bytes(),
+    // The store's calls are bounded by the join's deadline and end with its
+    // token, like the rest of the join.
+    let mine = addr_key(&cfg.world, cfg.generation, cfg.rank);
+    bounded_rdv(
+        format!("publishing this rank's address ({mine})"),
+        rdv.set(&mine, publish.to_string().into_bytes()),
+        deadline.saturating_duration_since(Instant::now()),
+        token,
+        cfg.join_timeout,
     )
     .await?;
 
@@ -872,7 +906,9 @@ pub(crate) async fn build(
     for p in 0..cfg.rank.0 {
         let p = Rank(p);
         let left = deadline.saturating_duration_since(Instant::now());
-        let raw = rdv.get(&addr_key(&cfg.world, cfg.generation, p), left).await?;
+        let key = addr_key(&cfg.world, cfg.generation, p);
+        let what = format!("rank {p}'s address ({key})");
+        let raw = bounded_rdv(what, rdv.get(&key, left), left, token, cfg.join_timeout).await?;
         let addr: SocketAddr = std::str::from_utf8(&raw)
             .ok()
             .and_then(|s| s.parse().ok())

@@ -593,6 +593,54 @@ async fn joins_that_must_fail() {
     assert_eq!(solo.size(), 1);
 }
 
+/// A store that never answers (a hung server, a dead link with no reset).
+struct HungStore;
+
+impl Rendezvous for HungStore {
+    fn set<'a>(
+        &'a self,
+        _key: &'a str,
+        _value: Vec<u8>,
+    ) -> futures::future::BoxFuture<'a, Result<(), multiworld_tcp::RendezvousError>> {
+        Box::pin(futures::future::pending())
+    }
+    fn get<'a>(
+        &'a self,
+        _key: &'a str,
+        _timeout: Duration,
+    ) -> futures::future::BoxFuture<'a, Result<Vec<u8>, multiworld_tcp::RendezvousError>> {
+        Box::pin(futures::future::pending())
+    }
+}
+
+/// The join's store calls are bounded like the rest of the join: a store
+/// that never answers fails it at `join_timeout` with `Timeout { op: "join" }`,
+/// and cancelling the join's token ends it at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_that_never_answers_fails_the_join_at_its_deadline() {
+    let mut c = config("hung-store", 1, 2);
+    c.join_timeout = Duration::from_millis(200);
+    let e = tokio::time::timeout(DETECT, Communicator::join(c, &HungStore))
+        .await
+        .expect("the join waited on the store past its deadline")
+        .unwrap_err();
+    assert!(matches!(e, Error::Timeout { op: "join", .. }), "{e}");
+
+    let token = tokio_util::sync::CancellationToken::new();
+    let join = tokio::spawn({
+        let token = token.clone();
+        async move { Communicator::join_with_token(config("hung-store-2", 0, 2), &HungStore, token).await }
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    token.cancel();
+    let e = tokio::time::timeout(DETECT, join)
+        .await
+        .expect("cancelling the token did not end the join")
+        .unwrap()
+        .unwrap_err();
+    assert!(matches!(e, Error::Aborted { .. }), "{e}");
+}
+
 /// Sends pending towards a peer that goes away (a big one stuck on a full
 /// socket because the peer never receives it, and one queued behind it)
 /// fail with `PeerLost` naming that peer, promptly, and the sender's
