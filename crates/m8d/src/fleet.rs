@@ -80,37 +80,53 @@ impl FleetConfig {
 
 /// A child process, killed and reaped when dropped.
 #[derive(Debug)]
-pub struct ChildProcess(Child);
+pub struct ChildProcess {
+    child: Child,
+    /// Set once the process has been reaped: its pid may then belong to
+    /// another process, so it is never signalled again.
+    reaped: bool,
+}
 
 impl ChildProcess {
     /// Takes ownership of a started child.
     pub fn new(child: Child) -> ChildProcess {
-        ChildProcess(child)
+        ChildProcess { child, reaped: false }
     }
 
-    /// Sends `sig` to the process.
+    /// Sends `sig` to the process; an error once it has been reaped.
     pub fn signal(&self, sig: Signal) -> anyhow::Result<()> {
-        let pid = i32::try_from(self.0.id()).context("pid out of range")?;
+        let pid = i32::try_from(self.child.id()).context("pid out of range")?;
+        if self.reaped {
+            bail!("worker {pid} has exited and been reaped; not sending {sig}");
+        }
         kill(Pid::from_raw(pid), sig).with_context(|| format!("sending {sig} to worker {pid}"))
     }
 
     /// SIGKILLs and reaps the process.
     pub fn kill(&mut self) -> anyhow::Result<()> {
-        self.0.kill()?;
-        self.0.wait()?;
+        if self.reaped {
+            return Ok(());
+        }
+        self.child.kill()?;
+        self.child.wait()?;
+        self.reaped = true;
         Ok(())
     }
 
-    /// Whether it has exited, and how.
+    /// Whether it has exited, and how (reaping it if so).
     pub fn try_wait(&mut self) -> anyhow::Result<Option<std::process::ExitStatus>> {
-        Ok(self.0.try_wait()?)
+        let status = self.child.try_wait()?;
+        self.reaped |= status.is_some();
+        Ok(status)
     }
 }
 
 impl Drop for ChildProcess {
     fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
+        if !self.reaped {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
     }
 }
 
@@ -202,7 +218,7 @@ impl Fleet {
             .stderr(stderr)
             .spawn()
             .with_context(|| format!("starting {} worker", self.config.exe.display()))?;
-        Ok(ChildProcess(child))
+        Ok(ChildProcess::new(child))
     }
 
     fn member(&self, name: String, process: ChildProcess, world: World) -> Member {
@@ -368,5 +384,33 @@ impl Fleet {
             exits.push(code);
         }
         exits
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    /// A reaped worker's pid may be another process's by now: it is never
+    /// signalled again, and killing it twice is harmless.
+    #[test]
+    fn a_reaped_worker_is_not_signalled() {
+        let child = Command::new("sleep").arg("30").spawn().unwrap();
+        let mut p = ChildProcess::new(child);
+        p.signal(Signal::SIGSTOP).unwrap();
+        p.signal(Signal::SIGCONT).unwrap();
+        p.kill().unwrap();
+        let e = p.signal(Signal::SIGSTOP).unwrap_err();
+        assert!(e.to_string().contains("reaped"), "{e}");
+        p.kill().unwrap();
+        let child = Command::new("true").spawn().unwrap();
+        let mut q = ChildProcess::new(child);
+        let start = Instant::now();
+        while q.try_wait().unwrap().is_none() {
+            assert!(start.elapsed() < Duration::from_secs(30));
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(q.signal(Signal::SIGCONT).is_err());
     }
 }
