@@ -237,7 +237,7 @@ pub async fn launch_nodes(config: LaunchConfig, nodes: Nodes) -> anyhow::Result<
     let mut printers = Vec::new();
     for local_rank in 0..config.nproc {
         let rank = nodes.rank(config.nproc, local_rank);
-        let mut child = Command::new(&config.program)
+        let child = Command::new(&config.program)
             .args(&config.args)
             .envs(nodes.rank_env(config.nproc, local_rank, &config.master_addr, port))
             .stdin(Stdio::null())
@@ -247,8 +247,22 @@ pub async fn launch_nodes(config: LaunchConfig, nodes: Nodes) -> anyhow::Result<
             // Each rank leads its own process group, so a signal reaches the
             // rank and everything it started (a shell's children too).
             .process_group(0)
-            .spawn()
-            .with_context(|| format!("starting rank {rank}: {:?}", config.program))?;
+            .spawn();
+        let mut child = match child {
+            Ok(c) => c,
+            Err(e) => {
+                // The ranks already started go, with what they started
+                // (their process groups), before the error is reported.
+                for c in &children {
+                    if let Some(pid) = c.id().and_then(|p| i32::try_from(p).ok()) {
+                        let _ = kill(Pid::from_raw(-pid), Signal::SIGKILL);
+                    }
+                }
+                return Err(
+                    anyhow::Error::new(e).context(format!("starting rank {rank}: {:?}", config.program))
+                );
+            }
+        };
         if let Some(out) = child.stdout.take() {
             printers.push(tokio::spawn(forward_lines(rank, out, false)));
         }
