@@ -250,7 +250,12 @@ struct Tree {
 
 /// How many times [`Group::new_group`] tries to agree on an id that no
 /// member has given to another group before it gives up.
-const ID_ATTEMPTS: usize = 8;
+const ID_ATTEMPTS: usize = 16;
+
+/// A proposal after a refused round skips a random number of ids below this:
+/// two calls that refused each other (each claimed first at a different
+/// member) then agree on different ids, rather than crossing again in step.
+const RETRY_SPREAD: u16 = 8;
 
 /// Which sub-group ids this member has given out (or holds while the members
 /// confirm them), and where its next proposal starts. A pure core: the
@@ -293,7 +298,12 @@ impl GroupIds {
     /// not given out (past [`MAX_GROUP_ID`] when none is left, which the
     /// agreement refuses).
     pub(crate) fn propose(&mut self) -> u16 {
-        let mut p = self.next;
+        self.propose_from(0)
+    }
+
+    /// [`GroupIds::propose`], skipping `skip` ids first.
+    pub(crate) fn propose_from(&mut self, skip: u16) -> u16 {
+        let mut p = self.next.saturating_add(skip);
         while p <= MAX_GROUP_ID && self.is_taken(p) {
             p += 1;
         }
@@ -616,13 +626,14 @@ impl Group {
                     if attempt == ID_ATTEMPTS {
                         break;
                     }
-                    let proposal = tree.ids().propose();
+                    let skip = rand::random_range(0..RETRY_SPREAD);
+                    let proposal = tree.ids().propose_from(skip);
                     let proposals = all_gather_word(&cx, u64::from(proposal)).await?;
                     id = proposals.into_iter().max().unwrap_or(0);
                 }
                 Ok(Err(Error::invalid(format!(
                     "new_group: no sub-group id free at every member after {ID_ATTEMPTS} tries \
-                     (other sub-groups are being created at the same time)"
+                     (other sub-groups are being created at the same time); create them one at a time"
                 ))))
             })
             .await?;
@@ -1522,6 +1533,17 @@ mod tests {
         assert!(ids2.claim(2));
         ids2.next = 2;
         assert_eq!(ids2.propose(), 3, "a proposal skips an id it has given out");
+    }
+
+    #[test]
+    fn a_retry_proposal_skips_ids_and_what_is_taken() {
+        let mut ids = GroupIds::default();
+        assert!(ids.claim(5));
+        assert_eq!(ids.propose_from(3), 9, "6 + 3");
+        assert!(ids.claim(12));
+        ids.next = 10;
+        assert_eq!(ids.propose_from(2), 13, "12 is taken");
+        assert!(ids.propose_from(u16::MAX) > MAX_GROUP_ID);
     }
 
     #[test]

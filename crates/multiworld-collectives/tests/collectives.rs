@@ -684,6 +684,36 @@ async fn sub_groups_created_at_once_from_different_parents_get_distinct_ids() {
     .await;
 }
 
+/// Two members creating sub-groups of two shared parents at the same time,
+/// in opposite orders, so that each claims the first agreed id for a
+/// different group: they agree again until both groups have an id, and the
+/// ids differ.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sub_groups_created_at_once_in_opposite_orders_all_get_ids() {
+    let gs = groups("crossed-subgroups", 2).await;
+    on_all(&gs, |me, world| async move {
+        let a = world.new_group(&[Rank(0), Rank(1)]).await.unwrap();
+        let b = world.new_group(&[Rank(0), Rank(1)]).await.unwrap();
+        let pair = [Rank(0), Rank(1)];
+        for round in 0..20 {
+            let (p, q) = if me == 0 {
+                tokio::join!(a.new_group(&pair), b.new_group(&pair))
+            } else {
+                let (q, p) = tokio::join!(b.new_group(&pair), a.new_group(&pair));
+                (p, q)
+            };
+            let (p, q) = (
+                p.unwrap_or_else(|e| panic!("rank {me} round {round}: {e}")),
+                q.unwrap_or_else(|e| panic!("rank {me} round {round}: {e}")),
+            );
+            assert_ne!(p.id(), q.id(), "rank {me} round {round}");
+            let ids: Vec<u16> = p.all_gather_object(&p.id()).await.unwrap();
+            assert!(ids.iter().all(|&i| i == p.id()), "round {round}: {ids:?}");
+        }
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn handles_keep_call_order_and_report_completion() {
     let gs = groups("handles", 3).await;
