@@ -320,6 +320,8 @@ async fn a_rank_killed_mid_collective_leaves_a_flight_record_on_every_survivor()
             .count()
             >= 3
     );
+    // The file is written by the teardown, before the world is removed.
+    wait_for(&mut events, |e| matches!(e, WorldEvent::Removed { .. })).await;
     let file = dir.join(format!("coll-g{generation}-r0.json"));
     let from_file: FlightRecord = serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
     assert_eq!(&from_file, &*record);

@@ -124,11 +124,18 @@ struct Inner {
     endpoint: Option<Endpoint>,
     events: broadcast::Sender<WorldEvent>,
     root: CancellationToken,
+    /// Cancelled when [`WorldManager::shutdown`] begins: joins in progress
+    /// end with [`WorldError::ShutDown`] and new ones are refused, while the
+    /// worlds are still being left (before `root`, which ends them all).
+    closing: CancellationToken,
     hosts: tokio::sync::Mutex<Vec<HostedStore>>,
     /// The NCCL runtime of this process's NCCL worlds.
     #[cfg(feature = "nccl")]
     nccl: crate::device::RuntimeSlot,
 }
+
+/// Longest [`WorldManager::shutdown`] waits for joins in progress to end.
+const SHUTDOWN_JOIN_WAIT: Duration = Duration::from_secs(5);
 
 impl Drop for Inner {
     fn drop(&mut self) {
@@ -216,6 +223,7 @@ impl WorldManager {
             endpoint,
             events,
             root,
+            closing: CancellationToken::new(),
             hosts: tokio::sync::Mutex::new(Vec::new()),
             #[cfg(feature = "nccl")]
             nccl: std::sync::Mutex::new(None),
@@ -276,6 +284,11 @@ impl WorldManager {
 
     async fn host(&self, addr: &str) -> Result<Arc<StoreServer>, WorldError> {
         let mut hosts = self.inner.hosts.lock().await;
+        // Checked under the lock `shutdown` empties the list with: a server
+        // started after that would never be stopped.
+        if self.inner.closing.is_cancelled() {
+            return Err(WorldError::ShutDown);
+        }
         if let Some(h) = hosts
             .iter()
             .find(|h| h.requested == addr || h.server.local_addr().to_string() == addr)
@@ -305,11 +318,12 @@ impl WorldManager {
     /// Joins a world: hosts or reaches its store, rendezvouses with the other
     /// members, connects to every one of them, and starts its watchdog. Fails
     /// after `config.join_timeout`. Joining a name whose previous generation
-    /// is still being torn down waits for that teardown first.
+    /// is still being torn down (broken, or being left) waits for that
+    /// teardown first.
     pub async fn join(&self, config: WorldConfig) -> Result<World, WorldError> {
         config.validate()?;
         check_stall_after(&config, self.inner.config.stall_after)?;
-        if self.inner.root.is_cancelled() {
+        if self.inner.root.is_cancelled() || self.inner.closing.is_cancelled() {
             return Err(WorldError::ShutDown);
         }
         #[cfg(not(feature = "nccl"))]
@@ -322,7 +336,8 @@ impl WorldManager {
         let started = Instant::now();
         let deadline = started + config.join_timeout;
         let name = config.name.clone();
-        // Reserve the name (waiting out the teardown of a broken predecessor).
+        // Reserve the name (waiting out the teardown of a broken or left
+        // predecessor).
         loop {
             let previous = match self.inner.registry.entry(name.clone()) {
                 Entry::Vacant(v) => {
@@ -340,7 +355,8 @@ impl WorldManager {
                         });
                     }
                     Slot::Member(w) => match w.state() {
-                        WorldState::Broken(_) => Arc::clone(w),
+                        // Being torn down (broken, or left): wait for it.
+                        WorldState::Broken(_) | WorldState::Removed => Arc::clone(w),
                         other => {
                             return Err(WorldError::AlreadyJoined {
                                 world: name,
@@ -367,7 +383,11 @@ impl WorldManager {
             armed: true,
         };
         let remaining = deadline.saturating_duration_since(Instant::now());
-        let shared = match tokio::time::timeout(remaining, self.join_inner(&config, deadline)).await {
+        let joined = tokio::select! {
+            r = tokio::time::timeout(remaining, self.join_inner(&config, deadline)) => r,
+            _ = self.inner.closing.cancelled() => return Err(WorldError::ShutDown),
+        };
+        let shared = match joined {
             Ok(Ok(shared)) => shared,
             Ok(Err(e)) => return Err(e),
             Err(_) => {
@@ -381,7 +401,14 @@ impl WorldManager {
             .registry
             .insert(name.clone(), Slot::Member(Arc::clone(&shared)));
         reservation.armed = false;
-        shared.start();
+        drop(reservation);
+        if self.inner.closing.is_cancelled() {
+            // A shutdown began while this join ended, and may have looked
+            // at the registry before the world was in it: leave it here
+            // (a leave from both sides is harmless).
+            shared.leave().await;
+            return Err(WorldError::ShutDown);
+        }
         self.inner.metrics.joins.inc();
         tracing::info!(
             world = %name,
@@ -391,13 +418,15 @@ impl WorldManager {
             took = ?started.elapsed(),
             "joined world"
         );
-        drop(reservation);
+        // Sent before the watchdog starts, so a break found at once comes
+        // after it.
         let _ = self.inner.events.send(WorldEvent::Joined {
             world: name,
             generation: shared.generation,
             rank: shared.rank,
             size: shared.size,
         });
+        shared.start();
         Ok(World { shared })
     }
 
@@ -581,11 +610,28 @@ impl WorldManager {
 
     /// Leaves every world, stops the stores this process hosts (their ports
     /// are free when it returns, even while world handles are still held),
-    /// and stops the monitor. Joins fail afterwards.
+    /// and stops the monitor. Joins in progress end with
+    /// [`WorldError::ShutDown`], and joins fail afterwards.
     pub async fn shutdown(&self) {
-        let names: Vec<WorldName> = self.inner.registry.iter().map(|e| e.key().clone()).collect();
-        for name in names {
-            let _ = self.leave(&name).await;
+        self.inner.closing.cancel();
+        // Joins in progress see `closing` and end (at once, or by leaving the
+        // world they just joined); a join whose future nobody polls keeps
+        // its name reserved, so the wait for them is bounded.
+        let give_up = Instant::now() + SHUTDOWN_JOIN_WAIT;
+        loop {
+            let names: Vec<WorldName> = self.inner.registry.iter().map(|e| e.key().clone()).collect();
+            if names.is_empty() || Instant::now() >= give_up {
+                break;
+            }
+            let mut joining = false;
+            for name in names {
+                if let Err(WorldError::NotJoined { .. }) = self.leave(&name).await {
+                    joining = true;
+                }
+            }
+            if joining {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
         }
         self.inner.root.cancel();
         let hosts = std::mem::take(&mut *self.inner.hosts.lock().await);

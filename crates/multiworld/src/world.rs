@@ -61,6 +61,8 @@ const LOGGED_OPS: usize = 8;
 /// How long teardown waits for the world's tasks before giving up on them
 /// (they are cancelled; this only bounds a task that ignores cancellation).
 const TEARDOWN_WAIT: Duration = Duration::from_secs(2);
+/// Longest a teardown waits for its flight record to be written.
+const FLIGHT_WRITE_WAIT: Duration = Duration::from_secs(2);
 
 /// Where the manager keeps its members, by name.
 pub(crate) type Registry = DashMap<WorldName, Slot>;
@@ -138,6 +140,8 @@ pub(crate) struct WorldShared {
     metrics: Arc<Metrics>,
     /// Where a broken world's flight record is written (one JSON file).
     flight_dir: Option<PathBuf>,
+    /// The record taken at the break, for the teardown to write there.
+    break_record: std::sync::OnceLock<Arc<FlightRecord>>,
     /// The span the world's tasks run in (fields world, generation, rank),
     /// so every line they log carries them (e.g. in JSON logs).
     span: tracing::Span,
@@ -228,6 +232,7 @@ impl WorldShared {
             latencies: OpLatencies::default(),
             metrics,
             flight_dir,
+            break_record: std::sync::OnceLock::new(),
             span,
             #[cfg(feature = "nccl")]
             device: std::sync::OnceLock::new(),
@@ -332,11 +337,15 @@ impl WorldShared {
         )
     }
 
-    /// Writes a broken world's record to `flight_dir` as
+    /// Writes the record taken at the break to `flight_dir` as
     /// `<world>-g<generation>-r<rank>.json` (best effort: a write that fails
-    /// is logged, never fatal).
-    fn write_flight_record(&self, record: &FlightRecord) {
-        let Some(dir) = &self.flight_dir else {
+    /// is logged, never fatal). Called by the teardown, so the file is there
+    /// before the world is reported removed. The file system is used on a
+    /// blocking-pool thread, never on a runtime thread (a hung mount would
+    /// stall every world's heartbeats), and waited for at most
+    /// [`FLIGHT_WRITE_WAIT`].
+    async fn write_flight_record(&self) {
+        let (Some(dir), Some(record)) = (&self.flight_dir, self.break_record.get()) else {
             return;
         };
         let file = dir.join(format!(
@@ -345,14 +354,32 @@ impl WorldShared {
             self.generation.0,
             self.rank.0
         ));
-        let written = serde_json::to_vec_pretty(record)
-            .map_err(std::io::Error::other)
-            .and_then(|bytes| std::fs::create_dir_all(dir).and_then(|()| std::fs::write(&file, bytes)));
-        match written {
-            Ok(()) => tracing::info!(world = %self.name, file = %file.display(), "flight record written"),
+        let bytes = match serde_json::to_vec_pretty(&**record) {
+            Ok(b) => b,
             Err(e) => {
+                tracing::warn!(world = %self.name, error = %e, "could not encode the flight record");
+                return;
+            }
+        };
+        let (dir, path) = (dir.clone(), file.clone());
+        let write = tokio::task::spawn_blocking(move || {
+            std::fs::create_dir_all(&dir).and_then(|()| std::fs::write(&path, bytes))
+        });
+        match tokio::time::timeout(FLIGHT_WRITE_WAIT, write).await {
+            Ok(Ok(Ok(()))) => {
+                tracing::info!(world = %self.name, file = %file.display(), "flight record written")
+            }
+            Ok(Ok(Err(e))) => {
                 tracing::warn!(world = %self.name, file = %file.display(), error = %e, "could not write the flight record")
             }
+            Ok(Err(e)) => {
+                tracing::warn!(world = %self.name, file = %file.display(), error = %e, "could not write the flight record")
+            }
+            Err(_) => tracing::warn!(
+                world = %self.name,
+                file = %file.display(),
+                "the flight record was not written within {FLIGHT_WRITE_WAIT:?}; going on without it"
+            ),
         }
     }
 
@@ -392,6 +419,15 @@ impl WorldShared {
     /// cause.
     fn fail(self: &Arc<Self>, err: TcpError) -> WorldError {
         if !err.is_world_fatal() {
+            return WorldError::from_call(&self.name, err);
+        }
+        if let TcpError::PeerLost { rank, .. } = &err
+            && self.closing.load(std::sync::atomic::Ordering::Relaxed)
+            && self.comm.liveness().iter().any(|p| p.rank == *rank && p.departed)
+        {
+            // A member leaving in an orderly way while this one finishes is
+            // expected (as the watchdog judges it): the operation fails, the
+            // world does not break.
             return WorldError::from_call(&self.name, err);
         }
         let cause = match &err {
@@ -461,12 +497,13 @@ impl WorldShared {
             if self.flight_dir.is_some() { " and in the flight recorder directory" } else { "" },
             record.tail(LOGGED_OPS).timeline()
         );
-        self.write_flight_record(&record);
+        let record = Arc::new(record);
+        let _ = self.break_record.set(Arc::clone(&record));
         let _ = self.events.send(WorldEvent::Broken {
             world: self.name.clone(),
             generation: self.generation,
             cause: cause.clone(),
-            record: Arc::new(record),
+            record,
         });
         let announce = match &cause {
             // Told by the store: everybody already knows.
@@ -488,16 +525,25 @@ impl WorldShared {
                 WorldState::Broken(_) | WorldState::Removed => false,
             }
         };
-        if !leaving {
-            // Broken (its teardown is running) or already removed.
-            self.wait_removed().await;
-            return;
+        if leaving {
+            tracing::info!(world = %self.name, generation = self.generation.0, "leaving world");
+            self.ended.cancel();
+            // A task of its own: a caller that stops waiting (a timeout, a
+            // `select!`, Ctrl-C in Python) must not leave the world half
+            // torn down, its name stuck and its `Removed` never sent.
+            let me = Arc::clone(self);
+            let span = self.span.clone();
+            tokio::spawn(
+                async move {
+                    me.comm.close().await;
+                    let announce = Some(format!("{}\nrank {} left the world", me.rank, me.rank));
+                    me.teardown(announce, true).await;
+                }
+                .instrument(span),
+            );
         }
-        tracing::info!(world = %self.name, generation = self.generation.0, "leaving world");
-        self.ended.cancel();
-        self.comm.close().await;
-        let announce = Some(format!("{}\nrank {} left the world", self.rank, self.rank));
-        Arc::clone(self).teardown(announce, true).await;
+        // Broken or left: its teardown is running (or done).
+        self.wait_removed().await;
     }
 
     async fn teardown(self: Arc<Self>, announce: Option<String>, left: bool) {
@@ -558,6 +604,9 @@ impl WorldShared {
                 let _ = tokio::time::timeout(ANNOUNCE_TIMEOUT, self.store_call(self.store.close())).await;
             }
         }
+        // After the peers were told and everything was let go: a slow disk
+        // delays only this world's removal.
+        self.write_flight_record().await;
         if !left {
             let _ = self.lifecycle().removed();
         }

@@ -739,3 +739,196 @@ async fn read_ahead_sets_how_large_an_early_message_is_read() {
     leader.shutdown().await;
     worker.shutdown().await;
 }
+
+/// A leave whose caller stops waiting (a timeout around it, a `select!`, a
+/// Ctrl-C in Python) still tears the world down: the name is freed, the
+/// `Removed` event comes, and a later leave, `removed()` and re-join work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leave_whose_caller_stops_waiting_still_removes_the_world() {
+    multiworld_testkit::init_tracing();
+    let leader = WorldManager::default();
+    let worker = WorldManager::default();
+    let store = leader.serve_store("127.0.0.1:0").await.unwrap().to_string();
+    let (a, b) = pair(&leader, &worker, "w", &store).await;
+    let mut events = leader.events();
+    // Dropped after its first poll: the goodbye is on its way, nothing more.
+    {
+        let mut leave = Box::pin(leader.leave("w"));
+        assert!(futures::poll!(&mut leave).is_pending());
+    }
+    tokio::time::timeout(Duration::from_secs(10), a.removed())
+        .await
+        .expect("the world was never removed after its leave was dropped");
+    assert!(leader.world("w").is_none());
+    loop {
+        match next_event_for(&mut events, "w", Duration::from_secs(5)).await {
+            WorldEvent::Removed { .. } => break,
+            WorldEvent::Broken { cause, .. } => panic!("a leave is not a break: {cause}"),
+            _ => {}
+        }
+    }
+    b.removed().await;
+    let (a2, b2) = pair(&leader, &worker, "w", &store).await;
+    assert!(a2.generation() > a.generation());
+    ping(&a2, &b2, 3.0).await;
+}
+
+/// A join of a name whose previous generation is still being left waits
+/// for that teardown, as for a broken one, instead of failing with
+/// `AlreadyJoined`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_join_during_a_leave_of_the_same_name_waits_for_it() {
+    multiworld_testkit::init_tracing();
+    let leader = WorldManager::default();
+    let worker = WorldManager::default();
+    let store = leader.serve_store("127.0.0.1:0").await.unwrap().to_string();
+    let (a, b) = pair(&leader, &worker, "w", &store).await;
+    // One poll begins the leave (the world is `Removed` from then on); the
+    // join comes before it can have ended.
+    let mut leaving = Box::pin(leader.leave("w"));
+    assert!(futures::poll!(&mut leaving).is_pending());
+    assert_eq!(a.state(), WorldState::Removed);
+    // The worker joins again once its side (broken by the goodbye) is gone.
+    let (a2, b2) = tokio::join!(leader.join(cfg("w", 0, 2, &store)), async {
+        tokio::time::timeout(Duration::from_secs(10), b.removed())
+            .await
+            .expect("the worker's side was never removed");
+        worker.join(cfg("w", 1, 2, &store)).await
+    });
+    let (a2, b2) = (a2.unwrap(), b2.unwrap());
+    assert!(a2.generation() > a.generation());
+    ping(&a2, &b2, 4.0).await;
+    leaving.await.unwrap();
+}
+
+/// A receive still pending on a member that finishes is failed by a peer's
+/// orderly departure, but that departure does not break the world: no
+/// `Broken` event, and every member's finish succeeds. (Whether the
+/// departure reaches the receive before the member's own leave is a race;
+/// five rounds make it likely that one does.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pending_receive_failed_by_a_departure_while_finishing_breaks_nothing() {
+    multiworld_testkit::init_tracing();
+    for round in 0..5 {
+        let name = format!("departing-{round}");
+        let Three {
+            managers,
+            store: _,
+            mut events,
+            worlds,
+        } = three(&name).await;
+        // Rank 0 waits, in the background, for a message nobody sends.
+        let pending = worlds[0].irecv(None, Tag(7), Tensor::zeros(multiworld::DType::U8, [1]).unwrap());
+        let waiter = tokio::spawn(pending.wait());
+        let finishes = worlds.iter().enumerate().map(|(i, w)| async move {
+            // Rank 2 comes last: its tokens let 0 and 1 go at about the same
+            // time, so 1's goodbye can reach 0's receive while 0 finishes.
+            tokio::time::sleep(Duration::from_millis(if i == 2 { 100 } else { 0 })).await;
+            w.finish(Duration::from_secs(10)).await
+        });
+        for (i, r) in futures::future::join_all(finishes).await.into_iter().enumerate() {
+            r.unwrap_or_else(|e| panic!("round {round}: rank {i}'s finish: {e}"));
+        }
+        assert!(waiter.await.unwrap().is_err(), "the receive cannot succeed");
+        for (m, rx) in managers.iter().zip(events.iter_mut()) {
+            assert!(m.world(&name).is_none());
+            while let Ok(e) = rx.try_recv() {
+                assert!(!matches!(e, WorldEvent::Broken { .. }), "round {round}: {e:?}");
+            }
+        }
+    }
+}
+
+/// A join in progress when `shutdown` begins ends with `ShutDown`, and no
+/// world of that manager outlives the shutdown (a join that completed
+/// afterwards used to leave a world listed as ready whose watchdog had
+/// stopped). The store is standalone, so it outlives the shutdown.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_join_in_progress_at_shutdown_ends_with_shutdown() {
+    multiworld_testkit::init_tracing();
+    let server = StoreServer::bind("127.0.0.1:0".parse().unwrap(), ServerConfig::default())
+        .await
+        .unwrap();
+    let store = server.local_addr().to_string();
+    let standalone = |rank| {
+        let mut c = cfg("c", rank, 2, &store);
+        c.host_store = false;
+        c
+    };
+    let leader = WorldManager::default();
+    let worker = WorldManager::default();
+    let joining = tokio::spawn({
+        let (leader, c) = (leader.clone(), standalone(0));
+        async move { leader.join(c).await }
+    });
+    let t0 = Instant::now();
+    while leader.worlds().is_empty() {
+        assert!(t0.elapsed() < Duration::from_secs(10), "the join never began");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    tokio::time::timeout(Duration::from_secs(10), leader.shutdown())
+        .await
+        .expect("shutdown waited for the join");
+    // The peer arrives after the shutdown: the leader's join must not
+    // complete into a world nobody watches.
+    let late = tokio::spawn({
+        let c = standalone(1);
+        async move { worker.join(c).await }
+    });
+    let r = tokio::time::timeout(Duration::from_secs(10), joining)
+        .await
+        .expect("the join went on after the shutdown")
+        .unwrap();
+    assert!(matches!(r, Err(WorldError::ShutDown)), "{r:?}");
+    assert!(leader.worlds().is_empty(), "{:?}", leader.worlds());
+    late.abort();
+}
+
+/// Writing a broken world's flight record never holds a runtime thread: with
+/// the record's file a FIFO nobody reads (a hung mount, in effect), another
+/// world on the same one-thread runtime keeps working, and the broken world
+/// is still removed (the write is given up after a bound).
+#[tokio::test(flavor = "current_thread")]
+async fn a_flight_record_that_cannot_be_written_stalls_no_other_world() {
+    multiworld_testkit::init_tracing();
+    let dir = std::env::temp_dir().join(format!("mw-flight-fifo-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let leader = WorldManager::new(ManagerConfig {
+        flight_recorder_dir: Some(dir.clone()),
+        ..ManagerConfig::default()
+    });
+    let worker = WorldManager::default();
+    let store = leader.serve_store("127.0.0.1:0").await.unwrap().to_string();
+    let (w0, _w1) = pair(&leader, &worker, "w", &store).await;
+    let (v0, v1) = pair(&leader, &worker, "v", &store).await;
+    let fifo = dir.join(format!("w-g{}-r0.json", w0.generation().0));
+    let made = std::process::Command::new("mkfifo").arg(&fifo).status().unwrap();
+    assert!(made.success());
+    // Should the write ever block this thread, a reader opens the FIFO after
+    // 5 s, so the test fails on its timings instead of hanging.
+    let (done, finished) = std::sync::mpsc::channel::<()>();
+    let unblock = {
+        let fifo = fifo.clone();
+        std::thread::spawn(move || {
+            let _ = finished.recv_timeout(Duration::from_secs(5));
+            // Opening it for reading lets the blocked writer (if any) go.
+            let _ = std::fs::read(&fifo);
+        })
+    };
+    w0.abort();
+    let t0 = Instant::now();
+    for i in 0..20 {
+        ping(&v0, &v1, i as f32).await;
+    }
+    let took = t0.elapsed();
+    assert!(
+        took < Duration::from_secs(3),
+        "20 pings on another world took {took:?}"
+    );
+    tokio::time::timeout(Duration::from_secs(10), w0.removed())
+        .await
+        .expect("the broken world was never removed");
+    let _ = done.send(());
+    unblock.join().unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+}
