@@ -816,6 +816,17 @@ fn store_wait(failing: bool) -> Duration {
     if failing { PROBE } else { POLL }
 }
 
+/// Whether a wait of `asked` on the store that ended with a timeout after
+/// `took` was the store's answer ("nothing was set": it comes once `asked`
+/// has passed) rather than the client giving up on a store that did not
+/// answer at all (its deadline is `asked` plus a grace of seconds: a store
+/// behind a dead link, whose connection attempts hang). Both are
+/// `StoreError::Timeout`; only the first says the store is there.
+fn store_answered(asked: Duration, took: Duration) -> bool {
+    const SLACK: Duration = Duration::from_secs(1);
+    took < asked.saturating_add(SLACK)
+}
+
 /// Keeps a long-poll on the world's `broken` key: returns when a member
 /// announces a break; reports a failure at once when the store's connection
 /// breaks, and its end once the store answers again (see [`store_wait`]).
@@ -823,10 +834,20 @@ async fn store_watcher(w: Arc<WorldShared>, tx: watch::Sender<StoreStatus>) {
     const RETRY: Duration = Duration::from_millis(100);
     loop {
         let wait = store_wait(tx.borrow().error.is_some());
+        let asked = Instant::now();
         let result = tokio::select! {
             biased;
             _ = w.token.cancelled() => return,
             r = w.store.get(BROKEN_KEY, wait) => r,
+        };
+        let result = match result {
+            Err(StoreError::Timeout { after, .. }) if !store_answered(wait, asked.elapsed()) => {
+                Err(StoreError::Unavailable {
+                    addr: w.store_addr.clone(),
+                    reason: format!("no answer to a {wait:?} wait within {after:?}"),
+                })
+            }
+            other => other,
         };
         match result {
             Ok(value) => {
@@ -1332,5 +1353,27 @@ impl PendingRecv {
             op.finish(&r);
         }
         r
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A wait's timeout counts as the store's answer only when it came about
+    /// when asked; one that came with the client's own deadline (seconds
+    /// later) means the store never answered, so the store stays failing and
+    /// `store_grace` is measured from the first failure.
+    #[test]
+    fn only_a_timely_timeout_is_the_stores_answer() {
+        let probe = store_wait(true);
+        assert_eq!(probe, Duration::from_millis(50));
+        assert!(store_answered(probe, Duration::from_millis(52)));
+        assert!(store_answered(probe, Duration::from_millis(600)), "a slow answer");
+        // The client's deadline: the wait plus its 5 s grace.
+        assert!(!store_answered(probe, Duration::from_millis(5050)));
+        let poll = store_wait(false);
+        assert!(store_answered(poll, poll + Duration::from_millis(3)));
+        assert!(!store_answered(poll, poll + Duration::from_secs(5)));
     }
 }
