@@ -196,7 +196,8 @@ pub struct WorldConfig {
     /// How long joining may take before it fails (default 30 s).
     pub join_timeout: Duration,
     /// Deadline of every operation of the world (send, receive, their
-    /// handles, finish). An operation still pending at its deadline means the
+    /// handles, collectives; not `finish`, which has its own timeout
+    /// argument). An operation still pending at its deadline means the
     /// world is not healthy: the watchdog breaks it with
     /// `BreakCause::OpDeadline`, failing that operation and every other one.
     /// Default none: heartbeats already bound how long a dead or frozen world

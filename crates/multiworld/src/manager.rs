@@ -134,6 +134,10 @@ struct Inner {
     nccl: crate::device::RuntimeSlot,
 }
 
+/// How long after its deadline a join is cut off if a step inside it has not
+/// ended by its own bound.
+const JOIN_BACKSTOP: Duration = Duration::from_millis(500);
+
 /// Longest [`WorldManager::shutdown`] waits for joins in progress to end.
 const SHUTDOWN_JOIN_WAIT: Duration = Duration::from_secs(5);
 
@@ -382,7 +386,10 @@ impl WorldManager {
             name: &name,
             armed: true,
         };
-        let remaining = deadline.saturating_duration_since(Instant::now());
+        // The steps inside honour `deadline` themselves and fail with their
+        // own typed errors; this bound is a backstop, a little later, so
+        // that it does not race them and replace their error with its own.
+        let remaining = deadline.saturating_duration_since(Instant::now()) + JOIN_BACKSTOP;
         let joined = tokio::select! {
             r = tokio::time::timeout(remaining, self.join_inner(&config, deadline)) => r,
             _ = self.inner.closing.cancelled() => return Err(WorldError::ShutDown),

@@ -143,7 +143,7 @@ impl Metrics {
         );
         registry.register(
             "multiworld_teardown_duration_seconds",
-            "From a world's break or leave to its removal",
+            "From the start of a world's teardown (at a break, or after a leave's goodbyes) to its removal",
             teardown_seconds.clone(),
         );
         registry.register(

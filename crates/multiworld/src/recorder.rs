@@ -203,7 +203,8 @@ struct Ring {
 }
 
 /// One world's recorder (see the module docs). Thread-safe; each call holds a
-/// short lock and allocates only for a failed operation's message.
+/// short lock and allocates only the ended operation's record (its kind's
+/// name, and a failed operation's message).
 pub struct FlightRecorder {
     capacity: usize,
     epoch: Instant,

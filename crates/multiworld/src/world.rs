@@ -317,13 +317,20 @@ impl WorldShared {
 
     /// Runs one request/response call to the world's store, timing it as a
     /// store round trip.
+    /// Runs a request/response call to the world's store, timing it. A call
+    /// cut off (its future dropped by a bound around it) is counted too, with
+    /// the time it had taken: the slow calls are the ones to see.
     async fn store_call<T>(&self, call: impl std::future::Future<Output = T>) -> T {
-        let started = Instant::now();
-        let out = call.await;
-        self.metrics
-            .store_round_trip_seconds
-            .observe(started.elapsed().as_secs_f64());
-        out
+        struct Timed<'a>(&'a Metrics, Instant);
+        impl Drop for Timed<'_> {
+            fn drop(&mut self) {
+                self.0
+                    .store_round_trip_seconds
+                    .observe(self.1.elapsed().as_secs_f64());
+            }
+        }
+        let _timed = Timed(&self.metrics, Instant::now());
+        call.await
     }
 
     /// The flight record now (see `recorder`), with `reason` as its heading.
