@@ -495,6 +495,14 @@ pub(crate) fn agree(descs: &[Desc], cx: &AgreeCtx<'_>) -> Result<()> {
             ))),
         }
     };
+    // Before the checks below that use this member's own settings (the
+    // object size limit): with settings that differ, every member must fail
+    // with the same text, this one.
+    if !descs.iter().all(|d| d.config == mine.config) {
+        return Err(differ("the algorithm (their CollectiveConfig differs)", &|d| {
+            format!("{} (config {:#x})", d.algo.name(), d.config)
+        }));
+    }
     let root = mine.root_index(ranks);
     match kind {
         Kind::AllGather => {
@@ -659,6 +667,25 @@ mod tests {
         d.count = count;
         d.op = Some(op);
         d
+    }
+
+    /// Members whose settings differ (here their object size limits) fail
+    /// with the same text, not each with its own limit's verdict.
+    #[test]
+    fn differing_settings_fail_with_one_text_on_every_member() {
+        let m = [Rank(0), Rank(1)];
+        let mut v = vec![base(Kind::AllGatherObject, 2); 2];
+        for d in &mut v {
+            d.count = 2 << 20;
+        }
+        v[1].config = 0x66;
+        let strict = cx(&m, 0);
+        let mut lenient = cx(&m, 1);
+        lenient.max_object_bytes = 4 << 20;
+        let a = agree(&v, &strict).unwrap_err().to_string();
+        let b = agree(&v, &lenient).unwrap_err().to_string();
+        assert!(a.contains("CollectiveConfig differs"), "{a}");
+        assert_eq!(a, b);
     }
 
     #[test]

@@ -3,8 +3,8 @@
 //! life of one collective call:
 //!
 //! 1. **turn**: calls on one group run one at a time, in call order (a fair async
-//!    mutex whose queue place is taken when the call is made, so handle-form calls
-//!    keep their order too); the call gets the group's next sequence number, which
+//!    mutex whose queue place a handle-form call takes when it is made, and an
+//!    `async fn` call when it is first polled); the call gets the group's next sequence number, which
 //!    goes into its tags (see [`super::tags`]);
 //! 2. **local validation**: an invalid call (op undefined for the dtype, a root
 //!    outside the group, a wrong list length, ...) fails at once with
@@ -107,7 +107,10 @@ pub struct CollectiveConfig {
     /// Whether this member agrees to move data through memory shared with the
     /// other members when they are all on the same host. A member that says no
     /// (or cannot map the segment) makes the whole group use TCP; the members
-    /// need not agree on this field. Default `true`.
+    /// need not agree on this field. Read when the segment is set up: a
+    /// config that says no after that changes nothing (force
+    /// `Algorithm::Ring` or `Direct` instead, which every member must).
+    /// Default `true`.
     pub shared_memory: bool,
     /// With [`Algorithm::Auto`], an all-reduce, broadcast, reduce,
     /// reduce-scatter or all-gather uses shared memory (when it is available)
@@ -126,9 +129,12 @@ pub struct CollectiveConfig {
     /// Bytes of a tensor that one step of a shared-memory call moves per member
     /// (rounded down to a multiple of 64; an all-to-all moves a part of
     /// `1 / group size` of it between each pair). The group's segment holds a 4 KiB
-    /// header and three buffers of one slot of this size per member (12 MiB
-    /// and 4 KiB for 4 members at the default); larger tensors go through it in
-    /// pieces of this size, three in flight at once. Memory is only committed
+    /// header, the descriptor slots and three buffers of one slot of this size
+    /// per member (12 MiB and 8 KiB for 4 members at the default); larger
+    /// tensors go through it in pieces of this size, three in flight at once.
+    /// Read when the segment is set up (the group's first call that would use
+    /// it): the group's calls keep the segment's pieces from then on, whatever
+    /// a later config asks for. Memory is only committed
     /// where it is written, and stays with the group until every member has
     /// dropped it. Must be the same on every member; less than 64 bytes, or a
     /// segment too large to address, turns shared memory off for the group.
@@ -810,7 +816,8 @@ impl Group {
             return Algo::Direct.name();
         }
         let routes = super::shm::routes_of(kind);
-        match routes.and_then(|r| super::shm::plan_moves(r, n, &self.cfg, bytes)) {
+        let piece = super::shm::piece_bytes(&self.inner.shm, &self.cfg, n);
+        match routes.and_then(|r| super::shm::plan_moves(r, n, &self.cfg, piece, bytes)) {
             Some(_) => Algo::Shm.name(),
             None => Algo::Direct.name(),
         }
@@ -834,7 +841,8 @@ impl Group {
                 | Kind::ReduceScatter
                 | Kind::ReduceScatterTensor
         );
-        let shm_ok = shm && super::shm::segment_len(self.cfg.shm_piece_bytes, self.size()).is_some();
+        let piece = super::shm::piece_bytes(&self.inner.shm, &self.cfg, self.size());
+        let shm_ok = shm && super::shm::segment_len(piece, self.size()).is_some();
         if kind.sized_after_agreement() {
             // Whether such a call moves its data through the segment is decided
             // after the agreement, from every member's sizes (`shm::plan_moves`);
@@ -849,8 +857,7 @@ impl Group {
         }
         // A reduce-scatter's contributions travel in a part of `1 / n` of a
         // slot per pair, as an all-to-all's do.
-        let pairs_fit =
-            || super::shm::Routes::Pairs.capacity(self.cfg.shm_piece_bytes & !63, self.size()) > 0;
+        let pairs_fit = || super::shm::Routes::Pairs.capacity(piece & !63, self.size()) > 0;
         let shm_kind = matches!(
             kind,
             Kind::AllReduce | Kind::Broadcast | Kind::AllGather | Kind::AllGatherInto

@@ -1341,10 +1341,11 @@ pub(crate) fn plan_moves(
     routes: Routes,
     n: usize,
     cfg: &CollectiveConfig,
+    piece: usize,
     bytes: impl Fn(usize, usize) -> u64,
 ) -> Option<Moves> {
-    segment_len(cfg.shm_piece_bytes, n)?;
-    let cap = routes.capacity(cfg.shm_piece_bytes & !63, n);
+    segment_len(piece, n)?;
+    let cap = routes.capacity(piece & !63, n);
     if cap == 0 {
         return None;
     }
@@ -1365,6 +1366,17 @@ pub(crate) fn plan_moves(
         cap,
         steps: usize::try_from(steps).ok()?,
     })
+}
+
+/// The bytes of a slot the calls of a group of `n` plan with: those of its
+/// segment once it is set up (`shared`; the same on every member), which
+/// keeps them after a later `CollectiveConfig` asks for another size, else
+/// the config's `shm_piece_bytes` (with which the segment will be set up).
+pub(crate) fn piece_bytes(shared: &ShmShared, cfg: &CollectiveConfig, n: usize) -> usize {
+    shared
+        .segment
+        .get()
+        .map_or(cfg.shm_piece_bytes, |seg| seg.slot_bytes(n))
 }
 
 /// The routes of a kind sized after the agreement (`None` for other kinds).
@@ -1405,7 +1417,8 @@ pub(crate) fn plan_after_agreement(cx: Ctx<'_>, descs: &[Desc], may: bool) -> Op
             _ => 0,
         }
     };
-    plan_moves(routes, n, cx.cfg, |p, q| elems(p, q).saturating_mul(es))
+    let piece = piece_bytes(cx.shm, cx.cfg, n);
+    plan_moves(routes, n, cx.cfg, piece, |p, q| elems(p, q).saturating_mul(es))
 }
 
 /// Moves each `(member, bytes)` of `sends` to that member and fills each
@@ -2006,7 +2019,7 @@ mod tests {
         const MIB: u64 = 1 << 20;
         let mut cfg = CollectiveConfig::default();
         let plan = |r, n, cfg: &CollectiveConfig, b: &dyn Fn(usize, usize) -> u64| {
-            plan_moves(r, n, cfg, b).map(|m| (m.cap, m.steps))
+            plan_moves(r, n, cfg, cfg.shm_piece_bytes, b).map(|m| (m.cap, m.steps))
         };
         // Scatter of 1 MiB to each of 2 others: one slot, one step; a byte
         // more to one of them, two steps for every member.

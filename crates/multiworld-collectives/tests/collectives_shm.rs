@@ -747,6 +747,60 @@ fn gather_scatter_and_all_to_all_move_uneven_sizes_through_shared_memory() {
     });
 }
 
+/// A group's segment keeps the piece size it was set up with: calls made
+/// later through a config that asks for another `shm_piece_bytes` (every
+/// member the same, so the settings agree) plan their moves with the
+/// segment's slots and go through it, instead of failing on every member.
+#[test]
+fn a_later_config_with_other_pieces_uses_the_segments_own() {
+    run(async {
+        const N: usize = 3;
+        const PIECE: usize = 4096;
+        let base = groups("shm-repiece", N as u32).await;
+        let small = with_cfg(&base, &small_pieces(PIECE));
+        let each: Sizes = Arc::new(|_, _| 20_000);
+        moved_checked(
+            &small,
+            Moving::AllToAllSingle,
+            DType::U8,
+            Arc::clone(&each),
+            1,
+            "set up",
+        )
+        .await;
+        assert_all(&statuses(&small).await, &active(segment(N, PIECE)), "set up");
+        let large = with_cfg(&base, &small_pieces(1 << 20));
+        for (k, call) in [
+            Moving::AllToAllSingle,
+            Moving::AllToAll,
+            Moving::Gather(1),
+            Moving::Scatter(2),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let sent = moved_checked(
+                &large,
+                call,
+                DType::F32,
+                Arc::clone(&each),
+                2 + k as u64,
+                "1 MiB pieces asked",
+            )
+            .await;
+            assert!(
+                sent.iter().all(|&s| s <= TCP_ONLY_ORDERS),
+                "{call:?} went over TCP: {sent:?}"
+            );
+        }
+        assert_all(
+            &statuses(&large).await,
+            &active(segment(N, PIECE)),
+            "still the first segment",
+        );
+    });
+}
+
 /// With `Algorithm::Auto` (the default): a gather, scatter or all-to-all goes
 /// through shared memory once its members move `shm_min_bytes` between them,
 /// unless one of them sends little enough to send it eagerly; the
