@@ -308,8 +308,7 @@ impl WorldConfig {
     /// [`ConfigError::Invalid`]); with no launcher's variables at all the
     /// error ([`ConfigError::NoLauncher`]) names every set looked for.
     pub fn from_env(name: impl AsRef<str>) -> Result<WorldConfig, ConfigError> {
-        let vars: HashMap<String, String> = std::env::vars().collect();
-        WorldConfig::from_vars(name, &vars)
+        WorldConfig::from_vars(name, &env_map(std::env::vars_os()))
     }
 
     /// [`from_env`](Self::from_env) over an explicit map (testable without
@@ -401,9 +400,38 @@ impl WorldConfig {
     }
 }
 
+/// The environment as text, for [`WorldConfig::from_env`]. A variable that
+/// is not UTF-8 must not stop a launch (`std::env::vars` panics on one): a
+/// name that is not is left out (no variable read here has such a name), a
+/// value that is not is kept with U+FFFD for its bad bytes, so that a
+/// malformed `RANK` is reported as malformed rather than missing.
+fn env_map(vars: impl Iterator<Item = (std::ffi::OsString, std::ffi::OsString)>) -> HashMap<String, String> {
+    vars.filter_map(|(k, v)| Some((k.into_string().ok()?, v.to_string_lossy().into_owned())))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_environment_may_hold_variables_that_are_not_utf8() {
+        use std::ffi::OsString;
+        use std::os::unix::ffi::OsStringExt;
+        let vars = vec![
+            (OsString::from("RANK"), OsString::from("1")),
+            (OsString::from_vec(b"BAD\xffNAME".to_vec()), OsString::from("x")),
+            (OsString::from("OTHER"), OsString::from_vec(b"v\xff".to_vec())),
+            (OsString::from("WORLD_SIZE"), OsString::from_vec(b"2\xff".to_vec())),
+        ];
+        let map = env_map(vars.into_iter());
+        assert_eq!(map["RANK"], "1");
+        assert_eq!(map["OTHER"], "v\u{fffd}");
+        assert!(!map.keys().any(|k| k.starts_with("BAD")));
+        // A malformed value is reported as malformed, naming the variable.
+        let e = WorldConfig::from_vars("w", &map).unwrap_err().to_string();
+        assert!(e.contains("WORLD_SIZE"), "{e}");
+    }
     use multiworld_types::{Rank, Secret};
 
     fn vars(pairs: &[(&str, &str)]) -> HashMap<String, String> {
