@@ -159,8 +159,8 @@ pub struct StoreBenchArgs {
     /// (comma separated; the other measurements use the default, framed).
     #[arg(long, value_delimiter = ',', default_value = "framed,grpc")]
     pub protocols: Vec<BenchProtocol>,
-    /// Clients waiting on one key for the wake-up measurement.
-    #[arg(long, default_value_t = 256)]
+    /// Clients waiting on one key for the wake-up measurement (at least 1).
+    #[arg(long, default_value_t = 256, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub waiters: usize,
     /// Rounds of the wake-up and host-death measurements.
     #[arg(long, default_value_t = 5)]
@@ -448,7 +448,17 @@ async fn wake(addr: &str, waiters: usize, round: usize) -> anyhow::Result<Durati
     // the key and return at once, which could only flatter the figure, so the
     // pause makes the measurement honest rather than hiding anything.
     let expected = waiters.to_string();
+    let give_up = Instant::now() + Duration::from_secs(60);
     while setter.try_get("ready").await?.as_deref() != Some(expected.as_bytes()) {
+        // A waiter whose count failed ended its task: report why.
+        if let Some(i) = tasks.iter().position(|t| t.is_finished()) {
+            let ended = tasks.swap_remove(i).await?;
+            anyhow::bail!("a waiter ended before the wake-up: {:?}", ended.err());
+        }
+        anyhow::ensure!(
+            Instant::now() < give_up,
+            "the waiters did not all count in within 60 s"
+        );
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     tokio::time::sleep(Duration::from_millis(200)).await;

@@ -39,7 +39,7 @@ pub enum KvOp {
         /// The value.
         value: String,
     },
-    /// Wait for KEY and print its value.
+    /// Wait for KEY and print its value (its bytes as they are, then a newline).
     Get {
         /// The key.
         key: String,
@@ -92,7 +92,13 @@ pub async fn run(args: KvArgs) -> anyhow::Result<()> {
         KvOp::Set { key, value } => w.set(key, value).await?,
         KvOp::Get { key, timeout } => {
             let v = w.get(key, timeout).await?;
-            println!("{}", String::from_utf8_lossy(&v));
+            // The value's own bytes (a binary value is not mangled), then a
+            // newline.
+            use std::io::Write;
+            let mut out = std::io::stdout().lock();
+            out.write_all(&v)?;
+            out.write_all(b"\n")?;
+            out.flush()?;
         }
         KvOp::Add { key, delta } => println!("{}", w.add(key, delta).await?),
         KvOp::Wait { keys, timeout } => w.wait(&keys, timeout).await?,

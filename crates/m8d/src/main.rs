@@ -117,6 +117,20 @@ struct LaunchArgs {
 /// terminal; `MULTIWORLD_LOG_FORMAT=json` writes one JSON object per line
 /// instead (with the span fields: world, generation, rank). `RUST_LOG`
 /// filters (default `warn`).
+/// For the commands that print results: restores the default action of
+/// SIGPIPE, so that `m8d flight FILE | head` ends quietly when `head` has
+/// what it wants, as other command-line tools do (Rust ignores SIGPIPE, and
+/// `println!` then panics on the closed pipe). Not for `launch`, `store` and
+/// `worker`, which must outlive a closed output (a launcher dying of it would
+/// leave its ranks running).
+fn end_quietly_on_a_closed_pipe() {
+    use nix::sys::signal::{SigHandler, Signal, signal};
+    // SAFETY: installs the default action, not a handler of ours, so no code
+    // of ours can run in signal context.
+    #[allow(unsafe_code)]
+    let _ = unsafe { signal(Signal::SIGPIPE, SigHandler::SigDfl) };
+}
+
 fn init_logging() {
     use std::io::IsTerminal;
     let filter = EnvFilter::try_from_env("RUST_LOG").unwrap_or_else(|_| EnvFilter::new("warn"));
@@ -149,6 +163,12 @@ impl LaunchArgs {
 fn main() -> anyhow::Result<()> {
     init_logging();
     let cli = Cli::parse();
+    if matches!(
+        cli.command,
+        Command::Flight(_) | Command::Status(_) | Command::Kv(_) | Command::Bench(_) | Command::Demo(_)
+    ) {
+        end_quietly_on_a_closed_pipe();
+    }
     if let Command::Launch(args) = &cli.command {
         // An impossible launch is a usage error (exit 2), like a bad value.
         if let Err(e) = args.nodes().check(args.nproc_per_node, args.master_port) {

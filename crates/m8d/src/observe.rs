@@ -85,6 +85,9 @@ impl Scrape {
     }
 }
 
+/// Largest metrics page `status` reads (a few thousand worlds' series).
+const MAX_METRICS_BYTES: usize = 64 << 20;
+
 async fn get_metrics(addr: &str) -> anyhow::Result<String> {
     let stream = tokio::time::timeout(Duration::from_secs(5), tokio::net::TcpStream::connect(addr))
         .await
@@ -97,11 +100,22 @@ async fn get_metrics(addr: &str) -> anyhow::Result<String> {
     let req = hyper::Request::get("/metrics")
         .header(http::header::HOST, addr)
         .body(Empty::<Bytes>::new())?;
-    let resp = tokio::time::timeout(Duration::from_secs(10), sender.send_request(req))
+    // One bound for the whole answer, its body included (an endpoint that
+    // sends its headers and then stalls must not hang `status`), and a
+    // limit on its size.
+    let answer = async {
+        let resp = sender.send_request(req).await?;
+        anyhow::ensure!(resp.status().is_success(), "{addr} answered {}", resp.status());
+        let body = http_body_util::Limited::new(resp.into_body(), MAX_METRICS_BYTES)
+            .collect()
+            .await
+            .map_err(|e| anyhow::anyhow!("reading the answer of {addr}: {e}"))?
+            .to_bytes();
+        anyhow::Ok(body)
+    };
+    let body = tokio::time::timeout(Duration::from_secs(10), answer)
         .await
         .context("the endpoint did not answer within 10 s")??;
-    anyhow::ensure!(resp.status().is_success(), "{addr} answered {}", resp.status());
-    let body = resp.into_body().collect().await?.to_bytes();
     Ok(String::from_utf8_lossy(&body).into_owned())
 }
 

@@ -11,8 +11,9 @@ use multiworld_store::Secret;
 /// Flags that name a secret.
 #[derive(Args, Debug, Clone)]
 pub struct SecretArgs {
-    /// Read the world secret from this file (trailing newline ignored).
-    #[arg(long, value_name = "FILE")]
+    /// Read the world secret from this file (trailing newlines ignored, as
+    /// `$(cat FILE)` drops them).
+    #[arg(long, value_name = "FILE", conflicts_with = "secret_env")]
     pub secret_file: Option<PathBuf>,
     /// Take the world secret from the MULTIWORLD_SECRET environment variable.
     #[arg(long)]
@@ -30,17 +31,18 @@ impl SecretArgs {
         if let Some(path) = &self.secret_file {
             let mut text =
                 std::fs::read(path).with_context(|| format!("reading secret file {}", path.display()))?;
-            if text.last() == Some(&b'\n') {
+            while matches!(text.last(), Some(b'\n' | b'\r')) {
                 text.pop();
             }
             anyhow::ensure!(!text.is_empty(), "secret file {} is empty", path.display());
             return Ok(Some(text));
         }
         if self.secret_env {
-            let value = std::env::var("MULTIWORLD_SECRET")
+            let value = std::env::var_os("MULTIWORLD_SECRET")
                 .context("--secret-env given but MULTIWORLD_SECRET is not set")?;
             anyhow::ensure!(!value.is_empty(), "MULTIWORLD_SECRET is empty");
-            return Ok(Some(value.into_bytes()));
+            use std::os::unix::ffi::OsStringExt;
+            return Ok(Some(value.into_vec()));
         }
         Ok(None)
     }

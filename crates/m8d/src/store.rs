@@ -16,7 +16,8 @@ pub struct StoreArgs {
     /// Address to listen on (port 0 picks a free port).
     #[arg(long, default_value = "127.0.0.1:29400")]
     pub bind: SocketAddr,
-    /// Refuse to create worlds for clients (only useful with --world).
+    /// Refuse to create worlds for clients: every world must then be opened
+    /// by a process that hosts it (the store serves nothing otherwise).
     #[arg(long)]
     pub no_remote_create: bool,
     /// Most worlds open at once.
@@ -36,10 +37,15 @@ pub async fn run(args: StoreArgs) -> anyhow::Result<()> {
     };
     if config.allow_remote_create && config.remote_create_secret.is_none() {
         // Not an error: a world of members without secrets is allowed.
+        let env_hint = if std::env::var_os("MULTIWORLD_SECRET").is_some() {
+            " (MULTIWORLD_SECRET is set, but the store reads it only with --secret-env)"
+        } else {
+            ""
+        };
         eprintln!(
-            "m8d store: no secret (--secret-file or MULTIWORLD_SECRET): the worlds it creates for \
-             clients are open to anyone who can reach this port, and members holding a secret \
-             will refuse them"
+            "m8d store: no secret (--secret-file FILE, or --secret-env to read MULTIWORLD_SECRET){env_hint}: \
+             the worlds it creates for clients are open to anyone who can reach this port, and \
+             members holding a secret will refuse them"
         );
     }
     let server = StoreServer::bind(args.bind, config).await?;

@@ -108,3 +108,68 @@ fn malformed_addresses_are_usage_errors() {
         "negative",
     );
 }
+
+/// A command that prints results ends quietly when its output is closed
+/// early (`m8d ... | head`), instead of panicking on the closed pipe.
+#[test]
+fn a_closed_output_ends_a_printing_command_quietly() {
+    use std::io::Read;
+    use std::process::Stdio;
+    let ops: Vec<String> = (0..256)
+        .map(|i| {
+            format!(
+                r#"{{"seq":{i},"kind":"send","peer":1,"tag":0,"bytes":4,"start_us":{i},"end_us":{},"outcome":"done"}}"#,
+                i + 1
+            )
+        })
+        .collect();
+    let record = format!(
+        r#"{{"world":"w","generation":1,"rank":0,"began_unix_ms":0,"taken_us":300,"reason":"test","dropped":0,"ops":[{}]}}"#,
+        ops.join(",")
+    );
+    let file = std::env::temp_dir().join(format!("m8d-closed-pipe-{}.json", std::process::id()));
+    std::fs::write(&file, record).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_m8d"))
+        .arg("flight")
+        .arg(&file)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Closed before anything is read.
+    drop(child.stdout.take());
+    let mut err = String::new();
+    child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    let status = child.wait().unwrap();
+    let _ = std::fs::remove_file(&file);
+    assert!(!err.contains("panicked"), "{err}");
+    assert_ne!(status.code(), Some(101), "{status:?}: {err}");
+}
+
+/// `m8d status` gives up on an endpoint that sends its answer's headers and
+/// then stalls (a process frozen mid-answer): the bound covers the body too.
+#[test]
+fn status_gives_up_on_an_answer_that_stalls() {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    // The first scrape gets the headers and 9 of 100 bytes, then nothing
+    // (the connection is held open until the test process ends).
+    std::thread::spawn(move || {
+        if let Ok((mut s, _)) = listener.accept() {
+            let mut buf = [0u8; 1024];
+            let _ = s.read(&mut buf);
+            let _ = s.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n# partial");
+            std::thread::sleep(Duration::from_secs(60));
+        }
+    });
+    let start = Instant::now();
+    let out = process::run_within(
+        Command::new(env!("CARGO_BIN_EXE_m8d")).args(["status", &addr.to_string()]),
+        Duration::from_secs(18),
+    );
+    let took = start.elapsed();
+    assert!(!out.status.success(), "{out:?}");
+    assert!(out.stderr.contains("did not answer"), "{}", out.stderr);
+    assert!(took < Duration::from_secs(16), "took {took:?}");
+}

@@ -429,7 +429,8 @@ fn refuse_unsecured(world: &str, unsecured: bool, caller: &Caller) -> Result<(),
             world: world.to_string(),
             reason: "the store keeps this world without a secret, so anyone can read and write it, \
                      but this member holds one: give the store a secret of its own \
-                     (m8d store --secret-file or MULTIWORLD_SECRET), or join without one"
+                     (m8d store --secret-file FILE, or --secret-env with MULTIWORLD_SECRET set), \
+                     or join without one"
                 .to_string(),
         });
     }

@@ -422,7 +422,10 @@ mod tests {
             (OsString::from("RANK"), OsString::from("1")),
             (OsString::from_vec(b"BAD\xffNAME".to_vec()), OsString::from("x")),
             (OsString::from("OTHER"), OsString::from_vec(b"v\xff".to_vec())),
-            (OsString::from("WORLD_SIZE"), OsString::from_vec(b"2\xff".to_vec())),
+            (
+                OsString::from("WORLD_SIZE"),
+                OsString::from_vec(b"2\xff".to_vec()),
+            ),
         ];
         let map = env_map(vars.into_iter());
         assert_eq!(map["RANK"], "1");
