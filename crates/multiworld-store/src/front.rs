@@ -225,8 +225,21 @@ impl Drop for InFlight {
     }
 }
 
+/// Largest message of a request that names no world (a world-less `Ping`,
+/// whose message is empty, or an unknown method, answered `unimplemented`):
+/// read before any proof, so kept far below what members' requests need.
+pub(crate) const WORLDLESS_MESSAGE_BYTES: usize = 64;
+
 /// A pre-authentication request in flight; dropping it frees its place.
 struct Unauthenticated(Arc<Conn>);
+
+impl Unauthenticated {
+    /// Counts a request on `conn` as a stranger's until this is dropped.
+    fn begin(conn: &Arc<Conn>) -> Unauthenticated {
+        conn.unauthenticated.fetch_add(1, Ordering::AcqRel);
+        Unauthenticated(Arc::clone(conn))
+    }
+}
 
 impl Drop for Unauthenticated {
     fn drop(&mut self) {
@@ -544,9 +557,12 @@ fn admit(
         }
         Verdict::Admit => {}
     }
-    let small = method == "Open" || world.is_none();
     Ok(Admitted {
-        bound: if small {
+        bound: if world.is_none() {
+            // A world-less Ping carries next to nothing: a stranger's must
+            // not be able to reserve request memory that members need.
+            config.max_unauthenticated_body_bytes.min(WORLDLESS_MESSAGE_BYTES)
+        } else if method == "Open" {
             config.max_unauthenticated_body_bytes
         } else {
             config.max_message_bytes

@@ -99,9 +99,10 @@ pub struct ServerConfig {
     /// `LimitExceeded { UnauthenticatedStreams }`. (A framed connection runs
     /// such requests one at a time.)
     pub max_unauthenticated_streams: usize,
-    /// Largest message of an `Open`, a world-less `Ping` or an unknown
-    /// method, all of which are read before any proof is checked (default
-    /// 4 KiB).
+    /// Largest message of an `Open`, which is read before any proof is
+    /// checked (default 4 KiB). A request that names no world (a world-less
+    /// `Ping`, an unknown method) is held to the smaller of this and 64
+    /// bytes.
     pub max_unauthenticated_body_bytes: usize,
     /// Bytes of request bodies received and decoded at once, all connections
     /// together (default 64 MiB). Each request reserves twice its declared

@@ -1264,3 +1264,32 @@ async fn a_call_the_server_went_away_without_reading_is_sent_again() {
         assert!(took < Duration::from_secs(5), "{how:?} took {took:?}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn strangers_stalled_in_a_request_head_do_not_lock_members_out() {
+    // Every place taken by a stranger that sent a request's first bytes (a
+    // frame header declaring 100 bytes, and one byte of its head) and
+    // nothing more: until its head is read, a request is a stranger's, so
+    // its connection can make room for a member's.
+    const PLACES: usize = 4;
+    let s = server(ServerConfig {
+        max_connections: PLACES,
+        ..ServerConfig::default()
+    })
+    .await;
+    s.open_world("w", secure()).unwrap();
+    let addr = s.local_addr();
+    let mut strangers = Vec::new();
+    for id in 0..PLACES as u32 * 2 {
+        let mut sock = TcpStream::connect(addr).await.unwrap();
+        let start = [&PREFACE[..], &header(REQUEST, id + 1, 100), &[PING_METHOD]].concat();
+        let _ = sock.write_all(&start).await;
+        strangers.push(sock);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let m = tokio::time::timeout(Duration::from_secs(5), member(addr, "w", Some(SECRET)))
+        .await
+        .expect("the member was kept out by strangers stalled in a head");
+    assert!(set_get(&m).await < Duration::from_secs(10));
+    assert!(s.stats().evicted_connections > 0, "{:?}", s.stats());
+}

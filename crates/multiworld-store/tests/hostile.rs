@@ -160,6 +160,38 @@ const UNAUTHENTICATED: u32 = 16;
 const RESOURCE_EXHAUSTED: u32 = 8;
 const DEADLINE_EXCEEDED: u32 = 4;
 
+/// World-less Pings (allowed before any proof) stalled in the middle of
+/// their message cannot take the request-memory budget that members'
+/// requests need: such a Ping carries next to nothing, so a larger one is
+/// refused before anything is reserved.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_worldless_pings_cannot_take_the_request_memory() {
+    let s = server(ServerConfig {
+        // One connection's worth of 4 KiB pre-authentication requests.
+        max_buffered_request_bytes: 16 * (2 * 4096 + 5),
+        ..ServerConfig::default()
+    })
+    .await;
+    s.open_world("w", secure()).unwrap();
+    let addr = s.local_addr();
+    let first = member(addr, "w", Some(SECRET)).await;
+    let conn = h2_connection(addr).await;
+    let mut held = Vec::new();
+    for _ in 0..16 {
+        held.push(partial_request(&conn, grpc_request(addr, "Ping", None, None), 4096, 0).await);
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let took = tokio::time::timeout(Duration::from_secs(5), async {
+        let t = set_get(&first).await;
+        let second = member(addr, "w", Some(SECRET)).await;
+        t + set_get(&second).await
+    })
+    .await
+    .expect("members were starved of request memory");
+    assert!(took < Duration::from_secs(1), "{took:?}");
+    drop(held);
+}
+
 // Item 1: a stranger holding incomplete maximum-size requests.
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

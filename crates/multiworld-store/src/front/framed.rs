@@ -37,7 +37,7 @@ use tokio::{
 };
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
-use super::{Accepted, CLOSE_GRACE, Conn, InFlight, admit, count_refusal};
+use super::{Accepted, CLOSE_GRACE, Conn, InFlight, Unauthenticated, admit, count_refusal};
 use crate::{
     error::{Limit, StoreError},
     framed::{
@@ -336,6 +336,11 @@ impl Reader<'_> {
         len: usize,
     ) -> Result<(), Closed> {
         let in_flight = InFlight::begin(self.conn);
+        // Until its head says who it is from and `admit` lets it in, a
+        // request is a stranger's: its connection may make room for a
+        // member's (a head stalled for `request_body_timeout`, or a refusal
+        // whose answer the client does not read, must not hold a place).
+        let stranger = Unauthenticated::begin(self.conn);
         let shared = Arc::clone(self.shared);
         let config = &shared.config;
         let deadline = Instant::now() + config.request_body_timeout;
@@ -362,6 +367,8 @@ impl Reader<'_> {
             let err = StoreError::InvalidArgument(format!("unknown method {}", head.method));
             return self.refuse(rd, id, err, rest, deadline).await;
         };
+        // `admit` counts a pre-authentication request itself.
+        drop(stranger);
         let admitted = match admit(
             &shared,
             self.conn,
@@ -370,7 +377,10 @@ impl Reader<'_> {
             head.proof.as_deref(),
         ) {
             Ok(admitted) => admitted,
-            Err(err) => return self.refuse(rd, id, err, rest, deadline).await,
+            Err(err) => {
+                let _stranger = Unauthenticated::begin(self.conn);
+                return self.refuse(rd, id, err, rest, deadline).await;
+            }
         };
         let bound = admitted.bound;
         if let Err(err) = over(Limit::MessageBytes, bound, rest) {
