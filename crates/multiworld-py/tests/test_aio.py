@@ -202,6 +202,54 @@ def test_events_as_an_async_iterator():
     asyncio.run(asyncio.wait_for(main(), 60))
 
 
+def test_a_cancelled_wait_for_an_event_keeps_the_order_of_events():
+    # A fake stream whose waiters take events in the order they came. An
+    # anext cancelled while its thread waits leaves that wait in flight; the
+    # next anext must take the event it gets, not start a wait of its own
+    # that could take the second event first.
+    from multiworld_rs._api import EventStream
+
+    class Fake:
+        def __init__(self):
+            self.cond = threading.Condition()
+            self.items = []
+
+        def next(self, timeout):
+            with self.cond:
+                self.cond.wait_for(lambda: self.items, timeout)
+                return self.items.pop(0) if self.items else None
+
+        def push(self, *evs):
+            with self.cond:
+                self.items.extend(evs)
+                self.cond.notify_all()
+
+    async def main():
+        for _ in range(5):
+            fake = Fake()
+            s = EventStream(fake, None)
+            first = asyncio.ensure_future(s.anext())
+            await asyncio.sleep(0.02)
+            first.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await first
+            second = asyncio.ensure_future(s.anext())
+            await asyncio.sleep(0.02)
+            fake.push("E1", "E2")
+            got = [await second, await s.anext()]
+            assert got == ["E1", "E2"], got
+            # The synchronous form takes what a cancelled wait got too.
+            third = asyncio.ensure_future(s.anext())
+            await asyncio.sleep(0.02)
+            third.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await third
+            fake.push("E3")
+            assert s.next(2) == "E3"
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
 def test_messages_already_here_are_taken_at_once_and_the_loop_still_turns():
     async def main():
         a, b, w0, w1 = await pair()

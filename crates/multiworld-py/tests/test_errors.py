@@ -264,6 +264,42 @@ def test_forked_child_gets_a_clear_error():
     assert "CHILD 0" in r.stdout, r.stdout + r.stderr
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_forked_child_gets_a_clear_error_from_asyncio_housekeeping():
+    # The parent used the asyncio housekeeping pool; a forked child inherits
+    # it without its threads. An awaited housekeeping call of an inherited
+    # manager must raise ForkedProcessError, not wait for ever.
+    r = run_py("""
+        import asyncio, os
+        import multiworld_rs as mw
+        from multiworld_rs import aio
+
+        async def parent():
+            m = aio.AsyncWorldManager()
+            await m.serve_store("127.0.0.1:0")
+            return m
+
+        m = asyncio.run(parent())
+        pid = os.fork()
+        if pid == 0:
+            async def child():
+                await asyncio.wait_for(m.shutdown(), 10)
+            try:
+                asyncio.run(child())
+                os._exit(3)
+            except mw.ForkedProcessError:
+                os._exit(0)
+            except asyncio.TimeoutError:
+                os._exit(4)
+            os._exit(5)
+        _, status = os.waitpid(pid, 0)
+        print("CHILD", os.waitstatus_to_exitcode(status))
+        asyncio.run(m.shutdown())
+    """)
+    assert r.returncode == 0, r.stderr
+    assert "CHILD 0" in r.stdout, r.stdout + r.stderr
+
+
 def test_an_interrupted_recv_into_never_writes_the_array_after_it_returns():
     # recv_into lends the caller's array to the runtime (no copy). Ctrl-C in
     # the middle of a large message: the transport finishes reading that

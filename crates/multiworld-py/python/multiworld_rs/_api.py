@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import collections
+import concurrent.futures
 import enum
 import os
 import sys
@@ -111,6 +111,20 @@ class WorldInfo(NamedTuple):
     cause: Optional[str]
 
 
+_EVENTS_POOL: "Optional[concurrent.futures.ThreadPoolExecutor]" = None
+_EVENTS_POOL_PID = 0
+
+
+def _events_pool() -> "concurrent.futures.ThreadPoolExecutor":
+    """The threads that wait for events for :meth:`EventStream.anext` (a
+    pool of this process: a forked child makes its own)."""
+    global _EVENTS_POOL, _EVENTS_POOL_PID
+    if _EVENTS_POOL is None or _EVENTS_POOL_PID != os.getpid():
+        _EVENTS_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="multiworld-events")
+        _EVENTS_POOL_PID = os.getpid()
+    return _EVENTS_POOL
+
+
 class EventStream:
     """Events of a manager from the moment of subscription
     (:meth:`WorldManager.events`). Iterating (``for`` or ``async for``)
@@ -126,39 +140,48 @@ class EventStream:
     def __init__(self, native: Any, timeout: Optional[float]) -> None:
         self._s = native
         self._timeout = timeout
-        self._kept: "collections.deque[Event]" = collections.deque()
+        # The slice of waiting an ``anext`` started and its caller gave up on
+        # (cancelled): the next call takes its event first, so events keep
+        # their order whichever call gets them.
+        self._inflight: "Optional[concurrent.futures.Future[Optional[Event]]]" = None
+
+    def _settle(self, fut: "concurrent.futures.Future[Optional[Event]]") -> None:
+        if self._inflight is fut:
+            self._inflight = None
 
     def next(self, timeout: Optional[float] = None) -> Optional[Event]:
         """The next event, or ``None`` after ``timeout`` seconds without one."""
-        if self._kept:
-            return self._kept.popleft()
-        return self._s.next(_seconds("timeout", timeout))
+        limit = _seconds("timeout", timeout)
+        fut = self._inflight
+        if fut is not None:
+            # At most one slice (0.2 s) of waiting is left in it.
+            try:
+                ev = fut.result(limit)
+            except concurrent.futures.TimeoutError:
+                return None
+            self._settle(fut)
+            if ev is not None:
+                return ev
+        return self._s.next(limit)
 
     async def anext(self, timeout: Optional[float] = None) -> Optional[Event]:
         """The coroutine form of :meth:`next` (the event loop keeps running)."""
         import asyncio
 
         limit = _seconds("timeout", timeout)
-        loop = asyncio.get_running_loop()
         deadline = None if limit is None else time.monotonic() + limit
         while True:
-            if self._kept:
-                return self._kept.popleft()
-            left = self._SLICE if deadline is None else max(0.0, min(self._SLICE, deadline - time.monotonic()))
-            fut = loop.run_in_executor(None, self._s.next, left)
-            try:
-                ev = await asyncio.shield(fut)
-            except asyncio.CancelledError:
-                fut.add_done_callback(self._keep)
-                raise
+            fut = self._inflight
+            if fut is None:
+                left = self._SLICE if deadline is None else max(0.0, min(self._SLICE, deadline - time.monotonic()))
+                fut = self._inflight = _events_pool().submit(self._s.next, left)
+            # A cancellation leaves `fut` in flight for the next call.
+            ev = await asyncio.shield(asyncio.wrap_future(fut))
+            self._settle(fut)
             if ev is not None:
                 return ev
             if deadline is not None and time.monotonic() >= deadline:
                 return None
-
-    def _keep(self, fut: "Any") -> None:
-        if not fut.cancelled() and fut.exception() is None and fut.result() is not None:
-            self._kept.append(fut.result())
 
     def __iter__(self) -> Iterator[Event]:
         return self

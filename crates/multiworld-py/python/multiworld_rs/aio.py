@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -57,6 +58,20 @@ _BURST = 16
 _WAIT_SLICE = 0.1
 
 _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="multiworld-aio")
+_POOL_PID = os.getpid()
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The housekeeping pool of this process. A forked child inherits the
+    parent's pool without its threads (an executor that believes it has
+    idle workers starts none, so a call would never run): the child gets a
+    pool of its own, and the call it runs raises ``ForkedProcessError`` as
+    every inherited handle does."""
+    global _POOL, _POOL_PID
+    if _POOL_PID != os.getpid():
+        _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="multiworld-aio")
+        _POOL_PID = os.getpid()
+    return _POOL
 
 
 class _Bridge:
@@ -152,7 +167,7 @@ async def _wait(work: Optional[Work], withdraw_on_cancel: bool = False) -> Any:
 
 async def _call(fn: Any, *args: Any, **kw: Any) -> Any:
     loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(_POOL, lambda: fn(*args, **kw))
+    return await loop.run_in_executor(_pool(), lambda: fn(*args, **kw))
 
 
 class AsyncWorld:
