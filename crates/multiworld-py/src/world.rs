@@ -914,15 +914,21 @@ impl Work {
     /// waiter: ended now, unless it has ended already (an outcome already
     /// in stays: the cancellation lost the race). Dropping the future
     /// withdraws the receive.
-    fn apply_cancel(&self) -> PyResult<()> {
-        if self.cancel_asked.load(Ordering::SeqCst)
-            && let Ok(mut g) = self.pending.try_lock()
-            && let Some(Pending::Polled(p)) = g.as_mut()
+    /// Returns false when a thread's `wait` holds the handle: that thread
+    /// applies the cancel (and settles the loan) itself.
+    fn apply_cancel(&self) -> PyResult<bool> {
+        if !self.cancel_asked.load(Ordering::SeqCst) {
+            return Ok(true);
+        }
+        let Ok(mut g) = self.pending.try_lock() else {
+            return Ok(false);
+        };
+        if let Some(Pending::Polled(p)) = g.as_mut()
             && !self.poll_now(p)
         {
             runtime::enter(|| p.cancel())?;
         }
-        Ok(())
+        Ok(true)
     }
 
     /// After a `wait` on a polled operation (which polled it with its own
@@ -1006,6 +1012,12 @@ impl Work {
     /// receive into a lent array, returns once the runtime has let go of the
     /// array (at once, unless its message was arriving: then once it has).
     fn cancel(&self, py: Python<'_>) -> PyResult<()> {
+        // In a forked child, before anything touches the runtime's state (an
+        // abort would push onto the dead scheduler's queue, under its lock).
+        runtime::runtime()?;
+        // Whether a thread's `wait` holds this (polled) handle: that thread
+        // ends it and waits for the loan to end before it returns.
+        let mut held_by_a_waiter = false;
         if let Some(a) = &self.abort {
             // A thread in `wait` that sees a device complete meanwhile
             // leaves the outcome to the task (see `task_end`).
@@ -1020,11 +1032,16 @@ impl Work {
             if let Some(w) = lock(&self.waiter).take() {
                 w.wake();
             }
-            self.apply_cancel()?;
+            held_by_a_waiter = !self.apply_cancel()?;
             // An event loop awaiting the handle learns of the end.
             self.hand_back_to_loop();
         }
-        if let Some(r) = &self.lent {
+        // Not when a waiter holds the handle: the lent array is inside its
+        // suspended wait, and this may run in a signal handler on that very
+        // thread (waiting here would never end).
+        if let Some(r) = &self.lent
+            && !held_by_a_waiter
+        {
             runtime::wait(py, r.clone().wait())?;
         }
         Ok(())
@@ -1147,6 +1164,14 @@ impl Work {
             }
             Some(Some(r)) => r,
         };
+        // An operation that did not complete may still hold the caller's
+        // array (a message arriving into it when it was cancelled): the
+        // runtime lets go of it first.
+        if !matches!(r, Ended::Done(Ok(_)))
+            && let Some(l) = &self.lent
+        {
+            runtime::wait(py, l.clone().wait())?;
+        }
         let out = match r {
             Ended::Done(Ok(done)) => done.into_py(py),
             Ended::Done(Err(e)) => Err(errors::world(py, e, self.generation)),

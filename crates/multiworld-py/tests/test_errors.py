@@ -300,6 +300,47 @@ def test_forked_child_gets_a_clear_error_from_asyncio_housekeeping():
     assert "CHILD 0" in r.stdout, r.stdout + r.stderr
 
 
+def test_a_cancel_from_a_signal_handler_on_the_waiting_thread_ends_the_wait():
+    # A handle's cancel called from a signal handler that interrupts this
+    # very thread's wait on it (a receive into a lent array from a silent
+    # peer): the handler must return at once and the wait end with the
+    # cancellation, not both wait for each other.
+    r = run_py("""
+        import faulthandler, signal, threading
+        faulthandler.dump_traceback_later(60, exit=True)
+        import numpy as np
+        import multiworld_rs as mw
+        a, b = mw.WorldManager(), mw.WorldManager()
+        store = a.serve_store("127.0.0.1:0")
+        out = {}
+        t = threading.Thread(target=lambda: out.setdefault(1, b.join("sig", 1, 2, store)))
+        t.start()
+        w = a.join("sig", 0, 2, store)
+        t.join()
+        arr = np.zeros(4, np.float32)
+        h = w.irecv(arr, 1)
+        signal.signal(signal.SIGALRM, lambda *_: h._w.cancel())
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        import time
+        t0 = time.monotonic()
+        try:
+            h.wait(timeout=20)
+            print("WAITED")
+        except RuntimeError as e:
+            print("CANCELLED", "cancelled" in str(e), round(time.monotonic() - t0, 1))
+        # The array is the caller's again: a new receive may use it.
+        out[1].send(np.full(4, 7, np.float32), 0)
+        w.recv_into(arr, 1)
+        print("AGAIN", arr.tolist())
+        a.shutdown(); b.shutdown()
+    """)
+    assert r.returncode == 0, r.stderr
+    assert "CANCELLED True" in r.stdout, r.stdout + r.stderr
+    took = float(r.stdout.split("CANCELLED True ")[1].split()[0])
+    assert took < 5, r.stdout
+    assert "AGAIN [7.0, 7.0, 7.0, 7.0]" in r.stdout, r.stdout
+
+
 def test_an_interrupted_recv_into_never_writes_the_array_after_it_returns():
     # recv_into lends the caller's array to the runtime (no copy). Ctrl-C in
     # the middle of a large message: the transport finishes reading that
