@@ -250,6 +250,58 @@ def test_a_cancelled_wait_for_an_event_keeps_the_order_of_events():
     asyncio.run(asyncio.wait_for(main(), 60))
 
 
+def test_cancelling_a_receive_into_a_lent_array_does_not_block_the_loop():
+    # Cancelling an asyncio receive into a lent array waits until the
+    # runtime lets go of the array (a message arriving into it must land
+    # first): the waiting runs in the pool, the loop keeps turning, and the
+    # coroutine ends only after it. A fake native handle stands in for a
+    # message that takes 0.5 s to land.
+    from multiworld_rs._api import _LentRecv
+
+    class Arriving:
+        let_go = None
+
+        def notify(self, notifier, token):
+            pass
+
+        def unwatch(self):
+            pass
+
+        def settled(self):
+            return False
+
+        def cancel(self):
+            time.sleep(0.5)
+            Arriving.let_go = time.monotonic()
+
+        def wait(self, timeout=None):
+            raise RuntimeError("the operation was cancelled")
+
+    async def main():
+        ticks = []
+
+        async def ticker():
+            while True:
+                ticks.append(time.monotonic())
+                await asyncio.sleep(0.01)
+
+        tick = asyncio.ensure_future(ticker())
+        work = _LentRecv(Arriving(), np.zeros(4))
+        receiving = asyncio.ensure_future(aio._wait(work, withdraw_on_cancel=True))
+        await asyncio.sleep(0.05)
+        t0 = time.monotonic()
+        receiving.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await receiving
+        ended = time.monotonic()
+        tick.cancel()
+        assert Arriving.let_go is not None and ended >= Arriving.let_go, "ended before the array was let go"
+        during = [t for t in ticks if t0 <= t <= ended]
+        assert len(during) >= 10, f"the loop turned {len(during)} times in {ended - t0:.2f} s"
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
 def test_messages_already_here_are_taken_at_once_and_the_loop_still_turns():
     async def main():
         a, b, w0, w1 = await pair()

@@ -148,11 +148,27 @@ async def _wait(work: Optional[Work], withdraw_on_cancel: bool = False) -> Any:
             # copies into the caller's array.
             raise
         bridge.forget(token)
-        # Withdraws the receive (for a lent array: returns once the runtime
-        # has let go of it). If the message had already been received, the
-        # cancellation lost the race: deliver the message rather than drop
-        # it, and take the cancellation back.
-        work._w.cancel()
+        # Withdraws the receive. If the message had already been received,
+        # the cancellation lost the race: deliver the message rather than
+        # drop it, and take the cancellation back.
+        if isinstance(work, _api._LentRecv):
+            # The cancel returns once the runtime has let go of the caller's
+            # array, which, for a message arriving into it, is when the
+            # message has arrived (or its world broke): waited for in the
+            # pool, so the loop goes on meanwhile. The array is the caller's
+            # again before this coroutine ends, however often it is
+            # cancelled meanwhile.
+            letting_go = asyncio.get_running_loop().run_in_executor(_pool(), work._w.cancel)
+            while True:
+                try:
+                    await asyncio.shield(letting_go)
+                    break
+                except asyncio.CancelledError:
+                    if letting_go.done():
+                        letting_go.result()
+                        break
+        else:
+            work._w.cancel()
         try:
             # Returns at once: the task has ended (received) or the abort
             # ends it within microseconds (it then raises).
