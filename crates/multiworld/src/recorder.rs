@@ -34,6 +34,8 @@ pub enum Outcome {
     /// Failed with this error.
     Failed(String),
     /// Its caller stopped waiting (the future was dropped) before it ended.
+    /// Not a send whose `isend` handle was dropped: that send goes on, and
+    /// its record ends when the send does.
     Cancelled,
 }
 

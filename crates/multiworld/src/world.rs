@@ -1114,7 +1114,7 @@ impl World {
                     bytes,
                 })
             }),
-            inner,
+            inner: Some(inner),
         }
     }
 
@@ -1266,21 +1266,52 @@ impl World {
 pub struct PendingSend {
     world: Arc<WorldShared>,
     op: Option<OpGuard>,
-    inner: Result<multiworld_tcp::SendHandle, WorldError>,
+    /// Taken by [`PendingSend::wait`] (`None` after).
+    inner: Option<Result<multiworld_tcp::SendHandle, WorldError>>,
+}
+
+impl Drop for PendingSend {
+    /// Dropping the handle does not cancel the send: it goes on in the
+    /// background, and so does its record (and its deadline, if the world
+    /// has one), which end when the send does. Outside a Tokio runtime the
+    /// record ends now, as cancelled.
+    fn drop(&mut self) {
+        let (Some(Ok(handle)), Some(mut op)) = (self.inner.take(), self.op.take()) else {
+            return;
+        };
+        if handle.is_completed() {
+            let r = futures::FutureExt::now_or_never(handle.wait()).unwrap_or(Ok(Tensor::default()));
+            op.finish(&r);
+            return;
+        }
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move {
+                let r = handle.wait().await;
+                op.finish(&r);
+            });
+        }
+    }
 }
 
 impl PendingSend {
     /// Whether the send has finished (successfully or not).
     pub fn is_completed(&self) -> bool {
-        self.inner.as_ref().map_or(true, |h| h.is_completed())
+        match &self.inner {
+            Some(Ok(h)) => h.is_completed(),
+            _ => true,
+        }
     }
 
     /// Waits for the send; returns the tensor.
-    pub async fn wait(self) -> Result<Tensor, WorldError> {
-        let PendingSend { world, mut op, inner } = self;
-        let r = match inner {
-            Ok(h) => h.wait().await.map_err(|e| world.fail(e)),
-            Err(e) => Err(e),
+    pub async fn wait(mut self) -> Result<Tensor, WorldError> {
+        let mut op = self.op.take();
+        let r = match self.inner.take() {
+            Some(Ok(h)) => h.wait().await.map_err(|e| self.world.fail(e)),
+            Some(Err(e)) => Err(e),
+            None => Err(WorldError::InvalidArgument {
+                world: self.world.name.clone(),
+                detail: "internal: the send was already waited for".into(),
+            }),
         };
         if let Some(op) = &mut op {
             op.finish(&r);

@@ -932,3 +932,42 @@ async fn a_flight_record_that_cannot_be_written_stalls_no_other_world() {
     unblock.join().unwrap();
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A send whose handle is dropped goes on (dropping does not cancel it), and
+/// the flight record says how it ended, not "cancelled".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_send_handle_is_recorded_as_the_send_ends() {
+    multiworld_testkit::init_tracing();
+    let leader = WorldManager::default();
+    let worker = WorldManager::default();
+    let store = leader.serve_store("127.0.0.1:0").await.unwrap().to_string();
+    let (a, b) = pair(&leader, &worker, "w", &store).await;
+    // 64 MiB: more than the peer reads ahead, so it is still going when
+    // its handle is dropped.
+    let n = 16 << 20;
+    let send = a.isend(Rank(1), Tag(3), Tensor::from(vec![1.5f32; n]));
+    assert!(!send.is_completed());
+    drop(send);
+    let mut got = Tensor::zeros(multiworld::DType::F32, [n]).unwrap();
+    b.recv(Rank(0), Tag(3), &mut got).await.unwrap();
+    assert!(got.as_slice::<f32>().unwrap().iter().all(|&x| x == 1.5));
+    let t0 = Instant::now();
+    loop {
+        let record = leader.flight_record("w").unwrap();
+        let op = record
+            .ops
+            .iter()
+            .find(|o| o.kind == "isend")
+            .expect("the send is recorded");
+        match &op.outcome {
+            multiworld::OpOutcome::Done => break,
+            multiworld::OpOutcome::Pending => {}
+            other => panic!("the dropped send was recorded as {other:?}"),
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "still pending after it was received"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
