@@ -199,33 +199,32 @@ fn all_gone(pids: &[i32], within: Duration, what: &str) {
     }
 }
 
+/// Launches 2 ranks that each start a background job, sends the launcher
+/// `sig`, and checks its exit code and that every rank and job is gone.
+fn signal_ends_ranks_and_what_they_started(sig: Signal, code: i32) {
+    let (mut launcher, rx) = launch_two("sleep 300 & echo pids $$ $!; wait");
+    let mut lines = Vec::new();
+    let pids = pids_of(&rx, &mut lines);
+    let _cleanup = KillOnPanic(pids.clone());
+    launcher.signal(sig);
+    let status = launcher.wait_within(process::DEADLINE, || format!("{lines:?}"));
+    assert_eq!(status.code(), Some(code), "{sig}: {lines:?}");
+    // The launcher exits only once its ranks' process groups are empty.
+    all_gone(&pids, Duration::from_secs(10), "after the launcher exited");
+}
+
 /// Ctrl-C ends each rank's shell, but its background job ignores SIGINT (a
 /// shell starts `&` jobs so): the launcher kills it once the grace period
 /// (5 s) is over, instead of leaving it running.
 #[test]
 fn what_a_rank_started_and_outlives_it_is_killed_after_the_grace_period() {
-    let (mut launcher, rx) = launch_two("sleep 300 & echo pids $$ $!; wait");
-    let mut lines = Vec::new();
-    let pids = pids_of(&rx, &mut lines);
-    let _cleanup = KillOnPanic(pids.clone());
-    launcher.signal(Signal::SIGINT);
-    let status = launcher.wait_within(process::DEADLINE, || format!("{lines:?}"));
-    assert_eq!(status.code(), Some(130), "{lines:?}");
-    // The launcher exits only once its ranks' process groups are empty.
-    all_gone(&pids, Duration::from_secs(10), "after the launcher exited");
+    signal_ends_ranks_and_what_they_started(Signal::SIGINT, 130);
 }
 
 /// A hangup (the terminal or ssh session gone) is forwarded like SIGTERM.
 #[test]
 fn sighup_is_forwarded_to_every_rank() {
-    let (mut launcher, rx) = launch_two("sleep 300 & echo pids $$ $!; wait");
-    let mut lines = Vec::new();
-    let pids = pids_of(&rx, &mut lines);
-    let _cleanup = KillOnPanic(pids.clone());
-    launcher.signal(Signal::SIGHUP);
-    let status = launcher.wait_within(process::DEADLINE, || format!("{lines:?}"));
-    assert_eq!(status.code(), Some(129), "{lines:?}");
-    all_gone(&pids, Duration::from_secs(30), "after the launcher exited");
+    signal_ends_ranks_and_what_they_started(Signal::SIGHUP, 129);
 }
 
 /// The deadline every test here (and in demo.rs, bench_plots.rs,

@@ -569,6 +569,17 @@ async fn a_connection_that_never_sends_a_request_is_closed() {
     );
 }
 
+/// A server of `places` connections with the secret world "w" open.
+async fn capped_with_a_secure_world(places: usize) -> StoreServer {
+    let s = server(ServerConfig {
+        max_connections: places,
+        ..ServerConfig::default()
+    })
+    .await;
+    s.open_world("w", secure()).unwrap();
+    s
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn strangers_holding_stalled_pings_on_every_place_do_not_lock_members_out() {
     // Every connection place taken by a stranger whose connection keeps a
@@ -577,12 +588,7 @@ async fn strangers_holding_stalled_pings_on_every_place_do_not_lock_members_out(
     // being refused, and its world works. A member's own busy connection is
     // never evicted for a stranger's.
     const PLACES: usize = 4;
-    let s = server(ServerConfig {
-        max_connections: PLACES,
-        ..ServerConfig::default()
-    })
-    .await;
-    s.open_world("w", secure()).unwrap();
+    let s = capped_with_a_secure_world(PLACES).await;
     let addr = s.local_addr();
     let first = member(addr, "w", Some(SECRET)).await;
     // The member's connection is busy: a wait in flight.
@@ -1272,12 +1278,7 @@ async fn strangers_stalled_in_a_request_head_do_not_lock_members_out() {
     // nothing more: until its head is read, a request is a stranger's, so
     // its connection can make room for a member's.
     const PLACES: usize = 4;
-    let s = server(ServerConfig {
-        max_connections: PLACES,
-        ..ServerConfig::default()
-    })
-    .await;
-    s.open_world("w", secure()).unwrap();
+    let s = capped_with_a_secure_world(PLACES).await;
     let addr = s.local_addr();
     let mut strangers = Vec::new();
     for id in 0..PLACES as u32 * 2 {
