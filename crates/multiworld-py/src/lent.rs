@@ -175,6 +175,9 @@ impl<'a, 'py> FromPyObject<'a, 'py> for Writable<'py> {
 /// (a receive or a collective lent them from another thread) is refused,
 /// and `ValueError` ("in use") if one writes them now.
 pub fn reading(bytes: &[u8], what: &str) -> PyResult<Reading> {
+    // In a forked child, before the registry's lock (which a runtime
+    // thread of the parent may have held at the fork).
+    crate::runtime::runtime()?;
     Entry::new(bytes.as_ptr() as usize, bytes.len(), Access::Read)
         .map(|entry| Reading { _entry: entry })
         .ok_or_else(|| in_use(what))
@@ -188,6 +191,9 @@ pub struct Reading {
 /// Refuses `bytes` (about to be read by a send) while any of it is lent to
 /// a call that writes it.
 pub fn check_not_lent(bytes: &[u8], what: &str) -> PyResult<()> {
+    // In a forked child, before the registry's lock (which a runtime
+    // thread of the parent may have held at the fork).
+    crate::runtime::runtime()?;
     if conflicts(&registry(), bytes.as_ptr() as usize, bytes.len(), Access::Read) {
         return Err(in_use(what));
     }
@@ -274,6 +280,9 @@ impl Loan {
     /// tensor of `dtype` and `shape`. `ValueError` if the sizes disagree, the
     /// memory is misaligned for `dtype`, or a `bool` byte is not 0 or 1.
     pub fn new(array: &mut Writable<'_>, dtype: DType, shape: Vec<usize>, what: &str) -> PyResult<Loan> {
+        // In a forked child, before the registry's lock (which a runtime
+        // thread of the parent may have held at the fork).
+        crate::runtime::runtime()?;
         let bytes = array
             .0
             .as_slice_mut()
@@ -297,6 +306,9 @@ impl Loan {
         shape: Vec<usize>,
         what: &str,
     ) -> PyResult<Option<Loan>> {
+        // In a forked child, before the registry's lock (which a runtime
+        // thread of the parent may have held at the fork).
+        crate::runtime::runtime()?;
         let bytes = array
             .as_slice()
             .map_err(|e| PyValueError::new_err(format!("{what}: {e}")))?;
@@ -431,6 +443,9 @@ impl<'a> Plain<'a> {
     /// or not lendable (misaligned, or a `bool` byte other than 0 or 1: the
     /// general path copies), `ValueError` if another call holds it.
     pub fn lend(&self, what: &str) -> PyResult<Option<Loan>> {
+        // In a forked child, before the registry's lock (which a runtime
+        // thread of the parent may have held at the fork).
+        crate::runtime::runtime()?;
         if !self.writeable() {
             return Ok(None);
         }
@@ -444,6 +459,9 @@ impl<'a> Plain<'a> {
     /// may change) and for memory `from_external` refuses; `ValueError`
     /// while a call that writes the memory holds it.
     pub fn lend_to_read(&self, what: &str) -> PyResult<Option<Loan>> {
+        // In a forked child, before the registry's lock (which a runtime
+        // thread of the parent may have held at the fork).
+        crate::runtime::runtime()?;
         if self.dtype == DType::Bool {
             return Ok(None);
         }
@@ -469,6 +487,9 @@ impl<'a> Plain<'a> {
     /// a reference to the array, and [`Released`] resolves once the runtime
     /// has let go of it. `Ok(None)` and errors as for [`Plain::lend`].
     pub fn lend_to_task(&self, what: &str) -> PyResult<Option<(Tensor, Released)>> {
+        // In a forked child, before the registry's lock (which a runtime
+        // thread of the parent may have held at the fork).
+        crate::runtime::runtime()?;
         self.lend_in_background(Access::Write, what)
     }
 
@@ -481,6 +502,9 @@ impl<'a> Plain<'a> {
     /// as the runtime's tensors are writable, and what `from_external`
     /// refuses): the caller then sends a copy.
     pub fn lend_to_send(&self) -> PyResult<Option<(Tensor, Released)>> {
+        // In a forked child, before the registry's lock (which a runtime
+        // thread of the parent may have held at the fork).
+        crate::runtime::runtime()?;
         self.lend_in_background(Access::Read, "send")
     }
 

@@ -244,9 +244,12 @@ def test_forked_child_gets_a_clear_error():
                 mw.WorldManager()
             except mw.ForkedProcessError as e:
                 ok = "spawn" in str(e) and e.parent_pid == os.getppid()
-                for read in (work.is_completed, lambda: w.state, lambda: m.world("solo"), m.worlds):
+                arr = np.ones(4, np.float32)
+                for read in (work.is_completed, lambda: w.state, lambda: m.world("solo"), m.worlds,
+                             lambda: w.send(arr, 0), lambda: w.recv_into(arr, 0),
+                             lambda: w.isend(arr, 0), lambda: w.all_reduce(arr)):
                     try:
-                        read()                       # inherited handles, reads only
+                        read()                       # inherited handles
                         os._exit(6)
                     except mw.ForkedProcessError:
                         pass
