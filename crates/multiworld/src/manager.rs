@@ -138,6 +138,17 @@ struct Inner {
 /// ended by its own bound.
 const JOIN_BACKSTOP: Duration = Duration::from_millis(500);
 
+/// Whether the generation `store` opened already has an address published
+/// for `rank`: a member of that rank joined it before, so it is left over
+/// from a world whose members are gone (a fresh generation has no keys; a
+/// generation torn down in order is closed and never opened again). A store
+/// that cannot tell counts as fresh: the join then goes on and fails on its
+/// own if it must.
+async fn stale_generation(store: &multiworld_store::WorldStore, world: &WorldName, rank: Rank) -> bool {
+    let key = multiworld_tcp::addr_key(world, multiworld_tcp::Generation(store.generation()), rank);
+    matches!(store.try_get(key).await, Ok(Some(_)))
+}
+
 /// Longest [`WorldManager::shutdown`] waits for joins in progress to end.
 const SHUTDOWN_JOIN_WAIT: Duration = Duration::from_secs(5);
 
@@ -492,6 +503,26 @@ impl WorldManager {
                 .open(name.as_str(), options)
                 .await
                 .map_err(|e| WorldError::from_store(name, e))?;
+            if host.is_none() && stale_generation(&store, &world_name, config.rank).await {
+                // A member of this rank joined this generation before: it is
+                // what is left of a world whose every member died without
+                // closing it (a standalone store keeps it, with their
+                // addresses). Close it and open a fresh one; a member of the
+                // new job that opened it too finds it gone and opens again.
+                tracing::info!(
+                    world = %name,
+                    generation = store.generation(),
+                    "the store kept a generation whose members are gone; opening a fresh one"
+                );
+                let _ = store.close().await;
+                if remaining().is_zero() {
+                    return Err(WorldError::join_failed(
+                        name,
+                        "the store kept a stale generation of this world until the join timeout",
+                    ));
+                }
+                continue;
+            }
             let rendezvous = StoreRendezvous::new(store.clone());
             let mut comm_config = CommConfig::new(
                 world_name.clone(),

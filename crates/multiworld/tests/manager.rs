@@ -971,3 +971,67 @@ async fn a_dropped_send_handle_is_recorded_as_the_send_ends() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
+
+/// A world whose every member died without closing it stays open on a
+/// standalone store, with their addresses. A new job's members of that
+/// name find the generation stale (a member of their rank joined it
+/// before), close it and join a fresh one, instead of dialling the dead
+/// members' addresses until the join times out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_generation_left_open_by_members_that_all_died_is_replaced() {
+    use multiworld_store::{ClientConfig, OpenOptions, StoreClient};
+    multiworld_testkit::init_tracing();
+    let server = StoreServer::bind(
+        "127.0.0.1:0".parse().unwrap(),
+        ServerConfig {
+            allow_remote_create: true,
+            remote_create_secret: Some(Secret::new("test secret")),
+            ..ServerConfig::default()
+        },
+    )
+    .await
+    .unwrap();
+    let store = server.local_addr().to_string();
+    // What two SIGKILLed members leave: the world open, their addresses in it
+    // (ports nobody listens on any more).
+    let dead = StoreClient::connect(&store, ClientConfig::default())
+        .await
+        .unwrap()
+        .open(
+            "w",
+            OpenOptions {
+                secret: Some(Secret::new("test secret")),
+                create: true,
+                ..OpenOptions::default()
+            },
+        )
+        .await
+        .unwrap();
+    let old = multiworld_tcp::Generation(dead.generation());
+    for r in 0..2 {
+        let gone = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap();
+        let name = multiworld_tcp::WorldName::new("w").unwrap();
+        dead.set(multiworld_tcp::addr_key(&name, old, Rank(r)), gone.to_string())
+            .await
+            .unwrap();
+    }
+    let standalone = |rank| {
+        let mut c = cfg("w", rank, 2, &store);
+        c.host_store = false;
+        c.join_timeout = Duration::from_secs(8);
+        c
+    };
+    let (m0, m1) = (WorldManager::default(), WorldManager::default());
+    // Rank 1 first: it would read rank 0's dead address.
+    let (b, a) = tokio::join!(m1.join(standalone(1)), async {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        m0.join(standalone(0)).await
+    });
+    let (a, b) = (a.unwrap(), b.unwrap());
+    assert_eq!(a.generation(), b.generation());
+    assert_ne!(a.generation().0, old.0, "joined the stale generation");
+    ping(&a, &b, 5.0).await;
+}
