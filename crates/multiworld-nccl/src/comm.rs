@@ -225,19 +225,33 @@ impl CommShared {
         }
     }
 
+    /// Records an error the communicator itself reports as its state
+    /// (`ncclCommGetAsyncError`): whatever its code, a communicator whose
+    /// asynchronous error is set keeps it and fails every later call, so it
+    /// is `Failed` (an `ncclInvalidUsage` there is no caller's mistake to
+    /// retry).
+    pub(crate) fn fail_async(&self, e: NcclError) -> NcclError {
+        self.record_failure(&e);
+        e
+    }
+
     /// Records a world-fatal error and moves `Live` to `Failed`.
     pub(crate) fn fail(&self, e: NcclError) -> NcclError {
         if e.is_world_fatal() {
-            let mut first = lock(&self.failure);
-            if first.is_none() {
-                *first = Some(e.clone());
-            }
-            drop(first);
-            if self.transition(&[CommState::Live], CommState::Failed).is_ok() {
-                tracing::warn!(error = %e, "NCCL communicator failed");
-            }
+            self.record_failure(&e);
         }
         e
+    }
+
+    fn record_failure(&self, e: &NcclError) {
+        let mut first = lock(&self.failure);
+        if first.is_none() {
+            *first = Some(e.clone());
+        }
+        drop(first);
+        if self.transition(&[CommState::Live], CommState::Failed).is_ok() {
+            tracing::warn!(error = %e, "NCCL communicator failed");
+        }
     }
 
     pub(crate) fn ensure_live(&self, op: &'static str) -> Result<(), NcclError> {
@@ -279,7 +293,7 @@ impl CommShared {
         match st {
             ffi::NCCL_SUCCESS => Ok(Some(())),
             ffi::NCCL_IN_PROGRESS => Ok(None),
-            e => Err(self.fail(self.rt.nccl_error(call, e, None))),
+            e => Err(self.fail_async(self.rt.nccl_error(call, e, None))),
         }
     }
 
@@ -327,7 +341,7 @@ impl CommShared {
         }
         match st {
             ffi::NCCL_SUCCESS | ffi::NCCL_IN_PROGRESS => None,
-            e => Some(self.fail(self.rt.nccl_error("ncclCommGetAsyncError", e, None))),
+            e => Some(self.fail_async(self.rt.nccl_error("ncclCommGetAsyncError", e, None))),
         }
     }
 

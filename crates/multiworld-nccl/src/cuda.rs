@@ -495,6 +495,12 @@ impl Drop for WorldDevice {
         }
         let cuda = *self.rt.cuda();
         if self.bind().is_err() {
+            // The handles need the context current and are left to it; the
+            // context reference does not, and is given back.
+            // SAFETY: this value retained the device's primary context once.
+            unsafe {
+                let _ = (cuda.primary_ctx_release)(self.device);
+            }
             return;
         }
         // SAFETY: each handle is ours, live and destroyed once. None of these

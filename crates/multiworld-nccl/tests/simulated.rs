@@ -328,6 +328,30 @@ fn an_async_error_fails_the_world_and_abort_releases_it() {
     assert_eq!(f.live(), before);
 }
 
+/// An asynchronous error whose code would be a caller's mistake from a
+/// call (`ncclInvalidUsage`) still fails the communicator when the
+/// communicator reports it as its state: NCCL keeps it and fails every later
+/// call, so nothing is left to retry.
+#[test]
+fn any_async_error_fails_the_communicator() {
+    let (_g, f) = fake();
+    let rt = f.runtime().unwrap();
+    let comm = NcclComm::init(&rt, &cfg(0, 1), &rt.unique_id().unwrap()).unwrap();
+    let mut buf = comm.alloc(DType::F32, 8).unwrap();
+    f.fail_last(5); // ncclInvalidUsage, set as the communicator's async error
+    assert!(comm.poll_error().is_some());
+    assert_eq!(comm.state(), CommState::Failed);
+    assert!(matches!(
+        comm.all_reduce_in_place(&mut buf, ReduceOp::Sum),
+        Err(NcclError::Aborted {
+            state: CommState::Failed,
+            ..
+        })
+    ));
+    assert!(matches!(comm.abort(T), AbortOutcome::Aborted { .. }));
+    drop((comm, buf));
+}
+
 #[test]
 fn a_hung_operation_times_out_and_abort_frees_it() {
     let (_g, f) = fake();

@@ -66,7 +66,7 @@ pub(crate) const DEVICE_POLL: Duration = Duration::from_millis(10);
 
 /// Where the manager keeps its NCCL runtime: set by
 /// `WorldManager::use_nccl_runtime`, or loaded on the first NCCL join.
-pub(crate) type RuntimeSlot = Mutex<Option<NcclRuntime>>;
+pub(crate) type RuntimeSlot = Arc<Mutex<Option<NcclRuntime>>>;
 
 /// The runtime in `slot`, loading (and keeping) one if none is there yet. A
 /// failed load is not kept, so a later join reports it again.
@@ -136,10 +136,26 @@ pub(crate) async fn join(
     deadline: Instant,
 ) -> Result<DeviceSide, String> {
     let remaining = || deadline.saturating_duration_since(Instant::now());
-    let rt = runtime(slot);
+    // Loading NCCL (a file search, `dlopen` of a library of hundreds of MiB
+    // and its initialisers) and the first `ncclGetUniqueId` (NCCL's own
+    // initialisation: a socket and a thread) take long: on a blocking
+    // thread, so that no runtime thread, and no other world's heartbeats,
+    // waits for them (nor for another join's load, behind the slot's lock).
+    let rt = {
+        let slot = Arc::clone(slot);
+        tokio::task::spawn_blocking(move || runtime(&slot))
+            .await
+            .map_err(|e| format!("loading NCCL: {e}"))?
+    };
     let id = if config.rank == Rank(0) {
         let made = match &rt {
-            Ok(rt) => rt.unique_id().map_err(|e| e.to_string()),
+            Ok(rt) => {
+                let rt = rt.clone();
+                tokio::task::spawn_blocking(move || rt.unique_id())
+                    .await
+                    .map_err(|e| format!("making the NCCL id: {e}"))
+                    .and_then(|r| r.map_err(|e| e.to_string()))
+            }
             Err(e) => Err(e.to_string()),
         };
         let value: Vec<u8> = match &made {
@@ -341,7 +357,9 @@ impl HostStaging {
         kept.closed = true;
         let freed = std::mem::take(&mut kept.tensors);
         drop(kept);
-        drop(freed);
+        // Pinned memory goes back to the driver, which can take a while for
+        // hundreds of MiB: not on a runtime thread.
+        blocking(move || drop(freed));
     }
 }
 

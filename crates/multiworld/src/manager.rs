@@ -241,7 +241,7 @@ impl WorldManager {
             closing: CancellationToken::new(),
             hosts: tokio::sync::Mutex::new(Vec::new()),
             #[cfg(feature = "nccl")]
-            nccl: std::sync::Mutex::new(None),
+            nccl: std::sync::Arc::new(std::sync::Mutex::new(None)),
         });
         let (weak, stop) = (Arc::downgrade(&inner), inner.root.clone());
         if let Err(e) = std::thread::Builder::new()

@@ -306,7 +306,7 @@ async fn nccl_worlds_run_device_operations_and_an_nccl_error_breaks_only_its_wor
 
     // NCCL reports an asynchronous error on b's communicator.
     let broke = Instant::now();
-    f.fail_last(5); // ncclInternalError
+    f.fail_last(3); // ncclInternalError
     match next_event_for(&mut events, "b", T).await {
         WorldEvent::Broken {
             cause: BreakCause::Device { reason },
