@@ -225,11 +225,12 @@ impl CommShared {
         }
     }
 
-    /// Records an error the communicator itself reports as its state
-    /// (`ncclCommGetAsyncError`): whatever its code, a communicator whose
-    /// asynchronous error is set keeps it and fails every later call, so it
-    /// is `Failed` (an `ncclInvalidUsage` there is no caller's mistake to
-    /// retry).
+    /// Records an error that fails the communicator whatever its kind: one
+    /// the communicator reports as its state (`ncclCommGetAsyncError`: a
+    /// communicator whose asynchronous error is set keeps it and fails every
+    /// later call, so an `ncclInvalidUsage` there is no caller's mistake to
+    /// retry), or one after an operation was enqueued (it runs on, and
+    /// a retry would put the members' operations out of step).
     pub(crate) fn fail_async(&self, e: NcclError) -> NcclError {
         self.record_failure(&e);
         e

@@ -42,7 +42,10 @@ impl NcclComm {
         sh.with_comm(op, |comm| enqueue(&sh.rt, comm, stream))?
             .map_err(|e| sh.fail(e))?;
         sh.wait_ready(call, deadline, budget)?;
-        let event = sh.dev.record_event().map_err(|e| sh.fail(e))?;
+        // The operation is enqueued: any failure from here on leaves it in
+        // flight with no handle, and the members' sequences of operations
+        // out of step, so it fails the communicator whatever its kind.
+        let event = sh.dev.record_event().map_err(|e| sh.fail_async(e))?;
         Ok(OpHandle::new(Arc::clone(sh), event, op, issued_at, budget))
     }
 
