@@ -147,6 +147,9 @@ struct fake_comm {
 
 static int g_version = 22703; /* 2.27.3 */
 static int g_init_hang, g_ops_hang, g_abort_hang, g_init_polls = 3, g_noop;
+/* How long ncclGetUniqueId takes (NCCL's first call initialises it: a
+ * socket, a thread), set by fake_nccl_slow_unique_id. */
+static int g_uid_ms;
 static volatile long g_comms;
 static struct fake_comm *g_last;
 static __thread int t_group_depth;
@@ -156,7 +159,10 @@ static __thread int t_p2p_n;
 
 void fake_nccl_reset(int version) {
   g_version = version; g_init_hang = g_ops_hang = g_abort_hang = g_noop = 0; g_init_polls = 3; g_last = NULL;
+  g_uid_ms = 0;
 }
+/* Makes every later ncclGetUniqueId sleep `ms` first (0: off). */
+void fake_nccl_slow_unique_id(int ms) { g_uid_ms = ms; }
 /* A broken NCCL for testing the tests: operations complete but move no data
  * (so a check that cannot tell a result from its untouched buffer passes).
  * Also on when the environment has FAKE_NCCL_NOOP=1. */
@@ -209,6 +215,7 @@ static ncclResult_t enqueue(struct fake_comm *c, struct fake_stream *s, void *ds
 
 ncclResult_t ncclGetVersion(int *v) { *v = g_version; return OK; }
 ncclResult_t ncclGetUniqueId(ncclUniqueId *id) {
+  if (g_uid_ms > 0) usleep((useconds_t)g_uid_ms * 1000);
   for (int i = 0; i < 128; i++) id->internal[i] = (char)(0x40 + i % 16);
   return OK;
 }

@@ -157,6 +157,13 @@ impl Fake {
         unsafe { control::<unsafe extern "C" fn(i32)>(&self.nccl, "fake_nccl_noop")(on as i32) }
     }
 
+    /// Makes every later `ncclGetUniqueId` take `ms` milliseconds (NCCL's
+    /// first call initialises it); 0 turns it off. `reset` turns it off too.
+    pub fn slow_unique_id(&self, ms: i32) {
+        // SAFETY: signature as in fake_cuda_nccl.c.
+        unsafe { control::<unsafe extern "C" fn(i32)>(&self.nccl, "fake_nccl_slow_unique_id")(ms) }
+    }
+
     /// Makes the most recently created communicator report the asynchronous
     /// NCCL error `code` (0: none).
     pub fn fail_last(&self, code: i32) {

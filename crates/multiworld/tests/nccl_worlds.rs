@@ -432,6 +432,64 @@ async fn an_abort_that_hangs_quarantines_only_that_world() {
 /// world keeps completing device operations the whole time, and only the
 /// stuck world breaks. (Issued inline, the enqueue would hold the only
 /// worker for the full 1.5 s.)
+/// Making an NCCL world's unique id (NCCL's own first initialisation, slow)
+/// runs on a blocking thread: on a one-worker runtime another world's tasks
+/// keep running while it takes its time.
+#[test]
+fn a_slow_nccl_initialisation_does_not_stall_other_tasks_on_the_runtime() {
+    let (_g, f) = fake::fake();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let (m, store) = manager(&f).await;
+        let steady = m.join(nccl_cfg("steady", 0, 1, &store)).await.unwrap();
+        f.slow_unique_id(800);
+        let joining = Arc::new(AtomicBool::new(true));
+        let ticker = tokio::spawn({
+            let joining = Arc::clone(&joining);
+            async move {
+                let (mut max_gap, mut last) = (Duration::ZERO, Instant::now());
+                while joining.load(Ordering::SeqCst) {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    let now = Instant::now();
+                    max_gap = max_gap.max(now - last);
+                    last = now;
+                }
+                max_gap
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        let started = Instant::now();
+        // A task, so that it runs on the runtime's one worker (the future
+        // `block_on` drives runs on this thread instead).
+        let slow = tokio::spawn({
+            let (m, cfg) = (m.clone(), nccl_cfg("slow", 0, 1, &store));
+            async move { m.join(cfg).await }
+        })
+        .await
+        .unwrap()
+        .unwrap();
+        let took = started.elapsed();
+        joining.store(false, Ordering::SeqCst);
+        let max_gap = ticker.await.unwrap();
+        f.slow_unique_id(0);
+        eprintln!("join with a slow unique id took {took:?}; the ticker's longest gap {max_gap:?}");
+        assert!(
+            took >= Duration::from_millis(800),
+            "the fake was not slow: {took:?}"
+        );
+        assert!(
+            max_gap < Duration::from_millis(400),
+            "the runtime stalled for {max_gap:?}"
+        );
+        all_reduce_works(&steady).await;
+        drop(slow);
+    });
+}
+
 #[test]
 fn a_hanging_enqueue_does_not_stall_other_tasks_on_the_runtime() {
     let (_g, f) = fake::fake();
