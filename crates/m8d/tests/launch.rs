@@ -143,13 +143,7 @@ fn sigterm_is_forwarded_to_every_rank_and_what_it_started() {
     // SIGTERM, so both die of it if it reaches the rank's process group.
     let (mut launcher, rx) = launch_two("sleep 300 & echo pids $$ $!; wait");
     let mut lines = Vec::new();
-    wait_for_lines(&rx, &mut lines, "pids ", 2);
-    let pids: Vec<i32> = lines
-        .iter()
-        .filter_map(|l| l.split_once("pids "))
-        .flat_map(|(_, p)| p.split_whitespace().map(|p| p.parse::<i32>().unwrap()))
-        .collect();
-    assert_eq!(pids.len(), 4, "{lines:?}");
+    let pids = pids_of(&rx, &mut lines);
     let _cleanup = KillOnPanic(pids.clone());
     assert!(pids.iter().all(|&p| !gone(p)), "a rank ended early: {lines:?}");
 
@@ -162,15 +156,7 @@ fn sigterm_is_forwarded_to_every_rank_and_what_it_started() {
     );
     // The launcher reaped its ranks before exiting; the grandchildren die of
     // the same signal. Poll: an orphan's exit can take a moment to show.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !pids.iter().all(|&p| gone(p)) {
-        assert!(
-            Instant::now() < deadline,
-            "still running 30 s after the launcher exited: {:?} of {pids:?}",
-            pids.iter().filter(|&&p| !gone(p)).collect::<Vec<_>>()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    all_gone(&pids, Duration::from_secs(30), "after the launcher exited");
 }
 
 /// Reads the "pids" lines of both ranks (each rank's shell and the

@@ -432,18 +432,23 @@ async fn an_abort_that_hangs_quarantines_only_that_world() {
 /// world keeps completing device operations the whole time, and only the
 /// stuck world breaks. (Issued inline, the enqueue would hold the only
 /// worker for the full 1.5 s.)
+/// A multi-threaded runtime with one worker: a task that blocks it stalls
+/// every other task.
+fn one_worker_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
 /// Making an NCCL world's unique id (NCCL's own first initialisation, slow)
 /// runs on a blocking thread: on a one-worker runtime another world's tasks
 /// keep running while it takes its time.
 #[test]
 fn a_slow_nccl_initialisation_does_not_stall_other_tasks_on_the_runtime() {
     let (_g, f) = fake::fake();
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
-    runtime.block_on(async {
+    one_worker_runtime().block_on(async {
         let (m, store) = manager(&f).await;
         let steady = m.join(nccl_cfg("steady", 0, 1, &store)).await.unwrap();
         f.slow_unique_id(800);
@@ -493,12 +498,7 @@ fn a_slow_nccl_initialisation_does_not_stall_other_tasks_on_the_runtime() {
 #[test]
 fn a_hanging_enqueue_does_not_stall_other_tasks_on_the_runtime() {
     let (_g, f) = fake::fake();
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
-    runtime.block_on(async {
+    one_worker_runtime().block_on(async {
         let (m, store) = manager(&f).await;
         let steady = m.join(nccl_cfg("steady", 0, 1, &store)).await.unwrap();
         let deadline = Duration::from_millis(1500);
