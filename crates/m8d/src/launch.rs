@@ -329,15 +329,9 @@ pub async fn launch_nodes(config: LaunchConfig, nodes: Nodes) -> anyhow::Result<
                     grace.as_mut().reset(tokio::time::Instant::now() + config.grace);
                 }
             }
-            _ = sigint.recv(), if !interrupted => {
-                interrupted = true;
-                outcome.code = 128 + Signal::SIGINT as i32;
-                eprintln!("m8d launch: interrupted; forwarding to every rank");
-                signal_pids(&mut groups, Some(Signal::SIGINT));
-                grace.as_mut().reset(tokio::time::Instant::now() + config.grace);
-            }
             sig = async {
                 tokio::select! {
+                    _ = sigint.recv() => Signal::SIGINT,
                     _ = sigterm.recv() => Signal::SIGTERM,
                     _ = sighup.recv() => Signal::SIGHUP,
                     _ = sigquit.recv() => Signal::SIGQUIT,
@@ -345,7 +339,11 @@ pub async fn launch_nodes(config: LaunchConfig, nodes: Nodes) -> anyhow::Result<
             }, if !interrupted => {
                 interrupted = true;
                 outcome.code = 128 + sig as i32;
-                eprintln!("m8d launch: terminated ({sig}); forwarding to every rank");
+                if sig == Signal::SIGINT {
+                    eprintln!("m8d launch: interrupted; forwarding to every rank");
+                } else {
+                    eprintln!("m8d launch: terminated ({sig}); forwarding to every rank");
+                }
                 signal_pids(&mut groups, Some(sig));
                 grace.as_mut().reset(tokio::time::Instant::now() + config.grace);
             }

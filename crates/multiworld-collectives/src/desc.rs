@@ -577,18 +577,13 @@ pub(crate) fn agree(descs: &[Desc], cx: &AgreeCtx<'_>) -> Result<()> {
         }
         _ => {}
     }
-    if !descs
-        .iter()
-        .all(|d| d.algo == mine.algo && d.config == mine.config)
-    {
-        let why = if descs.iter().all(|d| d.config == mine.config) {
-            "the algorithm (same CollectiveConfig: shared memory is off on some members only, after a cancelled call that used it)"
-        } else {
-            "the algorithm (their CollectiveConfig differs)"
-        };
-        return Err(differ(why, &|d| {
-            format!("{} (config {:#x})", d.algo.name(), d.config)
-        }));
+    // The settings agree (checked above): a different algorithm comes from
+    // shared memory being off on some members only.
+    if !descs.iter().all(|d| d.algo == mine.algo) {
+        return Err(differ(
+            "the algorithm (same CollectiveConfig: shared memory is off on some members only, after a cancelled call that used it)",
+            &|d| format!("{} (config {:#x})", d.algo.name(), d.config),
+        ));
     }
     Ok(())
 }

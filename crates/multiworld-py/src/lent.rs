@@ -89,13 +89,13 @@ struct Entry {
 impl Entry {
     /// Registers `len` bytes at `start` for `access`; `None` if that races
     /// with a range there (see [`conflicts`]).
-    fn new(start: usize, len: usize, access: Access) -> Option<Entry> {
-        let mut lent = registry();
+    fn new(start: usize, len: usize, access: Access) -> PyResult<Option<Entry>> {
+        let mut lent = registry_for_a_call()?;
         if conflicts(&lent, start, len, access) {
-            return None;
+            return Ok(None);
         }
         lent.push((start, len, access));
-        Some(Entry { start, len, access })
+        Ok(Some(Entry { start, len, access }))
     }
 }
 
@@ -126,6 +126,14 @@ static LENT: Mutex<Vec<(usize, usize, Access)>> = Mutex::new(Vec::new());
 fn registry() -> MutexGuard<'static, Vec<(usize, usize, Access)>> {
     // Never held across anything that can panic.
     LENT.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// [`registry`] for a call that lends or checks memory: in a forked child
+/// `ForkedProcessError` instead, before the lock (which a runtime thread of
+/// the parent may have held at the fork).
+fn registry_for_a_call() -> PyResult<MutexGuard<'static, Vec<(usize, usize, Access)>>> {
+    crate::runtime::runtime()?;
+    Ok(registry())
 }
 
 /// Whether `access` of `len` bytes at `start` races with a loan in `lent`
@@ -175,10 +183,7 @@ impl<'a, 'py> FromPyObject<'a, 'py> for Writable<'py> {
 /// (a receive or a collective lent them from another thread) is refused,
 /// and `ValueError` ("in use") if one writes them now.
 pub fn reading(bytes: &[u8], what: &str) -> PyResult<Reading> {
-    // In a forked child, before the registry's lock (which a runtime
-    // thread of the parent may have held at the fork).
-    crate::runtime::runtime()?;
-    Entry::new(bytes.as_ptr() as usize, bytes.len(), Access::Read)
+    Entry::new(bytes.as_ptr() as usize, bytes.len(), Access::Read)?
         .map(|entry| Reading { _entry: entry })
         .ok_or_else(|| in_use(what))
 }
@@ -191,10 +196,12 @@ pub struct Reading {
 /// Refuses `bytes` (about to be read by a send) while any of it is lent to
 /// a call that writes it.
 pub fn check_not_lent(bytes: &[u8], what: &str) -> PyResult<()> {
-    // In a forked child, before the registry's lock (which a runtime
-    // thread of the parent may have held at the fork).
-    crate::runtime::runtime()?;
-    if conflicts(&registry(), bytes.as_ptr() as usize, bytes.len(), Access::Read) {
+    if conflicts(
+        &registry_for_a_call()?,
+        bytes.as_ptr() as usize,
+        bytes.len(),
+        Access::Read,
+    ) {
         return Err(in_use(what));
     }
     Ok(())
@@ -238,7 +245,9 @@ fn lend_tensor(
     held: Held,
     access: Access,
 ) -> Result<Tensor, Lend> {
-    let entry = Entry::new(ptr as usize, len, access).ok_or(Lend::InUse)?;
+    let entry = Entry::new(ptr as usize, len, access)
+        .map_err(Lend::Forked)?
+        .ok_or(Lend::InUse)?;
     let mem = Memory {
         ptr,
         len,
@@ -256,6 +265,7 @@ fn fast<T>(r: Result<T, Lend>, what: &str) -> PyResult<Option<T>> {
         Ok(v) => Ok(Some(v)),
         Err(Lend::InUse) => Err(in_use(what)),
         Err(Lend::Refused(_)) => Ok(None),
+        Err(Lend::Forked(e)) => Err(e),
     }
 }
 
@@ -265,6 +275,8 @@ enum Lend {
     InUse,
     /// `Tensor::from_external` refused it (misaligned, a bad `bool` byte).
     Refused(String),
+    /// This is a forked child (`ForkedProcessError`).
+    Forked(PyErr),
 }
 
 /// An array lent as a tensor for one call.
@@ -280,9 +292,6 @@ impl Loan {
     /// tensor of `dtype` and `shape`. `ValueError` if the sizes disagree, the
     /// memory is misaligned for `dtype`, or a `bool` byte is not 0 or 1.
     pub fn new(array: &mut Writable<'_>, dtype: DType, shape: Vec<usize>, what: &str) -> PyResult<Loan> {
-        // In a forked child, before the registry's lock (which a runtime
-        // thread of the parent may have held at the fork).
-        crate::runtime::runtime()?;
         let bytes = array
             .0
             .as_slice_mut()
@@ -290,6 +299,7 @@ impl Loan {
         Loan::of(bytes.as_mut_ptr(), bytes.len(), dtype, shape).map_err(|e| match e {
             Lend::InUse => in_use(what),
             Lend::Refused(e) => PyValueError::new_err(format!("{what}: {e}")),
+            Lend::Forked(e) => e,
         })
     }
 
@@ -306,9 +316,6 @@ impl Loan {
         shape: Vec<usize>,
         what: &str,
     ) -> PyResult<Option<Loan>> {
-        // In a forked child, before the registry's lock (which a runtime
-        // thread of the parent may have held at the fork).
-        crate::runtime::runtime()?;
         let bytes = array
             .as_slice()
             .map_err(|e| PyValueError::new_err(format!("{what}: {e}")))?;
@@ -443,9 +450,6 @@ impl<'a> Plain<'a> {
     /// or not lendable (misaligned, or a `bool` byte other than 0 or 1: the
     /// general path copies), `ValueError` if another call holds it.
     pub fn lend(&self, what: &str) -> PyResult<Option<Loan>> {
-        // In a forked child, before the registry's lock (which a runtime
-        // thread of the parent may have held at the fork).
-        crate::runtime::runtime()?;
         if !self.writeable() {
             return Ok(None);
         }
@@ -459,9 +463,6 @@ impl<'a> Plain<'a> {
     /// may change) and for memory `from_external` refuses; `ValueError`
     /// while a call that writes the memory holds it.
     pub fn lend_to_read(&self, what: &str) -> PyResult<Option<Loan>> {
-        // In a forked child, before the registry's lock (which a runtime
-        // thread of the parent may have held at the fork).
-        crate::runtime::runtime()?;
         if self.dtype == DType::Bool {
             return Ok(None);
         }
@@ -487,9 +488,6 @@ impl<'a> Plain<'a> {
     /// a reference to the array, and [`Released`] resolves once the runtime
     /// has let go of it. `Ok(None)` and errors as for [`Plain::lend`].
     pub fn lend_to_task(&self, what: &str) -> PyResult<Option<(Tensor, Released)>> {
-        // In a forked child, before the registry's lock (which a runtime
-        // thread of the parent may have held at the fork).
-        crate::runtime::runtime()?;
         self.lend_in_background(Access::Write, what)
     }
 
@@ -502,9 +500,6 @@ impl<'a> Plain<'a> {
     /// as the runtime's tensors are writable, and what `from_external`
     /// refuses): the caller then sends a copy.
     pub fn lend_to_send(&self) -> PyResult<Option<(Tensor, Released)>> {
-        // In a forked child, before the registry's lock (which a runtime
-        // thread of the parent may have held at the fork).
-        crate::runtime::runtime()?;
         self.lend_in_background(Access::Read, "send")
     }
 

@@ -1175,13 +1175,7 @@ impl Inner {
     /// Posts a receive (see [`Communicator::irecv_leaving`] for
     /// `leave_up_to`; `None`: no frame is left to the reader).
     fn post_recv(&self, src: Source, tag: Tag, mut buf: Tensor, leave_up_to: Option<usize>) -> Posting {
-        let fail = |buf, e| {
-            Posting::Done(RecvDone {
-                buf,
-                result: Err(e),
-                arrival: 0,
-            })
-        };
+        let fail = |buf, e| Posting::Done(RecvDone::failed(buf, e));
         if let Source::Rank(r) = src {
             if let Err(e) = self.check_rank(r, "source") {
                 return fail(buf, e);
@@ -1319,11 +1313,10 @@ impl Inner {
                     left.link.rd.get_ref().reset_on_close();
                 }
                 if let Some(posted) = left.take_receive() {
-                    let _ = posted.tx.send(RecvDone {
-                        buf: posted.buf,
-                        result: Err(self.aborted_error().unwrap_or_else(|| self.peer_error(peer))),
-                        arrival: 0,
-                    });
+                    let _ = posted.tx.send(RecvDone::failed(
+                        posted.buf,
+                        self.aborted_error().unwrap_or_else(|| self.peer_error(peer)),
+                    ));
                 }
                 false
             }
@@ -1543,21 +1536,15 @@ impl Inner {
                         }
                     }
                 }
-                Filled::Mismatch { err, data: back } => {
-                    match p.tx.send(RecvDone {
-                        buf: p.buf,
-                        result: Err(err),
-                        arrival: 0,
-                    }) {
-                        Ok(()) => {
-                            if reserved {
-                                self.lock().release(from, len);
-                            }
-                            return;
+                Filled::Mismatch { err, data: back } => match p.tx.send(RecvDone::failed(p.buf, err)) {
+                    Ok(()) => {
+                        if reserved {
+                            self.lock().release(from, len);
                         }
-                        Err(_) => data = back,
+                        return;
                     }
-                }
+                    Err(_) => data = back,
+                },
             }
         }
     }
@@ -1579,11 +1566,7 @@ impl Inner {
             .aborted_error()
             .unwrap_or_else(|| Error::peer_lost(rank, &cause));
         for p in failed {
-            let _ = p.tx.send(RecvDone {
-                buf: p.buf,
-                result: Err(err.clone()),
-                arrival: 0,
-            });
+            let _ = p.tx.send(RecvDone::failed(p.buf, err.clone()));
         }
         if self.closing.load(Ordering::Relaxed) {
             // The answer to our own goodbye (or the peer going meanwhile):
@@ -1617,11 +1600,7 @@ impl Inner {
             reason: Arc::clone(&reason),
         };
         for p in posted {
-            let _ = p.tx.send(RecvDone {
-                buf: p.buf,
-                result: Err(err.clone()),
-                arrival: 0,
-            });
+            let _ = p.tx.send(RecvDone::failed(p.buf, err.clone()));
         }
         drop((stash, pool));
         for peer in self.peers.iter().flatten() {
@@ -1805,13 +1784,7 @@ impl Inner {
                     if let Some(p) = slot.take() {
                         let err = mismatch(&p.buf, from, tag, dtype, len as u64);
                         debug!(local = %self.identity, %err, "receive mismatch");
-                        let unheard =
-                            p.tx.send(RecvDone {
-                                buf: p.buf,
-                                result: Err(err),
-                                arrival: 0,
-                            })
-                            .is_err();
+                        let unheard = p.tx.send(RecvDone::failed(p.buf, err)).is_err();
                         if unheard {
                             // Cancelled before it heard: no byte of the
                             // payload is read (a receive that does not fit
@@ -2035,11 +2008,7 @@ async fn reader_task(inner: Arc<Inner>, peer: Arc<Peer>, half: ReadLink) {
         link.rd.get_ref().reset_on_close();
     }
     if let Some(p) = slot.take() {
-        let _ = p.tx.send(RecvDone {
-            buf: p.buf,
-            result: Err(inner.peer_error(&peer)),
-            arrival: 0,
-        });
+        let _ = p.tx.send(RecvDone::failed(p.buf, inner.peer_error(&peer)));
     }
 }
 
@@ -2451,20 +2420,17 @@ impl RecvHandle {
                 Poll::Ready(Ok(d)) => Poll::Ready(d),
                 // Every path that removes a posted receive sends on its channel;
                 // this is the fallback if that invariant is ever broken.
-                Poll::Ready(Err(_)) => Poll::Ready(RecvDone {
-                    buf: Tensor::default(),
-                    result: Err(self
-                        .inner
+                Poll::Ready(Err(_)) => Poll::Ready(RecvDone::failed(
+                    Tensor::default(),
+                    self.inner
                         .aborted_error()
-                        .unwrap_or_else(|| Error::invalid("receive was dropped by the communicator"))),
-                    arrival: 0,
-                }),
+                        .unwrap_or_else(|| Error::invalid("receive was dropped by the communicator")),
+                )),
             },
-            RecvState::Taken => Poll::Ready(RecvDone {
-                buf: Tensor::default(),
-                result: Err(Error::invalid("RecvHandle polled after completion")),
-                arrival: 0,
-            }),
+            RecvState::Taken => Poll::Ready(RecvDone::failed(
+                Tensor::default(),
+                Error::invalid("RecvHandle polled after completion"),
+            )),
         }
     }
 }

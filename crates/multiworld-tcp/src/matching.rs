@@ -56,6 +56,17 @@ pub(crate) struct RecvDone {
     pub(crate) arrival: u64,
 }
 
+impl RecvDone {
+    /// A failed receive's outcome: its buffer back, and why.
+    pub(crate) fn failed(buf: Tensor, err: crate::error::Error) -> RecvDone {
+        RecvDone {
+            buf,
+            result: Err(err),
+            arrival: 0,
+        }
+    }
+}
+
 /// A posted receive: where a message may come from, the buffer it goes into,
 /// and where to hand the outcome.
 pub(crate) struct Posted {

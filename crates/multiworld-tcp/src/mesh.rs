@@ -27,7 +27,7 @@
 use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -209,22 +209,19 @@ struct AcceptCtx {
 }
 
 impl AcceptCtx {
+    fn claimed(&self) -> MutexGuard<'_, Vec<bool>> {
+        self.claimed.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
     /// Gives back a claim whose connection never came to be.
     fn unclaim(&self, rank: Rank) {
-        let mut c = match self.claimed.lock() {
-            Ok(c) => c,
-            Err(p) => p.into_inner(),
-        };
-        if let Some(slot) = c.get_mut(rank.index()) {
+        if let Some(slot) = self.claimed().get_mut(rank.index()) {
             *slot = false;
         }
     }
 
     fn claim(&self, rank: Rank) -> bool {
-        let mut c = match self.claimed.lock() {
-            Ok(c) => c,
-            Err(p) => p.into_inner(),
-        };
+        let mut c = self.claimed();
         match c.get_mut(rank.index()) {
             Some(slot) if !*slot => {
                 *slot = true;
@@ -800,8 +797,6 @@ async fn connect_peer(
     }
 }
 
-/// Binds, publishes, connects and accepts until every peer is connected or the
-/// join deadline passes. The accept loop it starts keeps running under `token`.
 /// A rendezvous call of the join (`what` it waits for), ended by the join's
 /// deadline (`left` from now: `Timeout { op: "join" }`) or its cancellation
 /// token. A lookup that the store itself times out stays
@@ -830,6 +825,8 @@ async fn bounded_rdv<T>(
     }
 }
 
+/// Binds, publishes, connects and accepts until every peer is connected or the
+/// join deadline passes. The accept loop it starts keeps running under `token`.
 pub(crate) async fn build(
     cfg: &CommConfig,
     rdv: &dyn Rendezvous,

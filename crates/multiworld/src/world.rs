@@ -373,15 +373,12 @@ impl WorldShared {
             std::fs::create_dir_all(&dir).and_then(|()| std::fs::write(&path, bytes))
         });
         match tokio::time::timeout(FLIGHT_WRITE_WAIT, write).await {
-            Ok(Ok(Ok(()))) => {
-                tracing::info!(world = %self.name, file = %file.display(), "flight record written")
-            }
-            Ok(Ok(Err(e))) => {
-                tracing::warn!(world = %self.name, file = %file.display(), error = %e, "could not write the flight record")
-            }
-            Ok(Err(e)) => {
-                tracing::warn!(world = %self.name, file = %file.display(), error = %e, "could not write the flight record")
-            }
+            Ok(written) => match written.map_err(std::io::Error::other).and_then(|r| r) {
+                Ok(()) => tracing::info!(world = %self.name, file = %file.display(), "flight record written"),
+                Err(e) => {
+                    tracing::warn!(world = %self.name, file = %file.display(), error = %e, "could not write the flight record")
+                }
+            },
             Err(_) => tracing::warn!(
                 world = %self.name,
                 file = %file.display(),
@@ -1279,14 +1276,12 @@ impl Drop for PendingSend {
         let (Some(Ok(handle)), Some(mut op)) = (self.inner.take(), self.op.take()) else {
             return;
         };
-        if handle.is_completed() {
-            let r = futures::FutureExt::now_or_never(handle.wait()).unwrap_or(Ok(Tensor::default()));
+        let mut sent = Box::pin(handle.wait());
+        if let Some(r) = futures::FutureExt::now_or_never(&mut sent) {
             op.finish(&r);
-            return;
-        }
-        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+        } else if let Ok(rt) = tokio::runtime::Handle::try_current() {
             rt.spawn(async move {
-                let r = handle.wait().await;
+                let r = sent.await;
                 op.finish(&r);
             });
         }

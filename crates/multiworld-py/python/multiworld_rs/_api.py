@@ -111,18 +111,29 @@ class WorldInfo(NamedTuple):
     cause: Optional[str]
 
 
-_EVENTS_POOL: "Optional[concurrent.futures.ThreadPoolExecutor]" = None
-_EVENTS_POOL_PID = 0
+class _ProcessPool:
+    """A thread pool of this process, made on first use. A forked child
+    inherits the parent's pool without its threads (an executor that
+    believes it has idle workers starts none, so a call would never run):
+    the child gets a pool of its own, and the calls it runs raise
+    ``ForkedProcessError`` as every inherited handle does."""
+
+    def __init__(self, workers: int, name: str) -> None:
+        self._workers = workers
+        self._name = name
+        self._pool: "Optional[concurrent.futures.ThreadPoolExecutor]" = None
+        self._pid = 0
+
+    def get(self) -> "concurrent.futures.ThreadPoolExecutor":
+        if self._pool is None or self._pid != os.getpid():
+            self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=self._workers,
+                                                               thread_name_prefix=self._name)
+            self._pid = os.getpid()
+        return self._pool
 
 
-def _events_pool() -> "concurrent.futures.ThreadPoolExecutor":
-    """The threads that wait for events for :meth:`EventStream.anext` (a
-    pool of this process: a forked child makes its own)."""
-    global _EVENTS_POOL, _EVENTS_POOL_PID
-    if _EVENTS_POOL is None or _EVENTS_POOL_PID != os.getpid():
-        _EVENTS_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="multiworld-events")
-        _EVENTS_POOL_PID = os.getpid()
-    return _EVENTS_POOL
+#: The threads that wait for events for :meth:`EventStream.anext`.
+_EVENTS_POOL = _ProcessPool(8, "multiworld-events")
 
 
 class EventStream:
@@ -174,7 +185,7 @@ class EventStream:
             fut = self._inflight
             if fut is None:
                 left = self._SLICE if deadline is None else max(0.0, min(self._SLICE, deadline - time.monotonic()))
-                fut = self._inflight = _events_pool().submit(self._s.next, left)
+                fut = self._inflight = _EVENTS_POOL.get().submit(self._s.next, left)
             # A cancellation leaves `fut` in flight for the next call.
             ev = await asyncio.shield(asyncio.wrap_future(fut))
             self._settle(fut)

@@ -35,8 +35,6 @@ operation outlives the call's borrow); blocking housekeeping (``join``,
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import os
 import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -47,8 +45,6 @@ from ._api import ReduceOp, Work, World, WorldInfo, WorldManager, _lendable, _se
 
 __all__ = ["AsyncWorldManager", "AsyncWorld", "AsyncGroup"]
 
-# For the calls that block by nature (join, finish, leave, ...), not for
-# operations: those are awaited through the loop's notifier.
 #: How many operations in a row one AsyncWorld completes at once (receives
 #: of messages already here, sends that fit the socket's buffer) before it
 #: lets the event loop run other tasks.
@@ -57,21 +53,10 @@ _BURST = 16
 #: Longest a housekeeping wait holds a pool thread at once (seconds).
 _WAIT_SLICE = 0.1
 
-_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="multiworld-aio")
-_POOL_PID = os.getpid()
-
-
-def _pool() -> concurrent.futures.ThreadPoolExecutor:
-    """The housekeeping pool of this process. A forked child inherits the
-    parent's pool without its threads (an executor that believes it has
-    idle workers starts none, so a call would never run): the child gets a
-    pool of its own, and the call it runs raises ``ForkedProcessError`` as
-    every inherited handle does."""
-    global _POOL, _POOL_PID
-    if _POOL_PID != os.getpid():
-        _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="multiworld-aio")
-        _POOL_PID = os.getpid()
-    return _POOL
+#: The housekeeping pool: for the calls that block by nature (join, finish,
+#: leave, ...), not for operations, which are awaited through the loop's
+#: notifier (see ``_api._ProcessPool`` for a forked child).
+_POOL = _api._ProcessPool(32, "multiworld-aio")
 
 
 class _Bridge:
@@ -158,7 +143,7 @@ async def _wait(work: Optional[Work], withdraw_on_cancel: bool = False) -> Any:
             # pool, so the loop goes on meanwhile. The array is the caller's
             # again before this coroutine ends, however often it is
             # cancelled meanwhile.
-            letting_go = asyncio.get_running_loop().run_in_executor(_pool(), work._w.cancel)
+            letting_go = asyncio.get_running_loop().run_in_executor(_POOL.get(), work._w.cancel)
             while True:
                 try:
                     await asyncio.shield(letting_go)
@@ -183,7 +168,7 @@ async def _wait(work: Optional[Work], withdraw_on_cancel: bool = False) -> Any:
 
 async def _call(fn: Any, *args: Any, **kw: Any) -> Any:
     loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(_pool(), lambda: fn(*args, **kw))
+    return await loop.run_in_executor(_POOL.get(), lambda: fn(*args, **kw))
 
 
 class AsyncWorld:
