@@ -232,6 +232,38 @@ def test_remove_world_frees_the_name_for_a_new_generation():
         b.cleanup()
 
 
+def test_a_break_is_still_reported_after_thousands_of_joins_and_removals():
+    """An operation on a world torn down after its break names the break's
+    cause, even when more joins and removals than the manager's event
+    stream keeps (4,096 events) came after it."""
+    a, b = WorldManager(), WorldManager()
+    name, port, solo_port = unique("kept"), free_port(), free_port()
+
+    async def main() -> None:
+        await pair(name, port, a, b)
+        a.remove_world(name)  # rank 1's side breaks, then is torn down
+        for _ in range(200):
+            if name not in b.worlds():
+                break
+            await asyncio.sleep(0.05)
+        assert name not in b.worlds()
+        # Two events (joined, removed) per world, 50 worlds at a time.
+        for batch in range(42):
+            solos = [f"{name}-solo-{batch}-{i}" for i in range(50)]
+            await asyncio.gather(*(b.initialize_world(s, 0, 1, port=solo_port, timeout=30) for s in solos))
+            for s in solos:
+                b.remove_world(s)
+        with pytest.raises(BrokenWorldException) as info:
+            await b.communicator.recv(np.zeros(1), 0, name)
+        assert info.value.cause in ("peer_lost", "reported_by_peer"), str(info.value)
+
+    try:
+        run(main(), timeout=120)
+    finally:
+        a.cleanup()
+        b.cleanup()
+
+
 def test_worlds_share_one_port_when_one_process_hosts_them():
     a, b, c = WorldManager(), WorldManager(), WorldManager()
     port = free_port()

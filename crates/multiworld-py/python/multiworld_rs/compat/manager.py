@@ -96,6 +96,7 @@ class WorldManager:
                 name (remove it first), or the port is missing/out of range.
         """
         store = _store_address(addr, port)
+        self._note_events()
         if not isinstance(backend, str):
             raise TypeError(f"backend must be a string, got {backend!r}")
         be = _BACKENDS.get(backend.lower(), backend)
@@ -128,6 +129,7 @@ class WorldManager:
         Raises:
             ValueError: no world of that name was ever initialized here.
         """
+        self._note_events()
         if world_name not in self._names:
             raise ValueError(f"World {world_name} does not exist.")
         if self._aio.sync.world(world_name) is None:
@@ -137,9 +139,11 @@ class WorldManager:
         except (NotJoinedError, BrokenWorldError):
             pass  # torn down meanwhile (a break)
 
-    def _last_break(self, world_name: str) -> Optional[Any]:
-        """The ``"broken"`` event of the latest generation of ``world_name``
-        if it broke (``None`` if it did not, or was joined again since)."""
+    def _note_events(self) -> None:
+        """Takes the manager's events so far into :attr:`_breaks`. Called on
+        every initialize and remove as well as on errors: the stream keeps
+        only the latest 4,096 events, and a break must not be pushed out by
+        the joins and removals of a long-running process."""
         while True:
             ev = self._events.next(0)
             if ev is None:
@@ -148,6 +152,11 @@ class WorldManager:
                 self._breaks[ev.world] = ev
             elif ev.kind == "joined":
                 self._breaks.pop(ev.world, None)
+
+    def _last_break(self, world_name: str) -> Optional[Any]:
+        """The ``"broken"`` event of the latest generation of ``world_name``
+        if it broke (``None`` if it did not, or was joined again since)."""
+        self._note_events()
         return self._breaks.get(world_name)
 
     def is_broken(self, world_name: str) -> bool:
