@@ -839,3 +839,53 @@ def test_many_removal_waits_never_hold_the_housekeeping_pool():
         await m.shutdown()
 
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_loops_closed_with_a_send_still_going_are_freed_and_the_sends_still_arrive():
+    """Each ``asyncio.run`` that ends while a cancelled send is still going
+    (the peer has not taken it) left its closed loop held by the send's
+    future: a new loop lets go of them. The sends themselves go on and
+    arrive whole."""
+    import gc
+    import weakref
+
+    m0, m1 = mw.WorldManager(), mw.WorldManager()
+    store = m0.serve_store("127.0.0.1:0")
+    name = unique("closed-loops")
+    joined = {}
+    t = threading.Thread(target=lambda: joined.update(w1=m1.join(name, 1, 2, store, timeout=10)))
+    t.start()
+    w0 = m0.join(name, 0, 2, store, timeout=10)
+    t.join()
+    w1 = joined["w1"]
+    loops = []
+    # 16 MiB: more than the socket buffers and the peer's read-ahead hold,
+    # so the send is still going when its loop closes.
+    n = 4 << 20
+
+    async def send_and_cancel(k: int) -> None:
+        loops.append(weakref.ref(asyncio.get_running_loop()))
+        task = asyncio.ensure_future(aio.AsyncWorld(w0).send(np.full(n, k, np.float32), 1, 5))
+        deadline = time.monotonic() + 10
+        while not task.done() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+            if len(aio._BRIDGES) and any(b._pending for b in aio._BRIDGES.values()):
+                break
+        assert not task.done(), "the send ended before its loop closed; the test needs it going"
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    try:
+        for k in range(3):
+            asyncio.run(send_and_cancel(k))
+        gc.collect()
+        alive = [r for r in loops if r() is not None]
+        assert len(alive) <= 1, f"{len(alive)} closed loops still held"
+        assert len(aio._BRIDGES) <= 1
+        for k in range(3):
+            got = w1.recv(0, 5, dtype="float32", shape=n)
+            assert got.shape == (n,) and (got == k).all(), f"send {k} arrived wrong"
+    finally:
+        m0.shutdown()
+        m1.shutdown()

@@ -81,6 +81,15 @@ class _Bridge:
         if entry is not None:
             entry[1]._w.unwatch()
 
+    def let_go(self) -> None:
+        """Forgets every watched operation, once the loop has closed: no one
+        can be told their outcome any more. The operations themselves go on
+        in the runtime (a send or a collective cannot be cut off); their
+        futures held the closed loop, which may now be freed."""
+        pending, self._pending = self._pending, {}
+        for _, work in pending.values():
+            work._w.unwatch()
+
     def _ready(self) -> None:
         for token in self._notifier.drain():
             entry = self._pending.pop(token, None)
@@ -114,6 +123,14 @@ def _bridge() -> _Bridge:
     loop = asyncio.get_running_loop()
     b = _BRIDGES.get(loop)
     if b is None:
+        # A loop closed with operations still watched (a send or collective
+        # whose task was cancelled) is held by their futures, so its weak
+        # key never goes: let go of such bridges whenever a new loop starts
+        # one (each ``asyncio.run`` makes a new loop).
+        for old, stale in list(_BRIDGES.items()):
+            if old.is_closed():
+                _BRIDGES.pop(old, None)
+                stale.let_go()
         b = _BRIDGES[loop] = _Bridge(loop)
     return b
 
