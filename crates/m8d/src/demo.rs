@@ -5,7 +5,10 @@
 //! seconds one worker is killed or frozen; the leader's detection is shown
 //! with its measured time while the other worlds keep flowing; a replacement
 //! then joins a new generation of that world. It ends by itself with a
-//! summary, and exits 0 only if everything behaved.
+//! summary, and exits 0 only if everything behaved. Killed outright (SIGKILL)
+//! it leaves no worker behind, a frozen one included: each worker has the
+//! kernel SIGKILL it when the demo's process ends
+//! ([`m8d::fleet::DIE_WITH_PARENT_ENV`]).
 
 use std::{
     io::{IsTerminal, Write},

@@ -24,6 +24,13 @@ use tokio::task::JoinHandle;
 
 use crate::stream::{StreamStats, receive_stream, request_end};
 
+/// The environment variable through which the fleet asks each worker it
+/// starts to end with it: set to the fleet's pid, the worker has the kernel
+/// SIGKILL it when the fleet's process ends (see `m8d worker`). Without it, a
+/// leader killed outright would leave its workers running, and a frozen one
+/// stopped for good.
+pub const DIE_WITH_PARENT_ENV: &str = "M8D_DIE_WITH_PARENT";
+
 /// Where a worker reaches its world's store: called with the world's name
 /// (`w1`, ...) and the address of the leader's store, it returns the address
 /// to give that worker as `--store` (e.g. a fault-injecting proxy in front of
@@ -213,6 +220,7 @@ impl Fleet {
         let child = Command::new(&self.config.exe)
             .args(["worker", "--world", name, "--store", &store])
             .args(["--bytes", &self.config.bytes.to_string()])
+            .env(DIE_WITH_PARENT_ENV, std::process::id().to_string())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(stderr)

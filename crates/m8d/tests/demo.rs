@@ -1,10 +1,15 @@
 //! `m8d demo` runs to completion non-interactively and says everything
-//! behaved: with a killed worker, a frozen one, and no fault.
+//! behaved: with a killed worker, a frozen one, and no fault; killed
+//! outright, it leaves no worker behind.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
-use std::process::Command;
+use std::{
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
 
-use multiworld_testkit::process;
+use multiworld_testkit::process::{self, Guard, KillOnPanic, Signal, all_gone, children_of};
+use nix::{sys::signal::kill, unistd::Pid};
 
 const M8D: &str = env!("CARGO_BIN_EXE_m8d");
 
@@ -46,4 +51,50 @@ fn the_demo_without_a_fault() {
     assert!(ok);
     assert!(!out.contains(">>>"), "{out}");
     assert!(out.contains("everything behaved"), "{out}");
+}
+
+#[test]
+fn a_demo_killed_outright_leaves_no_worker_behind_not_even_a_frozen_one() {
+    // Run by a script that goes on (the process group stays alive, so the
+    // kernel does not hang up and continue its stopped members, as it does
+    // when the demo's own group is orphaned).
+    let script = format!("'{M8D}' demo --after 1 --then 60 --fault freeze & echo demo $!; wait; sleep 30");
+    let mut shell = Guard::spawn(
+        Command::new("sh")
+            .args(["-c", &script])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null()),
+    );
+    let rx = shell.stdout_lines();
+    let mut lines = Vec::new();
+    while !lines.iter().any(|l: &String| l.contains("SIGSTOPped")) {
+        match rx.recv_timeout(Duration::from_secs(60)) {
+            Ok(line) => lines.push(line),
+            Err(e) => panic!("waiting for the freeze ({e}): {lines:?}"),
+        }
+    }
+    let demo: i32 = lines
+        .iter()
+        .find_map(|l| l.strip_prefix("demo "))
+        .and_then(|p| p.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no pid of the demo: {lines:?}"));
+    // The stop reaches every thread of the worker within moments of the
+    // line (the demo thaws it about a second after the leader's detection).
+    let deadline = Instant::now() + Duration::from_secs(2);
+    let workers = loop {
+        let workers = children_of(demo);
+        if workers.iter().any(|&(_, state)| state == 'T') || Instant::now() > deadline {
+            break workers;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    let pids: Vec<i32> = workers.iter().map(|&(p, _)| p).collect();
+    let _cleanup = KillOnPanic(pids.clone());
+    assert!(
+        workers.iter().any(|&(_, state)| state == 'T'),
+        "no stopped worker among the demo's children: {workers:?}"
+    );
+    kill(Pid::from_raw(demo), Signal::SIGKILL).unwrap();
+    all_gone(&pids, Duration::from_secs(10), "after the demo was SIGKILLed");
 }

@@ -5,13 +5,12 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
 use std::{
-    io::{BufRead, BufReader},
     process::{Command, Stdio},
     sync::mpsc,
     time::{Duration, Instant},
 };
 
-use multiworld_testkit::process::{self, Guard, KillOnPanic, gone};
+use multiworld_testkit::process::{self, Guard, KillOnPanic, all_gone, gone};
 use nix::sys::signal::Signal;
 
 const M8D: &str = env!("CARGO_BIN_EXE_m8d");
@@ -93,16 +92,7 @@ fn launch_two(script: &str) -> (Guard, mpsc::Receiver<String>) {
             .stdout(Stdio::piped())
             .stderr(Stdio::null()),
     );
-    let stdout = launcher.child().stdout.take().unwrap();
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines() {
-            let Ok(line) = line else { break };
-            if tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
+    let rx = launcher.stdout_lines();
     (launcher, rx)
 }
 
@@ -172,19 +162,6 @@ fn pids_of(rx: &mpsc::Receiver<String>, lines: &mut Vec<String>) -> Vec<i32> {
     pids
 }
 
-/// Polls until every pid is gone, failing after `within`.
-fn all_gone(pids: &[i32], within: Duration, what: &str) {
-    let deadline = Instant::now() + within;
-    while !pids.iter().all(|&p| gone(p)) {
-        assert!(
-            Instant::now() < deadline,
-            "{what}: still running: {:?} of {pids:?}",
-            pids.iter().filter(|&&p| !gone(p)).collect::<Vec<_>>()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 /// Launches 2 ranks that each start a background job, sends the launcher
 /// `sig`, and checks its exit code and that every rank and job is gone.
 fn signal_ends_ranks_and_what_they_started(sig: Signal, code: i32) {
@@ -239,9 +216,5 @@ fn a_hung_child_is_killed_at_its_deadline_and_its_test_fails_with_its_output() {
         .collect();
     assert_eq!(pids.len(), 2, "{message}");
     let _cleanup = KillOnPanic(pids.clone());
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !pids.iter().all(|&p| gone(p)) {
-        assert!(Instant::now() < deadline, "{pids:?} outlived their deadline");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    all_gone(&pids, Duration::from_secs(30), "after the test binary failed");
 }

@@ -15,8 +15,11 @@
 //!   ([`DEADLINE`] by default).
 //! - [`self_test_command`]: the command that re-executes this test binary to
 //!   run one of its ignored tests (the child half of a multi-process test).
-//! - [`KillOnPanic`] and [`gone`]: for processes a child started (pids seen
-//!   in its output), which no [`Guard`] holds.
+//! - [`KillOnPanic`], [`gone`], [`all_gone`] and [`children_of`]: for
+//!   processes a child started (pids seen in its output or under `/proc`),
+//!   which no [`Guard`] holds.
+//! - [`Guard::stdout_lines`]: the child's output lines as they come, for a
+//!   test that waits for one.
 
 use std::io::{BufRead, BufReader, Read};
 use std::os::unix::process::CommandExt;
@@ -112,6 +115,27 @@ impl Guard {
             .unwrap_or_else(|e| panic!("reading the first line of {}: {e}", self.what));
         assert!(n > 0, "{} closed its output without a line", self.what);
         line.trim_end_matches(['\r', '\n']).to_owned()
+    }
+
+    /// The lines of the child's standard output (which must be piped), sent
+    /// to the receiver as a thread reads them; the channel closes when the
+    /// child closes its output.
+    pub fn stdout_lines(&mut self) -> mpsc::Receiver<String> {
+        let out = self
+            .child
+            .stdout
+            .take()
+            .unwrap_or_else(|| panic!("{}: stdout not piped, or already taken", self.what));
+        let (tx, rx) = mpsc::channel();
+        thread::spawn(move || {
+            for line in BufReader::new(out).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        rx
     }
 
     /// Sends `sig` to the child (not its group). Panics if the child was
@@ -279,4 +303,49 @@ impl Drop for KillOnPanic {
             }
         }
     }
+}
+
+/// Polls until every pid is [`gone`]; panics naming those still running
+/// after `within` (`what` says when, for the message).
+pub fn all_gone(pids: &[i32], within: Duration, what: &str) {
+    let deadline = Instant::now() + within;
+    while !pids.iter().all(|&p| gone(p)) {
+        assert!(
+            Instant::now() < deadline,
+            "{what}: still running: {:?} of {pids:?}",
+            pids.iter().filter(|&&p| !gone(p)).collect::<Vec<_>>()
+        );
+        thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The pids of the live children of `parent` now, with each one's state
+/// letter from `/proc/PID/stat` (`R`, `S`, `T` for stopped, ...).
+pub fn children_of(parent: i32) -> Vec<(i32, char)> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let mut found = Vec::new();
+    for entry in dir.flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // "pid (comm) STATE PPID ...": the fields after the last ')'.
+        let Some((_, rest)) = stat.rsplit_once(')') else {
+            continue;
+        };
+        let mut fields = rest.split_whitespace();
+        let state = fields.next().and_then(|s| s.chars().next());
+        let ppid = fields.next().and_then(|p| p.parse::<i32>().ok());
+        if let (Some(state), Some(ppid)) = (state, ppid)
+            && ppid == parent
+            && !matches!(state, 'Z' | 'X')
+        {
+            found.push((pid, state));
+        }
+    }
+    found
 }
