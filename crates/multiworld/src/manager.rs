@@ -138,15 +138,53 @@ struct Inner {
 /// ended by its own bound.
 const JOIN_BACKSTOP: Duration = Duration::from_millis(500);
 
-/// Whether the generation `store` opened already has an address published
-/// for `rank`: a member of that rank joined it before, so it is left over
-/// from a world whose members are gone (a fresh generation has no keys; a
-/// generation torn down in order is closed and never opened again). A store
-/// that cannot tell counts as fresh: the join then goes on and fails on its
-/// own if it must.
-async fn stale_generation(store: &multiworld_store::WorldStore, world: &WorldName, rank: Rank) -> bool {
-    let key = multiworld_tcp::addr_key(world, multiworld_tcp::Generation(store.generation()), rank);
-    matches!(store.try_get(key).await, Ok(Some(_)))
+/// How long [`stale_generation`] waits for a published member to take a
+/// connection.
+const STALE_PROBE: Duration = Duration::from_millis(500);
+
+/// Whether the generation `store` opened is left over from a world whose
+/// members are gone: an address is already published for `rank` (a member
+/// of this rank joined it before), and no other member's published address
+/// takes a connection (a fresh generation has no keys; a generation torn
+/// down in order is closed and never opened again). When another member
+/// still answers, the earlier address of this rank is a failed attempt's
+/// (this process's, or one restarted after a crash) while that member still
+/// waits in the generation: the join goes on in it and publishes again. A
+/// store that cannot tell counts as fresh: the join then goes on and fails
+/// on its own if it must.
+async fn stale_generation(
+    store: &multiworld_store::WorldStore,
+    world: &WorldName,
+    rank: Rank,
+    size: u32,
+    left: Duration,
+) -> bool {
+    let generation = multiworld_tcp::Generation(store.generation());
+    let own = multiworld_tcp::addr_key(world, generation, rank);
+    if !matches!(store.try_get(own).await, Ok(Some(_))) {
+        return false;
+    }
+    let probe = STALE_PROBE.min(left);
+    let others = (0..size).filter(|&r| r != rank.0).map(|r| async move {
+        let key = multiworld_tcp::addr_key(world, generation, Rank(r));
+        let Ok(Some(raw)) = store.try_get(key).await else {
+            return false;
+        };
+        let Some(addr) = std::str::from_utf8(&raw)
+            .ok()
+            .and_then(|s| s.parse::<SocketAddr>().ok())
+        else {
+            return false;
+        };
+        matches!(
+            tokio::time::timeout(probe, tokio::net::TcpStream::connect(addr)).await,
+            Ok(Ok(_))
+        )
+    });
+    !futures::future::join_all(others)
+        .await
+        .into_iter()
+        .any(|live| live)
 }
 
 /// Longest [`WorldManager::shutdown`] waits for joins in progress to end.
@@ -503,12 +541,15 @@ impl WorldManager {
                 .open(name.as_str(), options)
                 .await
                 .map_err(|e| WorldError::from_store(name, e))?;
-            if host.is_none() && stale_generation(&store, &world_name, config.rank).await {
-                // A member of this rank joined this generation before: it is
-                // what is left of a world whose every member died without
-                // closing it (a standalone store keeps it, with their
-                // addresses). Close it and open a fresh one; a member of the
-                // new job that opened it too finds it gone and opens again.
+            if host.is_none()
+                && stale_generation(&store, &world_name, config.rank, config.size, remaining()).await
+            {
+                // A member of this rank joined this generation before and no
+                // other member answers: it is what is left of a world whose
+                // every member died without closing it (a standalone store
+                // keeps it, with their addresses). Close it and open a fresh
+                // one; a member of the new job that opened it too finds it
+                // gone and opens again.
                 tracing::info!(
                     world = %name,
                     generation = store.generation(),

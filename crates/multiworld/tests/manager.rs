@@ -1035,3 +1035,50 @@ async fn a_generation_left_open_by_members_that_all_died_is_replaced() {
     assert_ne!(a.generation().0, old.0, "joined the stale generation");
     ping(&a, &b, 5.0).await;
 }
+
+/// A rank that retries a join that timed out finds its own address from
+/// the failed attempt in the generation. When another member is still
+/// waiting there (rank 0, accepting), the generation is not stale: the
+/// retry joins it, and both members meet at once, instead of the retry
+/// closing the generation under the waiting member.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_join_meets_a_member_already_waiting_in_its_generation() {
+    multiworld_testkit::init_tracing();
+    let server = StoreServer::bind(
+        "127.0.0.1:0".parse().unwrap(),
+        ServerConfig {
+            allow_remote_create: true,
+            remote_create_secret: Some(Secret::new("test secret")),
+            ..ServerConfig::default()
+        },
+    )
+    .await
+    .unwrap();
+    let store = server.local_addr().to_string();
+    let standalone = |rank, timeout| {
+        let mut c = cfg("retried", rank, 2, &store);
+        c.host_store = false;
+        c.join_timeout = timeout;
+        c
+    };
+    let (m0, m1) = (WorldManager::default(), WorldManager::default());
+    // The worker starts first and gives up before the leader comes.
+    let early = m1.join(standalone(1, Duration::from_millis(300))).await;
+    assert!(early.is_err(), "joined without a leader");
+    let leader = tokio::spawn({
+        let m0 = m0.clone();
+        let c = standalone(0, Duration::from_secs(10));
+        async move { m0.join(c).await }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let t0 = Instant::now();
+    let b = m1.join(standalone(1, Duration::from_secs(10))).await.unwrap();
+    let a = leader.await.unwrap().unwrap();
+    assert!(
+        t0.elapsed() < Duration::from_secs(3),
+        "the retry and the waiting leader met only after {:?}",
+        t0.elapsed()
+    );
+    assert_eq!(a.generation(), b.generation());
+    ping(&a, &b, 5.0).await;
+}
