@@ -797,10 +797,17 @@ async fn connect_peer(
     }
 }
 
+/// How long past the join's deadline a rendezvous call may take to answer:
+/// a lookup bounded by the deadline is answered by the store at the
+/// deadline, one round trip later, and that answer (which names the missing
+/// key) must win over the bound of [`bounded_rdv`].
+const RDV_REPLY_GRACE: Duration = Duration::from_millis(250);
+
 /// A rendezvous call of the join (`what` it waits for), ended by the join's
-/// deadline (`left` from now: `Timeout { op: "join" }`) or its cancellation
-/// token. A lookup that the store itself times out stays
-/// `Rendezvous(Timeout)`, which names the key nobody published.
+/// deadline (`left` from now, plus [`RDV_REPLY_GRACE`]: `Timeout { op:
+/// "join" }`, for a store that stops answering) or its cancellation token.
+/// A lookup that the store itself times out stays `Rendezvous(Timeout)`,
+/// which names the key nobody published.
 async fn bounded_rdv<T>(
     what: String,
     call: impl Future<Output = std::result::Result<T, crate::rendezvous::RendezvousError>>,
@@ -817,7 +824,7 @@ async fn bounded_rdv<T>(
     };
     tokio::select! {
         _ = token.cancelled() => Err(Error::Aborted { reason: Arc::from("join cancelled") }),
-        r = tokio::time::timeout(left, call) => match r {
+        r = tokio::time::timeout(left + RDV_REPLY_GRACE, call) => match r {
             Err(_) => Err(timed_out()),
             Ok(Err(e)) => Err(e.into()),
             Ok(Ok(v)) => Ok(v),

@@ -7,8 +7,8 @@
 use std::time::{Duration, Instant};
 
 use multiworld::{
-    BreakCause, ManagerConfig, Rank, ReduceOp, Secret, Tag, Tensor, WorldConfig, WorldError, WorldEvent,
-    WorldManager, WorldState,
+    BreakCause, JoinFailure, ManagerConfig, Rank, ReduceOp, Secret, Tag, Tensor, WorldConfig, WorldError,
+    WorldEvent, WorldManager, WorldState,
 };
 use multiworld_store::{ServerConfig, StoreServer};
 use multiworld_testkit::facade::next_event_for;
@@ -1081,4 +1081,36 @@ async fn a_retried_join_meets_a_member_already_waiting_in_its_generation() {
     );
     assert_eq!(a.generation(), b.generation());
     ping(&a, &b, 5.0).await;
+}
+
+/// A member whose lower rank never publishes its address fails its join
+/// with the rendezvous timeout that names the missing key (the store
+/// answers the lookup at the deadline), not a bare join timeout that
+/// blames the store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_lower_rank_is_named_by_the_join_error() {
+    multiworld_testkit::init_tracing();
+    let server = StoreServer::bind(
+        "127.0.0.1:0".parse().unwrap(),
+        ServerConfig {
+            allow_remote_create: true,
+            remote_create_secret: Some(Secret::new("test secret")),
+            ..ServerConfig::default()
+        },
+    )
+    .await
+    .unwrap();
+    let mut c = cfg("lonely", 1, 2, &server.local_addr().to_string());
+    c.host_store = false;
+    c.join_timeout = Duration::from_millis(300);
+    for _ in 0..5 {
+        let e = WorldManager::default().join(c.clone()).await.unwrap_err();
+        match &e {
+            WorldError::JoinFailed {
+                reason: JoinFailure::Transport(multiworld_tcp::Error::Rendezvous(r)),
+                ..
+            } => assert!(r.to_string().contains("addr/0"), "{e}"),
+            other => panic!("expected the rendezvous timeout naming rank 0's key: {other}"),
+        }
+    }
 }
