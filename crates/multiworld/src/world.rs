@@ -561,6 +561,10 @@ impl WorldShared {
             .await;
         }
         self.token.cancel();
+        // A world torn down before it started (a shutdown that came as its
+        // join ended) has no tasks and a tracker nobody closed: close it, or
+        // the wait below would last its whole bound.
+        self.tasks.close();
         if tokio::time::timeout(TEARDOWN_WAIT, self.tasks.wait())
             .await
             .is_err()

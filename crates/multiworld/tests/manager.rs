@@ -1114,3 +1114,42 @@ async fn a_missing_lower_rank_is_named_by_the_join_error() {
         }
     }
 }
+
+/// A shutdown that comes as a join ends leaves the new world at once: the
+/// join fails with `ShutDown` (or succeeds, if it ended first) and neither
+/// waits for tasks the never-started world does not have.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shutdown_racing_a_join_ends_both_promptly() {
+    let server = StoreServer::bind(
+        "127.0.0.1:0".parse().unwrap(),
+        ServerConfig {
+            allow_remote_create: true,
+            remote_create_secret: Some(Secret::new("test secret")),
+            ..ServerConfig::default()
+        },
+    )
+    .await
+    .unwrap();
+    let store = server.local_addr().to_string();
+    let mut slowest = Duration::ZERO;
+    for i in 0..60u64 {
+        let m = WorldManager::default();
+        let mut c = cfg(&format!("race-{i}"), 0, 1, &store);
+        c.host_store = false;
+        let t0 = Instant::now();
+        let joining = tokio::spawn({
+            let m = m.clone();
+            async move { m.join(c).await }
+        });
+        // Spread the shutdowns over the join's last moments.
+        tokio::time::sleep(Duration::from_micros(100 * (i % 20))).await;
+        m.shutdown().await;
+        let joined = joining.await.unwrap();
+        assert!(matches!(joined, Ok(_) | Err(WorldError::ShutDown)), "{joined:?}");
+        slowest = slowest.max(t0.elapsed());
+    }
+    assert!(
+        slowest < Duration::from_millis(1500),
+        "a join and its shutdown took {slowest:?}"
+    );
+}
