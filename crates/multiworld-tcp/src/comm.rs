@@ -1497,6 +1497,16 @@ impl Inner {
         let len = data.bytes().len();
         loop {
             let mut m = self.lock();
+            if self.aborted.get().is_some() {
+                // The abort emptied the stash and no receive can take a
+                // message any more: one handed on afterwards (a cancelled
+                // receive's, off the runtime) is dropped, not kept until the
+                // last handle goes.
+                if reserved {
+                    m.release(from, len);
+                }
+                return;
+            }
             let Some(mut p) = m.take_posted(from, tag) else {
                 m.stash(from, tag, dtype, data, reserved, arrival);
                 return;
@@ -2503,6 +2513,24 @@ mod tests {
             !rt.block_on(async { on_blocking_caller() }),
             "outside as_blocking_caller"
         );
+    }
+
+    /// A message handed on after the communicator aborted (a cancelled
+    /// receive's, which a blocking thread hands over) is dropped: the abort
+    /// already emptied the stash, and nothing could ever take it.
+    #[tokio::test]
+    async fn a_message_handed_on_after_an_abort_is_not_kept() {
+        let world = multiworld_types::WorldName::new("handed-on").unwrap();
+        let cfg = CommConfig::new(world, multiworld_types::Generation(1), Rank(0), 1);
+        let comm = Communicator::join(cfg, &crate::MemoryRendezvous::new())
+            .await
+            .unwrap();
+        comm.abort_with_reason("test");
+        let t = Tensor::from_vec(vec![1.0f32; 1024], [1024]).unwrap();
+        comm.inner
+            .deliver(Rank(0), Tag(3), DType::F32, StashData::Tensor(t), false, Some(0));
+        let (stash, _) = comm.inner.lock().take_all_stashed();
+        assert!(stash.is_empty(), "{} stashed after the abort", stash.len());
     }
 
     /// A connected loopback pair: the reading half (buffered like a reader
