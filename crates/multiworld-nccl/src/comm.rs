@@ -231,7 +231,14 @@ impl CommShared {
     /// later call, so an `ncclInvalidUsage` there is no caller's mistake to
     /// retry), or one after an operation was enqueued (it runs on, and
     /// a retry would put the members' operations out of step).
+    /// The error it returns (and keeps as the failure) is world-fatal: one
+    /// that would not be on its own comes wrapped in [`NcclError::Failed`].
     pub(crate) fn fail_async(&self, e: NcclError) -> NcclError {
+        let e = if e.is_world_fatal() {
+            e
+        } else {
+            NcclError::Failed { cause: Box::new(e) }
+        };
         self.record_failure(&e);
         e
     }

@@ -111,6 +111,15 @@ pub enum NcclError {
         /// The communicator's state.
         state: CommState,
     },
+    /// The communicator failed on `cause`, an error a single call could
+    /// otherwise have made (an `ncclInvalidUsage` that NCCL reports as the
+    /// communicator's state, a CUDA out-of-memory after an operation was
+    /// enqueued): world-fatal whatever `cause` is.
+    #[error("the communicator failed: {cause}")]
+    Failed {
+        /// What failed it.
+        cause: Box<NcclError>,
+    },
     /// The request is valid but NCCL (or this version of it, or this device)
     /// cannot do it: e.g. a reduction on `i16`, bitwise reductions, `shrink`
     /// before NCCL 2.27.
@@ -160,7 +169,7 @@ impl NcclError {
             NcclError::Cuda { code, .. } => {
                 *code != crate::ffi::CUDA_ERROR_OUT_OF_MEMORY && *code != crate::ffi::CUDA_ERROR_NOT_SUPPORTED
             }
-            NcclError::Timeout { .. } | NcclError::Aborted { .. } => true,
+            NcclError::Timeout { .. } | NcclError::Aborted { .. } | NcclError::Failed { .. } => true,
             NcclError::LibraryNotFound { .. }
             | NcclError::SymbolMissing { .. }
             | NcclError::VersionTooOld { .. }

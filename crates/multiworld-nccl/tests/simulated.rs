@@ -352,6 +352,29 @@ fn any_async_error_fails_the_communicator() {
     drop((comm, buf));
 }
 
+/// An operation that meets the communicator's asynchronous error (a code
+/// that, from a single call, would only be a caller's mistake) fails with an
+/// error that says the world is dead, as the communicator now is.
+#[test]
+fn an_operation_that_meets_an_async_error_fails_world_fatal() {
+    let (_g, f) = fake();
+    let rt = f.runtime().unwrap();
+    let comm = NcclComm::init(&rt, &cfg(0, 1), &rt.unique_id().unwrap()).unwrap();
+    let mut buf = comm.alloc(DType::F32, 8).unwrap();
+    f.fail_last(5); // ncclInvalidUsage, found by the operation itself
+    let e = comm
+        .all_reduce_in_place(&mut buf, ReduceOp::Sum)
+        .and_then(|h| h.wait_timeout(T))
+        .unwrap_err();
+    assert_eq!(comm.state(), CommState::Failed);
+    assert!(e.is_world_fatal(), "{e:?}");
+    assert!(e.to_string().contains("failed"), "{e}");
+    let kept = comm.poll_error().expect("the failure is kept");
+    assert!(kept.is_world_fatal(), "{kept:?}");
+    assert!(matches!(comm.abort(T), AbortOutcome::Aborted { .. }));
+    drop((comm, buf));
+}
+
 #[test]
 fn a_hung_operation_times_out_and_abort_frees_it() {
     let (_g, f) = fake();
