@@ -141,11 +141,14 @@ pub(crate) async fn join(
     // initialisation: a socket and a thread) take long: on a blocking
     // thread, so that no runtime thread, and no other world's heartbeats,
     // waits for them (nor for another join's load, behind the slot's lock).
-    let rt = {
+    // Any failure to load (the blocking task's too) is rank 0's to publish
+    // below, so that no other rank waits for an id that will never come.
+    let rt: Result<NcclRuntime, String> = {
         let slot = Arc::clone(slot);
         tokio::task::spawn_blocking(move || runtime(&slot))
             .await
-            .map_err(|e| format!("loading NCCL: {e}"))?
+            .map_err(|e| format!("loading NCCL: {e}"))
+            .and_then(|r| r.map_err(|e| e.to_string()))
     };
     let id = if config.rank == Rank(0) {
         let made = match &rt {
@@ -156,7 +159,7 @@ pub(crate) async fn join(
                     .map_err(|e| format!("making the NCCL id: {e}"))
                     .and_then(|r| r.map_err(|e| e.to_string()))
             }
-            Err(e) => Err(e.to_string()),
+            Err(e) => Err(e.clone()),
         };
         let value: Vec<u8> = match &made {
             Ok(id) => std::iter::once(ID_OK).chain(id.to_bytes()).collect(),
@@ -191,7 +194,7 @@ pub(crate) async fn join(
             _ => return Err(format!("malformed NCCL id in the store ({} bytes)", value.len())),
         }
     };
-    let rt = rt.map_err(|e| e.to_string())?;
+    let rt = rt?;
     let comm_config = CommConfig::new(config.rank.index(), config.size as usize)
         .with_device(config.local_rank as usize)
         .with_init_timeout(remaining())
