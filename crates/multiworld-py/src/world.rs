@@ -783,6 +783,9 @@ pub struct Work {
     /// (which holds it): the flag, and that thread's waker.
     cancel_asked: AtomicBool,
     waiter: Mutex<Option<Waker>>,
+    /// The threads inside `wait` on this handle now (a `cancel` from one of
+    /// them runs in a signal handler, inside that wait).
+    waiting: Mutex<Vec<std::thread::ThreadId>>,
     /// Whether the operation is polled (`Pending::Polled`), not a task's.
     polled: bool,
     generation: Option<u64>,
@@ -895,6 +898,7 @@ impl Work {
             loop_waker: Mutex::new(None),
             cancel_asked: AtomicBool::new(false),
             waiter: Mutex::new(None),
+            waiting: Mutex::new(Vec::new()),
             polled,
             generation,
             world,
@@ -929,6 +933,31 @@ impl Work {
             runtime::enter(|| p.cancel())?;
         }
         Ok(true)
+    }
+
+    /// [`Work::apply_cancel`] for `cancel`: false only when this very thread
+    /// is inside `wait` on the handle (`cancel` then runs in a signal
+    /// handler there, and that wait applies the cancel and settles the loan
+    /// when it resumes). When another thread waits, that thread applies the
+    /// cancel (its wait was woken for it, and a wait that ends otherwise
+    /// applies it as it leaves); when only a brief check holds the handle
+    /// (`is_completed`, `settled`), this tries again once it lets go.
+    fn apply_cancel_or_leave_it(&self) -> PyResult<bool> {
+        let me = std::thread::current().id();
+        loop {
+            if self.apply_cancel()? {
+                return Ok(true);
+            }
+            let waiting = lock(&self.waiting);
+            if waiting.contains(&me) {
+                return Ok(false);
+            }
+            if !waiting.is_empty() {
+                return Ok(true);
+            }
+            drop(waiting);
+            std::thread::yield_now();
+        }
     }
 
     /// After a `wait` on a polled operation (which polled it with its own
@@ -1032,7 +1061,7 @@ impl Work {
             if let Some(w) = lock(&self.waiter).take() {
                 w.wake();
             }
-            held_by_a_waiter = !self.apply_cancel()?;
+            held_by_a_waiter = !self.apply_cancel_or_leave_it()?;
             // An event loop awaiting the handle learns of the end.
             self.hand_back_to_loop();
         }
@@ -1099,9 +1128,17 @@ impl Work {
     #[pyo3(signature = (timeout=None))]
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Py<PyAny>> {
         if let Some(r) = self.cached(py) {
+            // An outcome cached by a wait that Ctrl-C then interrupted while
+            // the runtime still held the array: this wait lets it go first
+            // (at once when it already has).
+            if let Some(l) = &self.lent {
+                runtime::wait(py, l.clone().wait())?;
+            }
             return r;
         }
         let after = runtime::seconds("timeout", timeout)?;
+        let me = std::thread::current().id();
+        lock(&self.waiting).push(me);
         let fut = async {
             let mut g = self.pending.lock().await;
             let ended = match g.as_mut()? {
@@ -1126,6 +1163,12 @@ impl Work {
             Some(ended)
         };
         let waited = runtime::wait_for(py, fut, after);
+        {
+            let mut waiting = lock(&self.waiting);
+            if let Some(i) = waiting.iter().position(|t| *t == me) {
+                waiting.swap_remove(i);
+            }
+        }
         if self.polled && !matches!(waited, Ok(Some(Some(_)))) {
             // Not ended by this wait (a timeout, Ctrl-C): a cancel that came
             // while it held the handle applies now, and the loop, if it
@@ -1166,12 +1209,13 @@ impl Work {
         };
         // An operation that did not complete may still hold the caller's
         // array (a message arriving into it when it was cancelled): the
-        // runtime lets go of it first.
-        if !matches!(r, Ended::Done(Ok(_)))
-            && let Some(l) = &self.lent
-        {
-            runtime::wait(py, l.clone().wait())?;
-        }
+        // runtime lets go of it before this returns, after the outcome is
+        // kept (Ctrl-C during that wait must not lose it).
+        let loan = if matches!(r, Ended::Done(Ok(_))) {
+            None
+        } else {
+            self.lent.clone()
+        };
         let out = match r {
             Ended::Done(Ok(done)) => done.into_py(py),
             Ended::Done(Err(e)) => Err(errors::world(py, e, self.generation)),
@@ -1181,8 +1225,13 @@ impl Work {
             ))),
         };
         *lock(&self.outcome) = Some(keep_outcome(py, &out));
+        let released = match loan {
+            Some(l) => runtime::wait(py, l.wait()),
+            None => Ok(()),
+        };
         // Cached first: a loop woken now takes it from the cache.
         self.hand_back_to_loop();
+        released?;
         out
     }
 }

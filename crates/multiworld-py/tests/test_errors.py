@@ -507,3 +507,119 @@ def test_read_ahead_option():
     finally:
         a.shutdown()
         b.shutdown()
+
+
+def test_a_cancel_from_another_thread_returns_once_the_waiters_array_is_let_go():
+    # One thread waits on a receive into a lent array (a polled handle: no
+    # operation deadline); another cancels it while a 256 MiB message is
+    # arriving into the array. The waiting thread applies the cancel, and
+    # the cancelling call returns only once the runtime has let go of the
+    # array: it no longer changes, and it can be lent again at once.
+    import re
+    import threading
+
+    a, b = mw.WorldManager(), mw.WorldManager()
+    store = a.serve_store("127.0.0.1:0")
+    name = unique("cancel-other")
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault(1, b.join(name, 1, 2, store, timeout=10)))
+    t.start()
+    w = a.join(name, 0, 2, store, timeout=10)
+    t.join()
+    try:
+        msg = np.arange(32 << 20, dtype=np.int64)  # 256 MiB
+        pat = re.compile(r'multiworld_received_bytes_total\{[^}]*world="%s"[^}]*peer="1"[^}]*\} (\d+)' % name)
+
+        def received():
+            m = pat.search(a.metrics_text())
+            return int(m.group(1)) if m else 0
+
+        first = np.zeros_like(msg)
+        work = w.irecv(first, 1)
+        waited = {}
+
+        def waiter():
+            try:
+                waited["result"] = work.wait(30)
+            except Exception as e:  # the cancellation, for the main thread
+                waited["error"] = e
+
+        waiting = threading.Thread(target=waiter)
+        waiting.start()
+        sender = threading.Thread(target=lambda: out[1].send(msg, 0))
+        sender.start()
+        deadline = time.monotonic() + 30
+        while received() == 0:
+            assert time.monotonic() < deadline, "the message never started arriving"
+            time.sleep(0.0002)
+        work._w.cancel()
+        at_return = received()
+        snap = first.copy()
+        waiting.join(30)
+        sender.join(30)
+        assert at_return >= msg.nbytes, f"cancel returned after {at_return} of {msg.nbytes} bytes"
+        assert np.array_equal(first, snap), "the array changed after cancel returned"
+        # The array is the caller's: a new receive may lend it.
+        again = w.irecv(first, 1)
+        again._w.cancel()
+        assert "error" in waited or waited.get("result") is first, waited
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+def test_ctrl_c_while_a_wait_lets_go_of_the_array_keeps_the_outcome():
+    # A wait applies a cancel that came from another thread, then waits for
+    # the runtime to let go of the array (its message was arriving): Ctrl-C
+    # then interrupts that wait. The outcome (the cancellation) is kept: the
+    # next wait raises it, not a lost outcome.
+    r = run_py("""
+        import faulthandler, signal
+        faulthandler.dump_traceback_later(100, exit=True)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        import os, re, threading, time
+        import numpy as np
+        import multiworld_rs as mw
+        a, b = mw.WorldManager(), mw.WorldManager()
+        store = a.serve_store("127.0.0.1:0")
+        out = {}
+        t = threading.Thread(target=lambda: out.setdefault(1, b.join("kept", 1, 2, store)))
+        t.start()
+        w = a.join("kept", 0, 2, store)
+        t.join()
+        msg = np.arange(64 << 20, dtype=np.int64)  # 512 MiB
+        pat = re.compile(r'multiworld_received_bytes_total\\{[^}]*world="kept"[^}]*peer="1"[^}]*\\} (\\d+)')
+
+        def received():
+            m = pat.search(a.metrics_text())
+            return int(m.group(1)) if m else 0
+
+        first = np.zeros_like(msg)
+        h = w.irecv(first, 1)
+
+        def cancel_then_interrupt():
+            while received() == 0:
+                time.sleep(0.0002)
+            threading.Thread(target=h._w.cancel).start()
+            time.sleep(0.01)
+            os.kill(os.getpid(), signal.SIGINT)
+
+        threading.Thread(target=lambda: out[1].send(msg, 0)).start()
+        threading.Thread(target=cancel_then_interrupt).start()
+        try:
+            h.wait(60)
+            print("ENDED")
+        except KeyboardInterrupt:
+            print("INTERRUPTED")
+        except RuntimeError as e:
+            print("FIRST", e)
+        try:
+            h.wait(5)
+            print("AGAIN done")
+        except RuntimeError as e:
+            print("AGAIN", e)
+        a.shutdown(); b.shutdown()
+    """, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "another thread" not in r.stdout, r.stdout
+    assert "AGAIN the operation was cancelled" in r.stdout or "AGAIN done" in r.stdout, r.stdout
