@@ -269,7 +269,7 @@ struct StoreProcess {
 impl StoreProcess {
     fn start() -> anyhow::Result<StoreProcess> {
         let exe = std::env::current_exe().context("finding m8d's own path")?;
-        let mut child = Command::new(exe)
+        let mut child = m8d::fleet::ends_with_this_process(&mut Command::new(exe))
             .args(["store", "--bind", "127.0.0.1:0"])
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -906,7 +906,7 @@ async fn single_world_rate(
     let size = (k + 1) as u32;
     let mut children = Vec::new();
     for r in 1..=k {
-        let child = std::process::Command::new(exe)
+        let child = m8d::fleet::ends_with_this_process(&mut std::process::Command::new(exe))
             .args(["worker", "--world", "single", "--store", &store])
             .args([
                 "--rank",

@@ -8,7 +8,7 @@
 //! summary, and exits 0 only if everything behaved. Killed outright (SIGKILL)
 //! it leaves no worker behind, a frozen one included: each worker has the
 //! kernel SIGKILL it when the demo's process ends
-//! ([`m8d::fleet::DIE_WITH_PARENT_ENV`]).
+//! ([`m8d::fleet::die_with_parent`]).
 
 use std::{
     io::{IsTerminal, Write},

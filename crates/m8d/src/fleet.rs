@@ -24,12 +24,42 @@ use tokio::task::JoinHandle;
 
 use crate::stream::{StreamStats, receive_stream, request_end};
 
-/// The environment variable through which the fleet asks each worker it
-/// starts to end with it: set to the fleet's pid, the worker has the kernel
-/// SIGKILL it when the fleet's process ends (see `m8d worker`). Without it, a
-/// leader killed outright would leave its workers running, and a frozen one
+/// The environment variable through which this crate asks each `m8d`
+/// process it starts (the fleet's workers, the benchmarks' workers and
+/// store) to end with it: set to the starting process's pid (see
+/// [`ends_with_this_process`] and [`die_with_parent`]). Without it, a leader
+/// killed outright would leave its workers running, and a frozen one
 /// stopped for good.
 pub const DIE_WITH_PARENT_ENV: &str = "M8D_DIE_WITH_PARENT";
+
+/// Marks `cmd`, an `m8d worker` or `m8d store` this process starts, to end
+/// with it ([`DIE_WITH_PARENT_ENV`]). The kernel ties the child to the
+/// thread that starts it, not the process: start it from a thread that
+/// lasts as long as the process (the main thread, a runtime's worker
+/// thread), not from a blocking pool's, which may end while the child runs.
+pub fn ends_with_this_process(cmd: &mut Command) -> &mut Command {
+    cmd.env(DIE_WITH_PARENT_ENV, std::process::id().to_string())
+}
+
+/// In an `m8d` process started with [`DIE_WITH_PARENT_ENV`]: asks the
+/// kernel to SIGKILL this process when the one that started it ends (when
+/// the thread that started it does), however it ends, which also ends a
+/// frozen (SIGSTOPped) process, as no other signal would. A starting
+/// process already gone when this runs is checked for: it is an error (the
+/// caller exits). Without the variable it does nothing.
+pub fn die_with_parent() -> anyhow::Result<()> {
+    let Ok(parent) = std::env::var(DIE_WITH_PARENT_ENV) else {
+        return Ok(());
+    };
+    nix::sys::prctl::set_pdeathsig(Signal::SIGKILL)
+        .context("asking to end with the process that started this one")?;
+    let now = nix::unistd::getppid().as_raw().to_string();
+    anyhow::ensure!(
+        now == parent,
+        "the process that started this one ({parent}) is gone (parent now {now})"
+    );
+    Ok(())
+}
 
 /// Where a worker reaches its world's store: called with the world's name
 /// (`w1`, ...) and the address of the leader's store, it returns the address
@@ -217,10 +247,9 @@ impl Fleet {
             Some(WorkerStore(route)) => route(name, &self.store),
             None => self.store.clone(),
         };
-        let child = Command::new(&self.config.exe)
+        let child = ends_with_this_process(&mut Command::new(&self.config.exe))
             .args(["worker", "--world", name, "--store", &store])
             .args(["--bytes", &self.config.bytes.to_string()])
-            .env(DIE_WITH_PARENT_ENV, std::process::id().to_string())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(stderr)

@@ -29,6 +29,7 @@ pub struct StoreArgs {
 
 /// Serves until Ctrl-C or SIGTERM.
 pub async fn run(args: StoreArgs) -> anyhow::Result<()> {
+    m8d::fleet::die_with_parent()?;
     let config = ServerConfig {
         allow_remote_create: !args.no_remote_create,
         remote_create_secret: args.secret.load()?,

@@ -70,33 +70,13 @@ pub enum Mode {
     AllReduce,
 }
 
-/// When the process that started this worker asked for it (the fleet sets
-/// [`m8d::fleet::DIE_WITH_PARENT_ENV`] to its pid), the kernel SIGKILLs this
-/// worker once that process ends, however it ends: a leader killed outright
-/// leaves no worker behind, a frozen (SIGSTOPped) one included, which only
-/// SIGKILL can end. A parent already gone before this ran is checked for:
-/// the worker then exits at once.
-fn die_with_parent() -> anyhow::Result<()> {
-    let Ok(parent) = std::env::var(m8d::fleet::DIE_WITH_PARENT_ENV) else {
-        return Ok(());
-    };
-    nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL)
-        .context("asking to end with the process that started this worker")?;
-    let now = nix::unistd::getppid().as_raw().to_string();
-    anyhow::ensure!(
-        now == parent,
-        "the process that started this worker ({parent}) is gone (parent now {now})"
-    );
-    Ok(())
-}
-
 /// Joins and streams until the world ends.
 pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     anyhow::ensure!(
         args.rank != 0,
         "rank 0 is the leader; a worker needs another rank"
     );
-    die_with_parent()?;
+    m8d::fleet::die_with_parent()?;
     let manager = WorldManager::default();
     let mut config = WorldConfig::new(&args.world, args.rank, args.size, &args.store)?;
     config.join_timeout = args.join_timeout;

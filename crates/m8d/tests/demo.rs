@@ -1,6 +1,7 @@
 //! `m8d demo` runs to completion non-interactively and says everything
 //! behaved: with a killed worker, a frozen one, and no fault; killed
-//! outright, it leaves no worker behind.
+//! outright, it leaves no worker behind, and neither does `m8d bench store`
+//! when the reader of its output goes.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
 use std::{
@@ -97,4 +98,34 @@ fn a_demo_killed_outright_leaves_no_worker_behind_not_even_a_frozen_one() {
     );
     kill(Pid::from_raw(demo), Signal::SIGKILL).unwrap();
     all_gone(&pids, Duration::from_secs(10), "after the demo was SIGKILLed");
+}
+
+#[test]
+fn a_benchmark_whose_output_is_cut_leaves_no_store_behind() {
+    // `m8d bench store | head -1`: the benchmark dies of SIGPIPE at its
+    // next line, with the `m8d store` it started still running.
+    let mut bench = Guard::spawn(
+        Command::new(M8D)
+            .args(["bench", "store", "--iterations", "1000", "--clients", "1"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null()),
+    );
+    let out = bench.child().stdout.take().unwrap();
+    let mut first = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(out), &mut first).unwrap();
+    assert!(first.contains("store benchmark"), "{first}");
+    let children: Vec<i32> = children_of(bench.pid().as_raw())
+        .iter()
+        .map(|&(p, _)| p)
+        .collect();
+    let _cleanup = KillOnPanic(children.clone());
+    assert!(!children.is_empty(), "the benchmark's store is not its child");
+    let status = bench.wait_within(process::DEADLINE, || first.clone());
+    assert!(!status.success(), "the benchmark outlived its reader: {status:?}");
+    all_gone(
+        &children,
+        Duration::from_secs(10),
+        "after the benchmark died of SIGPIPE",
+    );
 }
