@@ -250,6 +250,47 @@ def test_a_cancelled_wait_for_an_event_keeps_the_order_of_events():
     asyncio.run(asyncio.wait_for(main(), 60))
 
 
+def test_two_waits_for_one_stream_take_different_events():
+    # Two tasks await the next event of one stream (and a thread waits on
+    # it too) while a cancelled wait is in flight: each event goes to
+    # exactly one of them.
+    from multiworld_rs._api import EventStream
+
+    class Fake:
+        def __init__(self):
+            self.cond = threading.Condition()
+            self.items = []
+
+        def next(self, timeout):
+            with self.cond:
+                self.cond.wait_for(lambda: self.items, timeout)
+                return self.items.pop(0) if self.items else None
+
+        def push(self, *evs):
+            with self.cond:
+                self.items.extend(evs)
+                self.cond.notify_all()
+
+    async def main():
+        for _ in range(5):
+            fake = Fake()
+            s = EventStream(fake, None)
+            first = asyncio.ensure_future(s.anext())
+            await asyncio.sleep(0.02)
+            first.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await first
+            loop = asyncio.get_running_loop()
+            waits = [asyncio.ensure_future(s.anext(5)), asyncio.ensure_future(s.anext(5)),
+                     loop.run_in_executor(None, s.next, 5)]
+            await asyncio.sleep(0.02)
+            fake.push("E1", "E2", "E3")
+            got = await asyncio.gather(*waits)
+            assert sorted(got) == ["E1", "E2", "E3"], got
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
 def test_cancelling_a_receive_into_a_lent_array_does_not_block_the_loop():
     # Cancelling an asyncio receive into a lent array waits until the
     # runtime lets go of the array (a message arriving into it must land

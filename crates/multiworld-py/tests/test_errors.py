@@ -268,6 +268,49 @@ def test_forked_child_gets_a_clear_error():
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_forked_child_gets_a_clear_error_from_an_event_stream_waiting_in_the_parent():
+    # The parent's event stream has a wait in flight (an anext cancelled
+    # meanwhile): a forked child inherits it without the thread that would
+    # end it. The child's next() and anext() must raise ForkedProcessError,
+    # not wait for ever (or return None).
+    r = run_py("""
+        import asyncio, faulthandler, os
+        faulthandler.dump_traceback_later(30, exit=True)
+        import multiworld_rs as mw
+        m = mw.WorldManager()
+        s = m.events()
+
+        async def leave_one_in_flight():
+            t = asyncio.ensure_future(s.anext())
+            await asyncio.sleep(0.05)
+            t.cancel()
+
+        asyncio.run(leave_one_in_flight())
+        pid = os.fork()
+        if pid == 0:
+            codes = []
+            try:
+                s.next(1)
+                codes.append(3)
+            except mw.ForkedProcessError:
+                codes.append(0)
+            try:
+                asyncio.run(asyncio.wait_for(s.anext(1), 5))
+                codes.append(4)
+            except mw.ForkedProcessError:
+                codes.append(0)
+            except asyncio.TimeoutError:
+                codes.append(5)
+            os._exit(max(codes))
+        _, status = os.waitpid(pid, 0)
+        print("CHILD", os.waitstatus_to_exitcode(status))
+        m.shutdown()
+    """)
+    assert r.returncode == 0, r.stderr
+    assert "CHILD 0" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_forked_child_gets_a_clear_error_from_asyncio_housekeeping():
     # The parent used the asyncio housekeeping pool; a forked child inherits
     # it without its threads. An awaited housekeeping call of an inherited

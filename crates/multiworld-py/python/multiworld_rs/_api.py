@@ -6,6 +6,7 @@ import concurrent.futures
 import enum
 import os
 import sys
+import threading
 
 import pickle
 import time
@@ -153,27 +154,45 @@ class EventStream:
         self._timeout = timeout
         # The slice of waiting an ``anext`` started and its caller gave up on
         # (cancelled): the next call takes its event first, so events keep
-        # their order whichever call gets them.
+        # their order whichever call gets them. Several calls at once (two
+        # tasks, a thread and a task) may wait on it; the one that settles
+        # it takes its event, the others wait again.
         self._inflight: "Optional[concurrent.futures.Future[Optional[Event]]]" = None
+        self._inflight_pid = 0
+        self._lock = threading.Lock()
 
-    def _settle(self, fut: "concurrent.futures.Future[Optional[Event]]") -> None:
-        if self._inflight is fut:
-            self._inflight = None
+    def _pending(self) -> "Optional[concurrent.futures.Future[Optional[Event]]]":
+        """The slice in flight, if it is this process's: a forked child's
+        inherited one has no thread left to end it (the child's own calls
+        then raise ``ForkedProcessError``, as every inherited handle does)."""
+        with self._lock:
+            if self._inflight is not None and self._inflight_pid != os.getpid():
+                self._inflight = None
+            return self._inflight
+
+    def _settle(self, fut: "concurrent.futures.Future[Optional[Event]]") -> bool:
+        """Whether this caller takes ``fut``'s event (no other did)."""
+        with self._lock:
+            if self._inflight is fut:
+                self._inflight = None
+                return True
+            return False
 
     def next(self, timeout: Optional[float] = None) -> Optional[Event]:
         """The next event, or ``None`` after ``timeout`` seconds without one."""
         limit = _seconds("timeout", timeout)
-        fut = self._inflight
+        deadline = None if limit is None else time.monotonic() + limit
+        fut = self._pending()
         if fut is not None:
             # At most one slice (0.2 s) of waiting is left in it.
             try:
                 ev = fut.result(limit)
             except concurrent.futures.TimeoutError:
                 return None
-            self._settle(fut)
-            if ev is not None:
+            if self._settle(fut) and ev is not None:
                 return ev
-        return self._s.next(limit)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        return self._s.next(left)
 
     async def anext(self, timeout: Optional[float] = None) -> Optional[Event]:
         """The coroutine form of :meth:`next` (the event loop keeps running)."""
@@ -182,14 +201,17 @@ class EventStream:
         limit = _seconds("timeout", timeout)
         deadline = None if limit is None else time.monotonic() + limit
         while True:
-            fut = self._inflight
+            fut = self._pending()
             if fut is None:
                 left = self._SLICE if deadline is None else max(0.0, min(self._SLICE, deadline - time.monotonic()))
-                fut = self._inflight = _EVENTS_POOL.get().submit(self._s.next, left)
+                with self._lock:
+                    if self._inflight is None:
+                        self._inflight = _EVENTS_POOL.get().submit(self._s.next, left)
+                        self._inflight_pid = os.getpid()
+                    fut = self._inflight
             # A cancellation leaves `fut` in flight for the next call.
             ev = await asyncio.shield(asyncio.wrap_future(fut))
-            self._settle(fut)
-            if ev is not None:
+            if self._settle(fut) and ev is not None:
                 return ev
             if deadline is not None and time.monotonic() >= deadline:
                 return None

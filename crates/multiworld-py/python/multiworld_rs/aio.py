@@ -35,6 +35,7 @@ operation outlives the call's borrow); blocking housekeeping (``join``,
 from __future__ import annotations
 
 import asyncio
+import threading
 import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -117,21 +118,28 @@ class _Bridge:
 
 
 _BRIDGES: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Bridge]" = weakref.WeakKeyDictionary()
+_BRIDGES_LOCK = threading.Lock()
 
 
 def _bridge() -> _Bridge:
     loop = asyncio.get_running_loop()
     b = _BRIDGES.get(loop)
-    if b is None:
-        # A loop closed with operations still watched (a send or collective
-        # whose task was cancelled) is held by their futures, so its weak
-        # key never goes: let go of such bridges whenever a new loop starts
-        # one (each ``asyncio.run`` makes a new loop).
-        for old, stale in list(_BRIDGES.items()):
-            if old.is_closed():
-                _BRIDGES.pop(old, None)
-                stale.let_go()
-        b = _BRIDGES[loop] = _Bridge(loop)
+    if b is not None:
+        return b
+    # Loops of other threads may make their bridges meanwhile: one at a time,
+    # since the sweep below walks the dictionary.
+    with _BRIDGES_LOCK:
+        b = _BRIDGES.get(loop)
+        if b is None:
+            # A loop closed with operations still watched (a send or
+            # collective whose task was cancelled) is held by their futures,
+            # so its weak key never goes: let go of such bridges whenever a
+            # new loop starts one (each ``asyncio.run`` makes a new loop).
+            for old, stale in list(_BRIDGES.items()):
+                if old.is_closed():
+                    _BRIDGES.pop(old, None)
+                    stale.let_go()
+            b = _BRIDGES[loop] = _Bridge(loop)
     return b
 
 
