@@ -375,6 +375,22 @@ fn an_operation_that_meets_an_async_error_fails_world_fatal() {
     drop((comm, buf));
 }
 
+/// A world's device that can no longer be made current when it is dropped
+/// leaves its stream and pool to the context, but gives the context
+/// reference it holds back.
+#[test]
+fn a_device_that_cannot_be_made_current_at_drop_gives_its_context_back() {
+    let (_g, f) = fake();
+    let rt = f.runtime().unwrap();
+    let before = f.live()[4];
+    let comm = NcclComm::init(&rt, &cfg(0, 1), &rt.unique_id().unwrap()).unwrap();
+    assert!(f.live()[4] > before, "the world holds no context reference");
+    f.no_set_current(true);
+    drop(comm);
+    f.no_set_current(false);
+    assert_eq!(f.live()[4], before, "context references left");
+}
+
 #[test]
 fn a_hung_operation_times_out_and_abort_frees_it() {
     let (_g, f) = fake();

@@ -32,9 +32,13 @@ struct fake_event { struct fake_stream *stream; int blocked; };
 
 static int g_devices = 1;
 static volatile long g_allocs, g_streams, g_events, g_ctx_refs, g_pools, g_pinned;
-static int g_no_pinned, g_copies_hang;
+static int g_no_pinned, g_copies_hang, g_no_set_current;
 
-void fake_cuda_reset(int devices) { g_devices = devices; g_no_pinned = 0; g_copies_hang = 0; }
+void fake_cuda_reset(int devices) {
+  g_devices = devices; g_no_pinned = 0; g_copies_hang = 0; g_no_set_current = 0;
+}
+/* Makes cuCtxSetCurrent fail (a context that cannot be made current). */
+void fake_cuda_no_set_current(int on) { g_no_set_current = on; }
 /* Makes cuMemHostAlloc fail (the crate must fall back to pageable staging). */
 void fake_cuda_no_pinned(int on) { g_no_pinned = on; }
 /* While on, a host copy leaves its stream hung (it never completes). */
@@ -63,7 +67,7 @@ CUresult cuDevicePrimaryCtxRetain(void **ctx, int dev) {
   __sync_fetch_and_add(&g_ctx_refs, 1); return 0;
 }
 CUresult cuDevicePrimaryCtxRelease_v2(int dev) { (void)dev; __sync_fetch_and_sub(&g_ctx_refs, 1); return 0; }
-CUresult cuCtxSetCurrent(void *ctx) { return ctx ? 0 : 201; }
+CUresult cuCtxSetCurrent(void *ctx) { return ctx && !g_no_set_current ? 0 : 201; }
 CUresult cuStreamCreate(struct fake_stream **s, unsigned flags) {
   if (flags != 1) return 1; /* we expect CU_STREAM_NON_BLOCKING */
   *s = calloc(1, sizeof **s); (*s)->magic = STREAM_MAGIC;

@@ -125,6 +125,12 @@ impl Fake {
         unsafe { control::<unsafe extern "C" fn(i32)>(&self.cuda, "fake_cuda_no_pinned")(on as i32) }
     }
 
+    /// While on, no context can be made current (`cuCtxSetCurrent` fails).
+    pub fn no_set_current(&self, on: bool) {
+        // SAFETY: signature as in fake_cuda_nccl.c.
+        unsafe { control::<unsafe extern "C" fn(i32)>(&self.cuda, "fake_cuda_no_set_current")(on as i32) }
+    }
+
     /// While on, every host copy leaves its stream hung: the copy, and all
     /// later work on that stream, never completes.
     pub fn copies_hang(&self, on: bool) {
