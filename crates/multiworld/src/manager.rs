@@ -142,16 +142,27 @@ const JOIN_BACKSTOP: Duration = Duration::from_millis(500);
 /// connection.
 const STALE_PROBE: Duration = Duration::from_millis(500);
 
-/// Whether the generation `store` opened is left over from a world whose
-/// members are gone: an address is already published for `rank` (a member
-/// of this rank joined it before), and no other member's published address
-/// takes a connection (a fresh generation has no keys; a generation torn
-/// down in order is closed and never opened again). When another member
-/// still answers, the earlier address of this rank is a failed attempt's
-/// (this process's, or one restarted after a crash) while that member still
-/// waits in the generation: the join goes on in it and publishes again. A
-/// store that cannot tell counts as fresh: the join then goes on and fails
-/// on its own if it must.
+/// Shortest probe [`stale_generation`] trusts: with less of the join left, a
+/// live member could look gone, so the generation is taken as it is.
+const STALE_PROBE_MIN: Duration = Duration::from_millis(100);
+
+/// Written in a standalone store's generation by each member once the
+/// world has formed (every member connected): [`stale_generation`] tells a
+/// world that lost a member from a join still under way by it.
+const FORMED_KEY: &str = "multiworld/formed";
+
+/// Whether the generation `store` opened is left over, so that this member
+/// must not join it: an address is already published for `rank` (a member
+/// of this rank joined it before; a fresh generation has no keys, and one
+/// torn down in order is closed and never opened again), and either the
+/// world formed in it (its members are gone, or they lost that member and
+/// the world is over) or no other member's published address takes a
+/// connection (every member of a join that never completed is gone). When
+/// the world never formed and another member still answers, the earlier
+/// address of this rank is a failed attempt's (this process's, or one
+/// restarted after a crash) while that member waits in the generation: the
+/// join goes on in it and publishes again. A store that cannot tell counts
+/// as fresh: the join then goes on and fails on its own if it must.
 async fn stale_generation(
     store: &multiworld_store::WorldStore,
     world: &WorldName,
@@ -162,6 +173,12 @@ async fn stale_generation(
     let generation = multiworld_tcp::Generation(store.generation());
     let own = multiworld_tcp::addr_key(world, generation, rank);
     if !matches!(store.try_get(own).await, Ok(Some(_))) {
+        return false;
+    }
+    if matches!(store.try_get(FORMED_KEY.to_owned()).await, Ok(Some(_))) {
+        return true;
+    }
+    if left < STALE_PROBE_MIN {
         return false;
     }
     let probe = STALE_PROBE.min(left);
@@ -544,9 +561,10 @@ impl WorldManager {
             if host.is_none()
                 && stale_generation(&store, &world_name, config.rank, config.size, remaining()).await
             {
-                // A member of this rank joined this generation before and no
-                // other member answers: it is what is left of a world whose
-                // every member died without closing it (a standalone store
+                // A member of this rank joined this generation before, and
+                // the world formed in it or no other member answers: it is
+                // what is left of a world whose members died without
+                // closing it, or that lost this rank (a standalone store
                 // keeps it, with their addresses). Close it and open a fresh
                 // one; a member of the new job that opened it too finds it
                 // gone and opens again.
@@ -582,6 +600,14 @@ impl WorldManager {
             let token = self.inner.root.child_token();
             match Communicator::join_with_token(comm_config, &rendezvous, token.child_token()).await {
                 Ok(comm) => {
+                    if host.is_none() {
+                        // Best effort, bounded: see `stale_generation`.
+                        let _ = tokio::time::timeout(
+                            remaining().max(STALE_PROBE_MIN),
+                            store.set(FORMED_KEY, Vec::new()),
+                        )
+                        .await;
+                    }
                     #[cfg(feature = "nccl")]
                     let device = if config.backend == Backend::Nccl {
                         match crate::device::join(&self.inner.nccl, config, &store, deadline).await {

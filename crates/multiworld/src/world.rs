@@ -243,6 +243,12 @@ impl WorldShared {
 
     /// Starts the watchdog and the store watcher.
     pub(crate) fn start(self: &Arc<Self>) {
+        if self.token.is_cancelled() {
+            // Torn down before it started (a shutdown that came as its join
+            // ended): no watchdog or store watcher for a removed world.
+            self.tasks.close();
+            return;
+        }
         let (tx, rx) = watch::channel(StoreStatus {
             last_ok: Instant::now(),
             error: None,

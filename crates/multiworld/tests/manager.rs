@@ -1153,3 +1153,66 @@ async fn a_shutdown_racing_a_join_ends_both_promptly() {
         "a join and its shutdown took {slowest:?}"
     );
 }
+
+/// A rank restarted while its world is still up on a standalone store (its
+/// old process vanished without a word, before the others noticed) finds
+/// the world formed in that generation: it closes the generation, the
+/// survivors' world breaks at once, and they meet it in a fresh one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_restarted_into_a_formed_world_replaces_its_generation() {
+    multiworld_testkit::init_tracing();
+    let server = StoreServer::bind(
+        "127.0.0.1:0".parse().unwrap(),
+        ServerConfig {
+            allow_remote_create: true,
+            remote_create_secret: Some(Secret::new("test secret")),
+            ..ServerConfig::default()
+        },
+    )
+    .await
+    .unwrap();
+    let store = server.local_addr().to_string();
+    let standalone = |rank| {
+        let mut c = cfg("restarted", rank, 2, &store);
+        c.host_store = false;
+        c.join_timeout = Duration::from_secs(10);
+        c
+    };
+    let (m0, m1) = (WorldManager::default(), WorldManager::default());
+    let (a, b) = tokio::join!(m0.join(standalone(0)), m1.join(standalone(1)));
+    let (a, _b) = (a.unwrap(), b.unwrap());
+    let old = a.generation();
+    // The "restarted" rank 1: another process, while the first still holds
+    // its connection (not yet noticed as gone).
+    let m1b = WorldManager::default();
+    let t0 = Instant::now();
+    let rejoin = tokio::spawn({
+        let m1b = m1b.clone();
+        let c = standalone(1);
+        async move { m1b.join(c).await }
+    });
+    while matches!(a.state(), WorldState::Ready) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "rank 0's world did not break when its generation was replaced"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let mut c0 = standalone(0);
+    c0.join_timeout = Duration::from_secs(10);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let a2 = loop {
+        // The old world's teardown may still hold the name for a moment.
+        match m0.join(c0.clone()).await {
+            Ok(w) => break w,
+            Err(e) => {
+                assert!(Instant::now() < deadline, "rank 0 could not join again: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+    let b2 = rejoin.await.unwrap().unwrap();
+    assert_eq!(a2.generation(), b2.generation());
+    assert_ne!(a2.generation(), old, "joined the replaced generation");
+    ping(&a2, &b2, 9.0).await;
+}
