@@ -318,14 +318,10 @@ pub async fn launch_nodes(config: LaunchConfig, nodes: Nodes) -> anyhow::Result<
             exit = exit_rx.recv() => {
                 let Some((rank, status)) = exit else { break };
                 finished += 1;
-                // The rank is reaped: if its group is empty now, it is seen
-                // so at once, before its number can go to another group.
-                if let Some(g) = usize::try_from(rank).ok().and_then(|r| groups.get_mut(r))
-                    && let Some(pgid) = *g
-                    && kill(Pid::from_raw(-pgid.as_raw()), None) == Err(nix::errno::Errno::ESRCH)
-                {
-                    *g = None;
-                }
+                // A rank is reaped: every group already empty (its own, or
+                // one whose last process ended since) is seen so now, before
+                // its number can go to another group.
+                signal_pids(&mut groups, None);
                 if !status.success() && outcome.first_failure.is_none() && !interrupted {
                     outcome.first_failure = Some(rank);
                     outcome.code = status_code(status);
