@@ -755,6 +755,10 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
+/// Longest `cancel` waits for a brief check (`is_completed`, `settled`)
+/// holding a handle to let go of it.
+const BRIEF_HOLD: Duration = Duration::from_secs(1);
+
 /// A handle on an operation running in the background (`isend`, `irecv`, a
 /// collective with `async_op=True`).
 #[pyclass(module = "multiworld_rs._native", frozen)]
@@ -942,8 +946,12 @@ impl Work {
     /// cancel (its wait was woken for it, and a wait that ends otherwise
     /// applies it as it leaves); when only a brief check holds the handle
     /// (`is_completed`, `settled`), this tries again once it lets go.
-    fn apply_cancel_or_leave_it(&self) -> PyResult<bool> {
+    /// A brief holder that keeps the handle past [`BRIEF_HOLD`] (it should
+    /// never) is treated as a waiter: the cancel stays asked, and the loan is
+    /// not waited for here.
+    fn apply_cancel_or_leave_it(&self, py: Python<'_>) -> PyResult<bool> {
         let me = std::thread::current().id();
+        let until = std::time::Instant::now() + BRIEF_HOLD;
         loop {
             if self.apply_cancel()? {
                 return Ok(true);
@@ -956,7 +964,11 @@ impl Work {
                 return Ok(true);
             }
             drop(waiting);
-            std::thread::yield_now();
+            if std::time::Instant::now() >= until {
+                return Ok(false);
+            }
+            // Without the GIL, in case the holder needs it to let go.
+            py.detach(std::thread::yield_now);
         }
     }
 
@@ -1061,7 +1073,7 @@ impl Work {
             if let Some(w) = lock(&self.waiter).take() {
                 w.wake();
             }
-            held_by_a_waiter = !self.apply_cancel_or_leave_it()?;
+            held_by_a_waiter = !self.apply_cancel_or_leave_it(py)?;
             // An event loop awaiting the handle learns of the end.
             self.hand_back_to_loop();
         }
