@@ -100,7 +100,7 @@ impl Collector for LastBreakCollector {
             MetricType::Gauge,
         )?;
         let labels = [
-            ("world", b.world),
+            ("world", label_value(&b.world)),
             ("generation", b.generation.to_string()),
             ("rank", b.rank.to_string()),
             ("cause", b.cause.to_string()),
@@ -232,7 +232,7 @@ impl Seen {
         Seen {
             state: w.state(),
             labels: [
-                ("world", w.name.to_string()),
+                ("world", label_value(w.name.as_str())),
                 ("generation", w.generation.0.to_string()),
                 ("rank", w.rank.0.to_string()),
             ],
@@ -394,20 +394,55 @@ impl Drop for Endpoint {
     }
 }
 
+/// `s` as a label value of the text format: the encoder writes values as
+/// they are, so a backslash or a double quote in a world's name must be
+/// escaped here, or the whole page would not parse. (A world's name holds
+/// no control character; a line break is escaped all the same.)
+fn label_value(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '"' => out.push_str("\\\""),
+            '\n' => out.push_str("\\n"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// Most connections the endpoint serves at once; more are closed at once.
+const MAX_CONNECTIONS: usize = 64;
+
+/// How long a client may take to send a request's head.
+const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Longest one connection is kept (a scraper that keeps its connection
+/// alive opens another).
+const CONNECTION_LIFETIME: Duration = Duration::from_secs(60);
+
 /// Serves `GET /metrics` (and `/`) with `metrics` on `bind` over HTTP/1.1,
 /// until `stop` is cancelled or the endpoint dropped. Binds at once (so a
-/// taken port is an error here); must be called inside a Tokio runtime.
+/// taken port is an error here); needs a Tokio runtime (an error without
+/// one). At most [`MAX_CONNECTIONS`] at once, each given [`HEADER_TIMEOUT`]
+/// for a request's head and closed after [`CONNECTION_LIFETIME`]: a client
+/// that connects and stalls holds nothing for long.
 pub(crate) fn serve(
     bind: SocketAddr,
     metrics: Weak<Metrics>,
     stop: &CancellationToken,
 ) -> std::io::Result<Endpoint> {
+    let runtime = tokio::runtime::Handle::try_current().map_err(|_| {
+        std::io::Error::other("the metrics endpoint needs a Tokio runtime, and none is running here")
+    })?;
+    let _in_runtime = runtime.enter();
     let std_listener = std::net::TcpListener::bind(bind)?;
     std_listener.set_nonblocking(true)?;
     let listener = TcpListener::from_std(std_listener)?;
     let addr = listener.local_addr()?;
     let token = stop.child_token();
     let run = token.clone();
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     tokio::spawn(async move {
         loop {
             let (stream, _) = tokio::select! {
@@ -421,20 +456,28 @@ pub(crate) fn serve(
                     }
                 },
             };
+            let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
+                tracing::debug!("metrics endpoint: {MAX_CONNECTIONS} connections open; closing a new one");
+                continue;
+            };
             let metrics = metrics.clone();
             let conn_stop = run.clone();
             tokio::spawn(async move {
+                let _slot = slot;
                 let service =
                     hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
                         let metrics = metrics.clone();
                         async move { Ok::<_, std::convert::Infallible>(respond(req.uri().path(), &metrics)) }
                     });
                 let conn = hyper::server::conn::http1::Builder::new()
+                    .timer(hyper_util::rt::TokioTimer::new())
+                    .header_read_timeout(HEADER_TIMEOUT)
                     .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
                 tokio::select! {
                     _ = conn_stop.cancelled() => {}
                     // A scraper that goes away mid-request is not our problem.
                     _ = conn => {}
+                    _ = tokio::time::sleep(CONNECTION_LIFETIME) => {}
                 }
             });
         }

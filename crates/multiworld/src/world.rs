@@ -351,7 +351,8 @@ impl WorldShared {
     }
 
     /// Writes the record taken at the break to `flight_dir` as
-    /// `<world>-g<generation>-r<rank>.json` (best effort: a write that fails
+    /// `<world>-g<generation>-r<rank>.json` ([`flight_file_name`]; best
+    /// effort: a write that fails
     /// is logged, never fatal). Called by the teardown, so the file is there
     /// before the world is reported removed. The file system is used on a
     /// blocking-pool thread, never on a runtime thread (a hung mount would
@@ -361,12 +362,11 @@ impl WorldShared {
         let (Some(dir), Some(record)) = (&self.flight_dir, self.break_record.get()) else {
             return;
         };
-        let file = dir.join(format!(
-            "{}-g{}-r{}.json",
-            self.name.as_str().replace(['/', '\\'], "_"),
-            self.generation.0,
-            self.rank.0
-        ));
+        let name = flight_file_name(self.name.as_str(), self.generation.0, self.rank.0);
+        let file = dir.join(&name);
+        // Written whole under a hidden name, then renamed: a reader never
+        // sees a partial record under the final name.
+        let partial = dir.join(format!(".{name}.partial"));
         let bytes = match serde_json::to_vec_pretty(&**record) {
             Ok(b) => b,
             Err(e) => {
@@ -376,7 +376,9 @@ impl WorldShared {
         };
         let (dir, path) = (dir.clone(), file.clone());
         let write = tokio::task::spawn_blocking(move || {
-            std::fs::create_dir_all(&dir).and_then(|()| std::fs::write(&path, bytes))
+            std::fs::create_dir_all(&dir)
+                .and_then(|()| std::fs::write(&partial, bytes))
+                .and_then(|()| std::fs::rename(&partial, &path))
         });
         match tokio::time::timeout(FLIGHT_WRITE_WAIT, write).await {
             Ok(written) => match written.map_err(std::io::Error::other).and_then(|r| r) {
@@ -1399,9 +1401,51 @@ impl PendingRecv {
     }
 }
 
+/// The file name of a flight record: `<world>-g<generation>-r<rank>.json`,
+/// with `/` and `\` in the world's name made `_`. A name too long for a
+/// file name (most file systems allow 255 bytes, and the record is first
+/// written under a name 9 bytes longer) keeps its first bytes and gets a
+/// hash of the whole name, so records of different worlds stay apart.
+pub(crate) fn flight_file_name(world: &str, generation: u64, rank: u32) -> String {
+    const MAX: usize = 240;
+    let safe = world.replace(['/', '\\'], "_");
+    let tail = format!("-g{generation}-r{rank}.json");
+    if safe.len() + tail.len() <= MAX {
+        return format!("{safe}{tail}");
+    }
+    let hash = {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        world.hash(&mut h);
+        h.finish()
+    };
+    let mark = format!("~{hash:016x}");
+    let mut keep = MAX - tail.len() - mark.len();
+    while !safe.is_char_boundary(keep) {
+        keep -= 1;
+    }
+    format!("{}{mark}{tail}", &safe[..keep])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A flight record's file name fits any file system, the partial one's
+    /// too, and names that share their first 240 bytes stay apart.
+    #[test]
+    fn flight_file_names_fit_and_stay_apart() {
+        assert_eq!(flight_file_name("a/b\\c", 7, 1), "a_b_c-g7-r1.json");
+        let long_a = format!("{}a", "é".repeat(127));
+        let long_b = format!("{}b", "é".repeat(127));
+        let (a, b) = (
+            flight_file_name(&long_a, 1795470672325382, 3),
+            flight_file_name(&long_b, 1795470672325382, 3),
+        );
+        assert!(a.len() <= 240 && format!(".{a}.partial").len() <= 255, "{a}");
+        assert_ne!(a, b);
+        assert!(a.ends_with("-g1795470672325382-r3.json"), "{a}");
+    }
 
     /// A wait's timeout counts as the store's answer only when it came about
     /// when asked; one that came with the client's own deadline (seconds

@@ -198,3 +198,78 @@ async fn traffic_and_a_break_move_the_metrics_and_the_docs_name_only_real_series
     a.shutdown().await;
     b.shutdown().await;
 }
+
+/// A world's name may hold a double quote or a backslash: its label value is
+/// escaped, so the page still parses (unescaped, one such name broke every
+/// series of the page for a scraper).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_world_name_with_quotes_and_backslashes_is_escaped_in_labels() {
+    let m = WorldManager::default();
+    let store = m.serve_store("127.0.0.1:0").await.unwrap().to_string();
+    let name = r#"q"uote\slash"#;
+    let _w = m
+        .join(WorldConfig::new(name, 0, 1, &store).unwrap())
+        .await
+        .unwrap();
+    let text = m.metrics_text();
+    let escaped = r#"world="q\"uote\\slash""#;
+    assert!(text.contains(escaped), "no escaped label {escaped} in:\n{text}");
+    // Every label value on the page is a well-formed quoted string.
+    for line in text.lines().filter(|l| !l.starts_with('#') && l.contains('{')) {
+        let labels = &line[line.find('{').unwrap() + 1..line.rfind('}').unwrap()];
+        let mut chars = labels.chars();
+        let mut quoted = false;
+        while let Some(c) = chars.next() {
+            match (quoted, c) {
+                (true, '\\') => assert!(
+                    matches!(chars.next(), Some('\\' | '"' | 'n')),
+                    "a bad escape in {line}"
+                ),
+                (_, '"') => quoted = !quoted,
+                _ => {}
+            }
+        }
+        assert!(!quoted, "an unterminated label value in {line}");
+    }
+}
+
+/// The endpoint closes a connection that sends no complete request head
+/// (a stalled client holds no slot for long), and a manager made outside
+/// a Tokio runtime runs without the endpoint instead of panicking.
+#[tokio::test(start_paused = true)]
+async fn the_endpoint_closes_a_stalled_connection() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let m = WorldManager::new(multiworld::ManagerConfig {
+        metrics_addr: Some("127.0.0.1:0".parse().unwrap()),
+        ..multiworld::ManagerConfig::default()
+    });
+    let addr = m.metrics_addr().expect("the endpoint is served");
+    let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+    c.write_all(b"GET /metrics HTTP/1.1\r\n").await.unwrap();
+    let t0 = tokio::time::Instant::now();
+    let mut buf = [0u8; 1024];
+    let closed = tokio::time::timeout(Duration::from_secs(120), async {
+        loop {
+            match c.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    })
+    .await;
+    assert!(closed.is_ok(), "a stalled connection stayed open");
+    assert!(
+        t0.elapsed() <= Duration::from_secs(61),
+        "closed after {:?}",
+        t0.elapsed()
+    );
+}
+
+#[test]
+fn a_manager_made_outside_a_runtime_runs_without_the_endpoint() {
+    let m = WorldManager::new(multiworld::ManagerConfig {
+        metrics_addr: Some("127.0.0.1:0".parse().unwrap()),
+        ..multiworld::ManagerConfig::default()
+    });
+    assert_eq!(m.metrics_addr(), None);
+}
