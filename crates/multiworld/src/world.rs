@@ -52,6 +52,9 @@ const FINISH_TAG: Tag = multiworld_types::runtime_tag(0);
 
 /// The store key through which a member announces that it broke the world.
 /// Its value is `"<rank>\n<cause>"`.
+/// Pause between a barrier's tries while its store is unreachable.
+const BARRIER_RETRY: Duration = Duration::from_millis(50);
+
 pub(crate) const BROKEN_KEY: &str = "multiworld/broken";
 
 /// How long a breaking member spends telling the others through the store.
@@ -735,6 +738,7 @@ impl multiworld_collectives::CallEnd for Untracked {
 
 /// Watches one world until it breaks or is torn down.
 async fn watchdog(w: Arc<WorldShared>, mut store: watch::Receiver<StoreStatus>) {
+    let mut store_open = true;
     let mut health = Some(w.comm.health_events());
     let mut log = ReasonLog::default();
     let cfg = w.config.watchdog.clone();
@@ -804,7 +808,20 @@ async fn watchdog(w: Arc<WorldShared>, mut store: watch::Receiver<StoreStatus>) 
                     health = None;
                 }
             }
-            _ = store.changed() => {}
+            changed = async {
+                if store_open {
+                    store.changed().await
+                } else {
+                    std::future::pending().await
+                }
+            } => {
+                // The store watcher has ended (it saw the world's end
+                // announced): its last status stays as it is; waiting on a
+                // closed channel again would return at once, for ever.
+                if changed.is_err() {
+                    store_open = false;
+                }
+            }
             _ = w.deadline_added.notified() => {}
             _ = tokio::time::sleep_until(wake) => {}
         }
@@ -1176,7 +1193,10 @@ impl World {
 
     /// Waits until every member has entered this barrier (the n-th call on
     /// each member meets the n-th call on the others), at most `timeout`.
-    /// Runs through the world's store. To end a world, use
+    /// Runs through the world's store: a store unreachable for a moment (or
+    /// with its request budget full) is tried again until `timeout`, and
+    /// only a store whose world is gone (closed, replaced) breaks the world
+    /// here; a longer outage is the watchdog's (`store_grace`). To end a world, use
     /// [`finish`](Self::finish) instead: a member leaving right after a store
     /// barrier can close the store under a member whose wait is still on its
     /// way.
@@ -1186,9 +1206,34 @@ impl World {
         let n = w.barriers.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let key = |n: u64, rank: u32| format!("multiworld/barrier/{n}/{rank}");
         let keys: Vec<String> = (0..w.size).map(|r| key(n, r)).collect();
+        let deadline = Instant::now() + timeout;
         let wait = async {
-            w.store_call(w.store.set(key(n, w.rank.0), Vec::new())).await?;
-            w.store.wait(&keys, timeout).await
+            loop {
+                let left = deadline.saturating_duration_since(Instant::now());
+                let tried = async {
+                    w.store_call(w.store.set(key(n, w.rank.0), Vec::new())).await?;
+                    w.store.wait(&keys, left).await
+                }
+                .await;
+                match tried {
+                    // The store unreachable for a moment, or its request
+                    // budget full: tried again until the barrier's own
+                    // timeout. Whether the store is lost is the watchdog's
+                    // to say (`store_grace`), which ends this wait if so.
+                    Err(StoreError::Unavailable { .. } | StoreError::LimitExceeded { .. })
+                        if !left.is_zero() =>
+                    {
+                        tokio::time::sleep(BARRIER_RETRY.min(left)).await;
+                    }
+                    Err(StoreError::Unavailable { .. } | StoreError::LimitExceeded { .. }) => {
+                        return Err(StoreError::Timeout {
+                            what: format!("barrier {n}"),
+                            after: timeout,
+                        });
+                    }
+                    r => return r,
+                }
+            }
         };
         let result = tokio::select! {
             biased;
@@ -1210,6 +1255,8 @@ impl World {
                 after,
             }),
             Err(e) => {
+                // The world's store generation is gone (closed, replaced),
+                // or the call cannot work at all.
                 w.break_with(BreakCause::StoreLost {
                     reason: e.to_string(),
                 });
@@ -1225,11 +1272,31 @@ impl World {
     /// member's goodbye travels behind its token on the same connection, so
     /// everyone has every token before anyone's departure can be seen, and
     /// nobody's leave cuts off a member that is still finishing. A member
-    /// that crashes meanwhile still breaks the world.
+    /// that crashes meanwhile still breaks the world. Once started it runs
+    /// to its end (or `timeout`) and leaves, even if the caller stops
+    /// waiting for it.
     pub async fn finish(&self, timeout: std::time::Duration) -> Result<(), WorldError> {
-        let w = &self.shared;
-        w.check()?;
-        w.closing.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.shared.check()?;
+        self.shared
+            .closing
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        // A task of its own: a caller that stops waiting (a timeout of its
+        // own, a `select!`, Ctrl-C in Python) must not leave the world
+        // closing for ever (it then ignores departures and the store's
+        // end): the exchange runs to its end or to `timeout`, and the world
+        // is left either way.
+        let shared = Arc::clone(&self.shared);
+        let span = shared.span.clone();
+        match tokio::spawn(Self::finishing(shared, timeout).instrument(span)).await {
+            Ok(r) => r,
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            Err(_) => Err(self.shared.unusable()),
+        }
+    }
+
+    /// The body of [`World::finish`], in its task.
+    async fn finishing(w: Arc<WorldShared>, timeout: std::time::Duration) -> Result<(), WorldError> {
+        let w = &w;
         let me = w.rank;
         let token = [1u8];
         let exchange = (0..w.size).filter(|&r| r != me.0).map(|r| async move {

@@ -1216,3 +1216,26 @@ async fn a_rank_restarted_into_a_formed_world_replaces_its_generation() {
     assert_ne!(a2.generation(), old, "joined the replaced generation");
     ping(&a2, &b2, 9.0).await;
 }
+
+/// A `finish` whose caller stops waiting (its own timeout, a `select!`,
+/// Ctrl-C in Python) still ends: when the other member leaves instead of
+/// finishing, this member's world is removed, not left ready and deaf to
+/// departures for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_finish_whose_caller_stops_waiting_still_ends_the_world() {
+    let (ma, mb) = (WorldManager::default(), WorldManager::default());
+    let store = ma.serve_store("127.0.0.1:0").await.unwrap().to_string();
+    let (a, b) = tokio::join!(
+        ma.join(cfg("finish-dropped", 0, 2, &store)),
+        mb.join(cfg("finish-dropped", 1, 2, &store))
+    );
+    let (a, b) = (a.unwrap(), b.unwrap());
+    let gave_up = tokio::time::timeout(Duration::from_millis(200), b.finish(Duration::from_secs(30))).await;
+    assert!(gave_up.is_err(), "finish ended without the other member");
+    drop(a);
+    ma.leave("finish-dropped").await.unwrap();
+    tokio::time::timeout(Duration::from_secs(5), b.removed())
+        .await
+        .expect("the world of the member whose finish was dropped was never removed");
+    assert!(mb.world("finish-dropped").is_none());
+}

@@ -768,3 +768,37 @@ async fn a_256_mib_message_over_10_mb_per_s_breaks_nothing() {
     )
     .await;
 }
+
+/// A barrier waiting while its store is unreachable for less than
+/// `store_grace` rides the outage out (it tries again until its own
+/// timeout) instead of breaking the world with `StoreLost`, which only the
+/// watchdog decides, after the grace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_barrier_rides_out_a_store_outage_shorter_than_store_grace() {
+    let f = fixture("barrierout", 2).await;
+    let mut events = f.events();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Rank 1 (through the proxy) enters first and waits; its store
+    // connections are reset for a quarter of the grace; rank 0 comes after.
+    let waiting = {
+        let w = f.worlds[1].clone();
+        tokio::spawn(async move { w.barrier(Duration::from_secs(10)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let short = STORE_GRACE / 4;
+    let start = Instant::now();
+    let resets = store_outage(f.net.store(), || start.elapsed() >= short).await;
+    assert!(resets > 0, "no store connection was open to reset");
+    f.worlds[0].barrier(Duration::from_secs(10)).await.unwrap();
+    waiting.await.unwrap().unwrap();
+    for w in &f.worlds {
+        assert_eq!(w.state(), WorldState::Ready);
+    }
+    for rx in &mut events {
+        while let Ok(ev) = rx.try_recv() {
+            if let WorldEvent::Broken { world, cause, .. } = ev {
+                assert_ne!(world, f.name, "the barrier broke the world: {cause:?}");
+            }
+        }
+    }
+}
