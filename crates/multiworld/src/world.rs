@@ -100,6 +100,10 @@ pub(crate) struct WorldShared {
     pub(crate) size: u32,
     pub(crate) config: WorldConfig,
     pub(crate) comm: Arc<Communicator>,
+    /// The runtime the world joined in: its teardown is spawned there,
+    /// whichever thread breaks or leaves the world (`World::abort` may be
+    /// called from a thread of no runtime).
+    runtime: tokio::runtime::Handle,
     /// The world group of the collectives: one per membership, because a
     /// group numbers its calls and every member must number them alike.
     collectives: Group,
@@ -213,6 +217,8 @@ impl WorldShared {
             config,
             collectives: Group::world(&comm).with_observer(Arc::new(CollectiveCalls(me.clone()))),
             comm,
+            // `new` runs in the join, inside a runtime.
+            runtime: tokio::runtime::Handle::current(),
             store,
             store_addr,
             host,
@@ -527,7 +533,8 @@ impl WorldShared {
         };
         let me = Arc::clone(self);
         let span = self.span.clone();
-        tokio::spawn(async move { me.teardown(announce, false).await }.instrument(span));
+        self.runtime
+            .spawn(async move { me.teardown(announce, false).await }.instrument(span));
     }
 
     /// Leaves the world on purpose: an orderly goodbye to the peers (who see
@@ -548,7 +555,7 @@ impl WorldShared {
             // torn down, its name stuck and its `Removed` never sent.
             let me = Arc::clone(self);
             let span = self.span.clone();
-            tokio::spawn(
+            self.runtime.spawn(
                 async move {
                     me.comm.close().await;
                     let announce = Some(format!("{}\nrank {} left the world", me.rank, me.rank));

@@ -1239,3 +1239,20 @@ async fn a_finish_whose_caller_stops_waiting_still_ends_the_world() {
         .expect("the world of the member whose finish was dropped was never removed");
     assert!(mb.world("finish-dropped").is_none());
 }
+
+/// `World::abort` from a thread of no runtime (a compute thread, a signal
+/// handler's thread) breaks the world and tears it down like any break.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abort_from_a_plain_thread_tears_the_world_down() {
+    let m = WorldManager::default();
+    let store = m.serve_store("127.0.0.1:0").await.unwrap().to_string();
+    let w = m.join(cfg("aborted-off-runtime", 0, 1, &store)).await.unwrap();
+    let w2 = w.clone();
+    std::thread::spawn(move || w2.abort())
+        .join()
+        .expect("abort panicked off the runtime");
+    tokio::time::timeout(Duration::from_secs(5), w.removed())
+        .await
+        .expect("the aborted world was never removed");
+    assert!(m.world("aborted-off-runtime").is_none());
+}
