@@ -447,3 +447,22 @@ def test_a_cancelled_initialize_world_can_still_be_removed():
     finally:
         a.cleanup()
         b.cleanup()
+
+
+def test_initialize_world_gives_an_nccl_world_its_device():
+    # The older API chose an NCCL world's GPU with `device`; a TCP world
+    # has no use for it.
+    wm = WorldManager()
+    seen = []
+
+    async def fake_join(name, rank, size, store, **kw):
+        seen.append(kw)
+
+    wm._aio.join = fake_join  # type: ignore[method-assign]
+    try:
+        run(wm.initialize_world("g", 1, 2, backend="nccl", port=free_port(), device=1))
+        run(wm.initialize_world("t", 1, 2, backend="gloo", port=free_port(), device=1))
+    finally:
+        wm.cleanup()
+    assert seen[0].get("device") == 1 and seen[0]["backend"] == "nccl", seen[0]
+    assert "device" not in seen[1], seen[1]

@@ -1052,3 +1052,58 @@ def test_object_lists_follow_torch(pair):
     assert longer == [None, None, None]
     with pytest.raises(ValueError, match="object_gather_list is required"):
         w0.gather_object("x", None, 0)
+
+
+def test_a_scalar_output_is_refused_not_written_and_lost(pair):
+    # A numpy scalar has no memory of its own: a result "written" into it
+    # would be lost, so it is refused as an output, naming it.
+    w0, w1 = pair
+    with pytest.raises(TypeError, match="scalar"):
+        w0.recv_into(np.float32(0), 1)
+    with pytest.raises(TypeError, match="scalar"):
+        w0.all_reduce(np.float32(3))
+    # The world is fine: a message still goes through.
+    out = np.zeros(1, np.float32)
+    both(lambda: w1.send(np.ones(1, np.float32), 0), lambda: w0.recv_into(out, 1))
+    assert out[0] == 1
+
+
+@pytest.mark.parametrize("shape", [(2.7,), "12", (True, 2), 2.0, None])
+def test_a_shape_that_is_not_ints_is_refused_naming_it(pair, shape):
+    w0, _ = pair
+    with pytest.raises(TypeError, match="shape"):
+        w0.recv(1, dtype="float32", shape=shape)
+    with pytest.raises(TypeError, match="shape"):
+        mw.zeros(shape, "float32")
+
+
+def test_all_to_all_single_takes_empty_split_lists_as_even_splits(pair):
+    # torch passes "no splits" as empty lists.
+    w0, w1 = pair
+    inputs = [np.arange(4, dtype=np.float32) + 10 * r for r in range(2)]
+    outs = [np.zeros(4, np.float32) for _ in range(2)]
+    both(lambda: w0.all_to_all_single(outs[0], inputs[0], [], []),
+         lambda: w1.all_to_all_single(outs[1], inputs[1], [], []))
+    assert outs[0].tolist() == [0, 1, 10, 11] and outs[1].tolist() == [2, 3, 12, 13]
+
+
+def test_a_dlpack_output_that_numpy_makes_read_only_is_refused_saying_why(pair):
+    # A producer without versioned DLPack: numpy makes its view read-only, so
+    # it cannot be an output; the error says so instead of a bare read-only.
+    w0, w1 = pair
+
+    class Old:
+        def __init__(self, a):
+            self.a = a
+
+        def __dlpack__(self, stream=None):
+            return self.a.__dlpack__()
+
+        def __dlpack_device__(self):
+            return self.a.__dlpack_device__()
+
+    buf = np.zeros(3, np.float32)
+    if T.as_array(Old(buf)).flags.writeable:
+        pytest.skip("this numpy gives a writeable view of an unversioned producer")
+    with pytest.raises(ValueError, match="__dlpack__"):
+        w0.recv_into(Old(buf), 1)

@@ -89,15 +89,7 @@ def _seconds(what: str, value: Any) -> Optional[float]:
 
 
 def _shape(shape: Any) -> Tuple[int, ...]:
-    if isinstance(shape, (int, np.integer)):
-        shape = (shape,)
-    try:
-        dims = tuple(int(d) for d in shape)
-    except TypeError:
-        raise TypeError(f"shape must be a sequence of ints, got {shape!r}") from None
-    if any(d < 0 for d in dims):
-        raise ValueError(f"shape must not have negative dimensions, got {shape!r}")
-    return dims
+    return T.dims(shape)
 
 
 class WorldInfo(NamedTuple):
@@ -304,7 +296,8 @@ def _lendable(tensor: Any) -> Any:
     as it is; for a CPU torch tensor or a ``__dlpack__`` object, the numpy
     view of its own memory (the view holds a reference to it); anything else
     as it is (the fast path then declines and the general path takes it)."""
-    if type(tensor) is np.ndarray:
+    if type(tensor) is np.ndarray or isinstance(tensor, np.generic):
+        # A scalar as it is: it has no memory of its own to lend.
         return tensor
     try:
         return T.as_array(tensor)
@@ -828,7 +821,13 @@ class World:
                           async_op: bool = False) -> Optional[Work]:
         """All-to-all of one tensor split along its first dimension: rank i
         gets ``input_split_sizes[i]`` rows (even splits when ``None``), and
-        ``output`` receives ``output_split_sizes[j]`` rows from rank j."""
+        ``output`` receives ``output_split_sizes[j]`` rows from rank j. An
+        empty list means even splits, as in torch."""
+        # torch passes no splits as empty lists.
+        if output_split_sizes is not None and len(output_split_sizes) == 0:
+            output_split_sizes = None
+        if input_split_sizes is not None and len(input_split_sizes) == 0:
+            input_split_sizes = None
         if not async_op and self._w.all_to_all_single_plain(output, input, output_split_sizes,
                                                             input_split_sizes):
             return None  # plain numpy arrays, lent natively

@@ -68,15 +68,32 @@ ALIGNMENT = 64
 """Byte alignment of the arrays :func:`zeros` and :func:`empty` make."""
 
 
+def dims(shape: Any) -> Tuple[int, ...]:
+    """``shape`` (an int or a sequence of ints) as a tuple of dimensions:
+    TypeError for anything else (a float, a bool, a string), ValueError for
+    a negative one, each naming the shape given."""
+    def is_int(d: Any) -> bool:
+        return isinstance(d, (int, np.integer)) and not isinstance(d, (bool, np.bool_))
+
+    if is_int(shape):
+        shape = (shape,)
+    if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
+        raise TypeError(f"shape must be an int or a sequence of ints, got {shape!r}")
+    out = tuple(shape)
+    if not all(is_int(d) for d in out):
+        raise TypeError(f"shape must be an int or a sequence of ints, got {shape!r}")
+    if any(d < 0 for d in out):
+        raise ValueError(f"shape must not have negative dimensions, got {shape!r}")
+    return tuple(int(d) for d in out)
+
+
 def _aligned(alloc: Any, shape: Any, dtype: Any) -> np.ndarray:
     d = np_dtype(dtype)
-    dims = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(x) for x in shape)
-    if any(x < 0 for x in dims):
-        raise ValueError(f"negative dimension in shape {dims}")
-    n = int(np.prod(dims, dtype=np.int64)) * d.itemsize
+    dims_ = dims(shape)
+    n = int(np.prod(dims_, dtype=np.int64)) * d.itemsize
     raw = alloc(n + ALIGNMENT, dtype=np.uint8)
     at = (-raw.ctypes.data) % ALIGNMENT
-    return raw[at:at + n].view(d).reshape(dims)
+    return raw[at:at + n].view(d).reshape(dims_)
 
 
 def zeros(shape: Any, dtype: Any = "float32") -> np.ndarray:
@@ -140,6 +157,9 @@ def as_array(obj: Any, what: str = "tensor") -> np.ndarray:
             return obj.detach().view(torch.int16).numpy().view(BFLOAT16)
         return obj.detach().numpy()
     if hasattr(obj, "__dlpack__"):
+        if not hasattr(np, "from_dlpack"):
+            raise TypeError(f"{what}: __dlpack__ objects need numpy 1.23 or later "
+                            f"(this is numpy {np.__version__})")
         return np.from_dlpack(obj)
     if isinstance(obj, np.generic):
         return np.asarray(obj)
@@ -181,9 +201,17 @@ def out_spec(obj: Any, what: str = "output") -> Tuple[np.ndarray, Tuple[str, Tup
         name = _NATIVE.get(obj.dtype)
         if name is not None:
             return obj, (name, obj.shape)
+    if isinstance(obj, np.generic):
+        raise TypeError(f"{what} must be an array to write into, got the scalar {obj!r} "
+                        f"(it has no memory of its own: the result would be lost)")
     arr = as_array(obj, what)
     name = check_dtype(arr, what)
     if not arr.flags.writeable:
+        if not isinstance(obj, np.ndarray) and hasattr(obj, "__dlpack__") \
+                and not type(obj).__module__.startswith("torch"):
+            raise ValueError(f"{what} is read-only: numpy made its view of this __dlpack__ object "
+                             f"read-only (a producer without versioned DLPack, or numpy older than "
+                             f"2.2.5); pass a numpy array or a torch tensor as an output")
         raise ValueError(f"{what} is read-only: an output array must be writeable")
     if _overlaps_itself(arr):
         raise ValueError(f"{what} has elements that share memory (a stride of 0, as from torch's "

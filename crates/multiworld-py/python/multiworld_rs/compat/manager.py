@@ -86,8 +86,10 @@ class WorldManager:
         share one address); every other rank connects there, retrying until
         the store is up, so members may start in any order. ``backend``:
         ``"gloo"`` (the older default) runs on multiworld_rs's TCP backend;
-        ``"nccl"`` needs a build with NCCL. ``device`` is accepted and
-        ignored (tensors say where they live). Extra keyword ``options`` go to
+        ``"nccl"`` needs a build with NCCL. ``device`` chooses an NCCL
+        world's GPU (a ``torch.device``, ``"cuda:N"`` or an ordinal; default:
+        torch's current device); a TCP world ignores it (tensors say where
+        they live). Extra keyword ``options`` go to
         :meth:`multiworld_rs.WorldManager.join` (``secret``, ``op_timeout``,
         ``heartbeat_interval``, ``heartbeat_timeout``, ``host_store``).
 
@@ -108,6 +110,9 @@ class WorldManager:
         # process a member, and remove_world must then be able to leave it.
         known = world_name in self._names
         self._names.add(world_name)
+        if be == "nccl" and device is not None and "device" not in options:
+            # The GPU of this rank's NCCL world, as the older API chose it.
+            options["device"] = device
         try:
             await self._aio.join(world_name, rank, world_size, store, timeout=timeout,
                                  backend=be, **options)
