@@ -202,6 +202,25 @@ def test_events_as_an_async_iterator():
     asyncio.run(asyncio.wait_for(main(), 60))
 
 
+class FakeEvents:
+    """A native event stream's stand-in: waiters take events in the order
+    they came."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.items = []
+
+    def next(self, timeout):
+        with self.cond:
+            self.cond.wait_for(lambda: self.items, timeout)
+            return self.items.pop(0) if self.items else None
+
+    def push(self, *evs):
+        with self.cond:
+            self.items.extend(evs)
+            self.cond.notify_all()
+
+
 def test_a_cancelled_wait_for_an_event_keeps_the_order_of_events():
     # A fake stream whose waiters take events in the order they came. An
     # anext cancelled while its thread waits leaves that wait in flight; the
@@ -209,24 +228,9 @@ def test_a_cancelled_wait_for_an_event_keeps_the_order_of_events():
     # that could take the second event first.
     from multiworld_rs._api import EventStream
 
-    class Fake:
-        def __init__(self):
-            self.cond = threading.Condition()
-            self.items = []
-
-        def next(self, timeout):
-            with self.cond:
-                self.cond.wait_for(lambda: self.items, timeout)
-                return self.items.pop(0) if self.items else None
-
-        def push(self, *evs):
-            with self.cond:
-                self.items.extend(evs)
-                self.cond.notify_all()
-
     async def main():
         for _ in range(5):
-            fake = Fake()
+            fake = FakeEvents()
             s = EventStream(fake, None)
             first = asyncio.ensure_future(s.anext())
             await asyncio.sleep(0.02)
@@ -256,24 +260,9 @@ def test_two_waits_for_one_stream_take_different_events():
     # exactly one of them.
     from multiworld_rs._api import EventStream
 
-    class Fake:
-        def __init__(self):
-            self.cond = threading.Condition()
-            self.items = []
-
-        def next(self, timeout):
-            with self.cond:
-                self.cond.wait_for(lambda: self.items, timeout)
-                return self.items.pop(0) if self.items else None
-
-        def push(self, *evs):
-            with self.cond:
-                self.items.extend(evs)
-                self.cond.notify_all()
-
     async def main():
         for _ in range(5):
-            fake = Fake()
+            fake = FakeEvents()
             s = EventStream(fake, None)
             first = asyncio.ensure_future(s.anext())
             await asyncio.sleep(0.02)

@@ -456,6 +456,31 @@ def test_an_interrupted_recv_into_never_writes_the_array_after_it_returns():
     assert "MID 1" in r.stdout, r.stdout + r.stderr
 
 
+def _two_members(prefix: str):
+    """Two managers of this process in a new world of two: ``(a, b, w0,
+    w1, received)``, ``received()`` being how many bytes rank 0 has read
+    from rank 1 (from the metrics)."""
+    import re
+    import threading
+
+    a, b = mw.WorldManager(), mw.WorldManager()
+    store = a.serve_store("127.0.0.1:0")
+    name = unique(prefix)
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault(1, b.join(name, 1, 2, store, timeout=10)))
+    t.start()
+    w0 = a.join(name, 0, 2, store, timeout=10)
+    t.join()
+    pat = re.compile(r'multiworld_received_bytes_total\{[^}]*world="%s"[^}]*peer="1"[^}]*\} (\d+)'
+                     % re.escape(name))
+
+    def received() -> int:
+        m = pat.search(a.metrics_text())
+        return int(m.group(1)) if m else 0
+
+    return a, b, w0, out[1], received
+
+
 def test_a_lent_irecv_cancelled_mid_message_lets_go_only_once_the_message_is_in():
     # irecv into a plain array lends it to the operation. Cancelled while a
     # 256 MiB message is arriving into it, cancel() returns only once the
@@ -463,25 +488,12 @@ def test_a_lent_irecv_cancelled_mid_message_lets_go_only_once_the_message_is_in(
     # the array), the array no longer changes, and the next receive gets the
     # message (nothing lost); unless the receive had ended first, and the
     # message is the irecv's.
-    import re
     import threading
 
-    a, b = mw.WorldManager(), mw.WorldManager()
-    store = a.serve_store("127.0.0.1:0")
-    name = unique("lend-cancel")
-    out = {}
-    t = threading.Thread(target=lambda: out.setdefault(1, b.join(name, 1, 2, store, timeout=10)))
-    t.start()
-    w = a.join(name, 0, 2, store, timeout=10)
-    t.join()
+    a, b, w, w1, received = _two_members("lend-cancel")
+    out = {1: w1}
     try:
         msg = np.arange(32 << 20, dtype=np.int64)  # 256 MiB
-        pat = re.compile(r'multiworld_received_bytes_total\{[^}]*world="%s"[^}]*peer="1"[^}]*\} (\d+)' % name)
-
-        def received():
-            m = pat.search(a.metrics_text())
-            return int(m.group(1)) if m else 0
-
         first = np.zeros_like(msg)
         work = w.irecv(first, 1)
         sender = threading.Thread(target=lambda: out[1].send(msg, 0))
@@ -558,25 +570,12 @@ def test_a_cancel_from_another_thread_returns_once_the_waiters_array_is_let_go()
     # arriving into the array. The waiting thread applies the cancel, and
     # the cancelling call returns only once the runtime has let go of the
     # array: it no longer changes, and it can be lent again at once.
-    import re
     import threading
 
-    a, b = mw.WorldManager(), mw.WorldManager()
-    store = a.serve_store("127.0.0.1:0")
-    name = unique("cancel-other")
-    out = {}
-    t = threading.Thread(target=lambda: out.setdefault(1, b.join(name, 1, 2, store, timeout=10)))
-    t.start()
-    w = a.join(name, 0, 2, store, timeout=10)
-    t.join()
+    a, b, w, w1, received = _two_members("cancel-other")
+    out = {1: w1}
     try:
         msg = np.arange(32 << 20, dtype=np.int64)  # 256 MiB
-        pat = re.compile(r'multiworld_received_bytes_total\{[^}]*world="%s"[^}]*peer="1"[^}]*\} (\d+)' % name)
-
-        def received():
-            m = pat.search(a.metrics_text())
-            return int(m.group(1)) if m else 0
-
         first = np.zeros_like(msg)
         work = w.irecv(first, 1)
         waited = {}

@@ -36,6 +36,21 @@ async fn pair(
     (a.unwrap(), b.unwrap())
 }
 
+/// A standalone store (as `m8d store` runs) that lets members with the
+/// tests' secret create their worlds.
+async fn standalone_store() -> StoreServer {
+    StoreServer::bind(
+        "127.0.0.1:0".parse().unwrap(),
+        ServerConfig {
+            allow_remote_create: true,
+            remote_create_secret: Some(Secret::new("test secret")),
+            ..ServerConfig::default()
+        },
+    )
+    .await
+    .unwrap()
+}
+
 async fn ping(a: &multiworld::World, b: &multiworld::World, value: f32) {
     let data = vec![value; 1024];
     let mut got = Tensor::zeros(multiworld::DType::F32, [1024]).unwrap();
@@ -981,16 +996,7 @@ async fn a_dropped_send_handle_is_recorded_as_the_send_ends() {
 async fn a_generation_left_open_by_members_that_all_died_is_replaced() {
     use multiworld_store::{ClientConfig, OpenOptions, StoreClient};
     multiworld_testkit::init_tracing();
-    let server = StoreServer::bind(
-        "127.0.0.1:0".parse().unwrap(),
-        ServerConfig {
-            allow_remote_create: true,
-            remote_create_secret: Some(Secret::new("test secret")),
-            ..ServerConfig::default()
-        },
-    )
-    .await
-    .unwrap();
+    let server = standalone_store().await;
     let store = server.local_addr().to_string();
     // What two SIGKILLed members leave: the world open, their addresses in it
     // (ports nobody listens on any more).
@@ -1044,16 +1050,7 @@ async fn a_generation_left_open_by_members_that_all_died_is_replaced() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retried_join_meets_a_member_already_waiting_in_its_generation() {
     multiworld_testkit::init_tracing();
-    let server = StoreServer::bind(
-        "127.0.0.1:0".parse().unwrap(),
-        ServerConfig {
-            allow_remote_create: true,
-            remote_create_secret: Some(Secret::new("test secret")),
-            ..ServerConfig::default()
-        },
-    )
-    .await
-    .unwrap();
+    let server = standalone_store().await;
     let store = server.local_addr().to_string();
     let standalone = |rank, timeout| {
         let mut c = cfg("retried", rank, 2, &store);
@@ -1090,16 +1087,7 @@ async fn a_retried_join_meets_a_member_already_waiting_in_its_generation() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_missing_lower_rank_is_named_by_the_join_error() {
     multiworld_testkit::init_tracing();
-    let server = StoreServer::bind(
-        "127.0.0.1:0".parse().unwrap(),
-        ServerConfig {
-            allow_remote_create: true,
-            remote_create_secret: Some(Secret::new("test secret")),
-            ..ServerConfig::default()
-        },
-    )
-    .await
-    .unwrap();
+    let server = standalone_store().await;
     let mut c = cfg("lonely", 1, 2, &server.local_addr().to_string());
     c.host_store = false;
     c.join_timeout = Duration::from_millis(300);
@@ -1120,16 +1108,7 @@ async fn a_missing_lower_rank_is_named_by_the_join_error() {
 /// waits for tasks the never-started world does not have.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shutdown_racing_a_join_ends_both_promptly() {
-    let server = StoreServer::bind(
-        "127.0.0.1:0".parse().unwrap(),
-        ServerConfig {
-            allow_remote_create: true,
-            remote_create_secret: Some(Secret::new("test secret")),
-            ..ServerConfig::default()
-        },
-    )
-    .await
-    .unwrap();
+    let server = standalone_store().await;
     let store = server.local_addr().to_string();
     let mut slowest = Duration::ZERO;
     for i in 0..60u64 {
@@ -1161,16 +1140,7 @@ async fn a_shutdown_racing_a_join_ends_both_promptly() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rank_restarted_into_a_formed_world_replaces_its_generation() {
     multiworld_testkit::init_tracing();
-    let server = StoreServer::bind(
-        "127.0.0.1:0".parse().unwrap(),
-        ServerConfig {
-            allow_remote_create: true,
-            remote_create_secret: Some(Secret::new("test secret")),
-            ..ServerConfig::default()
-        },
-    )
-    .await
-    .unwrap();
+    let server = standalone_store().await;
     let store = server.local_addr().to_string();
     let standalone = |rank| {
         let mut c = cfg("restarted", rank, 2, &store);
