@@ -221,6 +221,16 @@ class FakeEvents:
             self.cond.notify_all()
 
 
+async def leave_a_wait_in_flight(stream) -> None:
+    """Starts an ``anext`` on ``stream`` and cancels it while its thread
+    waits: the wait stays in flight for the next call."""
+    first = asyncio.ensure_future(stream.anext())
+    await asyncio.sleep(0.02)
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+
+
 def test_a_cancelled_wait_for_an_event_keeps_the_order_of_events():
     # A fake stream whose waiters take events in the order they came. An
     # anext cancelled while its thread waits leaves that wait in flight; the
@@ -232,22 +242,14 @@ def test_a_cancelled_wait_for_an_event_keeps_the_order_of_events():
         for _ in range(5):
             fake = FakeEvents()
             s = EventStream(fake, None)
-            first = asyncio.ensure_future(s.anext())
-            await asyncio.sleep(0.02)
-            first.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await first
+            await leave_a_wait_in_flight(s)
             second = asyncio.ensure_future(s.anext())
             await asyncio.sleep(0.02)
             fake.push("E1", "E2")
             got = [await second, await s.anext()]
             assert got == ["E1", "E2"], got
             # The synchronous form takes what a cancelled wait got too.
-            third = asyncio.ensure_future(s.anext())
-            await asyncio.sleep(0.02)
-            third.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await third
+            await leave_a_wait_in_flight(s)
             fake.push("E3")
             assert s.next(2) == "E3"
 
@@ -264,11 +266,7 @@ def test_two_waits_for_one_stream_take_different_events():
         for _ in range(5):
             fake = FakeEvents()
             s = EventStream(fake, None)
-            first = asyncio.ensure_future(s.anext())
-            await asyncio.sleep(0.02)
-            first.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await first
+            await leave_a_wait_in_flight(s)
             loop = asyncio.get_running_loop()
             waits = [asyncio.ensure_future(s.anext(5)), asyncio.ensure_future(s.anext(5)),
                      loop.run_in_executor(None, s.next, 5)]

@@ -387,16 +387,12 @@ def test_a_cancel_from_a_signal_handler_on_the_waiting_thread_ends_the_wait():
     assert "AGAIN [7.0, 7.0, 7.0, 7.0]" in r.stdout, r.stdout
 
 
-def test_an_interrupted_recv_into_never_writes_the_array_after_it_returns():
-    # recv_into lends the caller's array to the runtime (no copy). Ctrl-C in
-    # the middle of a large message: the transport finishes reading that
-    # message (it goes to the next receive), so the call must not return
-    # while the runtime still writes the array. The interrupt fires once
-    # rank 0 has read the first bytes of a 512 MiB message; when the
-    # KeyboardInterrupt reaches the caller the message must be read (the
-    # array holds it), the array must not change any more, and the next
-    # receive gets the whole message (nothing lost).
-    r = run_py("""
+def _pair_script(name: str, body: str) -> str:
+    """A script for :func:`run_py`: SIGINT raises KeyboardInterrupt (a
+    faulthandler dump after 100 s), two managers ``a`` and ``b`` in world
+    ``name`` (``w`` is rank 0, ``out[1]`` rank 1), a 512 MiB ``msg`` and
+    ``received()``, the bytes rank 0 has read from rank 1; then ``body``."""
+    prelude = textwrap.dedent(r"""
         import faulthandler, signal
         faulthandler.dump_traceback_later(100, exit=True)
         signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -406,17 +402,30 @@ def test_an_interrupted_recv_into_never_writes_the_array_after_it_returns():
         a, b = mw.WorldManager(), mw.WorldManager()
         store = a.serve_store("127.0.0.1:0")
         out = {}
-        t = threading.Thread(target=lambda: out.setdefault(1, b.join("lend", 1, 2, store)))
+        t = threading.Thread(target=lambda: out.setdefault(1, b.join("NAME", 1, 2, store)))
         t.start()
-        w = a.join("lend", 0, 2, store)
+        w = a.join("NAME", 0, 2, store)
         t.join()
         msg = np.arange(64 << 20, dtype=np.int64)  # 512 MiB
-        pat = re.compile(r'multiworld_received_bytes_total\\{[^}]*world="lend"[^}]*peer="1"[^}]*\\} (\\d+)')
+        pat = re.compile(r'multiworld_received_bytes_total\{[^}]*world="NAME"[^}]*peer="1"[^}]*\} (\d+)')
 
         def received():
             m = pat.search(a.metrics_text())
             return int(m.group(1)) if m else 0
+    """).replace("NAME", name)
+    return prelude + textwrap.dedent(body)
 
+
+def test_an_interrupted_recv_into_never_writes_the_array_after_it_returns():
+    # recv_into lends the caller's array to the runtime (no copy). Ctrl-C in
+    # the middle of a large message: the transport finishes reading that
+    # message (it goes to the next receive), so the call must not return
+    # while the runtime still writes the array. The interrupt fires once
+    # rank 0 has read the first bytes of a 512 MiB message; when the
+    # KeyboardInterrupt reaches the caller the message must be read (the
+    # array holds it), the array must not change any more, and the next
+    # receive gets the whole message (nothing lost).
+    r = run_py(_pair_script("lend", """
         mid = 0
         for attempt in range(3):
             base = received()
@@ -451,7 +460,7 @@ def test_an_interrupted_recv_into_never_writes_the_array_after_it_returns():
                 break
         print(f"MID {mid}")
         a.shutdown(); b.shutdown()
-    """, timeout=120)
+    """), timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "MID 1" in r.stdout, r.stdout + r.stderr
 
@@ -615,27 +624,7 @@ def test_ctrl_c_while_a_wait_lets_go_of_the_array_keeps_the_outcome():
     # the runtime to let go of the array (its message was arriving): Ctrl-C
     # then interrupts that wait. The outcome (the cancellation) is kept: the
     # next wait raises it, not a lost outcome.
-    r = run_py("""
-        import faulthandler, signal
-        faulthandler.dump_traceback_later(100, exit=True)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        import os, re, threading, time
-        import numpy as np
-        import multiworld_rs as mw
-        a, b = mw.WorldManager(), mw.WorldManager()
-        store = a.serve_store("127.0.0.1:0")
-        out = {}
-        t = threading.Thread(target=lambda: out.setdefault(1, b.join("kept", 1, 2, store)))
-        t.start()
-        w = a.join("kept", 0, 2, store)
-        t.join()
-        msg = np.arange(64 << 20, dtype=np.int64)  # 512 MiB
-        pat = re.compile(r'multiworld_received_bytes_total\\{[^}]*world="kept"[^}]*peer="1"[^}]*\\} (\\d+)')
-
-        def received():
-            m = pat.search(a.metrics_text())
-            return int(m.group(1)) if m else 0
-
+    r = run_py(_pair_script("kept", """
         first = np.zeros_like(msg)
         h = w.irecv(first, 1)
 
@@ -661,7 +650,7 @@ def test_ctrl_c_while_a_wait_lets_go_of_the_array_keeps_the_outcome():
         except RuntimeError as e:
             print("AGAIN", e)
         a.shutdown(); b.shutdown()
-    """, timeout=120)
+    """), timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "another thread" not in r.stdout, r.stdout
     assert "AGAIN the operation was cancelled" in r.stdout or "AGAIN done" in r.stdout, r.stdout
