@@ -475,13 +475,6 @@ impl WorldManager {
             .insert(name.clone(), Slot::Member(Arc::clone(&shared)));
         reservation.armed = false;
         drop(reservation);
-        if self.inner.closing.is_cancelled() {
-            // A shutdown began while this join ended, and may have looked
-            // at the registry before the world was in it: leave it here
-            // (a leave from both sides is harmless).
-            shared.leave().await;
-            return Err(WorldError::ShutDown);
-        }
         self.inner.metrics.joins.inc();
         tracing::info!(
             world = %name,
@@ -491,14 +484,22 @@ impl WorldManager {
             took = ?started.elapsed(),
             "joined world"
         );
-        // Sent before the watchdog starts, so a break found at once comes
-        // after it.
+        // Sent before the watchdog starts and before a shutdown's leave
+        // below, so whatever ends the world (a break found at once, a
+        // leave) is reported after it.
         let _ = self.inner.events.send(WorldEvent::Joined {
             world: name,
             generation: shared.generation,
             rank: shared.rank,
             size: shared.size,
         });
+        if self.inner.closing.is_cancelled() {
+            // A shutdown began while this join ended, and may have looked
+            // at the registry before the world was in it: leave it here
+            // (a leave from both sides is harmless).
+            shared.leave().await;
+            return Err(WorldError::ShutDown);
+        }
         shared.start();
         Ok(World { shared })
     }

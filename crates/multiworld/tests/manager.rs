@@ -1104,8 +1104,9 @@ async fn a_missing_lower_rank_is_named_by_the_join_error() {
 }
 
 /// A shutdown that comes as a join ends leaves the new world at once: the
-/// join fails with `ShutDown` (or succeeds, if it ended first) and neither
-/// waits for tasks the never-started world does not have.
+/// join fails with `ShutDown` (or succeeds, if it ended first), neither
+/// waits for tasks the never-started world does not have, and a `Removed`
+/// event always comes after its generation's `Joined`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shutdown_racing_a_join_ends_both_promptly() {
     let server = standalone_store().await;
@@ -1113,6 +1114,7 @@ async fn a_shutdown_racing_a_join_ends_both_promptly() {
     let mut slowest = Duration::ZERO;
     for i in 0..60u64 {
         let m = WorldManager::default();
+        let mut events = m.events();
         let mut c = cfg(&format!("race-{i}"), 0, 1, &store);
         c.host_store = false;
         let t0 = Instant::now();
@@ -1126,6 +1128,17 @@ async fn a_shutdown_racing_a_join_ends_both_promptly() {
         let joined = joining.await.unwrap();
         assert!(matches!(joined, Ok(_) | Err(WorldError::ShutDown)), "{joined:?}");
         slowest = slowest.max(t0.elapsed());
+        let mut joined_generations = Vec::new();
+        while let Ok(ev) = events.try_recv() {
+            match ev {
+                WorldEvent::Joined { generation, .. } => joined_generations.push(generation),
+                WorldEvent::Removed { generation, .. } => assert!(
+                    joined_generations.contains(&generation),
+                    "Removed before Joined for generation {generation:?}"
+                ),
+                _ => {}
+            }
+        }
     }
     assert!(
         slowest < Duration::from_millis(1500),
