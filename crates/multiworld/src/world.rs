@@ -1227,16 +1227,14 @@ impl World {
                     // budget full: tried again until the barrier's own
                     // timeout. Whether the store is lost is the watchdog's
                     // to say (`store_grace`), which ends this wait if so.
-                    Err(StoreError::Unavailable { .. } | StoreError::LimitExceeded { .. })
-                        if !left.is_zero() =>
-                    {
-                        tokio::time::sleep(BARRIER_RETRY.min(left)).await;
-                    }
                     Err(StoreError::Unavailable { .. } | StoreError::LimitExceeded { .. }) => {
-                        return Err(StoreError::Timeout {
-                            what: format!("barrier {n}"),
-                            after: timeout,
-                        });
+                        if left.is_zero() {
+                            return Err(StoreError::Timeout {
+                                what: format!("barrier {n}"),
+                                after: timeout,
+                            });
+                        }
+                        tokio::time::sleep(BARRIER_RETRY.min(left)).await;
                     }
                     r => return r,
                 }

@@ -88,10 +88,6 @@ def _seconds(what: str, value: Any) -> Optional[float]:
     return float(value)
 
 
-def _shape(shape: Any) -> Tuple[int, ...]:
-    return T.dims(shape)
-
-
 class WorldInfo(NamedTuple):
     """One world of a manager, as listed by :meth:`WorldManager.worlds`."""
 
@@ -463,13 +459,13 @@ class World:
         any member) and returns it as a new array that owns the runtime's
         buffer (no copy). A message of another dtype or size raises
         :class:`~multiworld_rs.errors.MismatchError`."""
-        d, shp = T.np_dtype(dtype), _shape(shape)
+        d, shp = T.np_dtype(dtype), T.dims(shape)
         _, flat = self._w.recv(_opt_rank("src", src), _u32("tag", tag), d.name, list(shp))
         return T.from_flat(flat, d, shp)
 
     def recv_any(self, tag: int = 0, *, dtype: Any, shape: Any) -> Tuple[int, np.ndarray]:
         """Receives from any member; returns ``(sender rank, array)``."""
-        d, shp = T.np_dtype(dtype), _shape(shape)
+        d, shp = T.np_dtype(dtype), T.dims(shape)
         src, flat = self._w.recv(None, _u32("tag", tag), d.name, list(shp))
         return src, T.from_flat(flat, d, shp)
 
@@ -530,7 +526,7 @@ class World:
             else:
                 if dtype is None or shape is None:
                     raise TypeError("irecv needs either tensor or both dtype and shape")
-                arr, d, shp = None, T.np_dtype(dtype), _shape(shape)
+                arr, d, shp = None, T.np_dtype(dtype), T.dims(shape)
                 dname = d.name
             native = self._w.irecv(_opt_rank("src", src), _u32("tag", tag), (dname, list(shp)), _off_loop)
 
