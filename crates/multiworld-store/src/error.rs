@@ -108,6 +108,22 @@ impl Limit {
         Limit::ALL.into_iter().find(|l| l.code() == code)
     }
 
+    /// True for a bound on what is in flight at once (waits, request
+    /// memory, streams): it clears as other requests end, so the same
+    /// request may pass later. The others (sizes, counts of what is stored)
+    /// refuse the same request every time.
+    pub fn clears_by_itself(self) -> bool {
+        matches!(
+            self,
+            Limit::WaitersPerClient
+                | Limit::WaitersPerWorld
+                | Limit::Waiters
+                | Limit::RequestMemory
+                | Limit::UnauthenticatedStreams
+                | Limit::ConnectionRequests
+        )
+    }
+
     /// A short name used in messages.
     pub fn as_str(self) -> &'static str {
         match self {

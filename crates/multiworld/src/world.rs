@@ -50,11 +50,11 @@ use crate::{
 /// own, outside both the users' tags and every collective's.
 const FINISH_TAG: Tag = multiworld_types::runtime_tag(0);
 
-/// The store key through which a member announces that it broke the world.
-/// Its value is `"<rank>\n<cause>"`.
 /// Pause between a barrier's tries while its store is unreachable.
 const BARRIER_RETRY: Duration = Duration::from_millis(50);
 
+/// The store key through which a member announces that it broke the world.
+/// Its value is `"<rank>\n<cause>"`.
 pub(crate) const BROKEN_KEY: &str = "multiworld/broken";
 
 /// How long a breaking member spends telling the others through the store.
@@ -1203,7 +1203,11 @@ impl World {
     /// Runs through the world's store: a store unreachable for a moment (or
     /// with its request budget full) is tried again until `timeout`, and
     /// only a store whose world is gone (closed, replaced) breaks the world
-    /// here; a longer outage is the watchdog's (`store_grace`). To end a world, use
+    /// here; a longer outage is the watchdog's (`store_grace`). A store
+    /// bound the barrier goes over every time (more members than one
+    /// request may name keys) fails it at once as
+    /// [`WorldError::InvalidArgument`], naming the bound; the world goes on.
+    /// A `timeout` past the clock's range waits without a deadline. To end a world, use
     /// [`finish`](Self::finish) instead: a member leaving right after a store
     /// barrier can close the store under a member whose wait is still on its
     /// way.
@@ -1213,31 +1217,33 @@ impl World {
         let n = w.barriers.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let key = |n: u64, rank: u32| format!("multiworld/barrier/{n}/{rank}");
         let keys: Vec<String> = (0..w.size).map(|r| key(n, r)).collect();
-        let deadline = Instant::now() + timeout;
+        // No deadline for a timeout past the clock's range ("wait forever").
+        let deadline = Instant::now().checked_add(timeout);
         let wait = async {
             loop {
-                let left = deadline.saturating_duration_since(Instant::now());
+                let left = deadline.map_or(timeout, |d| d.saturating_duration_since(Instant::now()));
                 let tried = async {
                     w.store_call(w.store.set(key(n, w.rank.0), Vec::new())).await?;
                     w.store.wait(&keys, left).await
                 }
                 .await;
                 match tried {
-                    // The store unreachable for a moment, or its request
-                    // budget full: tried again until the barrier's own
-                    // timeout. Whether the store is lost is the watchdog's
-                    // to say (`store_grace`), which ends this wait if so.
-                    Err(StoreError::Unavailable { .. } | StoreError::LimitExceeded { .. }) => {
-                        if left.is_zero() {
-                            return Err(StoreError::Timeout {
-                                what: format!("barrier {n}"),
-                                after: timeout,
-                            });
-                        }
-                        tokio::time::sleep(BARRIER_RETRY.min(left)).await;
-                    }
+                    // The store unreachable for a moment, or its budget for
+                    // requests in flight full: tried again until the
+                    // barrier's own timeout. Whether the store is lost is
+                    // the watchdog's to say (`store_grace`), which ends this
+                    // wait if so.
+                    Err(StoreError::Unavailable { .. }) => {}
+                    Err(StoreError::LimitExceeded { limit, .. }) if limit.clears_by_itself() => {}
                     r => return r,
                 }
+                if left.is_zero() {
+                    return Err(StoreError::Timeout {
+                        what: format!("barrier {n}"),
+                        after: timeout,
+                    });
+                }
+                tokio::time::sleep(BARRIER_RETRY.min(left)).await;
             }
         };
         let result = tokio::select! {
@@ -1258,6 +1264,13 @@ impl World {
                 world: w.name.clone(),
                 op: format!("barrier {n}"),
                 after,
+            }),
+            // A bound this barrier's requests go over every time (a world
+            // with more members than one request may name keys): the call
+            // cannot work through this store, but the world is fine.
+            Err(e @ StoreError::LimitExceeded { .. }) => Err(WorldError::InvalidArgument {
+                world: w.name.clone(),
+                detail: format!("barrier {n} cannot run through the world's store: {e}"),
             }),
             Err(e) => {
                 // The world's store generation is gone (closed, replaced),

@@ -1239,3 +1239,57 @@ async fn an_abort_from_a_plain_thread_tears_the_world_down() {
         .expect("the aborted world was never removed");
     assert!(m.world("aborted-off-runtime").is_none());
 }
+
+/// `barrier(Duration::MAX)` waits without a deadline (it used to overflow
+/// the clock and panic).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_barrier_without_a_deadline_meets() {
+    multiworld_testkit::init_tracing();
+    let (leader, worker) = (WorldManager::default(), WorldManager::default());
+    let store = leader.serve_store("127.0.0.1:0").await.unwrap().to_string();
+    let (a, b) = pair(&leader, &worker, "forever", &store).await;
+    let (x, y) = tokio::join!(a.barrier(Duration::MAX), b.barrier(Duration::MAX));
+    x.unwrap();
+    y.unwrap();
+    ping(&a, &b, 2.0).await;
+}
+
+/// A store bound that refuses the barrier's request every time (here: one
+/// key per request, and the barrier waits on one key per member) fails the
+/// barrier at once with an error naming the bound, instead of retrying it
+/// until the timeout; the world goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_barrier_over_a_store_bound_fails_at_once_and_the_world_goes_on() {
+    multiworld_testkit::init_tracing();
+    let mut config = ServerConfig {
+        allow_remote_create: true,
+        remote_create_secret: Some(Secret::new("test secret")),
+        ..ServerConfig::default()
+    };
+    config.limits.max_keys_per_request = 1;
+    let server = StoreServer::bind("127.0.0.1:0".parse().unwrap(), config)
+        .await
+        .unwrap();
+    let store = server.local_addr().to_string();
+    let standalone = |rank| {
+        let mut c = cfg("bounded", rank, 2, &store);
+        c.host_store = false;
+        c
+    };
+    let (m0, m1) = (WorldManager::default(), WorldManager::default());
+    let (a, b) = tokio::join!(m0.join(standalone(0)), m1.join(standalone(1)));
+    let (a, b) = (a.unwrap(), b.unwrap());
+    let t0 = Instant::now();
+    let err = a.barrier(Duration::from_secs(10)).await.unwrap_err();
+    assert!(
+        t0.elapsed() < Duration::from_secs(3),
+        "the barrier over a bound took {:?}",
+        t0.elapsed()
+    );
+    match &err {
+        WorldError::InvalidArgument { detail, .. } => assert!(detail.contains("keys per request"), "{err}"),
+        other => panic!("expected the bound named as an invalid argument: {other}"),
+    }
+    assert_eq!(a.state(), WorldState::Ready);
+    ping(&a, &b, 4.0).await;
+}
