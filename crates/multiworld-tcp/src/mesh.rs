@@ -30,10 +30,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
+use futures::StreamExt;
+use futures::stream::FuturesUnordered;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::sync::mpsc;
-use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -749,11 +750,20 @@ async fn connect_once(
     Ok(stream)
 }
 
+/// How long a connection attempt that was refused waits for the store to
+/// give the peer's address again.
+const REREAD_TIMEOUT: Duration = Duration::from_millis(200);
+
 /// Connects to rank `to` at `addr`, retrying transient failures ([`is_transient`])
 /// with jittered exponential backoff until `deadline`; each attempt is bounded by
-/// `attempt_timeout`. On the deadline, returns the last failure.
+/// `attempt_timeout`. On the deadline, returns the last failure. A refused
+/// connection (nobody listens there) reads the peer's address from `rdv`
+/// again: a peer whose earlier attempt at this join failed and who is
+/// trying again in the same generation listens at a new address.
 async fn connect_peer(
-    addr: SocketAddr,
+    mut addr: SocketAddr,
+    key: String,
+    rdv: &dyn Rendezvous,
     identity: Identity,
     to: Rank,
     secret: Arc<[u8]>,
@@ -787,6 +797,17 @@ async fn connect_peer(
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
             return Err(err);
+        }
+        if matches!(&err, Error::Io { source, .. } if source.kind() == io::ErrorKind::ConnectionRefused) {
+            let bound = REREAD_TIMEOUT.min(left);
+            if let Ok(Ok(raw)) = tokio::time::timeout(bound, rdv.get(&key, bound)).await
+                && let Some(now) = std::str::from_utf8(&raw).ok().and_then(|s| s.parse().ok())
+                && now != addr
+            {
+                debug!(old = %addr, new = %now, to = %to, "the peer published a new address");
+                addr = now;
+                continue;
+            }
         }
         debug!(%addr, to = %to, attempts, error = %err, "connection attempt failed, retrying");
         // Jitter (50-100% of the backoff) keeps members that were turned away
@@ -906,7 +927,7 @@ pub(crate) async fn build(
     .await?;
 
     let mut streams: Vec<Option<TcpStream>> = (0..size).map(|_| None).collect();
-    let mut connects = JoinSet::new();
+    let mut connects = FuturesUnordered::new();
     for p in 0..cfg.rank.0 {
         let p = Rank(p);
         let left = deadline.saturating_duration_since(Instant::now());
@@ -922,8 +943,10 @@ pub(crate) async fn build(
                     raw.len()
                 ))
             })?;
-        connects.spawn(connect_peer(
+        connects.push(connect_peer(
             addr,
+            key,
+            rdv,
             identity.clone(),
             p,
             Arc::clone(&secret),
@@ -936,12 +959,8 @@ pub(crate) async fn build(
     let mut missing = size - 1;
     while missing > 0 {
         tokio::select! {
-            Some(joined) = connects.join_next() => {
-                let (rank, stream) = match joined {
-                    Ok(r) => r?,
-                    Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-                    Err(_) => return Err(Error::Aborted { reason: Arc::from("join cancelled") }),
-                };
+            Some(joined) = connects.next() => {
+                let (rank, stream) = joined?;
                 streams[rank.index()] = Some(stream);
                 missing -= 1;
             }

@@ -1080,6 +1080,43 @@ async fn a_retried_join_meets_a_member_already_waiting_in_its_generation() {
     ping(&a, &b, 5.0).await;
 }
 
+/// The same with the lower rank retrying: the worker came while the
+/// leader's failed attempt had left its address, and keeps being refused
+/// there; it reads the address again and meets the leader's retry at once
+/// (it used to retry the dead address until both joins timed out).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_join_of_a_lower_rank_meets_the_member_waiting_for_it() {
+    multiworld_testkit::init_tracing();
+    let server = standalone_store().await;
+    let store = server.local_addr().to_string();
+    let standalone = |rank, timeout| {
+        let mut c = cfg("retried-low", rank, 2, &store);
+        c.host_store = false;
+        c.join_timeout = timeout;
+        c
+    };
+    let (m0, m1) = (WorldManager::default(), WorldManager::default());
+    let early = m0.join(standalone(0, Duration::from_millis(300))).await;
+    assert!(early.is_err(), "joined without a worker");
+    let worker = tokio::spawn({
+        let m1 = m1.clone();
+        let c = standalone(1, Duration::from_secs(10));
+        async move { m1.join(c).await }
+    });
+    // The worker reads the leader's dead address and is refused there.
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let t0 = Instant::now();
+    let a = m0.join(standalone(0, Duration::from_secs(10))).await.unwrap();
+    let b = worker.await.unwrap().unwrap();
+    assert!(
+        t0.elapsed() < Duration::from_secs(3),
+        "the leader's retry and the waiting worker met only after {:?}",
+        t0.elapsed()
+    );
+    assert_eq!(a.generation(), b.generation());
+    ping(&a, &b, 6.0).await;
+}
+
 /// A member whose lower rank never publishes its address fails its join
 /// with the rendezvous timeout that names the missing key (the store
 /// answers the lookup at the deadline), not a bare join timeout that
