@@ -166,6 +166,11 @@ struct Refusal {
     tell: bool,
     /// Who refused: this side, or the connecting side (which sent a reject).
     side: Side,
+    /// The connection closed before its first byte: a joining member's
+    /// check that this listener is alive (`stale_generation` in the
+    /// facade), or a port scan. Logged at DEBUG, not counted as a refusal,
+    /// and not what a join that times out reports.
+    silent: bool,
 }
 
 impl From<Reject> for Refusal {
@@ -174,6 +179,7 @@ impl From<Reject> for Refusal {
             reject,
             tell: true,
             side: Side::Local,
+            silent: false,
         }
     }
 }
@@ -183,6 +189,7 @@ fn io_refusal(what: &str, e: &io::Error) -> Refusal {
         reject: Reject::new(RejectCode::Malformed, format!("{what}: {e}")),
         tell: false,
         side: Side::Local,
+        silent: false,
     }
 }
 
@@ -242,7 +249,20 @@ impl AcceptCtx {
     ) -> Result<Rank, Refusal> {
         let read_hello = async {
             let mut fixed = [0u8; HELLO_FIXED_LEN];
-            s.read_exact(&mut fixed)
+            let first = s
+                .read(&mut fixed[..1])
+                .await
+                .map_err(|e| io_refusal("reading hello", &e))?;
+            if first == 0 {
+                return Err(Refusal {
+                    silent: true,
+                    ..io_refusal(
+                        "reading hello",
+                        &io::Error::new(io::ErrorKind::UnexpectedEof, "closed before its first byte"),
+                    )
+                });
+            }
+            s.read_exact(&mut fixed[1..])
                 .await
                 .map_err(|e| io_refusal("reading hello", &e))?;
             let prefix = HelloPrefix::decode(&fixed)?;
@@ -295,6 +315,7 @@ impl AcceptCtx {
                     reject: Reject::new(r.code, format!("refused by the connecting side: {}", r.detail)),
                     tell: false,
                     side: Side::Remote,
+                    silent: false,
                 });
             }
             other => {
@@ -654,6 +675,9 @@ async fn accept_loop(listener: TcpListener, ctx: Arc<AcceptCtx>) {
                     debug!(peer = %addr, local = %ctx.identity, from = %rank, "peer connected");
                     // Fails only when the join already gave up; the stream then closes.
                     let _ = ctx.established.send((rank, stream));
+                }
+                Ok(Err(refusal)) if refusal.silent => {
+                    debug!(peer = %addr, local = %ctx.identity, "a connection closed before sending anything");
                 }
                 Ok(Err(refusal)) => {
                     ctx.note_refusal(addr, refusal.side, &refusal.reject);

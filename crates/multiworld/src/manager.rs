@@ -139,8 +139,12 @@ struct Inner {
 const JOIN_BACKSTOP: Duration = Duration::from_millis(500);
 
 /// How long [`stale_generation`] waits for a published member to take a
-/// connection.
-const STALE_PROBE: Duration = Duration::from_millis(500);
+/// connection: longer than a first SYN's retransmission (1 s), so that one
+/// lost packet does not make a live member look gone.
+const STALE_PROBE: Duration = Duration::from_millis(1200);
+
+/// How many members [`stale_generation`] probes at once.
+const STALE_PROBES_AT_ONCE: usize = 16;
 
 /// Shortest probe [`stale_generation`] trusts: with less of the join left, a
 /// live member could look gone, so the generation is taken as it is.
@@ -193,15 +197,22 @@ async fn stale_generation(
         else {
             return false;
         };
+        // Closed without a byte: the listener takes that for a probe, not
+        // a refused member.
         matches!(
             tokio::time::timeout(probe, tokio::net::TcpStream::connect(addr)).await,
             Ok(Ok(_))
         )
     });
-    !futures::future::join_all(others)
-        .await
-        .into_iter()
-        .any(|live| live)
+    // The first member that answers settles it.
+    use futures::StreamExt as _;
+    let mut probes = futures::stream::iter(others).buffer_unordered(STALE_PROBES_AT_ONCE);
+    while let Some(live) = probes.next().await {
+        if live {
+            return false;
+        }
+    }
+    true
 }
 
 /// Longest [`WorldManager::shutdown`] waits for joins in progress to end.
