@@ -143,6 +143,9 @@ const JOIN_BACKSTOP: Duration = Duration::from_millis(500);
 /// lost packet does not make a live member look gone.
 const STALE_PROBE: Duration = Duration::from_millis(1200);
 
+/// Longest a member waits for the store to take its [`FORMED_KEY`].
+const FORMED_WRITE: Duration = Duration::from_millis(500);
+
 /// How many members [`stale_generation`] probes at once.
 const STALE_PROBES_AT_ONCE: usize = 16;
 
@@ -481,9 +484,22 @@ impl WorldManager {
                 ));
             }
         };
-        self.inner
+        // `Joined` is sent while the new entry's lock is held: a shutdown
+        // (or a leave) can find the world only after it, and it comes
+        // before the watchdog starts, so whatever ends the world (a break
+        // found at once, a leave) is reported after it.
+        let entry = self
+            .inner
             .registry
-            .insert(name.clone(), Slot::Member(Arc::clone(&shared)));
+            .entry(name.clone())
+            .insert(Slot::Member(Arc::clone(&shared)));
+        let _ = self.inner.events.send(WorldEvent::Joined {
+            world: name.clone(),
+            generation: shared.generation,
+            rank: shared.rank,
+            size: shared.size,
+        });
+        drop(entry);
         reservation.armed = false;
         drop(reservation);
         self.inner.metrics.joins.inc();
@@ -495,15 +511,6 @@ impl WorldManager {
             took = ?started.elapsed(),
             "joined world"
         );
-        // Sent before the watchdog starts and before a shutdown's leave
-        // below, so whatever ends the world (a break found at once, a
-        // leave) is reported after it.
-        let _ = self.inner.events.send(WorldEvent::Joined {
-            world: name,
-            generation: shared.generation,
-            rank: shared.rank,
-            size: shared.size,
-        });
         if self.inner.closing.is_cancelled() {
             // A shutdown began while this join ended, and may have looked
             // at the registry before the world was in it: leave it here
@@ -613,9 +620,10 @@ impl WorldManager {
             match Communicator::join_with_token(comm_config, &rendezvous, token.child_token()).await {
                 Ok(comm) => {
                     if host.is_none() {
-                        // Best effort, bounded: see `stale_generation`.
+                        // Best effort, bounded: see `stale_generation`. A
+                        // slow store does not hold a join whose mesh is up.
                         let _ = tokio::time::timeout(
-                            remaining().max(STALE_PROBE_MIN),
+                            remaining().clamp(STALE_PROBE_MIN, FORMED_WRITE),
                             store.set(FORMED_KEY, Vec::new()),
                         )
                         .await;

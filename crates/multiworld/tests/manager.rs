@@ -1149,6 +1149,47 @@ async fn a_missing_lower_rank_is_named_by_the_join_error() {
 /// event always comes after its generation's `Joined`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shutdown_racing_a_join_ends_both_promptly() {
+    shutdowns_racing_joins(Duration::from_micros(100)).await;
+}
+
+/// The same with the join's log line taking 10 ms (a full stderr pipe): the
+/// join's "joined world" line no longer opens a window in which a shutdown
+/// finds the world and has it `Removed` before its `Joined` is sent.
+#[test]
+fn a_shutdown_racing_a_join_with_slow_logging_reports_joined_first() {
+    struct SlowLog;
+    impl tracing::Subscriber for SlowLog {
+        fn enabled(&self, m: &tracing::Metadata<'_>) -> bool {
+            *m.level() <= tracing::Level::INFO
+        }
+        fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+            tracing::span::Id::from_u64(1)
+        }
+        fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+        fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+        fn event(&self, e: &tracing::Event<'_>) {
+            // The join's own line ("joined world", the one with `took`).
+            if e.metadata().fields().field("took").is_some() {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+        fn enter(&self, _: &tracing::span::Id) {}
+        fn exit(&self, _: &tracing::span::Id) {}
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .on_thread_start(|| {
+            // For the thread's whole life: the runtime's threads log slowly.
+            std::mem::forget(tracing::dispatcher::set_default(&tracing::Dispatch::new(SlowLog)));
+        })
+        .build()
+        .unwrap();
+    // Joins take longer here: spread the shutdowns over 0–48 ms.
+    runtime.block_on(shutdowns_racing_joins(Duration::from_micros(2500)));
+}
+
+async fn shutdowns_racing_joins(step: Duration) {
     let server = standalone_store().await;
     let store = server.local_addr().to_string();
     let mut slowest = Duration::ZERO;
@@ -1163,7 +1204,7 @@ async fn a_shutdown_racing_a_join_ends_both_promptly() {
             async move { m.join(c).await }
         });
         // Spread the shutdowns over the join's last moments.
-        tokio::time::sleep(Duration::from_micros(100 * (i % 20))).await;
+        tokio::time::sleep(step * (i % 20) as u32).await;
         m.shutdown().await;
         let joined = joining.await.unwrap();
         assert!(matches!(joined, Ok(_) | Err(WorldError::ShutDown)), "{joined:?}");
