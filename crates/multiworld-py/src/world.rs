@@ -998,6 +998,20 @@ impl Work {
         }
     }
 
+    /// [`Work::cached`] for a `wait` that did not take the outcome itself
+    /// (another wait kept it, maybe before Ctrl-C interrupted that wait
+    /// while the runtime still held the array): it returns only once the
+    /// runtime has let go of the array (at once when it already has).
+    fn cached_once_let_go(&self, py: Python<'_>) -> Option<PyResult<Py<PyAny>>> {
+        let r = self.cached(py)?;
+        if let Some(l) = &self.lent
+            && let Err(e) = runtime::wait(py, l.clone().wait())
+        {
+            return Some(Err(e));
+        }
+        Some(r)
+    }
+
     fn cached(&self, py: Python<'_>) -> Option<PyResult<Py<PyAny>>> {
         let g = self.outcome.lock().unwrap_or_else(|e| e.into_inner());
         g.as_ref().map(|r| match r {
@@ -1139,13 +1153,7 @@ impl Work {
     /// goes on). Returns `None`, an array, `(src, array)` or a list of arrays.
     #[pyo3(signature = (timeout=None))]
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Py<PyAny>> {
-        if let Some(r) = self.cached(py) {
-            // An outcome cached by a wait that Ctrl-C then interrupted while
-            // the runtime still held the array: this wait lets it go first
-            // (at once when it already has).
-            if let Some(l) = &self.lent {
-                runtime::wait(py, l.clone().wait())?;
-            }
+        if let Some(r) = self.cached_once_let_go(py) {
             return r;
         }
         let after = runtime::seconds("timeout", timeout)?;
@@ -1187,6 +1195,15 @@ impl Work {
             // awaits this handle too, keeps watching it.
             self.apply_cancel()?;
             self.hand_back_to_loop();
+            // Interrupted (a signal handler that cancelled and then
+            // raised): the cancel is applied, and the caller's handler
+            // gets the array back only once the runtime has let go of it.
+            if waited.is_err()
+                && self.cancel_asked.load(Ordering::SeqCst)
+                && let Some(l) = &self.lent
+            {
+                runtime::wait(py, l.clone().wait())?;
+            }
         }
         let r = match waited? {
             None => {
@@ -1206,7 +1223,7 @@ impl Work {
             Some(None) => {
                 let until = std::time::Instant::now() + Duration::from_secs(1);
                 loop {
-                    if let Some(r) = self.cached(py) {
+                    if let Some(r) = self.cached_once_let_go(py) {
                         return r;
                     }
                     if std::time::Instant::now() >= until {

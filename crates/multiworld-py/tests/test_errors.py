@@ -619,6 +619,90 @@ def test_a_cancel_from_another_thread_returns_once_the_waiters_array_is_let_go()
         b.shutdown()
 
 
+def test_every_waiter_of_a_cancelled_receive_returns_once_the_array_is_let_go():
+    # Two threads wait on one receive into a lent array; a third cancels it
+    # while a 256 MiB message is arriving into the array. The wait that
+    # applies the cancel waits for the runtime to let go of the array; the
+    # other wait, which finds that outcome kept, must wait for it too (it
+    # returned at once, while the message was still being written).
+    import threading
+
+    a, b, w, w1, received = _two_members("cancel-two-waiters")
+    out = {1: w1}
+    try:
+        msg = np.arange(32 << 20, dtype=np.int64)  # 256 MiB
+        first = np.zeros_like(msg)
+        work = w.irecv(first, 1)
+        seen = []
+
+        def waiter():
+            try:
+                work.wait(30)
+            except Exception:  # the cancellation
+                pass
+            seen.append(received())
+
+        waiters = [threading.Thread(target=waiter) for _ in range(2)]
+        for t in waiters:
+            t.start()
+        sender = threading.Thread(target=lambda: out[1].send(msg, 0))
+        sender.start()
+        deadline = time.monotonic() + 30
+        while received() == 0:
+            assert time.monotonic() < deadline, "the message never started arriving"
+            time.sleep(0.0002)
+        work._w.cancel()
+        for t in waiters:
+            t.join(30)
+        sender.join(30)
+        assert len(seen) == 2, seen
+        for got in seen:
+            assert got >= msg.nbytes, f"a waiter returned after {got} of {msg.nbytes} bytes"
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+def test_a_signal_handler_that_cancels_and_raises_gets_the_array_back_let_go():
+    # Ctrl-C's handler cancels the receive its thread waits on, then raises:
+    # the KeyboardInterrupt reaches the caller only once the runtime has let
+    # go of the array (the message arriving into it has been read), so the
+    # caller's except clause may use the array at once.
+    r = run_py(_pair_script("sigcancel", """
+        first = np.zeros_like(msg)
+        h = w.irecv(first, 1)
+
+        def cancel_and_raise(signum, frame):
+            h._w.cancel()
+            raise KeyboardInterrupt
+
+        signal.signal(signal.SIGINT, cancel_and_raise)
+
+        def interrupt():
+            while received() == 0:
+                time.sleep(0.0002)
+            # The main thread is in wait() by now (it entered it before the
+            # sender started); a 512 MiB message takes far longer than this.
+            time.sleep(0.01)
+            os.kill(os.getpid(), signal.SIGINT)
+
+        threading.Thread(target=interrupt).start()
+        sender = threading.Thread(target=lambda: out[1].send(msg, 0))
+        threading.Timer(0.2, sender.start).start()
+        try:
+            h.wait(60)
+            print("ENDED")
+        except KeyboardInterrupt:
+            at = received()
+            snap = first.copy()
+            time.sleep(0.5)
+            print("INTERRUPTED", at >= msg.nbytes, np.array_equal(first, snap), at)
+        a.shutdown(); b.shutdown()
+    """), timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "INTERRUPTED True True" in r.stdout or "ENDED" in r.stdout, r.stdout
+
+
 def test_ctrl_c_while_a_wait_lets_go_of_the_array_keeps_the_outcome():
     # A wait applies a cancel that came from another thread, then waits for
     # the runtime to let go of the array (its message was arriving): Ctrl-C

@@ -242,7 +242,10 @@ class Work:
         :class:`~multiworld_rs.errors.WorldTimeoutError`; the operation goes
         on) and returns its result: ``None`` for a send, the received array
         for a receive, the output for a collective. Raises the operation's
-        error. Can be called again; returns the same result."""
+        error. Can be called again; returns the same result. A handle that
+        holds the caller's array (``irecv(tensor)``, an in-place collective)
+        returns only once the runtime has let go of it, which ``timeout``
+        does not bound (see docs/python.md, "holds the array")."""
         raw = self._w.wait(_seconds("timeout", timeout))
         if not self._done:
             self._result = self._finish(raw) if self._finish is not None else raw
