@@ -311,6 +311,67 @@ def test_forked_child_gets_a_clear_error_from_an_event_stream_waiting_in_the_par
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_is_not_stuck_on_locks_a_parents_thread_held_at_the_fork():
+    # Another thread of the parent holds the event stream's lock and the
+    # asyncio bridges' lock at the moment of the fork (as it does for a
+    # moment while it starts a wait or a loop's bridge): the child's calls
+    # must not wait for ever on locks nobody in the child will release (the
+    # stream raises ForkedProcessError, a new loop gets its bridge).
+    r = run_py("""
+        import asyncio, faulthandler, os, threading
+        faulthandler.dump_traceback_later(30, exit=True)
+        import multiworld_rs as mw
+        from multiworld_rs import aio
+        m = mw.WorldManager()
+        s = m.events()
+        held, release = threading.Event(), threading.Event()
+
+        def hold():
+            with s._lock, aio._BRIDGES_LOCK:
+                held.set()
+                release.wait()
+
+        t = threading.Thread(target=hold)
+        t.start()
+        held.wait()
+        pid = os.fork()
+        if pid == 0:
+            codes = [3, 4]
+            try:
+                try:
+                    s.next(0.05)
+                except mw.ForkedProcessError:
+                    codes[0] = 0
+
+                async def one_bridge():
+                    return aio._bridge() is not None
+
+                if asyncio.run(one_bridge()):
+                    codes[1] = 0
+            finally:
+                os._exit(max(codes))
+        release.set()
+        t.join()
+        import time
+        until = time.monotonic() + 15
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                print("CHILD", os.waitstatus_to_exitcode(status))
+                break
+            if time.monotonic() > until:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                print("CHILD hung")
+                break
+            time.sleep(0.01)
+        m.shutdown()
+    """)
+    assert r.returncode == 0, r.stderr
+    assert "CHILD 0" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_forked_child_gets_a_clear_error_from_asyncio_housekeeping():
     # The parent used the asyncio housekeeping pool; a forked child inherits
     # it without its threads. An awaited housekeeping call of an inherited

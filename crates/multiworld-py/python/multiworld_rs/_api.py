@@ -147,7 +147,17 @@ class EventStream:
         # it takes its event, the others wait again.
         self._inflight: "Optional[concurrent.futures.Future[Optional[Event]]]" = None
         self._inflight_pid = 0
-        self._lock = threading.Lock()
+        self._lock_ = threading.Lock()
+        self._lock_pid = os.getpid()
+
+    @property
+    def _lock(self) -> threading.Lock:
+        """The stream's lock, this process's own: a forked child may have
+        inherited it held by a parent's thread that is not in the child."""
+        pid = os.getpid()
+        if self._lock_pid != pid:
+            self._lock_, self._lock_pid = threading.Lock(), pid
+        return self._lock_
 
     def _pending(self) -> "Optional[concurrent.futures.Future[Optional[Event]]]":
         """The slice in flight, if it is this process's: a forked child's

@@ -35,6 +35,7 @@ operation outlives the call's borrow); blocking housekeeping (``join``,
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -119,6 +120,17 @@ class _Bridge:
 
 _BRIDGES: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Bridge]" = weakref.WeakKeyDictionary()
 _BRIDGES_LOCK = threading.Lock()
+
+
+def _fresh_bridges_lock() -> None:
+    # A forked child may inherit the lock held by a parent's thread that is
+    # not in the child; the child's loops get bridges of their own anyway.
+    global _BRIDGES_LOCK
+    _BRIDGES_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh_bridges_lock)
 
 
 def _bridge() -> _Bridge:
