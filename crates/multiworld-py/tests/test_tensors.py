@@ -1068,13 +1068,18 @@ def test_a_scalar_output_is_refused_not_written_and_lost(pair):
     assert out[0] == 1
 
 
-@pytest.mark.parametrize("shape", [(2.7,), "12", (True, 2), 2.0, None])
+@pytest.mark.parametrize("shape", [(2.7,), "12", (True, 2), 2.0, None, np.array(2.5)])
 def test_a_shape_that_is_not_ints_is_refused_naming_it(pair, shape):
     w0, _ = pair
     with pytest.raises(TypeError, match="shape"):
         w0.recv(1, dtype="float32", shape=shape)
     with pytest.raises(TypeError, match="shape"):
         mw.zeros(shape, "float32")
+
+
+def test_a_0d_integer_array_is_a_shape_of_one_dimension(pair):
+    w0, _ = pair
+    assert mw.zeros(np.array(3), "float32").shape == (3,)
 
 
 def test_all_to_all_single_takes_empty_split_lists_as_even_splits(pair):

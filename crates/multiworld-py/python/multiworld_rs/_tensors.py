@@ -75,6 +75,8 @@ def dims(shape: Any) -> Tuple[int, ...]:
     def is_int(d: Any) -> bool:
         return isinstance(d, (int, np.integer)) and not isinstance(d, (bool, np.bool_))
 
+    if isinstance(shape, np.ndarray) and shape.ndim == 0:
+        shape = shape.item()  # a 0-d array: its one value
     if is_int(shape):
         shape = (shape,)
     if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
