@@ -34,9 +34,14 @@ pub const DIE_WITH_PARENT_ENV: &str = "M8D_DIE_WITH_PARENT";
 
 /// Marks `cmd`, an `m8d worker` or `m8d store` this process starts, to end
 /// with it ([`DIE_WITH_PARENT_ENV`]). The kernel ties the child to the
-/// thread that starts it, not the process: start it from a thread that
-/// lasts as long as the process (the main thread, a runtime's worker
-/// thread), not from a blocking pool's, which may end while the child runs.
+/// thread that starts it, not the process: start it from the main thread
+/// (as `m8d` does, inside `block_on`) or from a `std::thread` of your own
+/// that outlives the child. Not from a tokio task or a runtime's worker
+/// thread: a worker thread may hand its place to another and end
+/// (`block_in_place`), and a blocking pool's threads end when idle; the
+/// child would be killed with it. `cmd` must run `m8d` itself, not a
+/// wrapper that forks it (`timeout`, a shell without `exec`): the child
+/// checks that its parent is the process that marked it.
 pub fn ends_with_this_process(cmd: &mut Command) -> &mut Command {
     cmd.env(DIE_WITH_PARENT_ENV, std::process::id().to_string())
 }
@@ -82,7 +87,8 @@ impl std::fmt::Debug for WorkerStore {
 /// How to run a fleet.
 #[derive(Debug, Clone)]
 pub struct FleetConfig {
-    /// The `m8d` executable that runs `m8d worker`.
+    /// The `m8d` executable that runs `m8d worker` (itself: not a wrapper
+    /// that forks it, see [`ends_with_this_process`]).
     pub exe: PathBuf,
     /// Number of workers (one world each).
     pub workers: usize,

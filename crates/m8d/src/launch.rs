@@ -206,6 +206,9 @@ async fn forward_lines(rank: u32, stream: impl AsyncRead + Unpin, to_stderr: boo
     }
 }
 
+/// How often a launch looks for its ranks' process groups that emptied.
+const GROUP_CHECK: Duration = Duration::from_millis(100);
+
 /// Runs the ranks of a single-node launch to completion:
 /// [`launch_nodes`] with [`Nodes::SINGLE`].
 pub async fn launch(config: LaunchConfig) -> anyhow::Result<LaunchOutcome> {
@@ -295,6 +298,11 @@ pub async fn launch_nodes(config: LaunchConfig, nodes: Nodes) -> anyhow::Result<
     let mut stopping = false;
     // The ranks' process groups (each rank leads its own), until seen empty:
     // an empty group's number may be reused, so it is never signalled again.
+    // A group empties when its last process ends, which may be a job its
+    // rank left behind, at any time: the groups are looked at whenever a
+    // rank is reaped and every GROUP_CHECK besides, so a number is let go
+    // within that of its group emptying (its reuse needs the system's pids
+    // to wrap around meanwhile).
     let mut groups: Vec<Option<Pid>> = pids
         .iter()
         .map(|&pid| i32::try_from(pid).ok().map(Pid::from_raw))
@@ -311,6 +319,8 @@ pub async fn launch_nodes(config: LaunchConfig, nodes: Nodes) -> anyhow::Result<
     };
     let grace = tokio::time::sleep(Duration::MAX);
     tokio::pin!(grace);
+    let mut group_check = tokio::time::interval(GROUP_CHECK);
+    group_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut interrupted = false;
     let mut killed = false;
     while finished < config.nproc {
@@ -318,9 +328,8 @@ pub async fn launch_nodes(config: LaunchConfig, nodes: Nodes) -> anyhow::Result<
             exit = exit_rx.recv() => {
                 let Some((rank, status)) = exit else { break };
                 finished += 1;
-                // A rank is reaped: every group already empty (its own, or
-                // one whose last process ended since) is seen so now, before
-                // its number can go to another group.
+                // A rank is reaped: its group, if it was the last of it,
+                // is seen empty now.
                 signal_pids(&mut groups, None);
                 if !status.success() && outcome.first_failure.is_none() && !interrupted {
                     outcome.first_failure = Some(rank);
@@ -351,6 +360,7 @@ pub async fn launch_nodes(config: LaunchConfig, nodes: Nodes) -> anyhow::Result<
                 signal_pids(&mut groups, Some(sig));
                 grace.as_mut().reset(tokio::time::Instant::now() + config.grace);
             }
+            _ = group_check.tick() => signal_pids(&mut groups, None),
             _ = &mut grace => {
                 killed = true;
                 eprintln!("m8d launch: ranks still running after {:?}; killing them", config.grace);
