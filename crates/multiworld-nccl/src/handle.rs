@@ -76,10 +76,14 @@ impl OpHandle {
 
     /// Whether the operation has finished on the device (`cuEventQuery`;
     /// never blocks). An error if the communicator failed, was revoked,
-    /// aborted or quarantined: the result cannot be trusted.
+    /// aborted or quarantined: the result cannot be trusted. A query that
+    /// fails fails the communicator (world-fatal whatever its kind): the
+    /// operation is enqueued, and its fate is unknown.
     pub fn is_completed(&self) -> Result<bool, NcclError> {
         match self.shared.state() {
-            CommState::Live | CommState::Closing | CommState::Closed => self.event.is_complete(),
+            CommState::Live | CommState::Closing | CommState::Closed => {
+                self.event.is_complete().map_err(|e| self.shared.fail_async(e))
+            }
             CommState::Failed => Err(lock(&self.shared.failure).clone().unwrap_or(NcclError::Aborted {
                 op: self.op,
                 state: CommState::Failed,

@@ -375,6 +375,27 @@ fn an_operation_that_meets_an_async_error_fails_world_fatal() {
     drop((comm, buf));
 }
 
+/// A failure to query whether an enqueued operation has ended (here
+/// `CUDA_ERROR_NOT_SUPPORTED`, which from a single call would only be a
+/// caller's mistake) fails the communicator: the operation's fate is
+/// unknown, so the error says the world is dead.
+#[test]
+fn a_failed_query_of_an_enqueued_operation_fails_world_fatal() {
+    let (_g, f) = fake();
+    let rt = f.runtime().unwrap();
+    let comm = NcclComm::init(&rt, &cfg(0, 1), &rt.unique_id().unwrap()).unwrap();
+    let mut buf = comm.alloc(DType::F32, 8).unwrap();
+    let h = comm.all_reduce_in_place(&mut buf, ReduceOp::Sum).unwrap();
+    f.event_query_fails(801);
+    let e = h.is_completed().unwrap_err();
+    f.event_query_fails(0);
+    assert!(e.is_world_fatal(), "{e:?}");
+    assert_eq!(comm.state(), CommState::Failed);
+    drop(h);
+    assert!(matches!(comm.abort(T), AbortOutcome::Aborted { .. }));
+    drop((comm, buf));
+}
+
 /// A world's device that can no longer be made current when it is dropped
 /// leaves its stream and pool to the context, but gives the context
 /// reference it holds back.

@@ -32,11 +32,15 @@ struct fake_event { struct fake_stream *stream; int blocked; };
 
 static int g_devices = 1;
 static volatile long g_allocs, g_streams, g_events, g_ctx_refs, g_pools, g_pinned;
-static int g_no_pinned, g_copies_hang, g_no_set_current;
+static int g_no_pinned, g_copies_hang, g_no_set_current, g_event_query_rc;
 
 void fake_cuda_reset(int devices) {
   g_devices = devices; g_no_pinned = 0; g_copies_hang = 0; g_no_set_current = 0;
+  g_event_query_rc = 0;
 }
+/* While nonzero, cuEventQuery returns this code (an error querying an
+   operation's end). */
+void fake_cuda_event_query_fails(int rc) { g_event_query_rc = rc; }
 /* Makes cuCtxSetCurrent fail (a context that cannot be made current). */
 void fake_cuda_no_set_current(int on) { g_no_set_current = on; }
 /* Makes cuMemHostAlloc fail (the crate must fall back to pageable staging). */
@@ -92,6 +96,7 @@ CUresult cuStreamWaitEvent(struct fake_stream *s, struct fake_event *e, unsigned
   return e ? 0 : 400;
 }
 CUresult cuEventQuery(struct fake_event *e) {
+  if (g_event_query_rc) return g_event_query_rc;
   return (e->blocked && e->stream && e->stream->hung) ? 600 : 0;
 }
 CUresult cuEventDestroy_v2(struct fake_event *e) { free(e); __sync_fetch_and_sub(&g_events, 1); return 0; }

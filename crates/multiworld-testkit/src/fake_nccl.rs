@@ -131,6 +131,13 @@ impl Fake {
         unsafe { control::<unsafe extern "C" fn(i32)>(&self.cuda, "fake_cuda_no_set_current")(on as i32) }
     }
 
+    /// While `rc` is nonzero, `cuEventQuery` returns it (querying whether
+    /// an operation has ended fails).
+    pub fn event_query_fails(&self, rc: i32) {
+        // SAFETY: signature as in fake_cuda_nccl.c.
+        unsafe { control::<unsafe extern "C" fn(i32)>(&self.cuda, "fake_cuda_event_query_fails")(rc) }
+    }
+
     /// While on, every host copy leaves its stream hung: the copy, and all
     /// later work on that stream, never completes.
     pub fn copies_hang(&self, on: bool) {
