@@ -234,8 +234,7 @@ async fn a_world_name_with_quotes_and_backslashes_is_escaped_in_labels() {
 }
 
 /// The endpoint closes a connection that sends no complete request head
-/// (a stalled client holds no slot for long), and a manager made outside
-/// a Tokio runtime runs without the endpoint instead of panicking.
+/// (a stalled client holds no slot for long).
 #[tokio::test(start_paused = true)]
 async fn the_endpoint_closes_a_stalled_connection() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -265,6 +264,8 @@ async fn the_endpoint_closes_a_stalled_connection() {
     );
 }
 
+/// A manager made outside a Tokio runtime runs without the endpoint
+/// instead of panicking.
 #[test]
 fn a_manager_made_outside_a_runtime_runs_without_the_endpoint() {
     let m = WorldManager::new(multiworld::ManagerConfig {
