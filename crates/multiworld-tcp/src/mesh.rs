@@ -34,7 +34,7 @@ use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -202,6 +202,9 @@ struct AcceptCtx {
     /// Ranks that completed a handshake; claimed once, so duplicates are refused.
     claimed: Mutex<Vec<bool>>,
     established: mpsc::UnboundedSender<(Rank, TcpStream)>,
+    /// Asks the join still building the mesh whether its connection from a
+    /// rank is closed, and if so to let it go (see [`AcceptCtx::replaces`]).
+    replace: mpsc::UnboundedSender<(Rank, oneshot::Sender<bool>)>,
     /// The inbound handshakes in progress, each with the token that evicts it.
     /// Locked only briefly, never across an `.await`.
     pending: Mutex<PendingTable<CancellationToken>>,
@@ -226,6 +229,25 @@ impl AcceptCtx {
         if let Some(slot) = self.claimed().get_mut(rank.index()) {
             *slot = false;
         }
+    }
+
+    /// Whether an authenticated connection from `rank`, already connected,
+    /// takes the place of that earlier connection: only while the mesh is
+    /// being built, only for a higher rank (which connects to this one),
+    /// and only when the earlier connection is closed. A rank whose join
+    /// timed out closed its connections; when it tries again in the same
+    /// generation (the other members still wait there), its new connection
+    /// must not be refused as a duplicate of the dead one, and the mesh
+    /// must not form with the dead one.
+    async fn replaces(&self, rank: Rank) -> bool {
+        if rank <= self.identity.rank {
+            return false;
+        }
+        let (tx, rx) = oneshot::channel();
+        if self.replace.send((rank, tx)).is_err() {
+            return false;
+        }
+        rx.await.unwrap_or(false)
     }
 
     fn claim(&self, rank: Rank) -> bool {
@@ -341,7 +363,7 @@ impl AcceptCtx {
         // (an eviction between the claim and the Accept would lose the rank).
         let _ = self.pending_table().remove(id);
         identity?;
-        if !self.claim(hello.from) {
+        if !self.claim(hello.from) && !self.replaces(hello.from).await {
             return Err(Reject::new(
                 RejectCode::Duplicate,
                 format!("rank {} is already connected", hello.from),
@@ -710,6 +732,19 @@ pub(crate) struct Mesh {
     pub(crate) streams: Vec<Option<TcpStream>>,
 }
 
+/// Whether the other end has closed `stream` (or it failed), without
+/// waiting or taking any byte: a peek that finds the end of the stream, or
+/// an error. A stream with nothing to read yet is open.
+fn is_closed(stream: &TcpStream) -> bool {
+    let mut byte = [0u8; 1];
+    let mut buf = tokio::io::ReadBuf::new(&mut byte);
+    let mut cx = std::task::Context::from_waker(futures::task::noop_waker_ref());
+    matches!(
+        stream.poll_peek(&mut cx, &mut buf),
+        std::task::Poll::Ready(Ok(0) | Err(_))
+    )
+}
+
 fn configure(stream: &TcpStream) -> io::Result<()> {
     stream.set_nodelay(true)
 }
@@ -906,6 +941,7 @@ pub(crate) async fn build(
     }
     let secret: Arc<[u8]> = Arc::from(cfg.secret_bytes());
     let (est_tx, mut est_rx) = mpsc::unbounded_channel();
+    let (replace_tx, mut replace_rx) = mpsc::unbounded_channel::<(Rank, oneshot::Sender<bool>)>();
     let mut claimed = vec![true; size];
     for slot in claimed.iter_mut().skip(cfg.rank.index() + 1) {
         *slot = false;
@@ -917,6 +953,7 @@ pub(crate) async fn build(
         hello_timeout: cfg.hello_timeout,
         claimed: Mutex::new(claimed),
         established: est_tx,
+        replace: replace_tx,
         pending: Mutex::new(PendingTable::new(
             cfg.max_pending_handshakes,
             cfg.max_pending_per_ip,
@@ -987,6 +1024,16 @@ pub(crate) async fn build(
                 let (rank, stream) = joined?;
                 streams[rank.index()] = Some(stream);
                 missing -= 1;
+            }
+            Some((rank, reply)) = replace_rx.recv() => {
+                let slot = streams.get_mut(rank.index());
+                let dead = slot.as_ref().is_some_and(|s| s.as_ref().is_some_and(is_closed));
+                if dead && let Some(slot) = slot {
+                    debug!(local = %identity, from = %rank, "an earlier connection from this rank is closed: its new one takes its place");
+                    *slot = None;
+                    missing += 1;
+                }
+                let _ = reply.send(dead);
             }
             Some((rank, stream)) = est_rx.recv() => {
                 if let Some(slot) = streams.get_mut(rank.index()) {

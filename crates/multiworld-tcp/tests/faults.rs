@@ -593,6 +593,58 @@ async fn joins_that_must_fail() {
     assert_eq!(solo.size(), 1);
 }
 
+/// While a join builds its mesh, a second connection claiming a rank that is
+/// already connected is refused as a duplicate as long as the first one is
+/// open, and takes its place once it is closed (a member that retries its
+/// join in the same generation after a failed attempt).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claimed_rank_is_refused_while_its_connection_lives_and_replaced_once_it_closed() {
+    init_tracing();
+    let rdv = MemoryRendezvous::new();
+    let mut c0 = config("rebuilt", 0, 3);
+    c0.join_timeout = Duration::from_secs(10);
+    let joining = tokio::spawn({
+        let rdv = rdv.clone();
+        async move { Communicator::join(c0, &rdv).await }
+    });
+    let key = addr_key(&world("rebuilt"), Generation(1), Rank(0));
+    let raw = rdv.get(&key, Duration::from_secs(10)).await.unwrap();
+    let addr: SocketAddr = std::str::from_utf8(&raw).unwrap().parse().unwrap();
+    let me = Identity {
+        size: 3,
+        ..ident("rebuilt", 1, 1)
+    };
+    let connect = || async {
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        client_handshake(&mut s, &me, Rank(0), SECRET, addr)
+            .await
+            .map(|()| s)
+    };
+    let first = connect().await.expect("the first claim of rank 1");
+    // The first connection is open: another one for rank 1 is a duplicate.
+    match connect().await {
+        Err(Error::Refused {
+            code: RejectCode::Duplicate,
+            ..
+        }) => {}
+        other => panic!("expected a duplicate refusal, got {:?}", other.map(|_| ())),
+    }
+    drop(first);
+    // Once rank 0 sees it closed, a new connection takes its place.
+    let deadline = Instant::now() + DETECT;
+    let _second = loop {
+        match connect().await {
+            Ok(s) => break s,
+            Err(Error::Refused {
+                code: RejectCode::Duplicate,
+                ..
+            }) if Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(10)).await,
+            Err(e) => panic!("the closed connection was not replaced: {e}"),
+        }
+    };
+    joining.abort();
+}
+
 /// A store that never answers (a hung server, a dead link with no reset).
 struct HungStore;
 

@@ -1120,6 +1120,59 @@ async fn a_retried_join_of_a_lower_rank_meets_the_member_waiting_for_it() {
     ping(&a, &b, 6.0).await;
 }
 
+/// In a world of three, a rank whose failed join had already connected to
+/// a lower rank retries in the same generation: the lower rank, still
+/// waiting there, lets the failed attempt's closed connection go and takes
+/// the new one (it used to refuse it as a duplicate, and would have formed
+/// the world with the dead connection); the three then meet.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_join_replaces_its_failed_attempts_connection_to_a_lower_rank() {
+    multiworld_testkit::init_tracing();
+    let server = standalone_store().await;
+    let store = server.local_addr().to_string();
+    let standalone = |rank, timeout| {
+        let mut c = cfg("retried-three", rank, 3, &store);
+        c.host_store = false;
+        c.join_timeout = timeout;
+        c
+    };
+    let (m0, m1, m2) = (
+        WorldManager::default(),
+        WorldManager::default(),
+        WorldManager::default(),
+    );
+    let leader = tokio::spawn({
+        let m0 = m0.clone();
+        let c = standalone(0, Duration::from_secs(15));
+        async move { m0.join(c).await }
+    });
+    // Rank 1 connects to rank 0, then gives up waiting for rank 2.
+    let early = m1.join(standalone(1, Duration::from_millis(600))).await;
+    assert!(early.is_err(), "joined without rank 2");
+    let t0 = Instant::now();
+    let middle = tokio::spawn({
+        let m1 = m1.clone();
+        let c = standalone(1, Duration::from_secs(10));
+        async move { m1.join(c).await }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let c = m2.join(standalone(2, Duration::from_secs(10))).await.unwrap();
+    let b = middle.await.unwrap().unwrap();
+    let a = leader.await.unwrap().unwrap();
+    assert!(
+        t0.elapsed() < Duration::from_secs(4),
+        "the retry and the others met only after {:?}",
+        t0.elapsed()
+    );
+    assert_eq!(a.generation(), b.generation());
+    assert_eq!(b.generation(), c.generation());
+    ping(&a, &b, 7.0).await;
+    // The world did not form with the dead connection: it stays up.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(a.state(), WorldState::Ready, "{:?}", a.state());
+    ping(&a, &b, 8.0).await;
+}
+
 /// A member whose lower rank never publishes its address fails its join
 /// with the rendezvous timeout that names the missing key (the store
 /// answers the lookup at the deadline), not a bare join timeout that
