@@ -813,31 +813,44 @@ async fn connect_once(
 /// give the peer's address again.
 const REREAD_TIMEOUT: Duration = Duration::from_millis(200);
 
-/// Connects to rank `to` at `addr`, retrying transient failures ([`is_transient`])
-/// with jittered exponential backoff until `deadline`; each attempt is bounded by
-/// `attempt_timeout`. On the deadline, returns the last failure. A refused
-/// connection (nobody listens there) reads the peer's address from `rdv`
-/// again: a peer whose earlier attempt at this join failed and who is
-/// trying again in the same generation listens at a new address.
-async fn connect_peer(
-    mut addr: SocketAddr,
-    key: String,
-    rdv: &dyn Rendezvous,
-    identity: Identity,
-    to: Rank,
-    secret: Arc<[u8]>,
+/// What a join's connections to its lower ranks share.
+struct Dialer<'a> {
+    rdv: &'a dyn Rendezvous,
+    identity: &'a Identity,
+    secret: &'a [u8],
     buffer: Option<u32>,
     deadline: Instant,
     attempt_timeout: Duration,
+}
+
+/// Connects to rank `to` at `addr`, retrying transient failures ([`is_transient`])
+/// with jittered exponential backoff until the dialer's deadline; each
+/// attempt is bounded by its `attempt_timeout`. On the deadline, returns
+/// the last failure. A refused connection (nobody listens there) reads the
+/// peer's address (`key`) from the rendezvous again: a peer whose earlier
+/// attempt at this join failed and who is trying again in the same
+/// generation listens at a new address.
+async fn connect_peer(
+    d: &Dialer<'_>,
+    to: Rank,
+    mut addr: SocketAddr,
+    key: String,
 ) -> Result<(Rank, TcpStream)> {
+    let Dialer {
+        rdv,
+        identity,
+        secret,
+        buffer,
+        deadline,
+        attempt_timeout,
+    } = *d;
     let mut backoff = Duration::from_millis(5);
     let mut attempts = 0u32;
     loop {
         attempts += 1;
         let left = deadline.saturating_duration_since(Instant::now());
         let bound = attempt_timeout.min(left);
-        let err = match tokio::time::timeout(bound, connect_once(addr, &identity, to, &secret, buffer)).await
-        {
+        let err = match tokio::time::timeout(bound, connect_once(addr, identity, to, secret, buffer)).await {
             Ok(Ok(stream)) => {
                 if attempts > 1 {
                     debug!(%addr, to = %to, attempts, "connected after retrying");
@@ -988,6 +1001,14 @@ pub(crate) async fn build(
     .await?;
 
     let mut streams: Vec<Option<TcpStream>> = (0..size).map(|_| None).collect();
+    let dialer = Dialer {
+        rdv,
+        identity: &identity,
+        secret: &secret,
+        buffer: cfg.socket_buffer_size,
+        deadline,
+        attempt_timeout: cfg.handshake_timeout,
+    };
     let mut connects = FuturesUnordered::new();
     for p in 0..cfg.rank.0 {
         let p = Rank(p);
@@ -1004,17 +1025,7 @@ pub(crate) async fn build(
                     raw.len()
                 ))
             })?;
-        connects.push(connect_peer(
-            addr,
-            key,
-            rdv,
-            identity.clone(),
-            p,
-            Arc::clone(&secret),
-            cfg.socket_buffer_size,
-            deadline,
-            cfg.handshake_timeout,
-        ));
+        connects.push(connect_peer(&dialer, p, addr, key));
     }
 
     let mut missing = size - 1;
