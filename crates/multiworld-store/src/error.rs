@@ -109,13 +109,16 @@ impl Limit {
     }
 
     /// True for a bound on what is in flight at once (waits, request
-    /// memory, streams): it clears as other requests end, so the same
-    /// request may pass later. The others (sizes, counts of what is stored)
-    /// refuse the same request every time.
+    /// memory, streams) or on what a world's store holds (keys, bytes,
+    /// which go down as keys are deleted): the same request may pass
+    /// later. The others (the sizes of one key, value, request, reply or
+    /// name, and the worlds per server) refuse the same request every time.
     pub fn clears_by_itself(self) -> bool {
         matches!(
             self,
-            Limit::WaitersPerClient
+            Limit::Keys
+                | Limit::TotalBytes
+                | Limit::WaitersPerClient
                 | Limit::WaitersPerWorld
                 | Limit::Waiters
                 | Limit::RequestMemory

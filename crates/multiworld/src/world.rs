@@ -1235,6 +1235,9 @@ impl World {
                     // wait if so.
                     Err(StoreError::Unavailable { .. }) => {}
                     Err(StoreError::LimitExceeded { limit, .. }) if limit.clears_by_itself() => {}
+                    // The store's own bound on one wait (`max_timeout`) came
+                    // before the barrier's: wait again.
+                    Err(StoreError::Timeout { .. }) if deadline.is_none_or(|d| Instant::now() < d) => {}
                     r => return r,
                 }
                 if left.is_zero() {

@@ -1388,6 +1388,38 @@ async fn a_barrier_without_a_deadline_meets() {
     ping(&a, &b, 2.0).await;
 }
 
+/// A barrier longer than the store's own bound on one wait (`max_timeout`)
+/// waits again rather than timing out at that bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_barrier_outlasts_the_stores_bound_on_one_wait() {
+    multiworld_testkit::init_tracing();
+    let mut config = ServerConfig {
+        allow_remote_create: true,
+        remote_create_secret: Some(Secret::new("test secret")),
+        ..ServerConfig::default()
+    };
+    config.limits.max_timeout = Duration::from_millis(200);
+    let server = StoreServer::bind("127.0.0.1:0".parse().unwrap(), config)
+        .await
+        .unwrap();
+    let store = server.local_addr().to_string();
+    let standalone = |rank| {
+        let mut c = cfg("long-barrier", rank, 2, &store);
+        c.host_store = false;
+        c
+    };
+    let (m0, m1) = (WorldManager::default(), WorldManager::default());
+    let (a, b) = tokio::join!(m0.join(standalone(0)), m1.join(standalone(1)));
+    let (a, b) = (a.unwrap(), b.unwrap());
+    let (x, y) = tokio::join!(a.barrier(Duration::MAX), async {
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        b.barrier(Duration::from_secs(10)).await
+    });
+    x.unwrap();
+    y.unwrap();
+    ping(&a, &b, 3.0).await;
+}
+
 /// A store bound that refuses the barrier's request every time (here: one
 /// key per request, and the barrier waits on one key per member) fails the
 /// barrier at once with an error naming the bound, instead of retrying it
