@@ -138,7 +138,7 @@ struct Inner {
 /// ended by its own bound.
 const JOIN_BACKSTOP: Duration = Duration::from_millis(500);
 
-/// How long [`stale_generation`] waits for a published member to take a
+/// How long [`stale_generation`] waits, in all, for a published member to take a
 /// connection: longer than a first SYN's retransmission (1 s), so that one
 /// lost packet does not make a live member look gone.
 const STALE_PROBE: Duration = Duration::from_millis(1200);
@@ -146,8 +146,9 @@ const STALE_PROBE: Duration = Duration::from_millis(1200);
 /// Longest a member waits for the store to take its [`FORMED_KEY`].
 const FORMED_WRITE: Duration = Duration::from_millis(500);
 
-/// How many members [`stale_generation`] probes at once.
-const STALE_PROBES_AT_ONCE: usize = 16;
+/// How many members [`stale_generation`] probes (the lowest ranks, all at
+/// once): while a world waits in its generation, its members are there.
+const STALE_PROBES: usize = 64;
 
 /// Shortest probe [`stale_generation`] trusts: with less of the join left, a
 /// live member could look gone, so the generation is taken as it is.
@@ -189,33 +190,37 @@ async fn stale_generation(
         return false;
     }
     let probe = STALE_PROBE.min(left);
-    let others = (0..size).filter(|&r| r != rank.0).map(|r| async move {
-        let key = multiworld_tcp::addr_key(world, generation, Rank(r));
-        let Ok(Some(raw)) = store.try_get(key).await else {
-            return false;
-        };
-        let Some(addr) = std::str::from_utf8(&raw)
-            .ok()
-            .and_then(|s| s.parse::<SocketAddr>().ok())
-        else {
-            return false;
-        };
-        // Closed without a byte: the listener takes that for a probe, not
-        // a refused member.
-        matches!(
-            tokio::time::timeout(probe, tokio::net::TcpStream::connect(addr)).await,
-            Ok(Ok(_))
-        )
-    });
-    // The first member that answers settles it.
+    let others = (0..size)
+        .filter(|&r| r != rank.0)
+        .take(STALE_PROBES)
+        .map(|r| async move {
+            let key = multiworld_tcp::addr_key(world, generation, Rank(r));
+            let Ok(Some(raw)) = store.try_get(key).await else {
+                return false;
+            };
+            let Some(addr) = std::str::from_utf8(&raw)
+                .ok()
+                .and_then(|s| s.parse::<SocketAddr>().ok())
+            else {
+                return false;
+            };
+            // Closed without a byte: the listener takes that for a probe, not
+            // a refused member.
+            tokio::net::TcpStream::connect(addr).await.is_ok()
+        });
+    // All at once, within one bound; the first member that answers settles it.
     use futures::StreamExt as _;
-    let mut probes = futures::stream::iter(others).buffer_unordered(STALE_PROBES_AT_ONCE);
-    while let Some(live) = probes.next().await {
-        if live {
-            return false;
+    let mut probes: futures::stream::FuturesUnordered<_> = others.collect();
+    let answered = tokio::time::timeout(probe, async {
+        while let Some(live) = probes.next().await {
+            if live {
+                return true;
+            }
         }
-    }
-    true
+        false
+    })
+    .await;
+    !matches!(answered, Ok(true))
 }
 
 /// Longest [`WorldManager::shutdown`] waits for joins in progress to end.

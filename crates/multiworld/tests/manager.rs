@@ -1042,6 +1042,75 @@ async fn a_generation_left_open_by_members_that_all_died_is_replaced() {
     ping(&a, &b, 5.0).await;
 }
 
+/// A large stale generation whose members' addresses do not answer at all
+/// (their hosts gone: the connection attempts hang rather than being
+/// refused) is found stale within one probe bound, not one bound per batch
+/// of members.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_generation_of_unanswering_members_is_found_within_one_probe_bound() {
+    use multiworld_store::{ClientConfig, OpenOptions, StoreClient};
+    multiworld_testkit::init_tracing();
+    let server = standalone_store().await;
+    let store = server.local_addr().to_string();
+    // A listener that never accepts, its queue full: a connection attempt
+    // to it hangs (its SYN is dropped), as to a vanished host.
+    let clogged = tokio::net::TcpSocket::new_v4().unwrap();
+    clogged.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let clogged = clogged.listen(1).unwrap();
+    let sink = clogged.local_addr().unwrap();
+    let mut queued = Vec::new();
+    for _ in 0..2 {
+        queued.push(std::net::TcpStream::connect(sink).unwrap());
+    }
+    let options = |create| OpenOptions {
+        secret: Some(Secret::new("test secret")),
+        create,
+        ..OpenOptions::default()
+    };
+    let client = StoreClient::connect(&store, ClientConfig::default())
+        .await
+        .unwrap();
+    let dead = client.open("wide", options(true)).await.unwrap();
+    let old = dead.generation();
+    let name = multiworld_tcp::WorldName::new("wide").unwrap();
+    for r in 0..40 {
+        dead.set(
+            multiworld_tcp::addr_key(&name, multiworld_tcp::Generation(old), Rank(r)),
+            sink.to_string(),
+        )
+        .await
+        .unwrap();
+    }
+    let mut c = cfg("wide", 0, 40, &store);
+    c.host_store = false;
+    c.join_timeout = Duration::from_secs(8);
+    let m = WorldManager::default();
+    let t0 = Instant::now();
+    let joining = tokio::spawn({
+        let m = m.clone();
+        async move { m.join(c).await }
+    });
+    let replaced_after = loop {
+        if let Ok(now) = client.open("wide", options(false)).await
+            && now.generation() != old
+        {
+            break t0.elapsed();
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(6),
+            "the stale generation was never replaced"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(
+        replaced_after < Duration::from_millis(2500),
+        "the stale generation was replaced only after {replaced_after:?}"
+    );
+    joining.abort();
+    m.shutdown().await;
+    drop(queued);
+}
+
 /// A rank that retries a join that timed out finds its own address from
 /// the failed attempt in the generation. When another member is still
 /// waiting there (rank 0, accepting), the generation is not stale: the
