@@ -168,8 +168,8 @@ struct Refusal {
     side: Side,
     /// The connection closed before its first byte: a joining member's
     /// check that this listener is alive (`stale_generation` in the
-    /// facade), or a port scan. Logged at DEBUG, not counted as a refusal,
-    /// and not what a join that times out reports.
+    /// facade), or a port scan. Counted with the refusals, but logged at
+    /// DEBUG only, and not what a join that times out reports.
     silent: bool,
 }
 
@@ -699,6 +699,9 @@ async fn accept_loop(listener: TcpListener, ctx: Arc<AcceptCtx>) {
                     let _ = ctx.established.send((rank, stream));
                 }
                 Ok(Err(refusal)) if refusal.silent => {
+                    // Counted, but neither warned about nor what a join that
+                    // times out blames (see `Refusal::silent`).
+                    ctx.rejected.fetch_add(1, Ordering::Relaxed);
                     debug!(peer = %addr, local = %ctx.identity, "a connection closed before sending anything");
                 }
                 Ok(Err(refusal)) => {

@@ -593,6 +593,30 @@ async fn joins_that_must_fail() {
     assert_eq!(solo.size(), 1);
 }
 
+/// A connection that closes before its first byte (another member's check
+/// that this one is alive, a port scan) is counted, but a join that then
+/// times out reports the timeout, not that connection as the reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_join_that_times_out_does_not_blame_a_connection_that_said_nothing() {
+    init_tracing();
+    let rdv = MemoryRendezvous::new();
+    let mut c0 = config("probed", 0, 2);
+    c0.join_timeout = Duration::from_millis(800);
+    let joining = tokio::spawn({
+        let rdv = rdv.clone();
+        async move { Communicator::join(c0, &rdv).await }
+    });
+    let key = addr_key(&world("probed"), Generation(1), Rank(0));
+    let raw = rdv.get(&key, Duration::from_secs(10)).await.unwrap();
+    let addr: SocketAddr = std::str::from_utf8(&raw).unwrap().parse().unwrap();
+    drop(TcpStream::connect(addr).await.unwrap());
+    match joining.await.unwrap() {
+        Err(Error::Timeout { op: "join", .. }) => {}
+        Err(other) => panic!("expected the join's timeout, got {other}"),
+        Ok(_) => panic!("joined without rank 1"),
+    }
+}
+
 /// While a join builds its mesh, a second connection claiming a rank that is
 /// already connected is refused as a duplicate as long as the first one is
 /// open, and takes its place once it is closed (a member that retries its
