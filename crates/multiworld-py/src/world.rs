@@ -1193,13 +1193,20 @@ impl Work {
             // Not ended by this wait (a timeout, Ctrl-C): a cancel that came
             // while it held the handle applies now, and the loop, if it
             // awaits this handle too, keeps watching it.
-            self.apply_cancel()?;
+            // Interrupted by a signal handler that cancelled and then
+            // raised: the cancel is applied (past a brief check that holds
+            // the handle, or by another thread waiting on it), and the
+            // caller's handler gets the array back only once the runtime
+            // has let go of it.
+            let cancelled_here = waited.is_err() && self.cancel_asked.load(Ordering::SeqCst);
+            let applied = if cancelled_here {
+                self.apply_cancel_or_leave_it(py)?
+            } else {
+                self.apply_cancel()?
+            };
             self.hand_back_to_loop();
-            // Interrupted (a signal handler that cancelled and then
-            // raised): the cancel is applied, and the caller's handler
-            // gets the array back only once the runtime has let go of it.
-            if waited.is_err()
-                && self.cancel_asked.load(Ordering::SeqCst)
+            if cancelled_here
+                && applied
                 && let Some(l) = &self.lent
             {
                 runtime::wait(py, l.clone().wait())?;
