@@ -169,9 +169,11 @@ async fn a_frozen_worker_is_detected_by_heartbeats_while_the_others_never_pause(
         .map(|&i| f.members[i].stats.take_max_gap())
         .collect();
     eprintln!("SIGSTOP: w2 broke after {detected:?}; longest pause on w1/w3 meanwhile {gaps:?}");
+    // Under the frozen world's heartbeat timeout (1 s): a healthy world that
+    // waited for the frozen one to break would pause at least that long.
     for g in &gaps {
         assert!(
-            *g < Duration::from_secs(1),
+            *g < Duration::from_millis(600),
             "a healthy world paused for {g:?} (target 50 ms)"
         );
     }
@@ -273,6 +275,13 @@ async fn a_rank_killed_mid_collective_fails_every_survivor_without_partial_resul
         .join(WorldConfig::new("coll", 0, 3, &store).unwrap())
         .await
         .unwrap();
+    // Another world of the leader's, with a member of its own.
+    let peer = multiworld::WorldManager::default();
+    let (calm, calm_peer) = tokio::join!(
+        leader.join(WorldConfig::new("calm", 0, 2, &store).unwrap()),
+        peer.join(WorldConfig::new("calm", 1, 2, &store).unwrap())
+    );
+    let (calm, calm_peer) = (calm.unwrap(), calm_peer.unwrap());
     let group = world.collectives();
     let mut verified = 0u64;
     let mut outcome = None;
@@ -321,6 +330,11 @@ async fn a_rank_killed_mid_collective_fails_every_survivor_without_partial_resul
         "survivor failed after {took:?} (target 100 ms)"
     );
     assert_eq!(verified, 5);
+    assert!(err.is_world_fatal(), "{err:?}");
+    assert!(
+        err.to_string().contains("coll"),
+        "the error does not name its world: {err}"
+    );
     // The world then breaks as for any lost member.
     let start = Instant::now();
     while !matches!(
@@ -333,6 +347,23 @@ async fn a_rank_killed_mid_collective_fails_every_survivor_without_partial_resul
         );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
+    match world.state() {
+        multiworld::WorldState::Broken(
+            multiworld::BreakCause::PeerLost { .. } | multiworld::BreakCause::ReportedByPeer { .. },
+        )
+        | multiworld::WorldState::Removed => {}
+        other => panic!("broke for another reason: {other:?}"),
+    }
+    // The leader's other world is untouched.
+    assert_eq!(calm.state(), multiworld::WorldState::Ready);
+    let mut got = multiworld::Tensor::zeros(multiworld::DType::F32, [4]).unwrap();
+    let (sent, received) = tokio::join!(
+        calm.send(multiworld::Rank(1), multiworld::Tag(0), &[2.5f32; 4][..]),
+        calm_peer.recv(multiworld::Rank(0), multiworld::Tag(0), &mut got)
+    );
+    sent.unwrap();
+    received.unwrap();
+    assert_eq!(got.as_slice::<f32>().unwrap(), &[2.5f32; 4]);
     // The other survivor, rank 1, also failed rather than accept a partial
     // result: it exits 0 only after a failed call, 1 after a wrong result.
     let start = Instant::now();

@@ -142,3 +142,118 @@ def test_a_member_killed_mid_shared_memory_all_reduce_fails_the_others_blocking_
                 p.kill()
             p.communicate()
         m.shutdown()
+
+
+def test_a_receive_blocked_on_a_frozen_world_never_delays_another_world():
+    # One thread waits in a receive on a world whose worker is frozen
+    # (SIGSTOP) while the main thread receives from another world. The
+    # healthy world never pauses (its longest gap stays far under the frozen
+    # world's 1 s heartbeat timeout, which a stall until the break would
+    # reach), and the blocked thread gets the break, naming the world and
+    # the cause, once the heartbeats time out.
+    count, interval = 1500, 0.002  # about 3 s of stream per worker
+    m = mw.WorldManager()
+    store = m.serve_store("127.0.0.1:0")
+    names = [unique("frozen"), unique("flowing")]
+    procs = [spawn("stream_worker.py", n, store, count, interval) for n in names]
+    try:
+        frozen, flowing = [m.join(n, 0, 2, store, timeout=30, heartbeat_interval=0.1, heartbeat_timeout=1.0)
+                           for n in names]
+        for w in (frozen, flowing):
+            for i in range(5):
+                assert w.recv(1, dtype=np.int64, shape=1)[0] == i
+        outcome = {}
+
+        def blocked():
+            try:
+                while True:
+                    frozen.recv(1, dtype=np.int64, shape=1)
+            except mw.BrokenWorldError as e:
+                outcome["error"], outcome["at"] = e, time.monotonic()
+
+        waiter = threading.Thread(target=blocked)
+        waiter.start()
+        procs[0].send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        last, gap, i = stopped, 0.0, 5
+        while waiter.is_alive() or time.monotonic() < outcome.get("at", 0) + 0.3:
+            assert i < count, "the healthy stream ended before the frozen world broke"
+            assert flowing.recv(1, dtype=np.int64, shape=1)[0] == i
+            now = time.monotonic()
+            gap, last, i = max(gap, now - last), now, i + 1
+            assert now - stopped < 20, "the frozen world never broke"
+        waiter.join(5)
+        err = outcome["error"]
+        assert err.cause == "heartbeat_timeout" and err.world == frozen.name and err.rank == 1, err
+        took = outcome["at"] - stopped
+        assert 0.9 <= took < 4.0, f"the frozen world broke after {took:.2f} s (heartbeat timeout 1 s)"
+        assert gap < 0.5, f"the healthy world paused for {gap:.3f} s while a receive waited on the frozen one"
+        # The healthy world delivers the rest, in order.
+        for j in range(i, count):
+            assert flowing.recv(1, dtype=np.int64, shape=1)[0] == j
+        flowing.send(np.zeros(1, dtype=np.int64), 1, tag=1)
+        flowing.finish(10)
+        out, errs = procs[1].communicate(timeout=30)
+        assert procs[1].returncode == 0, errs
+    finally:
+        procs[0].send_signal(signal.SIGCONT)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate(timeout=30)
+        m.shutdown()
+
+
+def test_a_killed_worker_of_an_idle_world_breaks_it_at_once():
+    # The leader has nothing pending on one world (its worker joined and
+    # idles) when that worker is SIGKILLed: the world breaks with peer_lost
+    # at once, from the closed connection, not after the 1 s heartbeat
+    # timeout (the older Python layer took 3-6 s to notice a dead worker it
+    # was not talking to); the other world's stream never pauses.
+    m = mw.WorldManager()
+    store = m.serve_store("127.0.0.1:0")
+    names = [unique("idle"), unique("busy")]
+    procs = [spawn("stream_worker.py", names[0], store, 0, 0),
+             spawn("stream_worker.py", names[1], store, 1000, 0.002)]
+    try:
+        idle, busy = [m.join(n, 0, 2, store, timeout=30, heartbeat_interval=0.1, heartbeat_timeout=1.0)
+                      for n in names]
+        for i in range(5):
+            assert busy.recv(1, dtype=np.int64, shape=1)[0] == i
+        events = m.events(timeout=10)
+        broke = {}
+
+        def watch():
+            for ev in events:
+                if ev.kind == "broken" and ev.world == idle.name:
+                    broke["cause"], broke["at"] = ev.cause, time.monotonic()
+                    return
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        procs[0].kill()
+        killed = time.monotonic()
+        last, gap, i = killed, 0.0, 5
+        while watcher.is_alive() or time.monotonic() < broke.get("at", 0) + 0.3:
+            assert i < 1000, "the busy stream ended before the idle world broke"
+            assert busy.recv(1, dtype=np.int64, shape=1)[0] == i
+            now = time.monotonic()
+            gap, last, i = max(gap, now - last), now, i + 1
+        watcher.join(5)
+        assert broke.get("cause") == "peer_lost", broke
+        took = broke["at"] - killed
+        assert took < 0.5, f"the idle world broke {took:.3f} s after its worker was killed (heartbeat timeout 1 s)"
+        assert gap < 0.5, f"the busy world paused for {gap:.3f} s"
+        assert busy.state == "ready"
+        for j in range(i, 1000):
+            assert busy.recv(1, dtype=np.int64, shape=1)[0] == j
+        busy.send(np.zeros(1, dtype=np.int64), 1, tag=1)
+        busy.finish(10)
+        out, errs = procs[1].communicate(timeout=30)
+        assert procs[1].returncode == 0, errs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate(timeout=30)
+        m.shutdown()

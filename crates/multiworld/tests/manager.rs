@@ -195,7 +195,9 @@ async fn leaving_is_orderly_and_the_peer_learns_of_it() {
     let worker = WorldManager::default();
     let store = leader.serve_store("127.0.0.1:0").await.unwrap().to_string();
     let (a, b) = pair(&leader, &worker, "w", &store).await;
+    let (other_a, other_b) = pair(&leader, &worker, "w-other", &store).await;
     let mut worker_events = worker.events();
+    let left_at = Instant::now();
     leader.leave("w").await.unwrap();
     assert!(leader.world("w").is_none());
     assert!(matches!(
@@ -203,10 +205,22 @@ async fn leaving_is_orderly_and_the_peer_learns_of_it() {
         WorldError::NotJoined { .. }
     ));
     match next_event_for(&mut worker_events, "w", Duration::from_secs(5)).await {
-        WorldEvent::Broken { cause, .. } => assert!(cause.to_string().contains("rank 0"), "{cause}"),
+        WorldEvent::Broken { cause, .. } => assert!(
+            matches!(cause, BreakCause::PeerLost { rank: Rank(0), .. }),
+            "{cause}"
+        ),
         other => panic!("{other:?}"),
     }
+    // Told by the leaver's goodbye, not found by heartbeats (1 s).
+    let told = left_at.elapsed();
+    assert!(
+        told < Duration::from_millis(700),
+        "the peer learned of the leave after {told:?}"
+    );
     b.removed().await;
+    // The other world of the same two members is untouched.
+    assert_eq!(other_a.state(), WorldState::Ready);
+    ping(&other_a, &other_b, 1.5).await;
     assert!(worker.world("w").is_none());
     assert!(matches!(
         leader.leave("w").await,
@@ -442,7 +456,9 @@ async fn pair_with_deadline(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_operation_past_its_deadline_breaks_the_world() {
     multiworld_testkit::init_tracing();
-    let (_leader, worker, a, b) = pair_with_deadline("deadline").await;
+    let (leader, worker, a, b) = pair_with_deadline("deadline").await;
+    let store = leader.serve_store("127.0.0.1:0").await.unwrap().to_string();
+    let (other_a, other_b) = pair(&leader, &worker, "deadline-other", &store).await;
     // Operations that finish in time leave nothing behind...
     for i in 0..5 {
         ping(&a, &b, i as f32).await;
@@ -472,6 +488,9 @@ async fn an_operation_past_its_deadline_breaks_the_world() {
         next_event_for(&mut worker_events, "deadline", Duration::from_secs(5)).await,
         WorldEvent::Broken { .. }
     ));
+    // The members' other world is untouched.
+    assert_eq!(other_a.state(), WorldState::Ready);
+    ping(&other_a, &other_b, 2.5).await;
 }
 
 /// A collective that a member never joins is bound by the world's
@@ -1524,4 +1543,89 @@ async fn a_barrier_over_a_store_bound_fails_at_once_and_the_world_goes_on() {
     }
     assert_eq!(a.state(), WorldState::Ready);
     ping(&a, &b, 4.0).await;
+}
+
+/// A send dropped part-way through a large message (its caller's timeout)
+/// leaves the stream impossible to resynchronise: the world breaks at once,
+/// on both members, saying why, and the members' other world goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_send_dropped_part_way_breaks_its_world_at_once_and_only_it() {
+    multiworld_testkit::init_tracing();
+    let (leader, worker) = (WorldManager::default(), WorldManager::default());
+    let store = leader.serve_store("127.0.0.1:0").await.unwrap().to_string();
+    let (a, b) = pair(&leader, &worker, "cut", &store).await;
+    let (other_a, other_b) = pair(&leader, &worker, "cut-other", &store).await;
+    let mut worker_events = worker.events();
+    // Nobody receives it: the socket's buffers fill and the send waits
+    // part-way through the message when its caller gives up.
+    let big = vec![1u8; 64 << 20];
+    let cut = tokio::time::timeout(Duration::from_millis(100), a.send(Rank(1), Tag(3), &big[..])).await;
+    assert!(cut.is_err(), "a 64 MiB send nobody receives completed");
+    let dropped_at = Instant::now();
+    match next_event_for(&mut worker_events, "cut", Duration::from_secs(5)).await {
+        WorldEvent::Broken { .. } => {}
+        other => panic!("{other:?}"),
+    }
+    let told = dropped_at.elapsed();
+    assert!(
+        told < Duration::from_millis(700),
+        "the peer broke only after {told:?}"
+    );
+    let err = a.send(Rank(1), Tag(4), &[1u8][..]).await.unwrap_err();
+    assert!(err.is_world_broken(), "{err}");
+    assert!(err.to_string().contains("part-way"), "{err}");
+    assert_eq!(other_a.state(), WorldState::Ready);
+    ping(&other_a, &other_b, 4.5).await;
+    let _ = b;
+}
+
+/// The store closing a world's generation (an operator's `close_world`, or
+/// a restarted member that replaced it) breaks that world at once for every
+/// member, as lost to its store, well before `store_grace`; another world
+/// on the same store goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_world_closed_by_its_store_breaks_at_once_and_only_it() {
+    multiworld_testkit::init_tracing();
+    let server = standalone_store().await;
+    let store = server.local_addr().to_string();
+    let standalone = |name: &str, rank| {
+        let mut c = cfg(name, rank, 2, &store);
+        c.host_store = false;
+        c
+    };
+    let (m0, m1) = (WorldManager::default(), WorldManager::default());
+    let (a, b) = tokio::join!(m0.join(standalone("closed", 0)), m1.join(standalone("closed", 1)));
+    let (a, b) = (a.unwrap(), b.unwrap());
+    let (x, y) = tokio::join!(m0.join(standalone("kept", 0)), m1.join(standalone("kept", 1)));
+    let (x, y) = (x.unwrap(), y.unwrap());
+    let (mut e0, mut e1) = (m0.events(), m1.events());
+    let closed_at = Instant::now();
+    assert!(server.close_world("closed"));
+    let mut causes = Vec::new();
+    for events in [&mut e0, &mut e1] {
+        match next_event_for(events, "closed", Duration::from_secs(5)).await {
+            WorldEvent::Broken { cause, .. } => causes.push(cause),
+            other => panic!("{other:?}"),
+        }
+    }
+    // The first to hear from the store breaks as lost to it; the other may
+    // hear of that first (told, or its connection closing).
+    assert!(
+        causes.iter().any(|c| matches!(c, BreakCause::StoreLost { .. })),
+        "{causes:?}"
+    );
+    assert!(
+        causes.iter().all(|c| matches!(
+            c,
+            BreakCause::StoreLost { .. } | BreakCause::ReportedByPeer { .. } | BreakCause::PeerLost { .. }
+        )),
+        "{causes:?}"
+    );
+    // The default store_grace is 1 s: this is the store's answer, not the
+    // grace running out.
+    let took = closed_at.elapsed();
+    assert!(took < Duration::from_millis(700), "broke only after {took:?}");
+    assert!(!matches!(a.state(), WorldState::Ready) && !matches!(b.state(), WorldState::Ready));
+    assert_eq!(x.state(), WorldState::Ready);
+    ping(&x, &y, 6.5).await;
 }
