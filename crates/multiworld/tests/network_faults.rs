@@ -676,6 +676,48 @@ async fn a_store_outage_shorter_than_store_grace_breaks_nothing_and_a_longer_one
     f.heal_and_rejoin().await;
 }
 
+/// How long a member takes to find a frozen store unreachable: its
+/// connection's keepalive fails once nothing has moved for 4 s, checked
+/// every 1 s (measured 4.7 s).
+const STORE_KEEPALIVE: Duration = Duration::from_secs(5);
+
+/// The store host freezes (half-open: nothing is answered, nothing is
+/// reset) for the member that reaches it through the proxy: its long poll
+/// hangs until the connection's keepalive fails it, then `store_grace`
+/// runs, and the world breaks with `StoreLost`; the other member is told;
+/// the other world never pauses.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_store_breaks_the_world_after_its_keepalive_and_grace() {
+    let mut f = fixture("storefrozen", 2).await;
+    let mut events = f.events();
+    // Let rank 1's watcher settle into its long poll first.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let pending = f.pending();
+    let t0 = Instant::now();
+    f.net.store().set_mode(Mode::Stall);
+    let b = f.broken(&mut events, t0).await;
+    assert!(
+        matches!(&b.causes[1], BreakCause::StoreLost { reason } if !reason.is_empty()),
+        "{:?}",
+        b.causes[1]
+    );
+    assert!(
+        b.after[1] >= STORE_GRACE && b.after[1] < STORE_KEEPALIVE + STORE_GRACE + PROMPT_BOUND,
+        "rank 1 broke {:?} into the freeze (keepalive {STORE_KEEPALIVE:?}, grace {STORE_GRACE:?})",
+        b.after[1]
+    );
+    assert!(is_told_by(&b.causes[0], 1), "{:?}", b.causes[0]);
+    let (pause, ratio) = f.assert_flowed(t0, Instant::now());
+    eprintln!(
+        "frozen store: rank 1 broke after {:?} ({:?}), rank 0 after {:?} ({:?}); \
+         healthy world: max pause {pause:?}, throughput ratio {ratio:.2}",
+        b.after[1], b.causes[1], b.after[0], b.causes[0]
+    );
+    f.net.store().set_mode(Mode::Forward);
+    f.assert_failed_and_removed(pending).await;
+    f.heal_and_rejoin().await;
+}
+
 async fn slow_link_carries_a_large_message(name: &'static str, bytes: usize, link: Link) {
     multiworld_testkit::init_tracing();
     let managers = vec![WorldManager::default(), WorldManager::default()];
