@@ -178,6 +178,10 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     if args.fault != Fault::None {
         let name = fleet.members[victim].name.clone();
         let before = fleet.rates(&healthy, Duration::from_millis(500)).await;
+        // From here on, the other worlds' longest pause between messages.
+        for &i in &healthy {
+            fleet.members[i].stats.take_max_gap();
+        }
         let at = match args.fault {
             Fault::Kill => fleet.kill(victim)?,
             _ => fleet.freeze(victim)?,
@@ -200,6 +204,20 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         };
         if took > bound {
             problems.push(format!("detection took {took:?} (more than {bound:?})"));
+        }
+        // While the fault lasted: a world that waited for the faulted one
+        // (a frozen worker is detected after the 1 s heartbeat timeout)
+        // would have paused that long.
+        let pause = healthy
+            .iter()
+            .map(|&i| fleet.members[i].stats.take_max_gap())
+            .max()
+            .unwrap_or_default();
+        table.say(&format!(
+            ">>> meanwhile the other worlds' longest pause between messages: {pause:.1?}"
+        ));
+        if pause > Duration::from_millis(500) {
+            problems.push(format!("a healthy world paused for {pause:?} during the fault"));
         }
         let after = fleet.rates(&healthy, Duration::from_secs(1)).await;
         let ratio = before
