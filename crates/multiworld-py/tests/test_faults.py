@@ -151,7 +151,7 @@ def test_a_receive_blocked_on_a_frozen_world_never_delays_another_world():
     # world's 1 s heartbeat timeout, which a stall until the break would
     # reach), and the blocked thread gets the break, naming the world and
     # the cause, once the heartbeats time out.
-    count, interval = 1500, 0.002  # about 3 s of stream per worker
+    count, interval = 3000, 0.002  # about 6 s of stream per worker
     m = mw.WorldManager()
     store = m.serve_store("127.0.0.1:0")
     names = [unique("frozen"), unique("flowing")]
@@ -251,6 +251,43 @@ def test_a_killed_worker_of_an_idle_world_breaks_it_at_once():
         busy.finish(10)
         out, errs = procs[1].communicate(timeout=30)
         assert procs[1].returncode == 0, errs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate(timeout=30)
+        m.shutdown()
+
+
+def test_a_thread_holding_the_gil_never_delays_failure_detection():
+    # The main thread holds the GIL for 2 s (no switch for a minute, a busy
+    # loop) right after a worker is SIGKILLed: the runtime, which never calls
+    # into Python, still breaks that world at once (the break's time as the
+    # runtime recorded it, from the metrics), and the other world's messages
+    # are all there afterwards, in order.
+    import re
+    import sys
+
+    m, procs, (broken, healthy) = leader_with_two_workers("gil")
+    try:
+        killed = time.time()
+        procs[0].kill()
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(60)
+        try:
+            end = time.perf_counter() + 2.0
+            while time.perf_counter() < end:
+                pass
+        finally:
+            sys.setswitchinterval(interval)
+        line = re.search(r'^multiworld_last_break_timestamp_seconds\{([^}]*)\} (\S+)$', m.metrics_text(), re.M)
+        assert line is not None, "no break recorded"
+        assert f'world="{broken.name}"' in line.group(1), line.group(0)
+        took = float(line.group(2)) - killed
+        assert took < 0.5, f"the break came {took:.3f} s after the kill, while the GIL was held for 2 s"
+        assert broken.state != "ready"
+        assert healthy.state == "ready"
+        finish_healthy(m, procs[1], healthy)
     finally:
         for p in procs:
             if p.poll() is None:
