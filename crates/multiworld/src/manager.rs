@@ -190,27 +190,39 @@ async fn stale_generation(
         return false;
     }
     let probe = STALE_PROBE.min(left);
-    let others = (0..size)
+    // The addresses first, under a bound of their own: a store too slow to
+    // give them cannot tell, and the generation counts as fresh.
+    let lookups = (0..size)
         .filter(|&r| r != rank.0)
         .take(STALE_PROBES)
         .map(|r| async move {
             let key = multiworld_tcp::addr_key(world, generation, Rank(r));
-            let Ok(Some(raw)) = store.try_get(key).await else {
-                return false;
-            };
-            let Some(addr) = std::str::from_utf8(&raw)
-                .ok()
-                .and_then(|s| s.parse::<SocketAddr>().ok())
-            else {
-                return false;
-            };
-            // Closed without a byte: the listener takes that for a probe, not
-            // a refused member.
-            tokio::net::TcpStream::connect(addr).await.is_ok()
+            match store.try_get(key).await {
+                Ok(Some(raw)) => Some(
+                    std::str::from_utf8(&raw)
+                        .ok()
+                        .and_then(|s| s.parse::<SocketAddr>().ok()),
+                ),
+                // Not published (that member never came), or unreadable.
+                Ok(None) => Some(None),
+                Err(_) => None,
+            }
         });
-    // All at once, within one bound; the first member that answers settles it.
+    let Ok(looked_up) = tokio::time::timeout(probe, futures::future::join_all(lookups)).await else {
+        return false;
+    };
+    let Some(addrs) = looked_up.into_iter().collect::<Option<Vec<Option<SocketAddr>>>>() else {
+        return false;
+    };
+    // Then the connections, all at once within one bound; the first member
+    // that answers settles it. Closed without a byte: the listener takes
+    // that for a probe, not a refused member.
     use futures::StreamExt as _;
-    let mut probes: futures::stream::FuturesUnordered<_> = others.collect();
+    let mut probes: futures::stream::FuturesUnordered<_> = addrs
+        .into_iter()
+        .flatten()
+        .map(|addr| async move { tokio::net::TcpStream::connect(addr).await.is_ok() })
+        .collect();
     let answered = tokio::time::timeout(probe, async {
         while let Some(live) = probes.next().await {
             if live {

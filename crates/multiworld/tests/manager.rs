@@ -1176,6 +1176,48 @@ async fn a_retried_join_meets_a_member_already_waiting_in_its_generation() {
     ping(&a, &b, 5.0).await;
 }
 
+/// A retrying rank whose store answers too slowly for the stale-generation
+/// check to read the other members' addresses (a loaded or distant store)
+/// cannot tell, and takes the generation as it is: it goes on in it and
+/// meets the member waiting there (the check used to count the slow lookups
+/// as "nobody answers" and close the generation under that member).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_through_a_slow_store_keeps_the_generation_its_peer_waits_in() {
+    use multiworld_testkit::proxy::{Link, Proxy};
+    multiworld_testkit::init_tracing();
+    let server = standalone_store().await;
+    let store = server.local_addr().to_string();
+    // 1.3 s round trips: more than the check's 1.2 s bound.
+    let slow = Proxy::new(server.local_addr());
+    slow.set_link(Link {
+        latency: Duration::from_millis(650),
+        ..Link::default()
+    });
+    let slow_store = slow.addr().to_string();
+    let standalone = |rank, timeout, store: &str| {
+        let mut c = cfg("slow-retry", rank, 2, store);
+        c.host_store = false;
+        c.join_timeout = timeout;
+        c
+    };
+    let (m0, m1) = (WorldManager::default(), WorldManager::default());
+    let early = m1.join(standalone(1, Duration::from_millis(300), &store)).await;
+    assert!(early.is_err(), "joined without a leader");
+    let leader = tokio::spawn({
+        let m0 = m0.clone();
+        let c = standalone(0, Duration::from_secs(25), &store);
+        async move { m0.join(c).await }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let b = m1
+        .join(standalone(1, Duration::from_secs(25), &slow_store))
+        .await
+        .unwrap();
+    let a = leader.await.unwrap().unwrap();
+    assert_eq!(a.generation(), b.generation());
+    ping(&a, &b, 5.5).await;
+}
+
 /// The same with the lower rank retrying: the worker came while the
 /// leader's failed attempt had left its address, and keeps being refused
 /// there; it reads the address again and meets the leader's retry at once
