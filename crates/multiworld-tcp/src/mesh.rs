@@ -1042,12 +1042,17 @@ pub(crate) async fn build(
             Some((rank, reply)) = replace_rx.recv() => {
                 let slot = streams.get_mut(rank.index());
                 let dead = slot.as_ref().is_some_and(|s| s.as_ref().is_some_and(is_closed));
-                if dead && let Some(slot) = slot {
+                // Let go of the dead one only if the newcomer hears that it
+                // may take its place (it may have given up meanwhile: the
+                // slot would stay empty with the rank still claimed).
+                if dead
+                    && let Some(slot) = slot
+                    && reply.send(true).is_ok()
+                {
                     debug!(local = %identity, from = %rank, "an earlier connection from this rank is closed: its new one takes its place");
                     *slot = None;
                     missing += 1;
                 }
-                let _ = reply.send(dead);
             }
             Some((rank, stream)) = est_rx.recv() => {
                 if let Some(slot) = streams.get_mut(rank.index()) {

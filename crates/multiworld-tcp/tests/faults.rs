@@ -81,6 +81,15 @@ async fn strangers_are_refused_without_harming_the_world() {
     s.unwrap();
     r.unwrap();
 
+    // 0. A connection closed before its first byte (a member's check that
+    // this one is alive, a port scan): counted, but not warned about.
+    drop(TcpStream::connect(addr).await.unwrap());
+    refused += 1;
+    assert!(
+        eventually(DETECT, || a.rejected_connections() >= refused).await,
+        "a connection closed before its first byte was not counted"
+    );
+
     // 1. Random bytes (and an HTTP request): answered with a reject, closed.
     for junk in [
         pattern(300, 0x5a, false),
