@@ -1220,6 +1220,7 @@ impl World {
         // No deadline for a timeout past the clock's range ("wait forever").
         let deadline = Instant::now().checked_add(timeout);
         let wait = async {
+            let mut warned = false;
             loop {
                 let left = deadline.map_or(timeout, |d| d.saturating_duration_since(Instant::now()));
                 let tried = async {
@@ -1234,7 +1235,14 @@ impl World {
                     // the watchdog's to say (`store_grace`), which ends this
                     // wait if so.
                     Err(StoreError::Unavailable { .. }) => {}
-                    Err(StoreError::LimitExceeded { limit, .. }) if limit.clears_by_itself() => {}
+                    Err(e @ StoreError::LimitExceeded { limit, .. }) if limit.clears_by_itself() => {
+                        // Said once per barrier: a store that stays full
+                        // (keys nobody deletes) would keep it waiting.
+                        if !warned {
+                            warned = true;
+                            tracing::warn!(world = %w.name, barrier = n, error = %e, "barrier waits for the store to take its key; trying again until its timeout");
+                        }
+                    }
                     // The store's own bound on one wait (`max_timeout`) came
                     // before the barrier's: wait again.
                     Err(StoreError::Timeout { .. }) if deadline.is_none_or(|d| Instant::now() < d) => {}
@@ -1263,10 +1271,12 @@ impl World {
                 }
                 Ok(())
             }
-            Err(StoreError::Timeout { after, .. }) => Err(WorldError::Timeout {
+            // The barrier's own timeout (the last wait's slice would name
+            // only the rest of it).
+            Err(StoreError::Timeout { .. }) => Err(WorldError::Timeout {
                 world: w.name.clone(),
                 op: format!("barrier {n}"),
-                after,
+                after: timeout,
             }),
             // A bound this barrier's requests go over every time (a world
             // with more members than one request may name keys): the call

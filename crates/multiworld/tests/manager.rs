@@ -1552,6 +1552,13 @@ async fn a_barrier_outlasts_the_stores_bound_on_one_wait() {
     });
     x.unwrap();
     y.unwrap();
+    // One that nobody else enters times out at its own timeout, and says so.
+    let err = a.barrier(Duration::from_millis(700)).await.unwrap_err();
+    match &err {
+        WorldError::Timeout { after, .. } => assert_eq!(*after, Duration::from_millis(700), "{err}"),
+        other => panic!("expected the barrier's timeout: {other}"),
+    }
+    assert_eq!(a.state(), WorldState::Ready);
     ping(&a, &b, 3.0).await;
 }
 
