@@ -189,7 +189,8 @@ async fn stale_generation(
     if left < STALE_PROBE_MIN {
         return false;
     }
-    let probe = STALE_PROBE.min(left);
+    // One bound for both steps below, within what is left of the join.
+    let until = tokio::time::Instant::now() + STALE_PROBE.min(left);
     // The addresses first, under a bound of their own: a store too slow to
     // give them cannot tell, and the generation counts as fresh.
     let lookups = (0..size)
@@ -208,7 +209,7 @@ async fn stale_generation(
                 Err(_) => None,
             }
         });
-    let Ok(looked_up) = tokio::time::timeout(probe, futures::future::join_all(lookups)).await else {
+    let Ok(looked_up) = tokio::time::timeout_at(until, futures::future::join_all(lookups)).await else {
         return false;
     };
     let Some(addrs) = looked_up.into_iter().collect::<Option<Vec<Option<SocketAddr>>>>() else {
@@ -223,7 +224,7 @@ async fn stale_generation(
         .flatten()
         .map(|addr| async move { tokio::net::TcpStream::connect(addr).await.is_ok() })
         .collect();
-    let answered = tokio::time::timeout(probe, async {
+    let answered = tokio::time::timeout_at(until, async {
         while let Some(live) = probes.next().await {
             if live {
                 return true;
