@@ -7,23 +7,9 @@
 use std::time::{Duration, Instant};
 
 use m8d::fleet::{Fleet, FleetConfig};
+use multiworld_testkit::process::own_resources as resources;
 
 const M8D: &str = env!("CARGO_BIN_EXE_m8d");
-
-/// Open file descriptors, threads and resident memory of this process.
-fn resources() -> (usize, usize, u64) {
-    let fds = std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0);
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    let field = |name: &str| -> u64 {
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix(name))
-            .and_then(|v| v.split_whitespace().next())
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0)
-    };
-    (fds, field("Threads:") as usize, field("VmRSS:"))
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hundred_join_kill_teardown_cycles_leak_nothing() {

@@ -51,6 +51,16 @@ def finish_healthy(m, proc, w):
     assert "done" in out
 
 
+def reap(m, procs):
+    """Ends the test's workers (killing any still running, a stopped one
+    included) and its manager."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.communicate(timeout=30)
+    m.shutdown()
+
+
 @pytest.mark.parametrize("how", ["kill", "stop"])
 def test_one_worker_fails_only_its_world_breaks(how):
     m, procs, (broken, healthy) = leader_with_two_workers(how)
@@ -71,11 +81,7 @@ def test_one_worker_fails_only_its_world_breaks(how):
     finally:
         if how == "stop":
             victim.send_signal(signal.SIGCONT)
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.communicate(timeout=30)
-        m.shutdown()
+        reap(m, procs)
 
 
 def test_a_member_killed_mid_shared_memory_all_reduce_fails_the_others_blocking_calls():
@@ -137,11 +143,7 @@ def test_a_member_killed_mid_shared_memory_all_reduce_fails_the_others_blocking_
         print(f"rank 0 failed {failed['at'] - killed:.4f} s, rank 1 {float(line[1]) - killed:.4f} s "
               f"after the kill ({failed['calls']} calls before)")
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-            p.communicate()
-        m.shutdown()
+        reap(m, procs.values())
 
 
 def test_a_receive_blocked_on_a_frozen_world_never_delays_another_world():
@@ -197,11 +199,7 @@ def test_a_receive_blocked_on_a_frozen_world_never_delays_another_world():
         assert procs[1].returncode == 0, errs
     finally:
         procs[0].send_signal(signal.SIGCONT)
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.communicate(timeout=30)
-        m.shutdown()
+        reap(m, procs)
 
 
 def test_a_killed_worker_of_an_idle_world_breaks_it_at_once():
@@ -252,11 +250,7 @@ def test_a_killed_worker_of_an_idle_world_breaks_it_at_once():
         out, errs = procs[1].communicate(timeout=30)
         assert procs[1].returncode == 0, errs
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.communicate(timeout=30)
-        m.shutdown()
+        reap(m, procs)
 
 
 def test_a_thread_holding_the_gil_never_delays_failure_detection():
@@ -289,8 +283,4 @@ def test_a_thread_holding_the_gil_never_delays_failure_detection():
         assert healthy.state == "ready"
         finish_healthy(m, procs[1], healthy)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.communicate(timeout=30)
-        m.shutdown()
+        reap(m, procs)

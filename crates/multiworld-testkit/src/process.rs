@@ -20,6 +20,8 @@
 //!   which no [`Guard`] holds.
 //! - [`Guard::stdout_lines`]: the child's output lines as they come, for a
 //!   test that waits for one.
+//! - [`own_resources`]: this process's descriptors, threads and memory, for
+//!   the leak tests.
 
 use std::io::{BufRead, BufReader, Read};
 use std::os::unix::process::CommandExt;
@@ -317,6 +319,22 @@ pub fn all_gone(pids: &[i32], within: Duration, what: &str) {
         );
         thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// This process's open file descriptors, threads and resident memory (KiB),
+/// from `/proc/self` (zeros where it cannot be read).
+pub fn own_resources() -> (usize, usize, u64) {
+    let fds = std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0);
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let field = |name: &str| -> u64 {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    };
+    (fds, field("Threads:") as usize, field("VmRSS:"))
 }
 
 /// The pids of the live children of `parent` now, with each one's state

@@ -9,22 +9,8 @@
 use std::time::{Duration, Instant};
 
 use multiworld::{DType, Rank, Secret, Tag, Tensor, WatchdogConfig, WorldConfig, WorldManager};
+use multiworld_testkit::process::own_resources as resources;
 use multiworld_testkit::proxy::{Mode, WorldProxy};
-
-/// Open file descriptors, threads and resident memory of this process.
-fn resources() -> (usize, usize, u64) {
-    let fds = std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0);
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    let field = |name: &str| -> u64 {
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix(name))
-            .and_then(|v| v.split_whitespace().next())
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0)
-    };
-    (fds, field("Threads:") as usize, field("VmRSS:"))
-}
 
 fn cfg(rank: u32, store: &str) -> WorldConfig {
     let mut c = WorldConfig::new("stalled", rank, 2, store).unwrap();
