@@ -7,7 +7,7 @@
 use std::time::{Duration, Instant};
 
 use m8d::fleet::{Fleet, FleetConfig};
-use multiworld_testkit::process::own_resources as resources;
+use multiworld_testkit::process::{assert_resources_back, own_resources as resources};
 
 const M8D: &str = env!("CARGO_BIN_EXE_m8d");
 
@@ -47,24 +47,7 @@ async fn a_hundred_join_kill_teardown_cycles_leak_nothing() {
     );
     // Nothing else runs in this test binary, so the process's descriptors are
     // this test's alone. A leak grows them by at least one per cycle.
-    assert!(
-        after.0 <= before.0,
-        "file descriptors leaked: {} -> {}",
-        before.0,
-        after.0
-    );
-    assert!(
-        after.1 <= before.1 + 4,
-        "threads grew from {} to {}",
-        before.1,
-        after.1
-    );
-    assert!(
-        after.2 <= before.2 + 32 * 1024,
-        "RSS grew from {} KiB to {} KiB",
-        before.2,
-        after.2
-    );
+    assert_resources_back(before, after, 0, 32 * 1024);
     let exits = f.shutdown().await;
     assert_eq!(
         exits,

@@ -20,8 +20,8 @@
 //!   which no [`Guard`] holds.
 //! - [`Guard::stdout_lines`]: the child's output lines as they come, for a
 //!   test that waits for one.
-//! - [`own_resources`]: this process's descriptors, threads and memory, for
-//!   the leak tests.
+//! - [`own_resources`] and [`assert_resources_back`]: this process's
+//!   descriptors, threads and memory, for the leak tests.
 
 use std::io::{BufRead, BufReader, Read};
 use std::os::unix::process::CommandExt;
@@ -335,6 +335,36 @@ pub fn own_resources() -> (usize, usize, u64) {
             .unwrap_or(0)
     };
     (fds, field("Threads:") as usize, field("VmRSS:"))
+}
+
+/// Asserts that this process's resources ([`own_resources`]) came back:
+/// no more descriptors than `before` plus `extra_fds` (ones the test itself
+/// keeps), at most 4 more threads (pools that grew), and resident memory
+/// grown by at most `rss_slack_kib`.
+pub fn assert_resources_back(
+    before: (usize, usize, u64),
+    after: (usize, usize, u64),
+    extra_fds: usize,
+    rss_slack_kib: u64,
+) {
+    assert!(
+        after.0 <= before.0 + extra_fds,
+        "file descriptors leaked: {} -> {} ({extra_fds} of them the test's own)",
+        before.0,
+        after.0
+    );
+    assert!(
+        after.1 <= before.1 + 4,
+        "threads grew from {} to {}",
+        before.1,
+        after.1
+    );
+    assert!(
+        after.2 <= before.2 + rss_slack_kib,
+        "RSS grew from {} KiB to {} KiB",
+        before.2,
+        after.2
+    );
 }
 
 /// The pids of the live children of `parent` now, with each one's state

@@ -9,7 +9,7 @@
 use std::time::{Duration, Instant};
 
 use multiworld::{DType, Rank, Secret, Tag, Tensor, WatchdogConfig, WorldConfig, WorldManager};
-use multiworld_testkit::process::own_resources as resources;
+use multiworld_testkit::process::{assert_resources_back, own_resources as resources};
 use multiworld_testkit::proxy::{Mode, WorldProxy};
 
 fn cfg(rank: u32, store: &str) -> WorldConfig {
@@ -94,22 +94,5 @@ async fn ten_breaks_on_a_stalled_link_with_a_blocked_writer_leak_nothing() {
         "10 stalled breaks in {took:?}: fds {} -> {} ({proxy_fds} new proxies), threads {} -> {}, RSS {} KiB -> {} KiB",
         before.0, after.0, before.1, after.1, before.2, after.2
     );
-    assert!(
-        after.0 <= before.0 + proxy_fds,
-        "file descriptors leaked: {} -> {} ({proxy_fds} of them the test's proxies)",
-        before.0,
-        after.0
-    );
-    assert!(
-        after.1 <= before.1 + 4,
-        "threads grew from {} to {}",
-        before.1,
-        after.1
-    );
-    assert!(
-        after.2 <= before.2 + 64 * 1024,
-        "RSS grew from {} KiB to {} KiB",
-        before.2,
-        after.2
-    );
+    assert_resources_back(before, after, proxy_fds, 64 * 1024);
 }
