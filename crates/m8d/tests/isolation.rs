@@ -330,11 +330,9 @@ async fn a_rank_killed_mid_collective_fails_every_survivor_without_partial_resul
         "survivor failed after {took:?} (target 100 ms)"
     );
     assert_eq!(verified, 5);
+    // The group's own error (it names the lost peer, not the world: the
+    // world's state below does).
     assert!(err.is_world_fatal(), "{err:?}");
-    assert!(
-        err.to_string().contains("coll"),
-        "the error does not name its world: {err}"
-    );
     // The world then breaks as for any lost member.
     let start = Instant::now();
     while !matches!(
