@@ -1004,12 +1004,20 @@ impl Work {
     /// runtime has let go of the array (at once when it already has).
     fn cached_once_let_go(&self, py: Python<'_>) -> Option<PyResult<Py<PyAny>>> {
         let r = self.cached(py)?;
-        if let Some(l) = &self.lent
-            && let Err(e) = runtime::wait(py, l.clone().wait())
-        {
+        if let Err(e) = self.wait_let_go(py) {
             return Some(Err(e));
         }
         Some(r)
+    }
+
+    /// Waits (interruptibly, without the GIL) until the runtime has let go
+    /// of the caller's array this handle lent it, if any: at once when it
+    /// already has.
+    fn wait_let_go(&self, py: Python<'_>) -> PyResult<()> {
+        match &self.lent {
+            Some(l) => runtime::wait(py, l.clone().wait()),
+            None => Ok(()),
+        }
     }
 
     fn cached(&self, py: Python<'_>) -> Option<PyResult<Py<PyAny>>> {
@@ -1094,12 +1102,10 @@ impl Work {
         // Not when a waiter holds the handle: the lent array is inside its
         // suspended wait, and this may run in a signal handler on that very
         // thread (waiting here would never end).
-        if let Some(r) = &self.lent
-            && !held_by_a_waiter
-        {
-            runtime::wait(py, r.clone().wait())?;
+        if held_by_a_waiter {
+            return Ok(());
         }
-        Ok(())
+        self.wait_let_go(py)
     }
 
     /// Asks for `token` to reach `notifier` when the operation ends (at once
@@ -1205,11 +1211,8 @@ impl Work {
                 self.apply_cancel()?
             };
             self.hand_back_to_loop();
-            if cancelled_here
-                && applied
-                && let Some(l) = &self.lent
-            {
-                runtime::wait(py, l.clone().wait())?;
+            if cancelled_here && applied {
+                self.wait_let_go(py)?;
             }
         }
         let r = match waited? {
@@ -1247,11 +1250,7 @@ impl Work {
         // array (a message arriving into it when it was cancelled): the
         // runtime lets go of it before this returns, after the outcome is
         // kept (Ctrl-C during that wait must not lose it).
-        let loan = if matches!(r, Ended::Done(Ok(_))) {
-            None
-        } else {
-            self.lent.clone()
-        };
+        let completed = matches!(r, Ended::Done(Ok(_)));
         let out = match r {
             Ended::Done(Ok(done)) => done.into_py(py),
             Ended::Done(Err(e)) => Err(errors::world(py, e, self.generation)),
@@ -1261,10 +1260,7 @@ impl Work {
             ))),
         };
         *lock(&self.outcome) = Some(keep_outcome(py, &out));
-        let released = match loan {
-            Some(l) => runtime::wait(py, l.wait()),
-            None => Ok(()),
-        };
+        let released = if completed { Ok(()) } else { self.wait_let_go(py) };
         // Cached first: a loop woken now takes it from the cache.
         self.hand_back_to_loop();
         released?;

@@ -179,6 +179,35 @@ def run_py(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout)
 
 
+#: Defines ``report_child(pid)`` in a script that forks: prints the child's
+#: exit code as ``CHILD <code>``, or kills a child still running after 15 s
+#: and prints ``CHILD hung`` (a hung child is not left behind).
+_REPORT_CHILD = """
+def report_child(pid, limit=15):
+    import os, time
+    until = time.monotonic() + limit
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            print("CHILD", os.waitstatus_to_exitcode(status))
+            return
+        if time.monotonic() > until:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            print("CHILD hung")
+            return
+        time.sleep(0.01)
+"""
+
+
+def assert_child_ok(code: str) -> None:
+    """Runs a script that forks and calls ``report_child(pid)``; asserts
+    the child exited 0."""
+    r = run_py(_REPORT_CHILD + textwrap.dedent(code))
+    assert r.returncode == 0, r.stderr
+    assert "CHILD 0" in r.stdout, r.stdout + r.stderr
+
+
 def test_ctrl_c_interrupts_a_blocked_receive_quickly():
     # A process started in the background by a non-interactive shell (as CI
     # may run this suite) inherits SIGINT ignored, and Python then installs
@@ -230,7 +259,7 @@ def test_ctrl_c_interrupts_a_blocked_receive_quickly():
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_forked_child_gets_a_clear_error():
-    r = run_py("""
+    assert_child_ok("""
         import os
         import multiworld_rs as mw
         import numpy as np
@@ -259,12 +288,9 @@ def test_forked_child_gets_a_clear_error():
                     os._exit(0 if ok else 3)
                 os._exit(4)
             os._exit(5)
-        _, status = os.waitpid(pid, 0)
-        print("CHILD", os.waitstatus_to_exitcode(status))
+        report_child(pid)
         m.shutdown()
     """)
-    assert r.returncode == 0, r.stderr
-    assert "CHILD 0" in r.stdout, r.stdout + r.stderr
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
@@ -273,7 +299,7 @@ def test_forked_child_gets_a_clear_error_from_an_event_stream_waiting_in_the_par
     # meanwhile): a forked child inherits it without the thread that would
     # end it. The child's next() and anext() must raise ForkedProcessError,
     # not wait for ever (or return None).
-    r = run_py("""
+    assert_child_ok("""
         import asyncio, faulthandler, os
         faulthandler.dump_traceback_later(30, exit=True)
         import multiworld_rs as mw
@@ -302,12 +328,9 @@ def test_forked_child_gets_a_clear_error_from_an_event_stream_waiting_in_the_par
             except asyncio.TimeoutError:
                 codes.append(5)
             os._exit(max(codes))
-        _, status = os.waitpid(pid, 0)
-        print("CHILD", os.waitstatus_to_exitcode(status))
+        report_child(pid)
         m.shutdown()
     """)
-    assert r.returncode == 0, r.stderr
-    assert "CHILD 0" in r.stdout, r.stdout + r.stderr
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
@@ -317,7 +340,7 @@ def test_a_forked_child_is_not_stuck_on_locks_a_parents_thread_held_at_the_fork(
     # moment while it starts a wait or a loop's bridge): the child's calls
     # must not wait for ever on locks nobody in the child will release (the
     # stream raises ForkedProcessError, a new loop gets its bridge).
-    r = run_py("""
+    assert_child_ok("""
         import asyncio, faulthandler, os, threading
         faulthandler.dump_traceback_later(30, exit=True)
         import multiworld_rs as mw
@@ -352,23 +375,9 @@ def test_a_forked_child_is_not_stuck_on_locks_a_parents_thread_held_at_the_fork(
                 os._exit(max(codes))
         release.set()
         t.join()
-        import time
-        until = time.monotonic() + 15
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                print("CHILD", os.waitstatus_to_exitcode(status))
-                break
-            if time.monotonic() > until:
-                os.kill(pid, 9)
-                os.waitpid(pid, 0)
-                print("CHILD hung")
-                break
-            time.sleep(0.01)
+        report_child(pid)
         m.shutdown()
     """)
-    assert r.returncode == 0, r.stderr
-    assert "CHILD 0" in r.stdout, r.stdout + r.stderr
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
@@ -376,7 +385,7 @@ def test_forked_child_gets_a_clear_error_from_asyncio_housekeeping():
     # The parent used the asyncio housekeeping pool; a forked child inherits
     # it without its threads. An awaited housekeeping call of an inherited
     # manager must raise ForkedProcessError, not wait for ever.
-    r = run_py("""
+    assert_child_ok("""
         import asyncio, os
         import multiworld_rs as mw
         from multiworld_rs import aio
@@ -399,12 +408,9 @@ def test_forked_child_gets_a_clear_error_from_asyncio_housekeeping():
             except asyncio.TimeoutError:
                 os._exit(4)
             os._exit(5)
-        _, status = os.waitpid(pid, 0)
-        print("CHILD", os.waitstatus_to_exitcode(status))
+        report_child(pid)
         asyncio.run(m.shutdown())
     """)
-    assert r.returncode == 0, r.stderr
-    assert "CHILD 0" in r.stdout, r.stdout + r.stderr
 
 
 def test_a_cancel_from_a_signal_handler_on_the_waiting_thread_ends_the_wait():

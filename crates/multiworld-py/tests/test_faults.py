@@ -41,14 +41,32 @@ def drain_until_broken(w: mw.World, first: int) -> mw.BrokenWorldError:
     raise AssertionError("the world never broke")
 
 
-def finish_healthy(m, proc, w):
-    for i in range(5, COUNT):
+def finish_healthy(m, proc, w, first=5, count=COUNT):
+    """Receives the rest of the worker's stream (messages `first` to
+    `count` - 1, in order), acknowledges it, finishes the world and checks
+    the worker ended well."""
+    for i in range(first, count):
         assert w.recv(1, dtype=np.int64, shape=1)[0] == i
     w.send(np.zeros(1, dtype=np.int64), 1, tag=1)
     w.finish(10)
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
     assert "done" in out
+
+
+def stream_while(w, first, count, other, ended_at, since):
+    """Receives `w`'s stream in order, from message `first`, while the
+    thread `other` runs and for 0.3 s after `ended_at()` (when the other
+    world broke); returns the next message's number and the longest gap
+    between two messages (the first counted from `since`)."""
+    last, gap, i = since, 0.0, first
+    while other.is_alive() or time.monotonic() < ended_at() + 0.3:
+        assert i < count, "the healthy stream ended before the other world broke"
+        assert w.recv(1, dtype=np.int64, shape=1)[0] == i
+        now = time.monotonic()
+        gap, last, i = max(gap, now - last), now, i + 1
+        assert now - since < 20, "the other world never broke"
+    return i, gap
 
 
 def reap(m, procs):
@@ -177,13 +195,7 @@ def test_a_receive_blocked_on_a_frozen_world_never_delays_another_world():
         waiter.start()
         procs[0].send_signal(signal.SIGSTOP)
         stopped = time.monotonic()
-        last, gap, i = stopped, 0.0, 5
-        while waiter.is_alive() or time.monotonic() < outcome.get("at", 0) + 0.3:
-            assert i < count, "the healthy stream ended before the frozen world broke"
-            assert flowing.recv(1, dtype=np.int64, shape=1)[0] == i
-            now = time.monotonic()
-            gap, last, i = max(gap, now - last), now, i + 1
-            assert now - stopped < 20, "the frozen world never broke"
+        i, gap = stream_while(flowing, 5, count, waiter, lambda: outcome.get("at", 0), stopped)
         waiter.join(5)
         err = outcome["error"]
         assert err.cause == "heartbeat_timeout" and err.world == frozen.name and err.rank == 1, err
@@ -191,12 +203,7 @@ def test_a_receive_blocked_on_a_frozen_world_never_delays_another_world():
         assert 0.9 <= took < 4.0, f"the frozen world broke after {took:.2f} s (heartbeat timeout 1 s)"
         assert gap < 0.5, f"the healthy world paused for {gap:.3f} s while a receive waited on the frozen one"
         # The healthy world delivers the rest, in order.
-        for j in range(i, count):
-            assert flowing.recv(1, dtype=np.int64, shape=1)[0] == j
-        flowing.send(np.zeros(1, dtype=np.int64), 1, tag=1)
-        flowing.finish(10)
-        out, errs = procs[1].communicate(timeout=30)
-        assert procs[1].returncode == 0, errs
+        finish_healthy(m, procs[1], flowing, i, count)
     finally:
         procs[0].send_signal(signal.SIGCONT)
         reap(m, procs)
@@ -231,24 +238,14 @@ def test_a_killed_worker_of_an_idle_world_breaks_it_at_once():
         watcher.start()
         procs[0].kill()
         killed = time.monotonic()
-        last, gap, i = killed, 0.0, 5
-        while watcher.is_alive() or time.monotonic() < broke.get("at", 0) + 0.3:
-            assert i < 1000, "the busy stream ended before the idle world broke"
-            assert busy.recv(1, dtype=np.int64, shape=1)[0] == i
-            now = time.monotonic()
-            gap, last, i = max(gap, now - last), now, i + 1
+        i, gap = stream_while(busy, 5, 1000, watcher, lambda: broke.get("at", 0), killed)
         watcher.join(5)
         assert broke.get("cause") == "peer_lost", broke
         took = broke["at"] - killed
         assert took < 0.5, f"the idle world broke {took:.3f} s after its worker was killed (heartbeat timeout 1 s)"
         assert gap < 0.5, f"the busy world paused for {gap:.3f} s"
         assert busy.state == "ready"
-        for j in range(i, 1000):
-            assert busy.recv(1, dtype=np.int64, shape=1)[0] == j
-        busy.send(np.zeros(1, dtype=np.int64), 1, tag=1)
-        busy.finish(10)
-        out, errs = procs[1].communicate(timeout=30)
-        assert procs[1].returncode == 0, errs
+        finish_healthy(m, procs[1], busy, i, 1000)
     finally:
         reap(m, procs)
 

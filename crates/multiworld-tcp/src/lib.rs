@@ -80,7 +80,7 @@ pub use memory::{DEFAULT_PIPE_CAPACITY, MemoryWorld};
 /// The rendezvous key under which a rank publishes its address (what a
 /// store-backed rendezvous holds: an owner may look for it, e.g. to tell a
 /// generation some member already joined).
-pub use mesh::addr_key;
+pub use mesh::{addr_key, published_addr};
 pub use multiworld_types::{
     DType, Element, Generation, Identity, Rank, Secret, Source, Tag, Tensor, TensorView, WorldName, bf16, f16,
 };

@@ -56,6 +56,12 @@ pub fn addr_key(world: &WorldName, generation: Generation, rank: Rank) -> String
     format!("multiworld/tcp/{world}/{generation}/addr/{rank}")
 }
 
+/// The listener address a member published under its [`addr_key`], if the
+/// value is one (UTF-8 `ip:port`).
+pub fn published_addr(raw: &[u8]) -> Option<SocketAddr> {
+    std::str::from_utf8(raw).ok()?.parse().ok()
+}
+
 /// Performs the connecting side of the handshake on an open stream: sends Hello to
 /// rank `to`, verifies the accepting side's proof, proves knowledge of `secret`,
 /// and waits for Accept. Used by the mesh; public so tools and tests can speak the
@@ -876,7 +882,7 @@ async fn connect_peer(
         if matches!(&err, Error::Io { source, .. } if source.kind() == io::ErrorKind::ConnectionRefused) {
             let bound = REREAD_TIMEOUT.min(left);
             if let Ok(Ok(raw)) = tokio::time::timeout(bound, rdv.get(&key, bound)).await
-                && let Some(now) = std::str::from_utf8(&raw).ok().and_then(|s| s.parse().ok())
+                && let Some(now) = published_addr(&raw)
                 && now != addr
             {
                 debug!(old = %addr, new = %now, to = %to, "the peer published a new address");
@@ -1019,15 +1025,12 @@ pub(crate) async fn build(
         let key = addr_key(&cfg.world, cfg.generation, p);
         let what = format!("rank {p}'s address ({key})");
         let raw = bounded_rdv(what, rdv.get(&key, left), left, token, cfg.join_timeout).await?;
-        let addr: SocketAddr = std::str::from_utf8(&raw)
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .ok_or_else(|| {
-                Error::invalid(format!(
-                    "rank {p} published an address that is not ip:port ({} bytes)",
-                    raw.len()
-                ))
-            })?;
+        let addr = published_addr(&raw).ok_or_else(|| {
+            Error::invalid(format!(
+                "rank {p} published an address that is not ip:port ({} bytes)",
+                raw.len()
+            ))
+        })?;
         connects.push(connect_peer(&dialer, p, addr, key));
     }
 

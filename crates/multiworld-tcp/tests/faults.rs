@@ -602,22 +602,35 @@ async fn joins_that_must_fail() {
     assert_eq!(solo.size(), 1);
 }
 
+/// Rank 0 of a world `name` of `size` (generation 1) joining alone within
+/// `join_timeout`, and the listener address it published.
+async fn rank0_waiting(
+    name: &str,
+    size: u32,
+    join_timeout: Duration,
+) -> (
+    tokio::task::JoinHandle<multiworld_tcp::Result<Communicator>>,
+    SocketAddr,
+) {
+    let rdv = MemoryRendezvous::new();
+    let mut c0 = config(name, 0, size);
+    c0.join_timeout = join_timeout;
+    let joining = tokio::spawn({
+        let rdv = rdv.clone();
+        async move { Communicator::join(c0, &rdv).await }
+    });
+    let key = addr_key(&world(name), Generation(1), Rank(0));
+    let raw = rdv.get(&key, Duration::from_secs(10)).await.unwrap();
+    (joining, multiworld_tcp::published_addr(&raw).unwrap())
+}
+
 /// A connection that closes before its first byte (another member's check
 /// that this one is alive, a port scan) is counted, but a join that then
 /// times out reports the timeout, not that connection as the reason.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_join_that_times_out_does_not_blame_a_connection_that_said_nothing() {
     init_tracing();
-    let rdv = MemoryRendezvous::new();
-    let mut c0 = config("probed", 0, 2);
-    c0.join_timeout = Duration::from_millis(800);
-    let joining = tokio::spawn({
-        let rdv = rdv.clone();
-        async move { Communicator::join(c0, &rdv).await }
-    });
-    let key = addr_key(&world("probed"), Generation(1), Rank(0));
-    let raw = rdv.get(&key, Duration::from_secs(10)).await.unwrap();
-    let addr: SocketAddr = std::str::from_utf8(&raw).unwrap().parse().unwrap();
+    let (joining, addr) = rank0_waiting("probed", 2, Duration::from_millis(800)).await;
     drop(TcpStream::connect(addr).await.unwrap());
     match joining.await.unwrap() {
         Err(Error::Timeout { op: "join", .. }) => {}
@@ -633,16 +646,7 @@ async fn a_join_that_times_out_does_not_blame_a_connection_that_said_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claimed_rank_is_refused_while_its_connection_lives_and_replaced_once_it_closed() {
     init_tracing();
-    let rdv = MemoryRendezvous::new();
-    let mut c0 = config("rebuilt", 0, 3);
-    c0.join_timeout = Duration::from_secs(10);
-    let joining = tokio::spawn({
-        let rdv = rdv.clone();
-        async move { Communicator::join(c0, &rdv).await }
-    });
-    let key = addr_key(&world("rebuilt"), Generation(1), Rank(0));
-    let raw = rdv.get(&key, Duration::from_secs(10)).await.unwrap();
-    let addr: SocketAddr = std::str::from_utf8(&raw).unwrap().parse().unwrap();
+    let (joining, addr) = rank0_waiting("rebuilt", 3, Duration::from_secs(10)).await;
     let me = Identity {
         size: 3,
         ..ident("rebuilt", 1, 1)

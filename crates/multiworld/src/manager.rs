@@ -191,19 +191,15 @@ async fn stale_generation(
     }
     // One bound for both steps below, within what is left of the join.
     let until = tokio::time::Instant::now() + STALE_PROBE.min(left);
-    // The addresses first, under a bound of their own: a store too slow to
-    // give them cannot tell, and the generation counts as fresh.
+    // The addresses first: a store too slow to give them within the bound
+    // cannot tell, and the generation counts as fresh.
     let lookups = (0..size)
         .filter(|&r| r != rank.0)
         .take(STALE_PROBES)
         .map(|r| async move {
             let key = multiworld_tcp::addr_key(world, generation, Rank(r));
             match store.try_get(key).await {
-                Ok(Some(raw)) => Some(
-                    std::str::from_utf8(&raw)
-                        .ok()
-                        .and_then(|s| s.parse::<SocketAddr>().ok()),
-                ),
+                Ok(Some(raw)) => Some(multiworld_tcp::published_addr(&raw)),
                 // Not published (that member never came), or unreadable.
                 Ok(None) => Some(None),
                 Err(_) => None,
@@ -215,8 +211,8 @@ async fn stale_generation(
     let Some(addrs) = looked_up.into_iter().collect::<Option<Vec<Option<SocketAddr>>>>() else {
         return false;
     };
-    // Then the connections, all at once within one bound; the first member
-    // that answers settles it. Closed without a byte: the listener takes
+    // Then the connections, all at once within what is left of the bound;
+    // the first member that answers settles it. Closed without a byte: the listener takes
     // that for a probe, not a refused member.
     use futures::StreamExt as _;
     let mut probes: futures::stream::FuturesUnordered<_> = addrs

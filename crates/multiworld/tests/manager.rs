@@ -14,10 +14,22 @@ use multiworld_store::{ServerConfig, StoreServer};
 use multiworld_testkit::facade::next_event_for;
 use tokio::sync::broadcast;
 
+/// The join timeout of the tests' members, unless one says otherwise.
+const JOIN: Duration = Duration::from_secs(20);
+
 fn cfg(name: &str, rank: u32, size: u32, store: &str) -> WorldConfig {
     let mut c = WorldConfig::new(name, rank, size, store).unwrap();
-    c.join_timeout = Duration::from_secs(20);
+    c.join_timeout = JOIN;
     c.secret = Some(Secret::new("test secret"));
+    c
+}
+
+/// [`cfg`] for a member of a world whose store is a standalone one (no
+/// member hosts it), joining within `join_timeout`.
+fn standalone_cfg(name: &str, rank: u32, size: u32, store: &str, join_timeout: Duration) -> WorldConfig {
+    let mut c = cfg(name, rank, size, store);
+    c.host_store = false;
+    c.join_timeout = join_timeout;
     c
 }
 
@@ -892,11 +904,7 @@ async fn a_join_in_progress_at_shutdown_ends_with_shutdown() {
         .await
         .unwrap();
     let store = server.local_addr().to_string();
-    let standalone = |rank| {
-        let mut c = cfg("c", rank, 2, &store);
-        c.host_store = false;
-        c
-    };
+    let standalone = |rank| standalone_cfg("c", rank, 2, &store, JOIN);
     let leader = WorldManager::default();
     let worker = WorldManager::default();
     let joining = tokio::spawn({
@@ -1051,12 +1059,7 @@ async fn a_generation_left_open_by_members_that_all_died_is_replaced() {
             .await
             .unwrap();
     }
-    let standalone = |rank| {
-        let mut c = cfg("w", rank, 2, &store);
-        c.host_store = false;
-        c.join_timeout = Duration::from_secs(8);
-        c
-    };
+    let standalone = |rank| standalone_cfg("w", rank, 2, &store, Duration::from_secs(8));
     let (m0, m1) = (WorldManager::default(), WorldManager::default());
     // Rank 1 first: it would read rank 0's dead address.
     let (b, a) = tokio::join!(m1.join(standalone(1)), async {
@@ -1108,9 +1111,7 @@ async fn a_stale_generation_of_unanswering_members_is_found_within_one_probe_bou
         .await
         .unwrap();
     }
-    let mut c = cfg("wide", 0, 40, &store);
-    c.host_store = false;
-    c.join_timeout = Duration::from_secs(8);
+    let c = standalone_cfg("wide", 0, 40, &store, Duration::from_secs(8));
     let m = WorldManager::default();
     let t0 = Instant::now();
     let joining = tokio::spawn({
@@ -1148,12 +1149,7 @@ async fn a_retried_join_meets_a_member_already_waiting_in_its_generation() {
     multiworld_testkit::init_tracing();
     let server = standalone_store().await;
     let store = server.local_addr().to_string();
-    let standalone = |rank, timeout| {
-        let mut c = cfg("retried", rank, 2, &store);
-        c.host_store = false;
-        c.join_timeout = timeout;
-        c
-    };
+    let standalone = |rank, timeout| standalone_cfg("retried", rank, 2, &store, timeout);
     let (m0, m1) = (WorldManager::default(), WorldManager::default());
     // The worker starts first and gives up before the leader comes.
     let early = m1.join(standalone(1, Duration::from_millis(300))).await;
@@ -1194,12 +1190,7 @@ async fn a_retry_through_a_slow_store_keeps_the_generation_its_peer_waits_in() {
         ..Link::default()
     });
     let slow_store = slow.addr().to_string();
-    let standalone = |rank, timeout, store: &str| {
-        let mut c = cfg("slow-retry", rank, 2, store);
-        c.host_store = false;
-        c.join_timeout = timeout;
-        c
-    };
+    let standalone = |rank, timeout, store: &str| standalone_cfg("slow-retry", rank, 2, store, timeout);
     let (m0, m1) = (WorldManager::default(), WorldManager::default());
     let early = m1.join(standalone(1, Duration::from_millis(300), &store)).await;
     assert!(early.is_err(), "joined without a leader");
@@ -1227,12 +1218,7 @@ async fn a_retried_join_of_a_lower_rank_meets_the_member_waiting_for_it() {
     multiworld_testkit::init_tracing();
     let server = standalone_store().await;
     let store = server.local_addr().to_string();
-    let standalone = |rank, timeout| {
-        let mut c = cfg("retried-low", rank, 2, &store);
-        c.host_store = false;
-        c.join_timeout = timeout;
-        c
-    };
+    let standalone = |rank, timeout| standalone_cfg("retried-low", rank, 2, &store, timeout);
     let (m0, m1) = (WorldManager::default(), WorldManager::default());
     let early = m0.join(standalone(0, Duration::from_millis(300))).await;
     assert!(early.is_err(), "joined without a worker");
@@ -1265,12 +1251,7 @@ async fn a_retried_join_replaces_its_failed_attempts_connection_to_a_lower_rank(
     multiworld_testkit::init_tracing();
     let server = standalone_store().await;
     let store = server.local_addr().to_string();
-    let standalone = |rank, timeout| {
-        let mut c = cfg("retried-three", rank, 3, &store);
-        c.host_store = false;
-        c.join_timeout = timeout;
-        c
-    };
+    let standalone = |rank, timeout| standalone_cfg("retried-three", rank, 3, &store, timeout);
     let (m0, m1, m2) = (
         WorldManager::default(),
         WorldManager::default(),
@@ -1316,9 +1297,13 @@ async fn a_retried_join_replaces_its_failed_attempts_connection_to_a_lower_rank(
 async fn a_missing_lower_rank_is_named_by_the_join_error() {
     multiworld_testkit::init_tracing();
     let server = standalone_store().await;
-    let mut c = cfg("lonely", 1, 2, &server.local_addr().to_string());
-    c.host_store = false;
-    c.join_timeout = Duration::from_millis(300);
+    let c = standalone_cfg(
+        "lonely",
+        1,
+        2,
+        &server.local_addr().to_string(),
+        Duration::from_millis(300),
+    );
     for _ in 0..5 {
         let e = WorldManager::default().join(c.clone()).await.unwrap_err();
         match &e {
@@ -1384,8 +1369,7 @@ async fn shutdowns_racing_joins(step: Duration) {
     for i in 0..60u64 {
         let m = WorldManager::default();
         let mut events = m.events();
-        let mut c = cfg(&format!("race-{i}"), 0, 1, &store);
-        c.host_store = false;
+        let c = standalone_cfg(&format!("race-{i}"), 0, 1, &store, JOIN);
         let t0 = Instant::now();
         let joining = tokio::spawn({
             let m = m.clone();
@@ -1424,12 +1408,7 @@ async fn a_rank_restarted_into_a_formed_world_replaces_its_generation() {
     multiworld_testkit::init_tracing();
     let server = standalone_store().await;
     let store = server.local_addr().to_string();
-    let standalone = |rank| {
-        let mut c = cfg("restarted", rank, 2, &store);
-        c.host_store = false;
-        c.join_timeout = Duration::from_secs(10);
-        c
-    };
+    let standalone = |rank| standalone_cfg("restarted", rank, 2, &store, Duration::from_secs(10));
     let (m0, m1) = (WorldManager::default(), WorldManager::default());
     let (a, b) = tokio::join!(m0.join(standalone(0)), m1.join(standalone(1)));
     let (a, _b) = (a.unwrap(), b.unwrap());
@@ -1538,11 +1517,7 @@ async fn a_barrier_outlasts_the_stores_bound_on_one_wait() {
         .await
         .unwrap();
     let store = server.local_addr().to_string();
-    let standalone = |rank| {
-        let mut c = cfg("long-barrier", rank, 2, &store);
-        c.host_store = false;
-        c
-    };
+    let standalone = |rank| standalone_cfg("long-barrier", rank, 2, &store, JOIN);
     let (m0, m1) = (WorldManager::default(), WorldManager::default());
     let (a, b) = tokio::join!(m0.join(standalone(0)), m1.join(standalone(1)));
     let (a, b) = (a.unwrap(), b.unwrap());
@@ -1579,11 +1554,7 @@ async fn a_barrier_over_a_store_bound_fails_at_once_and_the_world_goes_on() {
         .await
         .unwrap();
     let store = server.local_addr().to_string();
-    let standalone = |rank| {
-        let mut c = cfg("bounded", rank, 2, &store);
-        c.host_store = false;
-        c
-    };
+    let standalone = |rank| standalone_cfg("bounded", rank, 2, &store, JOIN);
     let (m0, m1) = (WorldManager::default(), WorldManager::default());
     let (a, b) = tokio::join!(m0.join(standalone(0)), m1.join(standalone(1)));
     let (a, b) = (a.unwrap(), b.unwrap());
@@ -1645,11 +1616,7 @@ async fn a_world_closed_by_its_store_breaks_at_once_and_only_it() {
     multiworld_testkit::init_tracing();
     let server = standalone_store().await;
     let store = server.local_addr().to_string();
-    let standalone = |name: &str, rank| {
-        let mut c = cfg(name, rank, 2, &store);
-        c.host_store = false;
-        c
-    };
+    let standalone = |name: &str, rank| standalone_cfg(name, rank, 2, &store, JOIN);
     let (m0, m1) = (WorldManager::default(), WorldManager::default());
     let (a, b) = tokio::join!(m0.join(standalone("closed", 0)), m1.join(standalone("closed", 1)));
     let (a, b) = (a.unwrap(), b.unwrap());

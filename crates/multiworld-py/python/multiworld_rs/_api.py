@@ -146,26 +146,24 @@ class EventStream:
         # tasks, a thread and a task) may wait on it; the one that settles
         # it takes its event, the others wait again.
         self._inflight: "Optional[concurrent.futures.Future[Optional[Event]]]" = None
-        self._inflight_pid = 0
         self._lock_ = threading.Lock()
-        self._lock_pid = os.getpid()
+        self._pid = os.getpid()
 
     @property
     def _lock(self) -> threading.Lock:
-        """The stream's lock, this process's own: a forked child may have
-        inherited it held by a parent's thread that is not in the child."""
+        """The stream's lock, this process's own. A forked child starts
+        afresh: it may have inherited the lock held by a parent's thread
+        that is not in the child, and the slice in flight has no thread left
+        to end it (the child's own calls then raise ``ForkedProcessError``,
+        as every inherited handle does)."""
         pid = os.getpid()
-        if self._lock_pid != pid:
-            self._lock_, self._lock_pid = threading.Lock(), pid
+        if self._pid != pid:
+            self._lock_, self._inflight, self._pid = threading.Lock(), None, pid
         return self._lock_
 
     def _pending(self) -> "Optional[concurrent.futures.Future[Optional[Event]]]":
-        """The slice in flight, if it is this process's: a forked child's
-        inherited one has no thread left to end it (the child's own calls
-        then raise ``ForkedProcessError``, as every inherited handle does)."""
+        """The slice in flight (this process's)."""
         with self._lock:
-            if self._inflight is not None and self._inflight_pid != os.getpid():
-                self._inflight = None
             return self._inflight
 
     def _settle(self, fut: "concurrent.futures.Future[Optional[Event]]") -> bool:
@@ -205,7 +203,6 @@ class EventStream:
                 with self._lock:
                     if self._inflight is None:
                         self._inflight = _EVENTS_POOL.get().submit(self._s.next, left)
-                        self._inflight_pid = os.getpid()
                     fut = self._inflight
             # A cancellation leaves `fut` in flight for the next call.
             ev = await asyncio.shield(asyncio.wrap_future(fut))
