@@ -14,6 +14,7 @@
 //! | `WorldError::Config` | `ConfigError` (a `ValueError`) |
 //! | `WorldError::NotJoined` | `NotJoinedError` (a `LookupError`) |
 //! | `WorldError::AlreadyJoined` | `AlreadyJoinedError` |
+//! | `WorldError::JoinFailed` that ran out of time | `JoinTimeoutError` (a `JoinError` and a `TimeoutError`) |
 //! | `WorldError::JoinFailed`, `HostStore` | `JoinError` |
 //! | `WorldError::Transport` | `TransportError` |
 //! | `WorldError::Device` | `DeviceError` |
@@ -120,6 +121,26 @@ pub fn world(py: Python<'_>, err: WorldError, generation: Option<u64>) -> PyErr 
         WorldError::ShutDown => new(py, "ShutDownError", message, &[]),
         _ => new(py, "MultiworldError", message, &[]),
     }
+}
+
+/// Maps a join's error: one that ran out of time (`timeout`, the join's) is
+/// a `JoinTimeoutError`, both a `JoinError` and a `TimeoutError`.
+pub fn join(py: Python<'_>, err: WorldError, timeout: std::time::Duration) -> PyErr {
+    if let WorldError::JoinFailed { world, reason } = &err
+        && reason.is_timeout()
+    {
+        return new(
+            py,
+            "JoinTimeoutError",
+            err.to_string(),
+            &[
+                ("world", obj(py, world.as_str())),
+                ("detail", obj(py, reason.to_string())),
+                ("after", obj(py, timeout.as_secs_f64())),
+            ],
+        );
+    }
+    self::world(py, err, None)
 }
 
 fn fields(py: Python<'_>, world: &WorldName, detail: String) -> [(&'static str, Py<PyAny>); 2] {

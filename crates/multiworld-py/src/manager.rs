@@ -92,9 +92,10 @@ impl Manager {
 
     fn join_config(&self, py: Python<'_>, config: WorldConfig) -> PyResult<World> {
         let m = self.m()?;
+        let timeout = config.join_timeout;
         runtime::wait(py, m.join(config))?
             .map(World::new)
-            .map_err(|e| errors::world(py, e, None))
+            .map_err(|e| errors::join(py, e, timeout))
     }
 }
 

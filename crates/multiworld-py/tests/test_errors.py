@@ -25,6 +25,8 @@ def test_hierarchy():
     assert issubclass(E.ConfigError, ValueError)
     assert issubclass(E.NotJoinedError, LookupError)
     assert issubclass(E.ForkedProcessError, RuntimeError)
+    assert issubclass(E.JoinTimeoutError, E.JoinError)
+    assert issubclass(E.JoinTimeoutError, E.WorldTimeoutError)
     e = E.WorldTimeoutError("x", world="w", op="recv", after=1.5)
     assert (e.world, e.op, e.after, str(e)) == ("w", "recv", 1.5, "x")
 
@@ -80,10 +82,31 @@ def test_bad_arguments(pair):
 def test_join_times_out_when_a_member_is_missing():
     m = mw.WorldManager()
     store = m.serve_store("127.0.0.1:0")
+    name = unique("lonely")
     t0 = time.monotonic()
-    with pytest.raises(mw.JoinError):
-        m.join(unique("lonely"), 0, 2, store, timeout=0.5)
+    with pytest.raises(mw.JoinError) as info:
+        m.join(name, 0, 2, store, timeout=0.5)
     assert time.monotonic() - t0 < 5
+    # A timeout, and said so: code catching the builtin catches it too.
+    e = info.value
+    assert isinstance(e, mw.JoinTimeoutError) and isinstance(e, TimeoutError), repr(e)
+    assert (e.world, e.op, e.after) == (name, "join", 0.5), (e.world, e.op, e.after)
+    assert e.detail and e.detail in str(e), (e.detail, str(e))
+    m.shutdown()
+
+
+def test_a_join_that_fails_for_another_reason_is_no_timeout():
+    m = mw.WorldManager()
+    store = m.serve_store("127.0.0.1:0")
+    name = unique("secret")
+    first = m.join(name, 0, 1, store, secret="one", timeout=5)
+    other = mw.WorldManager()
+    # A wrong secret is refused at once: a JoinError, not a timeout.
+    with pytest.raises(mw.JoinError) as info:
+        other.join(name, 0, 1, store, secret="two", timeout=5)
+    assert not isinstance(info.value, TimeoutError), repr(info.value)
+    first.finish(5)
+    other.shutdown()
     m.shutdown()
 
 

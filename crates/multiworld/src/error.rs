@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use multiworld_store::StoreError;
 use multiworld_tcp::Error as TcpError;
+use multiworld_tcp::RendezvousError;
 use multiworld_types::WorldName;
 
 use crate::{config::ConfigError, lifecycle::BreakCause};
@@ -124,6 +125,12 @@ impl WorldError {
         matches!(self, WorldError::Broken { .. })
     }
 
+    /// True when a join failed because it ran out of time (see
+    /// [`JoinFailure::is_timeout`]).
+    pub fn is_join_timeout(&self) -> bool {
+        matches!(self, WorldError::JoinFailed { reason, .. } if reason.is_timeout())
+    }
+
     /// Maps a communicator error of an operation that is not world-fatal.
     /// (World-fatal ones are turned into `Broken` by the world, which knows
     /// the recorded cause.)
@@ -172,10 +179,31 @@ pub enum JoinFailure {
     /// The transport could not rendezvous, connect or authenticate.
     #[error(transparent)]
     Transport(#[from] TcpError),
+    /// The join's own deadline passed at a step of the manager's (the
+    /// previous generation still being torn down, not every member arriving,
+    /// a stale generation kept by the store), as text.
+    #[error("{0}")]
+    TimedOut(String),
     /// Anything else (a name the transport refuses, no NCCL in this build,
     /// the NCCL communicator could not be set up), as text.
     #[error("{0}")]
     Other(String),
+}
+
+impl JoinFailure {
+    /// True when the join ran out of time: its own deadline, or a store or
+    /// rendezvous wait bounded by it. Joining again (with a longer timeout,
+    /// or once the missing members are up) may succeed.
+    pub fn is_timeout(&self) -> bool {
+        matches!(
+            self,
+            JoinFailure::TimedOut(_)
+                | JoinFailure::Store(StoreError::Timeout { .. })
+                | JoinFailure::Transport(
+                    TcpError::Timeout { .. } | TcpError::Rendezvous(RendezvousError::Timeout { .. })
+                )
+        )
+    }
 }
 
 impl From<String> for JoinFailure {
@@ -258,6 +286,7 @@ mod tests {
             ),
             "{source:?}"
         );
+        assert!(!err.is_join_timeout(), "{err}");
         let err = WorldError::from_store(&name("w"), StoreError::InvalidArgument("no".into()));
         assert!(matches!(
             err,
@@ -266,5 +295,47 @@ mod tests {
                 ..
             }
         ));
+        assert!(!err.is_join_timeout());
+    }
+
+    /// Every way a join runs out of time is told apart from its other
+    /// failures, whichever layer's deadline passed.
+    #[test]
+    fn join_timeouts_are_told_apart() {
+        let after = Duration::from_secs(2);
+        let timeouts: [JoinFailure; 4] = [
+            JoinFailure::TimedOut("not every member arrived".into()),
+            StoreError::Timeout {
+                what: "world w".into(),
+                after,
+            }
+            .into(),
+            TcpError::Timeout { op: "join", after }.into(),
+            TcpError::Rendezvous(RendezvousError::Timeout {
+                key: "addr/0".into(),
+                after,
+            })
+            .into(),
+        ];
+        for reason in timeouts {
+            let err = WorldError::join_failed(&name("w"), reason);
+            assert!(err.is_join_timeout(), "{err}");
+        }
+        let others: [JoinFailure; 4] = [
+            JoinFailure::Other("no NCCL".into()),
+            StoreError::InvalidArgument("no".into()).into(),
+            TcpError::Rendezvous(RendezvousError::Unavailable(Arc::from("gone"))).into(),
+            TcpError::InvalidArgument(Arc::from("bad name")).into(),
+        ];
+        for reason in others {
+            let err = WorldError::join_failed(&name("w"), reason);
+            assert!(!err.is_join_timeout(), "{err}");
+        }
+        let call = WorldError::Timeout {
+            world: name("w"),
+            op: "recv".into(),
+            after,
+        };
+        assert!(!call.is_join_timeout(), "a call's timeout is not a join's");
     }
 }

@@ -471,7 +471,9 @@ impl WorldManager {
             {
                 return Err(WorldError::join_failed(
                     &name,
-                    "the previous generation was still being torn down at the join timeout",
+                    JoinFailure::TimedOut(
+                        "the previous generation was still being torn down at the join timeout".into(),
+                    ),
                 ));
             }
         }
@@ -494,7 +496,10 @@ impl WorldManager {
             Err(_) => {
                 return Err(WorldError::join_failed(
                     &name,
-                    format!("not every member arrived within {:?}", config.join_timeout),
+                    JoinFailure::TimedOut(format!(
+                        "not every member arrived within {:?}",
+                        config.join_timeout
+                    )),
                 ));
             }
         };
@@ -610,7 +615,9 @@ impl WorldManager {
                 if remaining().is_zero() {
                     return Err(WorldError::join_failed(
                         name,
-                        "the store kept a stale generation of this world until the join timeout",
+                        JoinFailure::TimedOut(
+                            "the store kept a stale generation of this world until the join timeout".into(),
+                        ),
                     ));
                 }
                 continue;

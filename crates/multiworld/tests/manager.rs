@@ -1313,6 +1313,7 @@ async fn a_missing_lower_rank_is_named_by_the_join_error() {
             } => assert!(r.to_string().contains("addr/0"), "{e}"),
             other => panic!("expected the rendezvous timeout naming rank 0's key: {other}"),
         }
+        assert!(e.is_join_timeout(), "{e:?}");
     }
 }
 

@@ -36,6 +36,7 @@ from .errors import (
     ForkedProcessError,
     InvalidArgumentError,
     JoinError,
+    JoinTimeoutError,
     MismatchError,
     MultiworldError,
     NotJoinedError,
@@ -86,5 +87,5 @@ __all__ = [
     "wait_spin", "loop_copy_max", "zeros", "empty", "ALIGNMENT", "DEFAULT_READ_AHEAD", "WorldManager", "World", "Group", "Work", "Event", "EventStream", "WorldInfo", "ReduceOp", "DTYPES", "NCCL_BUILT",
     "errors", "MultiworldError", "BrokenWorldError", "WorldTimeoutError", "MismatchError",
     "InvalidArgumentError", "ConfigError", "NotJoinedError", "AlreadyJoinedError", "JoinError",
-    "TransportError", "DeviceError", "ShutDownError", "ForkedProcessError",
+    "JoinTimeoutError", "TransportError", "DeviceError", "ShutDownError", "ForkedProcessError",
 ]

@@ -1075,7 +1075,8 @@ class WorldManager:
         """Joins world ``name`` as ``rank`` of ``size`` through the store at
         ``store`` (``host:port``; rank 0 hosts it unless ``host_store`` says
         otherwise). Blocks until every member has joined (at most ``timeout``
-        seconds, then :class:`~multiworld_rs.errors.JoinError`).
+        seconds, then :class:`~multiworld_rs.errors.JoinTimeoutError`, a
+        :class:`~multiworld_rs.errors.JoinError` and a ``TimeoutError``).
 
         ``secret``: the world's shared secret (every member must give the
         same). ``op_timeout``: deadline of every operation; one still pending

@@ -20,6 +20,7 @@ __all__ = [
     "NotJoinedError",
     "AlreadyJoinedError",
     "JoinError",
+    "JoinTimeoutError",
     "TransportError",
     "DeviceError",
     "ShutDownError",
@@ -127,6 +128,23 @@ class AlreadyJoinedError(MultiworldError):
 class JoinError(MultiworldError):
     """Joining failed (the store could not be reached or hosted, not every
     member arrived in time, the secret did not match...)."""
+
+
+class JoinTimeoutError(JoinError, WorldTimeoutError):
+    """A join that ran out of time: not every member arrived (the message
+    names what was waited for), the store did not answer, or the previous
+    generation of the name was still being torn down. Both a
+    :class:`JoinError` and a ``TimeoutError``; joining again may succeed.
+
+    Attributes:
+        op: ``"join"``.
+        after: the join's timeout, in seconds.
+    """
+
+    def __init__(self, message: str = "", *, world: Optional[str] = None,
+                 detail: Optional[str] = None, after: Optional[float] = None) -> None:
+        WorldTimeoutError.__init__(self, message, world=world, op="join", after=after)
+        self.detail = detail
 
 
 class TransportError(MultiworldError):
