@@ -352,6 +352,14 @@ async fn a_rank_killed_mid_collective_fails_every_survivor_without_partial_resul
         | multiworld::WorldState::Removed => {}
         other => panic!("broke for another reason: {other:?}"),
     }
+    // As the world's error, the group's names the world and its cause.
+    match world.collective_error(err.clone()) {
+        e @ multiworld::WorldError::Broken {
+            cause: multiworld::BreakCause::PeerLost { .. } | multiworld::BreakCause::ReportedByPeer { .. },
+            ..
+        } => assert!(e.to_string().contains("'coll'"), "{e}"),
+        other => panic!("the world's error for the collective's: {other:?}"),
+    }
     // The leader's other world is untouched.
     assert_eq!(calm.state(), multiworld::WorldState::Ready);
     let mut got = multiworld::Tensor::zeros(multiworld::DType::F32, [4]).unwrap();

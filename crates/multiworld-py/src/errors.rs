@@ -23,7 +23,7 @@
 //! A collective's error is the transport's (`CommError`); a world-fatal one
 //! is reported as `BrokenWorldError` with the cause the world recorded.
 
-use multiworld::{BreakCause, CommError, WorldError, WorldName, WorldState};
+use multiworld::{CommError, WorldError, WorldName};
 use pyo3::{
     IntoPyObjectExt,
     prelude::*,
@@ -147,58 +147,11 @@ fn fields(py: Python<'_>, world: &WorldName, detail: String) -> [(&'static str, 
     [("world", obj(py, world.as_str())), ("detail", obj(py, detail))]
 }
 
-/// A collective's (transport) error as a world error. A world-fatal one
-/// becomes `Broken` with the cause the world recorded: the watchdog records
-/// it a moment after the transport sees it, so this waits for it (briefly;
-/// without one, the transport's error is the cause).
-pub async fn from_comm(w: &multiworld::World, err: CommError) -> WorldError {
-    let world = w.name().clone();
-    if !err.is_world_fatal() {
-        return match err {
-            CommError::Timeout { op, after } => WorldError::Timeout {
-                world,
-                op: op.to_string(),
-                after,
-            },
-            CommError::Mismatch { .. } => WorldError::Mismatch {
-                world,
-                detail: err.to_string(),
-            },
-            CommError::InvalidArgument(detail) => WorldError::InvalidArgument {
-                world,
-                detail: detail.to_string(),
-            },
-            source => WorldError::Transport { world, source },
-        };
-    }
-    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(1);
-    loop {
-        match w.state() {
-            WorldState::Broken(cause) => return WorldError::Broken { world, cause },
-            WorldState::Removed => {
-                // A removed world's calls fail at their first check, before
-                // doing anything, with the recorded cause (or `NotJoined`
-                // after a leave): ask one for it.
-                if let Err(e) = w.finish(std::time::Duration::ZERO).await {
-                    return e;
-                }
-                break;
-            }
-            _ => {}
-        }
-        if tokio::time::Instant::now() >= deadline {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-    }
-    let cause = match err {
-        CommError::PeerLost { rank, cause } => BreakCause::PeerLost {
-            rank,
-            reason: cause.to_string(),
-        },
-        _ => BreakCause::Aborted,
-    };
-    WorldError::Broken { world, cause }
+/// A collective's (transport) error as the world's error: a world-fatal
+/// one breaks the world (if nothing broke it yet) and is `Broken` with the
+/// recorded cause, as for a send or a receive (`World::collective_error`).
+pub fn from_comm(w: &multiworld::World, err: CommError) -> WorldError {
+    w.collective_error(err)
 }
 
 /// The error of a forked child touching the runtime of its parent `pid`.

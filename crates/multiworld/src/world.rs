@@ -1002,9 +1002,23 @@ impl World {
     /// receive: one still running at its deadline breaks the world, and the
     /// call fails with [`CommError::Aborted`](crate::CommError) naming the
     /// world and the cause. Errors are the backend's:
-    /// `is_world_fatal()` tells a broken world from a wrong call.
+    /// `is_world_fatal()` tells a broken world from a wrong call, and
+    /// [`World::collective_error`] turns one into this world's error.
     pub fn collectives(&self) -> &Group {
         &self.shared.collectives
+    }
+
+    /// This world's error for an error of one of its collectives (from
+    /// [`World::collectives`], or a sub-group made from it), as a send or a
+    /// receive would report it: a world-fatal one (a member lost, the
+    /// communicator aborted) breaks the world if nothing broke it yet and is
+    /// [`WorldError::Broken`] with the world's name and its recorded cause
+    /// (the first one wins: a collective cut off by the watchdog's break
+    /// reports the watchdog's cause); the others are `Timeout`, `Mismatch`,
+    /// `InvalidArgument` or `Transport`, naming the world, which stays
+    /// usable.
+    pub fn collective_error(&self, err: TcpError) -> WorldError {
+        self.shared.fail(err)
     }
 
     /// Sends `data` to `dst` on `tag` (no copy of the caller's data).

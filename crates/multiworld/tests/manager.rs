@@ -505,6 +505,41 @@ async fn an_operation_past_its_deadline_breaks_the_world() {
     ping(&other_a, &other_b, 2.5).await;
 }
 
+/// A collective the members disagree on fails on both with `Mismatch`; as
+/// the world's error it names the world, which stays usable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_collectives_disagreement_is_the_worlds_mismatch_and_the_world_goes_on() {
+    multiworld_testkit::init_tracing();
+    let (leader, worker) = (WorldManager::default(), WorldManager::default());
+    let store = leader.serve_store("127.0.0.1:0").await.unwrap().to_string();
+    let (a, b) = pair(&leader, &worker, "coll-mismatch", &store).await;
+    let mut x = Tensor::from_vec(vec![1.0f32; 4], [4]).unwrap();
+    let mut y = Tensor::from_vec(vec![1.0f32; 5], [5]).unwrap();
+    let (ra, rb) = tokio::join!(
+        a.collectives().all_reduce(&mut x, ReduceOp::Sum),
+        b.collectives().all_reduce(&mut y, ReduceOp::Sum)
+    );
+    for (w, r) in [(&a, ra), (&b, rb)] {
+        let err = r.unwrap_err();
+        assert!(!err.is_world_fatal(), "{err:?}");
+        match w.collective_error(err) {
+            WorldError::Mismatch { world, .. } => assert_eq!(world.as_str(), "coll-mismatch"),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(w.state(), WorldState::Ready);
+    }
+    let mut x = Tensor::from_vec(vec![1.0f32; 4], [4]).unwrap();
+    let mut y = Tensor::from_vec(vec![2.0f32; 4], [4]).unwrap();
+    let (ra, rb) = tokio::join!(
+        a.collectives().all_reduce(&mut x, ReduceOp::Sum),
+        b.collectives().all_reduce(&mut y, ReduceOp::Sum)
+    );
+    ra.unwrap();
+    rb.unwrap();
+    assert_eq!(x.as_slice::<f32>().unwrap(), &[3.0f32; 4]);
+    ping(&a, &b, 1.5).await;
+}
+
 /// A collective that a member never joins is bound by the world's
 /// `op_timeout` like a send or a receive: the world breaks at the deadline,
 /// the call fails naming the world and the cause, and the peer is told.
@@ -544,6 +579,14 @@ async fn a_collective_past_its_deadline_breaks_the_world() {
     );
     assert!(took >= Duration::from_millis(300), "broke early: {took:?}");
     assert!(took < Duration::from_secs(3), "broke late: {took:?}");
+    // As the world's error: the watchdog's cause, not the abort it led to.
+    match a.collective_error(err) {
+        WorldError::Broken {
+            world,
+            cause: BreakCause::OpDeadline { op, .. },
+        } => assert_eq!((world.as_str(), op.as_ref()), ("coll-deadline", "all_reduce")),
+        other => panic!("{other:?}"),
+    }
     match a.state() {
         WorldState::Broken(BreakCause::OpDeadline { op, after }) => {
             assert_eq!(op, "all_reduce");
