@@ -80,7 +80,8 @@ class WorldManager:
                                timeout: float = 30, device: Any = None, **options: Any) -> None:
         """Joins world ``world_name`` as ``rank`` of ``world_size`` and
         returns when every member has joined (at most ``timeout`` seconds,
-        then :class:`multiworld_rs.JoinError`).
+        then :class:`multiworld_rs.JoinTimeoutError`, a
+        :class:`multiworld_rs.JoinError` and a ``TimeoutError``).
 
         Rank 0 hosts the world's store on ``addr:port`` (several worlds may
         share one address); every other rank connects there, retrying until
