@@ -390,7 +390,7 @@ def test_a_forked_child_is_not_stuck_on_locks_a_parents_thread_held_at_the_fork(
                     codes[0] = 0
 
                 async def one_bridge():
-                    return aio._bridge() is not None
+                    return aio._bridge(asyncio.get_running_loop()) is not None
 
                 if asyncio.run(one_bridge()):
                     codes[1] = 0

@@ -70,8 +70,8 @@ class _Bridge:
         self._next = 0
         loop.add_reader(self._notifier.fileno(), self._ready)
 
-    def watch(self, work: Work) -> Tuple[int, "asyncio.Future[Any]"]:
-        fut = asyncio.get_running_loop().create_future()
+    def watch(self, work: Work, loop: asyncio.AbstractEventLoop) -> Tuple[int, "asyncio.Future[Any]"]:
+        fut = loop.create_future()
         token = self._next
         self._next += 1
         self._pending[token] = (fut, work)
@@ -133,10 +133,20 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_fresh_bridges_lock)
 
 
-def _bridge() -> _Bridge:
-    loop = asyncio.get_running_loop()
+#: The bridge found last, and a weak reference to its loop: a leader's loop
+#: finds its own without the dictionary's lookup (one loop per thread, and
+#: most programs have one).
+_LAST: Optional[Tuple["weakref.ref[asyncio.AbstractEventLoop]", _Bridge]] = None
+
+
+def _bridge(loop: asyncio.AbstractEventLoop) -> _Bridge:
+    global _LAST
+    last = _LAST
+    if last is not None and last[0]() is loop:
+        return last[1]
     b = _BRIDGES.get(loop)
     if b is not None:
+        _LAST = (weakref.ref(loop), b)
         return b
     # Loops of other threads may make their bridges meanwhile: one at a time,
     # since the sweep below walks the dictionary.
@@ -152,14 +162,16 @@ def _bridge() -> _Bridge:
                     _BRIDGES.pop(old, None)
                     stale.let_go()
             b = _BRIDGES[loop] = _Bridge(loop)
+    _LAST = (weakref.ref(loop), b)
     return b
 
 
 async def _wait(work: Optional[Work], withdraw_on_cancel: bool = False) -> Any:
     if work is None:  # a call with async_op=True always returns its handle
         raise RuntimeError("multiworld_rs: an operation started in the background returned no handle")
-    bridge = _bridge()
-    token, fut = bridge.watch(work)
+    loop = asyncio.get_running_loop()
+    bridge = _bridge(loop)
+    token, fut = bridge.watch(work, loop)
     try:
         return await fut
     except asyncio.CancelledError:
@@ -180,7 +192,7 @@ async def _wait(work: Optional[Work], withdraw_on_cancel: bool = False) -> Any:
             # pool, so the loop goes on meanwhile. The array is the caller's
             # again before this coroutine ends, however often it is
             # cancelled meanwhile.
-            letting_go = asyncio.get_running_loop().run_in_executor(_POOL.get(), work._w.cancel)
+            letting_go = loop.run_in_executor(_POOL.get(), work._w.cancel)
             while True:
                 try:
                     await asyncio.shield(letting_go)
@@ -316,12 +328,20 @@ class AsyncWorld:
         call. A ``tensor`` larger than
         :func:`multiworld_rs.loop_copy_max` is received by a task of the
         runtime instead, so that its copy runs beside the loop."""
-        await self._take_turn()
-        got = self.sync._w.recv_into_now(_lendable(tensor), src, tag)
+        # The per-message path of a leader: the turn check, the lending and
+        # the native calls inline (no coroutine but this one on the way).
+        if self._in_a_row >= _BURST:
+            self._in_a_row = 0
+            await asyncio.sleep(0)
+        lent = _lendable(tensor)
+        native = self.sync._w
+        got = native.recv_into_now(lent, src, tag)
         if got is not None:
             self._in_a_row += 1
             return got
-        work = self.sync.irecv(tensor, src, tag, _off_loop=True)
+        posted = native.irecv_plain(lent, src, tag, True)
+        work = (_api._LentRecv(posted, tensor) if posted is not None
+                else self.sync.irecv(tensor, src, tag, _off_loop=True))
         await self._finish(work, True)
         return work.source  # type: ignore[attr-defined]
 
