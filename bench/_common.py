@@ -51,3 +51,64 @@ def rank0_output(script: str, n: int, args: list, timeout: float = 300) -> str:
     if failed:
         raise RuntimeError(f"ranks failed: {failed}")
     return outs[0][0]
+
+
+class LeaderRun:
+    """A leader in this process and the package benchmark's own worker
+    ranks (`python -m multiworld_rs.bench _rank leader`), one world of two
+    each, as `python -m multiworld_rs.bench` runs its leader scenario.
+    Entered, the workers have started, the leader has joined every world
+    (`join_options` go to each join) and received the warm-up; `worlds`,
+    `bufs` (one receive array per world), `count` (messages per worker in
+    the timed part) and `go` (the message that starts the workers) are set.
+    On exit the worlds finish, the workers are reaped and the manager shuts
+    down."""
+
+    def __init__(self, workers: int, size: int, load=None, **join_options) -> None:
+        self.workers, self.size, self.join_options = workers, size, join_options
+        self.load = load
+
+    def __enter__(self) -> "LeaderRun":
+        import subprocess
+
+        import numpy as np
+        from multiworld_rs import bench as b
+        from multiworld_rs._api import WorldManager
+
+        load = self.load or b.Load()
+        self.count = load.messages(self.size, self.workers)
+        warm = load.warmup(self.count)
+        self.m = WorldManager()
+        addr = self.m.serve_store("127.0.0.1:0")
+        cmd = lambda k: [sys.executable, "-m", "multiworld_rs.bench", "_rank", "leader", "--rank", str(k),  # noqa: E731
+                         "--n", str(self.workers), "--size", str(self.size), "--addr", addr, *load.flags()]
+        self.procs = [subprocess.Popen(cmd(k), stdout=subprocess.DEVNULL) for k in range(1, self.workers + 1)]
+        try:
+            self.worlds = [self.m.join(f"leader-{i}", 0, 2, addr, **self.join_options)
+                           for i in range(1, self.workers + 1)]
+            self.bufs = [b._zeros(self.size // 4) for _ in self.worlds]
+            for w, buf in zip(self.worlds, self.bufs):
+                for _ in range(warm):
+                    w.recv_into(buf, 1, b._DATA)
+        except BaseException:
+            self._end(finish=False)
+            raise
+        self.go = np.zeros(1, dtype=np.float32)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._end(finish=exc[0] is None)
+
+    def _end(self, finish: bool) -> None:
+        from multiworld_rs import bench as b
+
+        try:
+            if finish:
+                for w in self.worlds:
+                    w.finish(b._FINISH)
+        finally:
+            for p in self.procs:
+                if not finish and p.poll() is None:
+                    p.kill()
+                p.wait(60)
+            self.m.shutdown()

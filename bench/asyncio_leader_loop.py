@@ -22,50 +22,35 @@ builds and installs it into `target/py-venv`).
 import argparse
 import asyncio
 import selectors
-import subprocess
-import sys
 import time
 
 import numpy as np
 
+from _common import LeaderRun
 from multiworld_rs import bench as b
-from multiworld_rs._api import WorldManager, _LentRecv
+from multiworld_rs._api import _LentRecv
 from multiworld_rs.aio import AsyncWorld
 
 
 def one_run(workers: int, size: int, load: "b.Load | None" = None) -> dict:
     """One run: the leader's figures (see the module docs) as a dict."""
-    load = load or b.Load()
-    count = load.messages(size, workers)
-    warm = load.warmup(count)
-    m = WorldManager()
-    addr = m.serve_store("127.0.0.1:0")
-    cmd = lambda k: [sys.executable, "-m", "multiworld_rs.bench", "_rank", "leader", "--rank", str(k),  # noqa: E731
-                     "--n", str(workers), "--size", str(size), "--addr", addr, *load.flags()]
-    procs = [subprocess.Popen(cmd(k), stdout=subprocess.DEVNULL) for k in range(1, workers + 1)]
     select = selectors.EpollSelector.select
-    try:
-        worlds = [m.join(f"leader-{i}", 0, 2, addr) for i in range(1, workers + 1)]
-        bufs = [b._zeros(size // 4) for _ in worlds]
-        for w, buf in zip(worlds, bufs):
-            for _ in range(warm):
-                w.recv_into(buf, 1, b._DATA)
-        go = np.zeros(1, dtype=np.float32)
-        waited = [0.0]
+    waited = [0.0]
 
-        def timed_select(self, timeout=None):  # type: ignore[no-untyped-def]
-            t = time.perf_counter()
-            try:
-                return select(self, timeout)
-            finally:
-                waited[0] += time.perf_counter() - t
+    def timed_select(self, timeout=None):  # type: ignore[no-untyped-def]
+        t = time.perf_counter()
+        try:
+            return select(self, timeout)
+        finally:
+            waited[0] += time.perf_counter() - t
 
-        selectors.EpollSelector.select = timed_select  # type: ignore[method-assign]
-        n = {"at_once": 0, "through_loop": 0, "done_posting": 0}
-        spent = {"take": 0.0, "post": 0.0}
+    n = {"at_once": 0, "through_loop": 0, "done_posting": 0}
+    spent = {"take": 0.0, "post": 0.0}
+    with LeaderRun(workers, size, load) as run:
+        count = run.count
 
         async def main() -> float:
-            aws = [AsyncWorld(w) for w in worlds]
+            aws = [AsyncWorld(w) for w in run.worlds]
 
             # AsyncWorld.recv_into, step by step, counted.
             async def receive(aw: AsyncWorld, buf: np.ndarray) -> None:
@@ -89,18 +74,15 @@ def one_run(workers: int, size: int, load: "b.Load | None" = None) -> dict:
 
             t0 = time.perf_counter()
             for aw in aws:
-                await aw.send(go, 1, b._GO)
-            await asyncio.gather(*(receive(aw, x) for aw, x in zip(aws, bufs)))
+                await aw.send(run.go, 1, b._GO)
+            await asyncio.gather(*(receive(aw, x) for aw, x in zip(aws, run.bufs)))
             return time.perf_counter() - t0
 
-        secs = asyncio.run(main())
-        for w in worlds:
-            w.finish(b._FINISH)
-    finally:
-        selectors.EpollSelector.select = select  # type: ignore[method-assign]
-        for p in procs:
-            p.wait(60)
-        m.shutdown()
+        selectors.EpollSelector.select = timed_select  # type: ignore[method-assign]
+        try:
+            secs = asyncio.run(main())
+        finally:
+            selectors.EpollSelector.select = select  # type: ignore[method-assign]
     total = count * workers
     busy = max(secs - waited[0], 0.0)
     return {"workers": workers, "size": size, "messages": total, "gb_per_s": total * size / secs / 1e9,

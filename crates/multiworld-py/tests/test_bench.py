@@ -108,6 +108,27 @@ def test_the_asyncio_paths_benchmark_runs():
     assert len(out) == 7 and all(v > 0 for v in out.values()), out
 
 
+@pytest.mark.parametrize("mode", ["asyncio", "threads"])
+def test_the_leader_process_cpu_benchmark_runs(mode):
+    """``bench/leader_process_cpu.py`` with the quick load: the leader
+    received every message, and its rate and CPU figures are positive (no
+    timing is checked; ``perf`` is not needed without ``--perf``)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    sys.path.insert(0, str(root / "bench"))
+    try:
+        import leader_process_cpu as script
+
+        r = script.one_run(mode, 2, 64 << 10, bench.Load.quick(), read_ahead=16 << 10)
+    finally:
+        sys.path.pop(0)
+    assert r["mode"] == mode and r["messages"] > 0, r
+    assert r["gb_per_s"] > 0 and r["user_us"] >= 0 and r["system_us"] >= 0, r
+    assert r["user_us"] + r["system_us"] > 0, r
+    assert "GB/s" in script.describe(r)
+
+
 def test_the_asyncio_leader_loop_benchmark_runs():
     """``bench/asyncio_leader_loop.py`` with the quick load and two workers:
     every message is counted once, taken at once or through the loop, and
