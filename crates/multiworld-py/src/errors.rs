@@ -14,14 +14,17 @@
 //! | `WorldError::Config` | `ConfigError` (a `ValueError`) |
 //! | `WorldError::NotJoined` | `NotJoinedError` (a `LookupError`) |
 //! | `WorldError::AlreadyJoined` | `AlreadyJoinedError` |
-//! | `WorldError::JoinFailed` that ran out of time | `JoinTimeoutError` (a `JoinError` and a `TimeoutError`) |
+//! | `WorldError::JoinFailed` that ran out of time (mapped by [`join`]) | `JoinTimeoutError` (a `JoinError` and a `TimeoutError`) |
 //! | `WorldError::JoinFailed`, `HostStore` | `JoinError` |
 //! | `WorldError::Transport` | `TransportError` |
 //! | `WorldError::Device` | `DeviceError` |
 //! | `WorldError::ShutDown` | `ShutDownError` |
 //!
-//! A collective's error is the transport's (`CommError`); a world-fatal one
-//! is reported as `BrokenWorldError` with the cause the world recorded.
+//! A collective's error is the transport's (`CommError`), mapped as a
+//! send's is (`World::collective_error`): a world-fatal one breaks the world
+//! and is reported as `BrokenWorldError` with the cause the world recorded;
+//! a member that left in an orderly way while this one finishes fails the
+//! call with `TransportError` and breaks nothing.
 
 use multiworld::{CommError, WorldError, WorldName};
 use pyo3::{

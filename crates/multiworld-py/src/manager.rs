@@ -42,6 +42,8 @@ pub struct JoinOptions {
     device: Option<u32>,
     /// `WorldConfig::read_ahead` (the Python side passes its own default).
     read_ahead: Option<usize>,
+    /// `WorldConfig::check_device_calls`.
+    check_device_calls: Option<bool>,
 }
 
 impl JoinOptions {
@@ -68,6 +70,9 @@ impl JoinOptions {
         config.watchdog = wd;
         if let Some(d) = self.device {
             config.local_rank = d;
+        }
+        if let Some(c) = self.check_device_calls {
+            config.check_device_calls = c;
         }
         if let Some(r) = self.read_ahead {
             config.read_ahead = r;

@@ -76,6 +76,8 @@ def test_bad_arguments(pair):
         m.join("w", 0, 1, "127.0.0.1:1", backend="carrier-pigeon")
     with pytest.raises(mw.JoinError, match="nonsense"):
         m.serve_store("nonsense")
+    with pytest.raises(TypeError, match="check_device_calls"):
+        m.join("w", 0, 1, "127.0.0.1:1", check_device_calls="yes")
     m.shutdown()
 
 
@@ -95,6 +97,22 @@ def test_join_times_out_when_a_member_is_missing():
     m.shutdown()
 
 
+def test_a_member_whose_store_never_comes_up_times_out():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    m = mw.WorldManager()
+    t0 = time.monotonic()
+    # Rank 0 would host the store; it never starts.
+    with pytest.raises(mw.JoinTimeoutError) as info:
+        m.join(unique("no-store"), 1, 2, f"127.0.0.1:{port}", timeout=0.5)
+    assert time.monotonic() - t0 < 5
+    assert isinstance(info.value, TimeoutError) and info.value.after == 0.5
+    m.shutdown()
+
+
 def test_a_join_that_fails_for_another_reason_is_no_timeout():
     m = mw.WorldManager()
     store = m.serve_store("127.0.0.1:0")
@@ -102,8 +120,8 @@ def test_a_join_that_fails_for_another_reason_is_no_timeout():
     first = m.join(name, 0, 1, store, secret="one", timeout=5)
     other = mw.WorldManager()
     # A wrong secret is refused at once: a JoinError, not a timeout.
-    with pytest.raises(mw.JoinError) as info:
-        other.join(name, 0, 1, store, secret="two", timeout=5)
+    with pytest.raises(mw.JoinError, match="secret") as info:
+        other.join(name, 0, 1, store, secret="two", timeout=5, host_store=False)
     assert not isinstance(info.value, TimeoutError), repr(info.value)
     first.finish(5)
     other.shutdown()

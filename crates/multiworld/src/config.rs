@@ -224,6 +224,17 @@ pub struct WorldConfig {
     /// runtime threads (the Python package does: it reads 256 KiB ahead).
     /// `docs/protocol.md`, "Receives yield".
     pub read_ahead: usize,
+    /// NCCL worlds: before each device collective reaches NCCL, gather
+    /// every member's description of it (which collective, dtype, element
+    /// count, root, reduce op) over the world's TCP mesh and compare them,
+    /// so that members that disagree all fail with `WorldError::Mismatch`
+    /// and the world goes on, instead of NCCL's undefined behaviour (a hang
+    /// until the device deadline breaks the world, or wrong data). Costs a
+    /// small TCP all-gather per call, so it is off by default (as
+    /// torch.distributed's NCCL checks are); turn it on while developing.
+    /// Device point-to-point calls are not checked. TCP worlds always check
+    /// their own calls.
+    pub check_device_calls: bool,
 }
 
 /// Default of [`WorldConfig::read_ahead`]: the transport's default `eager_limit`.
@@ -280,6 +291,7 @@ impl WorldConfig {
             nccl_abort_deadline: Duration::from_secs(5),
             watchdog: WatchdogConfig::default(),
             read_ahead: DEFAULT_READ_AHEAD,
+            check_device_calls: false,
         }
     }
 

@@ -32,6 +32,7 @@ use multiworld_types::{DType, Rank, ReduceOp, Tag, Tensor, WorldName};
 
 use crate::{
     config::WorldConfig,
+    device_calls::{self, DeviceCall, WORDS},
     error::WorldError,
     lifecycle::BreakCause,
     recorder::OpStart,
@@ -524,6 +525,46 @@ impl NcclWorld {
         })
     }
 
+    /// With [`WorldConfig::check_device_calls`](crate::WorldConfig): gathers
+    /// every member's description of this collective over the world's TCP
+    /// mesh (a small all-gather, waited for on this thread) and fails with
+    /// `Mismatch` on every member if they differ, before anything reaches
+    /// NCCL. Without it: nothing.
+    fn agreed(&self, call: DeviceCall) -> Result<(), WorldError> {
+        let w = &self.world.shared;
+        if !w.config.check_device_calls {
+            return Ok(());
+        }
+        w.check()?;
+        let unusable = |detail: &str| WorldError::InvalidArgument {
+            world: w.name.clone(),
+            detail: format!("check_device_calls: {detail}"),
+        };
+        let handle = tokio::runtime::Handle::try_current()
+            .map_err(|_| unusable("a device collective must be called from within the runtime"))?;
+        if handle.runtime_flavor() != tokio::runtime::RuntimeFlavor::MultiThread {
+            return Err(unusable(
+                "a device collective must be called on a multi-threaded runtime",
+            ));
+        }
+        let words = call.words();
+        let tensor =
+            |data: Vec<u64>, len: usize| Tensor::from_vec(data, [len]).map_err(|e| unusable(&e.to_string()));
+        let mine = tensor(words.to_vec(), WORDS)?;
+        let n = w.size as usize;
+        let mut all = tensor(vec![0; n * WORDS], n * WORDS)?;
+        let group = self.world.collectives();
+        // Off the async worker, as the enqueue itself is (see `blocking`):
+        // the gather's I/O runs on the runtime's other threads meanwhile.
+        tokio::task::block_in_place(|| handle.block_on(group.all_gather_into_tensor(&mut all, &mine)))
+            .map_err(|e| self.world.collective_error(e))?;
+        let gathered = all.as_slice::<u64>().map_err(|e| unusable(&e.to_string()))?;
+        device_calls::agree(gathered).map_err(|detail| WorldError::Mismatch {
+            world: w.name.clone(),
+            detail,
+        })
+    }
+
     fn issue(
         &self,
         kind: &'static str,
@@ -564,6 +605,13 @@ impl NcclWorld {
 
     /// All-reduce in place.
     pub fn all_reduce(&self, buf: &mut DeviceBuffer, op: ReduceOp) -> Result<DeviceOp, WorldError> {
+        self.agreed(DeviceCall {
+            kind: "all_reduce",
+            dtype: Some(buf.dtype()),
+            count: buf.len(),
+            root: None,
+            op: Some(op),
+        })?;
         self.issue("device_all_reduce", |c| c.all_reduce_in_place(buf, op))
     }
 
@@ -575,11 +623,25 @@ impl NcclWorld {
         recv: &mut DeviceBuffer,
         op: ReduceOp,
     ) -> Result<DeviceOp, WorldError> {
+        self.agreed(DeviceCall {
+            kind: "all_reduce",
+            dtype: Some(send.dtype()),
+            count: send.len(),
+            root: None,
+            op: Some(op),
+        })?;
         self.issue("device_all_reduce", |c| c.all_reduce(send, recv, op))
     }
 
     /// Broadcast from `root`, in place.
     pub fn broadcast(&self, buf: &mut DeviceBuffer, root: Rank) -> Result<DeviceOp, WorldError> {
+        self.agreed(DeviceCall {
+            kind: "broadcast",
+            dtype: Some(buf.dtype()),
+            count: buf.len(),
+            root: Some(root),
+            op: None,
+        })?;
         self.issue("device_broadcast", |c| c.broadcast(buf, root.0 as usize))
     }
 
@@ -592,6 +654,13 @@ impl NcclWorld {
         recv: &mut DeviceBuffer,
         root: Rank,
     ) -> Result<DeviceOp, WorldError> {
+        self.agreed(DeviceCall {
+            kind: "broadcast",
+            dtype: Some(recv.dtype()),
+            count: recv.len(),
+            root: Some(root),
+            op: None,
+        })?;
         self.issue("device_broadcast", |c| {
             c.broadcast_into(send, recv, root.0 as usize)
         })
@@ -599,6 +668,13 @@ impl NcclWorld {
 
     /// Reduce to `root`, in place (only the root's buffer holds the result).
     pub fn reduce(&self, buf: &mut DeviceBuffer, op: ReduceOp, root: Rank) -> Result<DeviceOp, WorldError> {
+        self.agreed(DeviceCall {
+            kind: "reduce",
+            dtype: Some(buf.dtype()),
+            count: buf.len(),
+            root: Some(root),
+            op: Some(op),
+        })?;
         self.issue("device_reduce", |c| c.reduce_in_place(buf, op, root.0 as usize))
     }
 
@@ -612,11 +688,25 @@ impl NcclWorld {
         op: ReduceOp,
         root: Rank,
     ) -> Result<DeviceOp, WorldError> {
+        self.agreed(DeviceCall {
+            kind: "reduce",
+            dtype: Some(send.dtype()),
+            count: send.len(),
+            root: Some(root),
+            op: Some(op),
+        })?;
         self.issue("device_reduce", |c| c.reduce(send, recv, op, root.0 as usize))
     }
 
     /// All-gather: `recv` holds every rank's `send`, in rank order.
     pub fn all_gather(&self, send: &DeviceBuffer, recv: &mut DeviceBuffer) -> Result<DeviceOp, WorldError> {
+        self.agreed(DeviceCall {
+            kind: "all_gather",
+            dtype: Some(send.dtype()),
+            count: send.len(),
+            root: None,
+            op: None,
+        })?;
         self.issue("device_all_gather", |c| c.all_gather(send, recv))
     }
 
@@ -628,6 +718,13 @@ impl NcclWorld {
         recv: &mut DeviceBuffer,
         op: ReduceOp,
     ) -> Result<DeviceOp, WorldError> {
+        self.agreed(DeviceCall {
+            kind: "reduce_scatter",
+            dtype: Some(recv.dtype()),
+            count: recv.len(),
+            root: None,
+            op: Some(op),
+        })?;
         self.issue("device_reduce_scatter", |c| c.reduce_scatter(send, recv, op))
     }
 
@@ -643,6 +740,13 @@ impl NcclWorld {
 
     /// All-to-all with equal slices.
     pub fn all_to_all(&self, send: &DeviceBuffer, recv: &mut DeviceBuffer) -> Result<DeviceOp, WorldError> {
+        self.agreed(DeviceCall {
+            kind: "all_to_all",
+            dtype: Some(send.dtype()),
+            count: send.len(),
+            root: None,
+            op: None,
+        })?;
         self.issue("device_all_to_all", |c| c.all_to_all(send, recv))
     }
 
@@ -653,6 +757,13 @@ impl NcclWorld {
         recv: Option<&mut DeviceBuffer>,
         root: Rank,
     ) -> Result<DeviceOp, WorldError> {
+        self.agreed(DeviceCall {
+            kind: "gather",
+            dtype: Some(send.dtype()),
+            count: send.len(),
+            root: Some(root),
+            op: None,
+        })?;
         self.issue("device_gather", |c| c.gather(send, recv, root.0 as usize))
     }
 
@@ -663,11 +774,25 @@ impl NcclWorld {
         recv: &mut DeviceBuffer,
         root: Rank,
     ) -> Result<DeviceOp, WorldError> {
+        self.agreed(DeviceCall {
+            kind: "scatter",
+            dtype: Some(recv.dtype()),
+            count: recv.len(),
+            root: Some(root),
+            op: None,
+        })?;
         self.issue("device_scatter", |c| c.scatter(send, recv, root.0 as usize))
     }
 
     /// A barrier on the device (an all-reduce of one element).
     pub fn barrier(&self) -> Result<DeviceOp, WorldError> {
+        self.agreed(DeviceCall {
+            kind: "barrier",
+            dtype: None,
+            count: 0,
+            root: None,
+            op: None,
+        })?;
         self.issue("device_barrier", |c| c.barrier())
     }
 }

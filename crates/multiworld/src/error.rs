@@ -179,11 +179,13 @@ pub enum JoinFailure {
     /// The transport could not rendezvous, connect or authenticate.
     #[error(transparent)]
     Transport(#[from] TcpError),
-    /// The join's own deadline passed at a step of the manager's (the
+    /// The join's deadline passed. Inside: what it was waiting for (the
     /// previous generation still being torn down, not every member arriving,
-    /// a stale generation kept by the store), as text.
+    /// a stale generation kept by the store), or the last error it met
+    /// while it retried (a store that never answered, a member's address
+    /// that refused connections, a refused stranger), kept as it was.
     #[error("{0}")]
-    TimedOut(String),
+    TimedOut(Box<JoinFailure>),
     /// Anything else (a name the transport refuses, no NCCL in this build,
     /// the NCCL communicator could not be set up), as text.
     #[error("{0}")]
@@ -191,6 +193,21 @@ pub enum JoinFailure {
 }
 
 impl JoinFailure {
+    /// The join's deadline passed while it waited for `what`.
+    pub(crate) fn deadline(what: impl Into<String>) -> JoinFailure {
+        JoinFailure::TimedOut(Box::new(JoinFailure::Other(what.into())))
+    }
+
+    /// This failure, met when the join's deadline had passed: a timeout
+    /// (as it is if it already is one).
+    pub(crate) fn at_deadline(self) -> JoinFailure {
+        if self.is_timeout() {
+            self
+        } else {
+            JoinFailure::TimedOut(Box::new(self))
+        }
+    }
+
     /// True when the join ran out of time: its own deadline, or a store or
     /// rendezvous wait bounded by it. Joining again (with a longer timeout,
     /// or once the missing members are up) may succeed.
@@ -303,8 +320,9 @@ mod tests {
     #[test]
     fn join_timeouts_are_told_apart() {
         let after = Duration::from_secs(2);
-        let timeouts: [JoinFailure; 4] = [
-            JoinFailure::TimedOut("not every member arrived".into()),
+        let timeouts: [JoinFailure; 5] = [
+            JoinFailure::deadline("not every member arrived"),
+            JoinFailure::Other("a store that never answered".into()).at_deadline(),
             StoreError::Timeout {
                 what: "world w".into(),
                 after,

@@ -30,6 +30,8 @@
 //!   [`DeviceProbe`]), watched by
 //!   the world's watchdog, and host-staged device tensors over TCP
 //!   ([`World::send_device`], [`World::recv_device`]).
+//! - `device_calls` (with the `nccl` feature): the agreement check of an
+//!   NCCL world's collectives (`WorldConfig::check_device_calls`), pure.
 //! - `error`: the error type, [`WorldError`].
 //!
 //! ```
@@ -71,6 +73,8 @@
 mod config;
 #[cfg(feature = "nccl")]
 mod device;
+#[cfg(feature = "nccl")]
+mod device_calls;
 mod error;
 mod events;
 mod lifecycle;

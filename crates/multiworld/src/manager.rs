@@ -138,6 +138,11 @@ struct Inner {
 /// ended by its own bound.
 const JOIN_BACKSTOP: Duration = Duration::from_millis(500);
 
+/// How close to its deadline a join that fails counts as timed out: the
+/// steps inside give up at the deadline by their own timers, which may fire
+/// a little early.
+const AT_DEADLINE: Duration = Duration::from_millis(50);
+
 /// How long [`stale_generation`] waits, in all, for a published member to take a
 /// connection: longer than a first SYN's retransmission (1 s), so that one
 /// lost packet does not make a live member look gone.
@@ -471,8 +476,8 @@ impl WorldManager {
             {
                 return Err(WorldError::join_failed(
                     &name,
-                    JoinFailure::TimedOut(
-                        "the previous generation was still being torn down at the join timeout".into(),
+                    JoinFailure::deadline(
+                        "the previous generation was still being torn down at the join timeout",
                     ),
                 ));
             }
@@ -492,11 +497,20 @@ impl WorldManager {
         };
         let shared = match joined {
             Ok(Ok(shared)) => shared,
+            // A failure met once the deadline had passed is the join's
+            // timeout, whatever the step that gave up reported (a store
+            // that never answered, an address that kept refusing).
+            Ok(Err(WorldError::JoinFailed { world, reason })) if Instant::now() + AT_DEADLINE >= deadline => {
+                return Err(WorldError::JoinFailed {
+                    world,
+                    reason: reason.at_deadline(),
+                });
+            }
             Ok(Err(e)) => return Err(e),
             Err(_) => {
                 return Err(WorldError::join_failed(
                     &name,
-                    JoinFailure::TimedOut(format!(
+                    JoinFailure::deadline(format!(
                         "not every member arrived within {:?}",
                         config.join_timeout
                     )),
@@ -615,8 +629,8 @@ impl WorldManager {
                 if remaining().is_zero() {
                     return Err(WorldError::join_failed(
                         name,
-                        JoinFailure::TimedOut(
-                            "the store kept a stale generation of this world until the join timeout".into(),
+                        JoinFailure::deadline(
+                            "the store kept a stale generation of this world until the join timeout",
                         ),
                     ));
                 }

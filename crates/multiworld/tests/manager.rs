@@ -1360,6 +1360,36 @@ async fn a_missing_lower_rank_is_named_by_the_join_error() {
     }
 }
 
+/// A member whose store never comes up (its rank 0, which hosts it, never
+/// started) retries until its deadline, and that is a timeout that keeps
+/// the store's last error inside.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_that_never_comes_up_is_a_join_timeout() {
+    multiworld_testkit::init_tracing();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut c = cfg("no-store", 1, 2, &format!("127.0.0.1:{port}"));
+    c.join_timeout = Duration::from_millis(500);
+    let started = Instant::now();
+    let e = WorldManager::default().join(c).await.unwrap_err();
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(e.is_join_timeout(), "{e:?}");
+    match &e {
+        WorldError::JoinFailed {
+            reason: JoinFailure::TimedOut(inner),
+            ..
+        } => assert!(matches!(**inner, JoinFailure::Store(_)), "{inner:?}"),
+        other => panic!("{other:?}"),
+    }
+}
+
 /// A shutdown that comes as a join ends leaves the new world at once: the
 /// join fails with `ShutDown` (or succeeds, if it ended first), neither
 /// waits for tasks the never-started world does not have, and a `Removed`

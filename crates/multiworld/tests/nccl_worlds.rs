@@ -89,6 +89,100 @@ async fn all_reduce_works(world: &multiworld::World) {
     assert_eq!(got, f32_bytes(&x));
 }
 
+/// With `check_device_calls`, members that disagree on a device collective
+/// (its size, dtype, kind or root) all fail with the same `Mismatch` naming
+/// both calls, before anything reaches NCCL, and the world goes on; calls
+/// that agree reach NCCL. Off by default.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disagreeing_device_collectives_fail_on_every_member_when_checked() {
+    let (_g, f) = fake::fake();
+    assert!(
+        !WorldConfig::new("w", 0, 1, "127.0.0.1:1")
+            .unwrap()
+            .check_device_calls
+    );
+    let (m0, store) = manager(&f).await;
+    let m1 = WorldManager::default();
+    m1.use_nccl_runtime(f.runtime().unwrap());
+    let cfg = |rank| {
+        let mut c = nccl_cfg("checked", rank, 2, &store);
+        c.check_device_calls = true;
+        c.op_timeout = Some(Duration::from_secs(2));
+        c
+    };
+    let (a, b) = tokio::join!(m0.join(cfg(0)), m1.join(cfg(1)));
+    let (a, b) = (a.unwrap(), b.unwrap());
+
+    // Each member's call on a thread of its own (the check waits for the
+    // others' descriptions on the calling thread), then its wait.
+    async fn both(
+        a: &multiworld::World,
+        b: &multiworld::World,
+        calls: [(usize, Option<ReduceOp>, u32); 2],
+    ) -> [Result<(), WorldError>; 2] {
+        let run = |w: &multiworld::World, (len, op, root): (usize, Option<ReduceOp>, u32)| {
+            let nccl = w.nccl().unwrap();
+            tokio::task::spawn_blocking(move || {
+                let send = nccl.upload(DType::F32, &f32_bytes(&ramp(len, 0.5))).unwrap();
+                let mut out = nccl.upload(DType::F32, &vec![POISON; len * 4]).unwrap();
+                let op = match op {
+                    Some(op) => nccl.all_reduce_into(&send, &mut out, op),
+                    None => nccl.broadcast_into(Some(&send), &mut out, Rank(root)),
+                }?;
+                tokio::runtime::Handle::current().block_on(op.wait())
+            })
+        };
+        let (ra, rb) = tokio::join!(run(a, calls[0]), run(b, calls[1]));
+        [ra.unwrap(), rb.unwrap()]
+    }
+
+    let sum = Some(ReduceOp::Sum);
+    let disagreements = [
+        (
+            [(4, sum, 0), (5, sum, 0)],
+            "rank 0 calls all_reduce of 4 × float32 (sum), rank 1 calls all_reduce of 5 × float32 (sum)",
+        ),
+        (
+            [(4, sum, 0), (4, Some(ReduceOp::Max), 0)],
+            "rank 1 calls all_reduce of 4 × float32 (max)",
+        ),
+        (
+            [(4, sum, 0), (4, None, 0)],
+            "rank 1 calls broadcast of 4 × float32 with root 0",
+        ),
+        (
+            [(4, None, 0), (4, None, 1)],
+            "rank 0 calls broadcast of 4 × float32 with root 0, rank 1 calls broadcast of 4 × float32 with root 1",
+        ),
+    ];
+    for (calls, named) in disagreements {
+        for r in both(&a, &b, calls).await {
+            match r {
+                Err(WorldError::Mismatch { world, detail }) => {
+                    assert_eq!(world.as_str(), "checked");
+                    assert!(detail.contains(named), "{detail}");
+                }
+                other => panic!("{calls:?}: expected a mismatch, got {other:?}"),
+            }
+        }
+        assert_eq!((a.state(), b.state()), (WorldState::Ready, WorldState::Ready));
+    }
+    // Calls that agree pass the check and reach NCCL: the fake never
+    // completes a collective of two ranks (real NCCL would wait for the
+    // peer's kernel), so they end at the world's deadline, which breaks it.
+    for r in both(&a, &b, [(4, sum, 0), (4, sum, 0)]).await {
+        match r {
+            Err(WorldError::Broken {
+                cause: BreakCause::OpDeadline { .. },
+                ..
+            }) => {}
+            other => panic!("the agreed call did not reach NCCL: {other:?}"),
+        }
+    }
+    m0.shutdown().await;
+    m1.shutdown().await;
+}
+
 /// An operation that completes long after the runtime's eager polls (held
 /// here until released) is seen by the blocking poller, promptly; a wait
 /// dropped while its operation hangs stops polling and leaves the world

@@ -74,6 +74,12 @@ def _u32(what: str, value: Any) -> int:
     return int(value)
 
 
+def _flag(what: str, value: Any) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{what} must be True or False, got {value!r}")
+    return bool(value)
+
+
 def _opt_rank(what: str, value: Any) -> Optional[int]:
     return None if value is None else _u32(what, value)
 
@@ -1039,7 +1045,7 @@ class WorldManager:
     def _options(secret: Union[str, bytes, None], timeout: float, op_timeout: Optional[float],
                  backend: Optional[str], host_store: Optional[bool], heartbeat_interval: Optional[float],
                  heartbeat_timeout: Optional[float], device: Any = None,
-                 read_ahead: Optional[int] = None) -> dict:
+                 read_ahead: Optional[int] = None, check_device_calls: bool = False) -> dict:
         if isinstance(secret, str):
             secret = secret.encode()
         if secret is not None and not isinstance(secret, (bytes, bytearray)):
@@ -1064,6 +1070,7 @@ class WorldManager:
             "heartbeat_interval": _seconds("heartbeat_interval", heartbeat_interval),
             "heartbeat_timeout": _seconds("heartbeat_timeout", heartbeat_timeout),
             "read_ahead": _u32("read_ahead", DEFAULT_READ_AHEAD if read_ahead is None else read_ahead),
+            "check_device_calls": _flag("check_device_calls", check_device_calls),
         }
 
     def join(self, name: str, rank: int, size: int, store: str, *,
@@ -1071,7 +1078,7 @@ class WorldManager:
              op_timeout: Optional[float] = None, backend: str = "tcp",
              host_store: Optional[bool] = None, heartbeat_interval: Optional[float] = None,
              heartbeat_timeout: Optional[float] = None, device: Any = None,
-             read_ahead: Optional[int] = None) -> World:
+             read_ahead: Optional[int] = None, check_device_calls: bool = False) -> World:
         """Joins world ``name`` as ``rank`` of ``size`` through the store at
         ``store`` (``host:port``; rank 0 hosts it unless ``host_store`` says
         otherwise). Blocks until every member has joined (at most ``timeout``
@@ -1089,7 +1096,13 @@ class WorldManager:
         it acts as 1 MiB).
         ``device``: an NCCL world's CUDA device (an int, ``"cuda:N"`` or a
         ``torch.device``); by default torch's current device when torch is
-        imported and has CUDA, else device 0."""
+        imported and has CUDA, else device 0.
+        ``check_device_calls``: an NCCL world compares every member's
+        description of each device collective over TCP before it reaches
+        NCCL, so that members that disagree (dtype, size, root, op) all raise
+        :class:`~multiworld_rs.errors.MismatchError` instead of hanging or
+        computing garbage; a small all-gather per call, so off by default
+        (point-to-point calls are not checked)."""
         if not isinstance(name, str):
             raise TypeError(f"name must be a string, got {name!r}")
         if not isinstance(store, str):
@@ -1097,7 +1110,7 @@ class WorldManager:
         if device is None and str(backend).strip().lower() == "nccl":
             device = _torch_current_device()
         opts = self._options(secret, timeout, op_timeout, backend, host_store,
-                             heartbeat_interval, heartbeat_timeout, device, read_ahead)
+                             heartbeat_interval, heartbeat_timeout, device, read_ahead, check_device_calls)
         return World(self._m.join(name, _u32("rank", rank), _u32("size", size), store, opts))
 
     def join_from_env(self, name: str = "world", *, secret: Union[str, bytes, None] = None,
@@ -1105,7 +1118,7 @@ class WorldManager:
                       backend: Optional[str] = None, host_store: Optional[bool] = None,
                       heartbeat_interval: Optional[float] = None,
                       heartbeat_timeout: Optional[float] = None, device: Any = None,
-                      read_ahead: Optional[int] = None) -> World:
+                      read_ahead: Optional[int] = None, check_device_calls: bool = False) -> World:
         """Joins world ``name`` as a launcher describes it: ``RANK``,
         ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` (required),
         ``MULTIWORLD_SECRET`` and ``MULTIWORLD_BACKEND`` (optional; explicit
@@ -1113,7 +1126,7 @@ class WorldManager:
         :class:`~multiworld_rs.errors.ConfigError` naming it. An NCCL world's
         device is ``device`` if given, else ``LOCAL_RANK`` (default 0)."""
         opts = self._options(secret, timeout, op_timeout, backend, host_store,
-                             heartbeat_interval, heartbeat_timeout, device, read_ahead)
+                             heartbeat_interval, heartbeat_timeout, device, read_ahead, check_device_calls)
         return World(self._m.join_env(name, opts))
 
     def world(self, name: str) -> Optional[World]:
