@@ -197,11 +197,17 @@ impl Drop for InFlight {
 /// Whether an operation whose start failed with `e` may nevertheless be on
 /// the device: the errors of a device call that can come after NCCL took the
 /// operation (a deadline, a device failure, the world broken by either).
-/// Invalid arguments and mismatches are found before anything is enqueued.
+/// Invalid arguments and mismatches are found before anything is enqueued,
+/// and so is a transport error, which only the agreement check before the
+/// enqueue (`check_device_calls`) can give (a member that left in an
+/// orderly way meanwhile).
 fn may_have_been_enqueued(e: &WorldError) -> bool {
     !matches!(
         e,
-        WorldError::InvalidArgument { .. } | WorldError::Mismatch { .. } | WorldError::NotJoined { .. }
+        WorldError::InvalidArgument { .. }
+            | WorldError::Mismatch { .. }
+            | WorldError::NotJoined { .. }
+            | WorldError::Transport { .. }
     )
 }
 

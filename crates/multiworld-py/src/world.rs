@@ -1294,6 +1294,14 @@ impl World {
         Ok(self.w()?.generation().0)
     }
 
+    /// Whether its device collectives first wait, on the calling thread,
+    /// for every member's description of the call (`check_device_calls` on
+    /// an NCCL world).
+    #[getter]
+    fn checks_device_calls(&self) -> PyResult<bool> {
+        Ok(self.w()?.checks_device_calls())
+    }
+
     /// The store's address.
     #[getter]
     fn store_addr(&self) -> PyResult<String> {

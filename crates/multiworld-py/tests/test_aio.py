@@ -917,3 +917,38 @@ def test_loops_closed_with_a_send_still_going_are_freed_and_the_sends_still_arri
     finally:
         m0.shutdown()
         m1.shutdown()
+
+
+def test_checked_device_collectives_start_off_the_event_loop():
+    """On a world that checks its device calls (``checks_device_calls``),
+    a collective's start waits for every member's description of the call,
+    so the asyncio API starts it on its pool and the loop goes on; on any
+    other world it starts on the loop, as before. A TCP world never checks,
+    whatever ``check_device_calls`` says."""
+    m = mw.WorldManager()
+    store = m.serve_store("127.0.0.1:0")
+    w = m.join(unique("one"), 0, 1, store, check_device_calls=True)
+    assert w.checks_device_calls is False
+    started_on = []
+
+    class Checked:
+        checks_device_calls = True
+
+        def all_reduce(self, *args, **kw):
+            started_on.append(threading.get_ident())
+            return w.all_reduce(*args, **kw)
+
+    class Unchecked(Checked):
+        checks_device_calls = False
+
+    async def main():
+        loop_thread = threading.get_ident()
+        x = np.arange(4, dtype=np.float32)
+        await aio.AsyncWorld(Checked()).all_reduce(x)
+        await aio.AsyncWorld(Unchecked()).all_reduce(x)
+        return loop_thread, x
+
+    loop_thread, x = asyncio.run(main())
+    assert started_on[0] != loop_thread and started_on[1] == loop_thread, (started_on, loop_thread)
+    assert (x == np.arange(4, dtype=np.float32)).all()
+    m.shutdown()

@@ -232,6 +232,14 @@ pub struct WorldConfig {
     /// until the device deadline breaks the world, or wrong data). Costs a
     /// small TCP all-gather per call, so it is off by default (as
     /// torch.distributed's NCCL checks are); turn it on while developing.
+    /// The check waits on the calling thread (`block_in_place` on a runtime
+    /// worker: the calling task's other branches, in a `join!` or
+    /// `select!`, are not polled meanwhile) for at most the device
+    /// operations' deadline (`op_timeout`, else 60 s), past which the world
+    /// breaks with `OpDeadline`; it needs a multi-threaded runtime
+    /// (`InvalidArgument` otherwise). Every member must set it alike (a
+    /// member without it would go straight to NCCL while the others wait
+    /// in the check): a join whose setting differs from rank 0's fails.
     /// Device point-to-point calls are not checked. TCP worlds always check
     /// their own calls.
     pub check_device_calls: bool,

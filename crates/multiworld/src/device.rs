@@ -27,13 +27,13 @@ use std::time::{Duration, Instant};
 use multiworld_nccl::{
     AbortOutcome, CommConfig, DeviceBuffer, NcclComm, NcclError, NcclRuntime, OpHandle, UniqueId,
 };
-use multiworld_store::WorldStore;
+use multiworld_store::{StoreError, WorldStore};
 use multiworld_types::{DType, Rank, ReduceOp, Tag, Tensor, WorldName};
 
 use crate::{
     config::WorldConfig,
     device_calls::{self, DeviceCall, WORDS},
-    error::WorldError,
+    error::{JoinFailure, WorldError},
     lifecycle::BreakCause,
     recorder::OpStart,
     watchdog::PendingOp,
@@ -41,8 +41,10 @@ use crate::{
 };
 
 /// The store key under which rank 0 publishes the NCCL unique id: one byte
-/// [`ID_OK`] followed by the 128-byte id, or [`ID_ERR`] followed by why rank
-/// 0 could not make one.
+/// [`ID_OK`], one byte saying whether rank 0 checks its device calls
+/// (`WorldConfig::check_device_calls`, which every member must set alike),
+/// and the 128-byte id; or [`ID_ERR`] followed by why rank 0 could not make
+/// one.
 pub(crate) const NCCL_ID_KEY: &str = "multiworld/nccl-id";
 const ID_OK: u8 = 0;
 const ID_ERR: u8 = 1;
@@ -135,7 +137,7 @@ pub(crate) async fn join(
     config: &WorldConfig,
     store: &WorldStore,
     deadline: Instant,
-) -> Result<DeviceSide, String> {
+) -> Result<DeviceSide, JoinFailure> {
     let remaining = || deadline.saturating_duration_since(Instant::now());
     // Loading NCCL (a file search, `dlopen` of a library of hundreds of MiB
     // and its initialisers) and the first `ncclGetUniqueId` (NCCL's own
@@ -163,7 +165,10 @@ pub(crate) async fn join(
             Err(e) => Err(e.clone()),
         };
         let value: Vec<u8> = match &made {
-            Ok(id) => std::iter::once(ID_OK).chain(id.to_bytes()).collect(),
+            Ok(id) => [ID_OK, u8::from(config.check_device_calls)]
+                .into_iter()
+                .chain(id.to_bytes())
+                .collect(),
             Err(e) => std::iter::once(ID_ERR).chain(e.bytes()).collect(),
         };
         store
@@ -178,21 +183,39 @@ pub(crate) async fn join(
         }
         made?
     } else {
-        let value = store
-            .get(NCCL_ID_KEY, remaining())
-            .await
-            .map_err(|e| format!("waiting for rank 0's NCCL id: {e}"))?;
+        let value = store.get(NCCL_ID_KEY, remaining()).await.map_err(|e| {
+            let what = format!("waiting for rank 0's NCCL id: {e}");
+            match e {
+                // Rank 0 did not publish it in time (it has not joined yet,
+                // or its NCCL is slow to load): the join's timeout.
+                StoreError::Timeout { .. } => JoinFailure::deadline(what),
+                _ => JoinFailure::Other(what),
+            }
+        })?;
         // Best effort: rank 0 waits for this only when it failed.
         let _ = store.set(seen_key(config.rank.0), Vec::new()).await;
         match value.split_first() {
-            Some((&ID_OK, id)) => UniqueId::from_bytes(id).map_err(|e| format!("rank 0's NCCL id: {e}"))?,
-            Some((&ID_ERR, why)) => {
-                return Err(format!(
-                    "rank 0 could not set up NCCL: {}",
-                    String::from_utf8_lossy(why)
-                ));
+            Some((&ID_OK, rest)) => {
+                let Some((&checks, id)) = rest.split_first() else {
+                    return Err(format!("malformed NCCL id in the store ({} bytes)", value.len()).into());
+                };
+                // Checked collectives wait for every member's description:
+                // a member that goes straight to NCCL would never give it.
+                if (checks != 0) != config.check_device_calls {
+                    return Err(format!(
+                        "members disagree on check_device_calls: rank 0 has it {}, rank {} {}",
+                        if checks != 0 { "on" } else { "off" },
+                        config.rank,
+                        if config.check_device_calls { "on" } else { "off" },
+                    )
+                    .into());
+                }
+                UniqueId::from_bytes(id).map_err(|e| format!("rank 0's NCCL id: {e}"))?
             }
-            _ => return Err(format!("malformed NCCL id in the store ({} bytes)", value.len())),
+            Some((&ID_ERR, why)) => {
+                return Err(format!("rank 0 could not set up NCCL: {}", String::from_utf8_lossy(why)).into());
+            }
+            _ => return Err(format!("malformed NCCL id in the store ({} bytes)", value.len()).into()),
         }
     };
     let rt = rt?;
@@ -204,7 +227,11 @@ pub(crate) async fn join(
     let comm = tokio::task::spawn_blocking(move || NcclComm::init(&rt, &comm_config, &id))
         .await
         .map_err(|e| format!("NCCL init did not finish: {e}"))?
-        .map_err(|e| format!("NCCL init: {e}"))?;
+        .map_err(|e| match e {
+            // Not every rank's init came within what was left of the join.
+            NcclError::Timeout { .. } => JoinFailure::deadline(format!("NCCL init: {e}")),
+            _ => JoinFailure::Other(format!("NCCL init: {e}")),
+        })?;
     Ok(DeviceSide {
         comm,
         pending: Mutex::new(Vec::new()),
@@ -527,9 +554,10 @@ impl NcclWorld {
 
     /// With [`WorldConfig::check_device_calls`](crate::WorldConfig): gathers
     /// every member's description of this collective over the world's TCP
-    /// mesh (a small all-gather, waited for on this thread) and fails with
-    /// `Mismatch` on every member if they differ, before anything reaches
-    /// NCCL. Without it: nothing.
+    /// mesh (a small all-gather, waited for on this thread, for at most the
+    /// device operations' deadline, past which the world breaks with
+    /// `OpDeadline`) and fails with `Mismatch` on every member if they
+    /// differ, before anything reaches NCCL. Without it: nothing.
     fn agreed(&self, call: DeviceCall) -> Result<(), WorldError> {
         let w = &self.world.shared;
         if !w.config.check_device_calls {
@@ -554,10 +582,29 @@ impl NcclWorld {
         let n = w.size as usize;
         let mut all = tensor(vec![0; n * WORDS], n * WORDS)?;
         let group = self.world.collectives();
+        // Bounded like the device call it guards: a member that never makes
+        // the call must not hold this one longer than NCCL would have.
+        let limit = w.config.op_timeout.unwrap_or(DEFAULT_DEVICE_OP_TIMEOUT);
         // Off the async worker, as the enqueue itself is (see `blocking`):
         // the gather's I/O runs on the runtime's other threads meanwhile.
-        tokio::task::block_in_place(|| handle.block_on(group.all_gather_into_tensor(&mut all, &mine)))
-            .map_err(|e| self.world.collective_error(e))?;
+        let gathered = tokio::task::block_in_place(|| {
+            handle.block_on(tokio::time::timeout(
+                limit,
+                group.all_gather_into_tensor(&mut all, &mine),
+            ))
+        });
+        match gathered {
+            Ok(r) => r.map_err(|e| self.world.collective_error(e))?,
+            Err(_) => {
+                // A collective cut off part-way leaves the members' call
+                // sequences apart: the world cannot go on.
+                w.break_with(BreakCause::OpDeadline {
+                    op: "device_check".into(),
+                    after: limit,
+                });
+                return Err(w.unusable());
+            }
+        }
         let gathered = all.as_slice::<u64>().map_err(|e| unusable(&e.to_string()))?;
         device_calls::agree(gathered).map_err(|detail| WorldError::Mismatch {
             world: w.name.clone(),

@@ -208,6 +208,23 @@ impl JoinFailure {
         }
     }
 
+    /// True for the errors a join retries until its deadline and then
+    /// reports as the last one met: a store that does not answer, a
+    /// member's address that refuses connections or is refused, a store
+    /// that cannot be reached for a lookup. At the deadline they mean the
+    /// join ran out of time ([`JoinFailure::at_deadline`]).
+    pub(crate) fn is_retried(&self) -> bool {
+        matches!(
+            self,
+            JoinFailure::Store(StoreError::Unavailable { .. })
+                | JoinFailure::Transport(
+                    TcpError::Io { .. }
+                        | TcpError::Refused { .. }
+                        | TcpError::Rendezvous(RendezvousError::Unavailable(_))
+                )
+        )
+    }
+
     /// True when the join ran out of time: its own deadline, or a store or
     /// rendezvous wait bounded by it. Joining again (with a longer timeout,
     /// or once the missing members are up) may succeed.

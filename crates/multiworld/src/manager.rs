@@ -138,9 +138,9 @@ struct Inner {
 /// ended by its own bound.
 const JOIN_BACKSTOP: Duration = Duration::from_millis(500);
 
-/// How close to its deadline a join that fails counts as timed out: the
-/// steps inside give up at the deadline by their own timers, which may fire
-/// a little early.
+/// How close to its deadline a join that fails with an error it retries
+/// counts as timed out: the steps inside give up at the deadline by their
+/// own timers, which may fire a little early.
 const AT_DEADLINE: Duration = Duration::from_millis(50);
 
 /// How long [`stale_generation`] waits, in all, for a published member to take a
@@ -497,10 +497,12 @@ impl WorldManager {
         };
         let shared = match joined {
             Ok(Ok(shared)) => shared,
-            // A failure met once the deadline had passed is the join's
-            // timeout, whatever the step that gave up reported (a store
-            // that never answered, an address that kept refusing).
-            Ok(Err(WorldError::JoinFailed { world, reason })) if Instant::now() + AT_DEADLINE >= deadline => {
+            // An error the join retries until its deadline, reported at the
+            // deadline, is the join's timeout (a store that never answered,
+            // an address that kept refusing, a refused stranger).
+            Ok(Err(WorldError::JoinFailed { world, reason }))
+                if reason.is_retried() && Instant::now() + AT_DEADLINE >= deadline =>
+            {
                 return Err(WorldError::JoinFailed {
                     world,
                     reason: reason.at_deadline(),

@@ -986,6 +986,13 @@ impl World {
         self.shared.config.op_timeout
     }
 
+    /// Whether this world's device collectives wait for every member's
+    /// description of the call before they start
+    /// (`WorldConfig::check_device_calls` on an NCCL world).
+    pub fn checks_device_calls(&self) -> bool {
+        self.shared.config.check_device_calls && self.shared.config.backend == crate::Backend::Nccl
+    }
+
     /// The world's communicator, for operations this handle does not wrap.
     /// Its errors are the backend's own; a world-fatal one also breaks the
     /// world through the watchdog.

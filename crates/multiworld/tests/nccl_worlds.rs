@@ -169,16 +169,85 @@ async fn disagreeing_device_collectives_fail_on_every_member_when_checked() {
     }
     // Calls that agree pass the check and reach NCCL: the fake never
     // completes a collective of two ranks (real NCCL would wait for the
-    // peer's kernel), so they end at the world's deadline, which breaks it.
-    for r in both(&a, &b, [(4, sum, 0), (4, sum, 0)]).await {
-        match r {
+    // peer's kernel), so they end at the world's deadline, which breaks it
+    // (the member that breaks second may see the first one go first).
+    let ends = both(&a, &b, [(4, sum, 0), (4, sum, 0)]).await;
+    let deadline = |r: &Result<(), WorldError>| {
+        matches!(
+            r,
             Err(WorldError::Broken {
                 cause: BreakCause::OpDeadline { .. },
                 ..
-            }) => {}
-            other => panic!("the agreed call did not reach NCCL: {other:?}"),
-        }
+            })
+        )
+    };
+    assert!(
+        ends.iter().any(deadline),
+        "the agreed call did not reach NCCL: {ends:?}"
+    );
+    for r in &ends {
+        assert!(
+            deadline(r) || matches!(r, Err(WorldError::Broken { .. })),
+            "{ends:?}"
+        );
     }
+    m0.shutdown().await;
+    m1.shutdown().await;
+}
+
+/// The check is bounded like the call it guards: a member that never makes
+/// the call breaks the world at the deadline instead of holding the caller.
+/// And members must set the check alike: a join whose setting differs from
+/// rank 0's fails, saying so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checked_call_no_member_answers_ends_at_the_deadline_and_members_set_the_check_alike() {
+    let (_g, f) = fake::fake();
+    let (m0, store) = manager(&f).await;
+    let m1 = WorldManager::default();
+    m1.use_nccl_runtime(f.runtime().unwrap());
+    let cfg = |name: &str, rank, checks| {
+        let mut c = nccl_cfg(name, rank, 2, &store);
+        c.check_device_calls = checks;
+        c.op_timeout = Some(Duration::from_millis(600));
+        c.join_timeout = Duration::from_secs(3);
+        c
+    };
+    let (a, b) = tokio::join!(m0.join(cfg("lone", 0, true)), m1.join(cfg("lone", 1, true)));
+    let (a, _b) = (a.unwrap(), b.unwrap());
+    let nccl = a.nccl().unwrap();
+    let started = Instant::now();
+    let r = tokio::task::spawn_blocking(move || {
+        let mut buf = nccl.upload(DType::F32, &f32_bytes(&ramp(4, 1.0))).unwrap();
+        nccl.all_reduce(&mut buf, ReduceOp::Sum).map(drop)
+    })
+    .await
+    .unwrap();
+    let took = started.elapsed();
+    assert!(
+        matches!(
+            r,
+            Err(WorldError::Broken {
+                cause: BreakCause::OpDeadline { .. },
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    assert!(
+        took >= Duration::from_millis(500) && took < Duration::from_secs(5),
+        "{took:?}"
+    );
+
+    let (a, b) = tokio::join!(m0.join(cfg("apart", 0, true)), m1.join(cfg("apart", 1, false)));
+    match b {
+        Err(e @ WorldError::JoinFailed { .. }) => assert!(
+            e.to_string()
+                .contains("members disagree on check_device_calls: rank 0 has it on, rank 1 off"),
+            "{e}"
+        ),
+        other => panic!("{other:?}"),
+    }
+    drop(a);
     m0.shutdown().await;
     m1.shutdown().await;
 }

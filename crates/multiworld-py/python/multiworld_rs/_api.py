@@ -433,6 +433,14 @@ class World:
         return self._w.generation
 
     @property
+    def checks_device_calls(self) -> bool:
+        """Whether its device collectives first wait, on the calling thread,
+        for every member's description of the call and raise
+        :class:`~multiworld_rs.errors.MismatchError` if they differ
+        (``join(..., check_device_calls=True)`` on an NCCL world)."""
+        return bool(self._w.checks_device_calls)
+
+    @property
     def store_addr(self) -> str:
         """The address of the world's store."""
         return self._w.store_addr

@@ -346,52 +346,77 @@ class AsyncWorld:
         return work.source  # type: ignore[attr-defined]
 
     # -- collectives (see the synchronous methods for the semantics) ---------
+    async def _collective(self, start: Any, *args: Any) -> Any:
+        """Starts a collective (``start(*args, async_op=True)``) and awaits
+        its end. On a world that checks its device calls
+        (``check_device_calls``), starting waits on the calling thread for
+        every member's description of the call: then it starts on the
+        housekeeping pool, so that the loop goes on meanwhile."""
+        if not getattr(self.sync, "checks_device_calls", False):
+            return await _wait(start(*args, async_op=True))
+        loop = asyncio.get_running_loop()
+        starting = loop.run_in_executor(_POOL.get(), lambda: start(*args, async_op=True))
+        try:
+            work = await asyncio.shield(starting)
+        except asyncio.CancelledError:
+            # Cancelled while the members compare their calls: the call goes
+            # on, and once started it is watched like any cancelled
+            # collective (the loop still ends it with wait(), which writes
+            # the result of one that copies into the caller's array).
+            def watch(f: "asyncio.Future[Any]") -> None:
+                if not f.cancelled() and f.exception() is None and f.result() is not None:
+                    _bridge(loop).watch(f.result(), loop)
+
+            starting.add_done_callback(watch)
+            raise
+        return await _wait(work)
+
     async def broadcast(self, tensor: Any, src: int) -> Any:
         """In-place broadcast from ``src``."""
-        return await _wait(self.sync.broadcast(tensor, src, async_op=True))
+        return await self._collective(self.sync.broadcast, tensor, src)
 
     async def all_reduce(self, tensor: Any, op: Any = ReduceOp.SUM) -> Any:
         """In-place all-reduce."""
-        return await _wait(self.sync.all_reduce(tensor, op, async_op=True))
+        return await self._collective(self.sync.all_reduce, tensor, op)
 
     async def reduce(self, tensor: Any, dst: int, op: Any = ReduceOp.SUM) -> Any:
         """Reduce into rank ``dst``'s ``tensor``."""
-        return await _wait(self.sync.reduce(tensor, dst, op, async_op=True))
+        return await self._collective(self.sync.reduce, tensor, dst, op)
 
     async def all_gather(self, tensor_list: List[Any], tensor: Any) -> Any:
         """All-gather into a list of arrays."""
-        return await _wait(self.sync.all_gather(tensor_list, tensor, async_op=True))
+        return await self._collective(self.sync.all_gather, tensor_list, tensor)
 
     async def all_gather_into_tensor(self, output_tensor: Any, input_tensor: Any) -> Any:
         """All-gather into one tensor."""
-        return await _wait(self.sync.all_gather_into_tensor(output_tensor, input_tensor, async_op=True))
+        return await self._collective(self.sync.all_gather_into_tensor, output_tensor, input_tensor)
 
     async def gather(self, tensor: Any, gather_list: Optional[List[Any]] = None, dst: int = 0) -> Any:
         """Gather into rank ``dst``'s ``gather_list``."""
-        return await _wait(self.sync.gather(tensor, gather_list, dst, async_op=True))
+        return await self._collective(self.sync.gather, tensor, gather_list, dst)
 
     async def scatter(self, tensor: Any, scatter_list: Optional[List[Any]] = None, src: int = 0) -> Any:
         """Scatter rank ``src``'s ``scatter_list``."""
-        return await _wait(self.sync.scatter(tensor, scatter_list, src, async_op=True))
+        return await self._collective(self.sync.scatter, tensor, scatter_list, src)
 
     async def reduce_scatter(self, output: Any, input_list: List[Any], op: Any = ReduceOp.SUM) -> Any:
         """Reduce-scatter of a list."""
-        return await _wait(self.sync.reduce_scatter(output, input_list, op, async_op=True))
+        return await self._collective(self.sync.reduce_scatter, output, input_list, op)
 
     async def reduce_scatter_tensor(self, output: Any, input: Any, op: Any = ReduceOp.SUM) -> Any:
         """Reduce-scatter of one tensor."""
-        return await _wait(self.sync.reduce_scatter_tensor(output, input, op, async_op=True))
+        return await self._collective(self.sync.reduce_scatter_tensor, output, input, op)
 
     async def all_to_all(self, output_tensor_list: List[Any], input_tensor_list: List[Any]) -> Any:
         """All-to-all of lists."""
-        return await _wait(self.sync.all_to_all(output_tensor_list, input_tensor_list, async_op=True))
+        return await self._collective(self.sync.all_to_all, output_tensor_list, input_tensor_list)
 
     async def all_to_all_single(self, output: Any, input: Any,
                                 output_split_sizes: Optional[Sequence[int]] = None,
                                 input_split_sizes: Optional[Sequence[int]] = None) -> Any:
         """All-to-all of one tensor (even or uneven splits)."""
-        return await _wait(self.sync.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
-                                                       async_op=True))
+        return await self._collective(self.sync.all_to_all_single, output, input, output_split_sizes,
+                                      input_split_sizes)
 
     async def barrier(self) -> None:
         """Waits until every member has called it."""
