@@ -372,5 +372,14 @@ mod tests {
             after,
         };
         assert!(!call.is_join_timeout(), "a call's timeout is not a join's");
+        // What a join retries until its deadline, and what it does not.
+        let unanswered = JoinFailure::Store(StoreError::Unavailable {
+            addr: "127.0.0.1:1".into(),
+            reason: "no store answered".into(),
+        });
+        assert!(unanswered.is_retried() && !unanswered.is_timeout());
+        assert!(unanswered.at_deadline().is_timeout());
+        assert!(!JoinFailure::Other("no NCCL".into()).is_retried());
+        assert!(!JoinFailure::Store(StoreError::InvalidArgument("no".into())).is_retried());
     }
 }
