@@ -922,21 +922,47 @@ def test_loops_closed_with_a_send_still_going_are_freed_and_the_sends_still_arri
 def test_checked_device_collectives_start_off_the_event_loop():
     """On a world that checks its device calls (``checks_device_calls``),
     a collective's start waits for every member's description of the call,
-    so the asyncio API starts it on its pool and the loop goes on; on any
-    other world it starts on the loop, as before. A TCP world never checks,
-    whatever ``check_device_calls`` says."""
+    and a device receive's for its sender's, so the asyncio API starts them
+    on its pool and the loop goes on; on any other world they start on the
+    loop, as before. A TCP world never checks, whatever
+    ``check_device_calls`` says."""
     m = mw.WorldManager()
     store = m.serve_store("127.0.0.1:0")
     w = m.join(unique("one"), 0, 1, store, check_device_calls=True)
     assert w.checks_device_calls is False
     started_on = []
 
+    class Done:
+        """A receive that has ended (from rank 0)."""
+
+        source = 0
+
+        def is_completed(self):
+            return True
+
+        def wait(self, timeout=None):
+            return None
+
+    class Declines:
+        """The native fast paths, declining (as for a CUDA tensor)."""
+
+        def recv_into_now(self, *args):
+            return None
+
+        def irecv_plain(self, *args):
+            return None
+
     class Checked:
         checks_device_calls = True
+        _w = Declines()
 
         def all_reduce(self, *args, **kw):
             started_on.append(threading.get_ident())
             return w.all_reduce(*args, **kw)
+
+        def irecv(self, *args, **kw):
+            started_on.append(threading.get_ident())
+            return Done()
 
     class Unchecked(Checked):
         checks_device_calls = False
@@ -946,9 +972,12 @@ def test_checked_device_collectives_start_off_the_event_loop():
         x = np.arange(4, dtype=np.float32)
         await aio.AsyncWorld(Checked()).all_reduce(x)
         await aio.AsyncWorld(Unchecked()).all_reduce(x)
+        assert await aio.AsyncWorld(Checked()).recv_into(x, 0) == 0
+        assert await aio.AsyncWorld(Unchecked()).recv_into(x, 0) == 0
         return loop_thread, x
 
     loop_thread, x = asyncio.run(main())
-    assert started_on[0] != loop_thread and started_on[1] == loop_thread, (started_on, loop_thread)
+    on_loop = [t == loop_thread for t in started_on]
+    assert on_loop == [False, True, False, True], (started_on, loop_thread)
     assert (x == np.arange(4, dtype=np.float32)).all()
     m.shutdown()

@@ -224,24 +224,27 @@ pub struct WorldConfig {
     /// runtime threads (the Python package does: it reads 256 KiB ahead).
     /// `docs/protocol.md`, "Receives yield".
     pub read_ahead: usize,
-    /// NCCL worlds: before each device collective reaches NCCL, gather
-    /// every member's description of it (which collective, dtype, element
-    /// count, root, reduce op) over the world's TCP mesh and compare them,
-    /// so that members that disagree all fail with `WorldError::Mismatch`
-    /// and the world goes on, instead of NCCL's undefined behaviour (a hang
-    /// until the device deadline breaks the world, or wrong data). Costs a
-    /// small TCP all-gather per call, so it is off by default (as
-    /// torch.distributed's NCCL checks are); turn it on while developing.
-    /// The check waits on the calling thread (`block_in_place` on a runtime
-    /// worker: the calling task's other branches, in a `join!` or
-    /// `select!`, are not polled meanwhile) for at most the device
-    /// operations' deadline (`op_timeout`, else 60 s), past which the world
-    /// breaks with `OpDeadline`; it needs a multi-threaded runtime
-    /// (`InvalidArgument` otherwise). Every member must set it alike (a
-    /// member without it would go straight to NCCL while the others wait
-    /// in the check): a join whose setting differs from rank 0's fails.
-    /// Device point-to-point calls are not checked. TCP worlds always check
-    /// their own calls.
+    /// NCCL worlds: check every device call against the other members'
+    /// before it reaches NCCL, which takes its arguments on trust (members
+    /// that disagree make it hang until the device deadline breaks the
+    /// world, or compute wrong data). A collective gathers every member's
+    /// description of it (which collective, dtype, element count, root,
+    /// reduce op) over the world's TCP mesh, and members that disagree all
+    /// fail with the same `WorldError::Mismatch`; a send announces its
+    /// message over TCP (without waiting), and a receive waits for that and
+    /// fails with `Mismatch` if it disagrees (the message is then drained
+    /// into scratch device memory, so the world goes on). Costs a small TCP
+    /// exchange per call, so it is off by default (as torch.distributed's
+    /// NCCL checks are); turn it on while developing. The check waits on
+    /// the calling thread (`block_in_place` on a runtime worker: the
+    /// calling task's other branches, in a `join!` or `select!`, are not
+    /// polled meanwhile) for at most the device operations' deadline
+    /// (`op_timeout`, else 60 s), past which the world breaks with
+    /// `OpDeadline`; it needs a multi-threaded runtime (`InvalidArgument`
+    /// otherwise). Every member must set it alike (a member without it
+    /// would go straight to NCCL while the others wait in the check): a
+    /// join whose setting differs from rank 0's fails. TCP worlds always
+    /// check their own calls.
     pub check_device_calls: bool,
 }
 

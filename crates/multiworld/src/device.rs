@@ -49,6 +49,18 @@ pub(crate) const NCCL_ID_KEY: &str = "multiworld/nccl-id";
 const ID_OK: u8 = 0;
 const ID_ERR: u8 = 1;
 
+/// The runtime's tag for the descriptions of device point-to-point
+/// messages (`check_device_calls`).
+const DEVICE_P2P_TAG: Tag = multiworld_types::runtime_tag(1);
+
+/// The error of a check that cannot run.
+fn check_unusable(w: &WorldShared, detail: &str) -> WorldError {
+    WorldError::InvalidArgument {
+        world: w.name.clone(),
+        detail: format!("check_device_calls: {detail}"),
+    }
+}
+
 /// The key a rank sets once it has read [`NCCL_ID_KEY`].
 fn seen_key(rank: u32) -> String {
     format!("multiworld/nccl-id-seen/{rank}")
@@ -559,57 +571,125 @@ impl NcclWorld {
     /// `OpDeadline`) and fails with `Mismatch` on every member if they
     /// differ, before anything reaches NCCL. Without it: nothing.
     fn agreed(&self, call: DeviceCall) -> Result<(), WorldError> {
-        let w = &self.world.shared;
-        if !w.config.check_device_calls {
+        if !self.world.shared.config.check_device_calls {
             return Ok(());
         }
-        w.check()?;
-        let unusable = |detail: &str| WorldError::InvalidArgument {
-            world: w.name.clone(),
-            detail: format!("check_device_calls: {detail}"),
-        };
-        let handle = tokio::runtime::Handle::try_current()
-            .map_err(|_| unusable("a device collective must be called from within the runtime"))?;
-        if handle.runtime_flavor() != tokio::runtime::RuntimeFlavor::MultiThread {
-            return Err(unusable(
-                "a device collective must be called on a multi-threaded runtime",
-            ));
-        }
-        let words = call.words();
-        let tensor =
-            |data: Vec<u64>, len: usize| Tensor::from_vec(data, [len]).map_err(|e| unusable(&e.to_string()));
-        let mine = tensor(words.to_vec(), WORDS)?;
+        let w = &self.world.shared;
+        let mine = self.words_tensor(call.words().to_vec())?;
         let n = w.size as usize;
-        let mut all = tensor(vec![0; n * WORDS], n * WORDS)?;
+        let mut all = self.words_tensor(vec![0; n * WORDS])?;
         let group = self.world.collectives();
-        // Bounded like the device call it guards: a member that never makes
-        // the call must not hold this one longer than NCCL would have.
-        let limit = w.config.op_timeout.unwrap_or(DEFAULT_DEVICE_OP_TIMEOUT);
-        // Off the async worker, as the enqueue itself is (see `blocking`):
-        // the gather's I/O runs on the runtime's other threads meanwhile.
-        let gathered = tokio::task::block_in_place(|| {
-            handle.block_on(tokio::time::timeout(
-                limit,
-                group.all_gather_into_tensor(&mut all, &mine),
-            ))
-        });
-        match gathered {
-            Ok(r) => r.map_err(|e| self.world.collective_error(e))?,
-            Err(_) => {
-                // A collective cut off part-way leaves the members' call
-                // sequences apart: the world cannot go on.
-                w.break_with(BreakCause::OpDeadline {
-                    op: "device_check".into(),
-                    after: limit,
-                });
-                return Err(w.unusable());
-            }
-        }
-        let gathered = all.as_slice::<u64>().map_err(|e| unusable(&e.to_string()))?;
+        self.wait_for_check(group.all_gather_into_tensor(&mut all, &mine))?;
+        let gathered = all
+            .as_slice::<u64>()
+            .map_err(|e| check_unusable(w, &e.to_string()))?;
         device_calls::agree(gathered).map_err(|detail| WorldError::Mismatch {
             world: w.name.clone(),
             detail,
         })
+    }
+
+    /// With `check_device_calls`, the sender's side of the point-to-point
+    /// check: its description of the message goes to `peer` over TCP, in
+    /// the order of its device sends, without waiting.
+    fn announce(&self, call: DeviceCall, peer: Rank) -> Result<(), WorldError> {
+        if !self.world.shared.config.check_device_calls {
+            return Ok(());
+        }
+        self.world.shared.check()?;
+        let words = self.words_tensor(call.words().to_vec())?;
+        // Its place in the order to `peer` is taken here; it is written in
+        // the background (a failure shows as the world's, on both sides).
+        drop(self.world.communicator().isend(peer, DEVICE_P2P_TAG, words));
+        Ok(())
+    }
+
+    /// With `check_device_calls`, the receiver's side: waits (on this
+    /// thread, at most the device deadline) for the description of the
+    /// message `peer` sends next on the device and compares it with
+    /// `call`. On a difference the sender's message is already on its way
+    /// through NCCL: it is received into a scratch buffer of its own size
+    /// (freed once it has arrived), so that the world goes on, and this
+    /// receive fails with `Mismatch` naming both, its buffer untouched.
+    fn expect(&self, call: DeviceCall, peer: Rank) -> Result<(), WorldError> {
+        if !self.world.shared.config.check_device_calls {
+            return Ok(());
+        }
+        let w = &self.world.shared;
+        w.check()?;
+        let mut got = self.words_tensor(vec![0; WORDS])?;
+        let comm = self.world.communicator();
+        self.wait_for_check(comm.recv(peer, DEVICE_P2P_TAG, &mut got))?;
+        let sent = got
+            .as_slice::<u64>()
+            .map_err(|e| check_unusable(w, &e.to_string()))?;
+        let Err(detail) = device_calls::matches_sent(sent, &call, peer, w.rank) else {
+            return Ok(());
+        };
+        let Some((dtype, len)) = device_calls::sent_message(sent) else {
+            // Not a description this version writes: the streams are apart.
+            w.break_with(BreakCause::Device { reason: detail });
+            return Err(w.unusable());
+        };
+        // Drain the sender's message, in this receive's place in NCCL's order.
+        let mut scratch = self.alloc(dtype, len)?;
+        let op = self.issue("device_recv", |c| c.recv(&mut scratch, peer.0 as usize))?;
+        let drained = async move {
+            let mut op = op;
+            match op.completed().await {
+                Ok(()) => drop(scratch),
+                // A kernel may still write it until the abort returns.
+                Err(_) => std::mem::forget(scratch),
+            }
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(h) => drop(h.spawn(drained)),
+            // `wait_for_check` needed the runtime: unreachable, and leaking
+            // the scratch is the safe side.
+            Err(_) => std::mem::forget(drained),
+        }
+        Err(WorldError::Mismatch {
+            world: w.name.clone(),
+            detail,
+        })
+    }
+
+    /// A tensor of description words.
+    fn words_tensor(&self, words: Vec<u64>) -> Result<Tensor, WorldError> {
+        let len = words.len();
+        Tensor::from_vec(words, [len]).map_err(|e| check_unusable(&self.world.shared, &e.to_string()))
+    }
+
+    /// Waits on this thread for one step of the check over TCP: at most the
+    /// device operations' deadline (the check is bounded like the device
+    /// call it guards), past which the world breaks with `OpDeadline` (a
+    /// TCP call cut off part-way leaves the members' streams apart).
+    fn wait_for_check<T>(
+        &self,
+        step: impl std::future::Future<Output = Result<T, multiworld_tcp::Error>>,
+    ) -> Result<T, WorldError> {
+        let w = &self.world.shared;
+        let handle = tokio::runtime::Handle::try_current()
+            .map_err(|_| check_unusable(w, "a device call must be made from within the runtime"))?;
+        if handle.runtime_flavor() != tokio::runtime::RuntimeFlavor::MultiThread {
+            return Err(check_unusable(
+                w,
+                "a device call must be made on a multi-threaded runtime",
+            ));
+        }
+        let limit = w.config.op_timeout.unwrap_or(DEFAULT_DEVICE_OP_TIMEOUT);
+        // Off the async worker, as the enqueue itself is (see `blocking`):
+        // the TCP I/O runs on the runtime's other threads meanwhile.
+        match tokio::task::block_in_place(|| handle.block_on(tokio::time::timeout(limit, step))) {
+            Ok(r) => r.map_err(|e| self.world.collective_error(e)),
+            Err(_) => {
+                w.break_with(BreakCause::OpDeadline {
+                    op: "device_check".into(),
+                    after: limit,
+                });
+                Err(w.unusable())
+            }
+        }
     }
 
     fn issue(
@@ -775,13 +855,18 @@ impl NcclWorld {
         self.issue("device_reduce_scatter", |c| c.reduce_scatter(send, recv, op))
     }
 
-    /// Sends `buf` to `peer`.
+    /// Sends `buf` to `peer`. With `check_device_calls`, its description
+    /// goes to `peer` over TCP first (without waiting).
     pub fn send(&self, buf: &DeviceBuffer, peer: Rank) -> Result<DeviceOp, WorldError> {
+        self.announce(DeviceCall::message(buf.dtype(), buf.len()), peer)?;
         self.issue("device_send", |c| c.send(buf, peer.0 as usize))
     }
 
-    /// Receives into `buf` from `peer`.
+    /// Receives into `buf` from `peer`. With `check_device_calls`, it first
+    /// waits for the sender's description of the message and fails with
+    /// `Mismatch` (buffer untouched, world usable) if it differs.
     pub fn recv(&self, buf: &mut DeviceBuffer, peer: Rank) -> Result<DeviceOp, WorldError> {
+        self.expect(DeviceCall::message(buf.dtype(), buf.len()), peer)?;
         self.issue("device_recv", |c| c.recv(buf, peer.0 as usize))
     }
 

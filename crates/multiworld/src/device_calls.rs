@@ -5,7 +5,9 @@
 //! the check on, every member's description of its call is gathered over
 //! the world's TCP mesh before the call reaches NCCL and compared here, so
 //! that members that disagree all fail with the same `Mismatch` and nothing
-//! is enqueued. Pure: the encoding and the comparison; `device` gathers.
+//! is enqueued. A point-to-point message is described the same way: the
+//! sender announces it over TCP, and the receiver compares it with its
+//! receive. Pure: the encoding and the comparisons; `device` moves them.
 
 use multiworld_types::{DType, Rank, ReduceOp};
 
@@ -19,8 +21,9 @@ const MAGIC: u64 = 0x4d57_4445_5600_0000;
 const KIND_MASK: u64 = 0xff;
 const NONE: u64 = u64::MAX;
 
-/// The collectives the check knows, by code (the index).
-const KINDS: [&str; 9] = [
+/// The calls the check knows, by code (the index): the collectives, and
+/// the message of a point-to-point send.
+const KINDS: [&str; 10] = [
     "barrier",
     "broadcast",
     "reduce",
@@ -30,6 +33,7 @@ const KINDS: [&str; 9] = [
     "all_to_all",
     "gather",
     "scatter",
+    "send",
 ];
 
 /// One member's device collective, as every member must call it.
@@ -48,6 +52,18 @@ pub(crate) struct DeviceCall {
 }
 
 impl DeviceCall {
+    /// A point-to-point message of `count` elements of `dtype` (what the
+    /// sender announces and the receiver expects).
+    pub fn message(dtype: DType, count: usize) -> DeviceCall {
+        DeviceCall {
+            kind: "send",
+            dtype: Some(dtype),
+            count,
+            root: None,
+            op: None,
+        }
+    }
+
     /// This call as gathered: [`WORDS`] words.
     pub fn words(&self) -> [u64; WORDS] {
         let kind = KINDS
@@ -105,6 +121,35 @@ pub(crate) fn agree(all: &[u64]) -> Result<(), String> {
             ))
         }
     }
+}
+
+/// Compares the description `sent` that rank `from` announced for its
+/// next device message with the receive `mine` of rank `me`. `Err` names
+/// both.
+pub(crate) fn matches_sent(sent: &[u64], mine: &DeviceCall, from: Rank, me: Rank) -> Result<(), String> {
+    if sent == mine.words() {
+        return Ok(());
+    }
+    let what = |w: &[u64]| match sent_message(w) {
+        Some((dtype, count)) => format!("{count} × {dtype}"),
+        None => describe(w),
+    };
+    Err(format!(
+        "the device message disagrees with its receive: rank {from} sends {}, rank {me} receives {}",
+        what(sent),
+        what(&mine.words())
+    ))
+}
+
+/// The dtype and element count of an announced point-to-point message,
+/// if `w` is one.
+pub(crate) fn sent_message(w: &[u64]) -> Option<(DType, usize)> {
+    let send = KINDS.iter().position(|k| *k == "send")? as u64;
+    if w.len() != WORDS || w[0] != MAGIC | send {
+        return None;
+    }
+    let dtype = u8::try_from(w[1]).ok().and_then(DType::from_code)?;
+    Some((dtype, usize::try_from(w[2]).ok()?))
 }
 
 #[cfg(test)]
@@ -198,6 +243,37 @@ mod tests {
             err.ends_with("rank 1 calls all_reduce of 4 × float32 (max)"),
             "{err}"
         );
+    }
+
+    /// A point-to-point message matches its receive only with the same
+    /// dtype and count; a difference names both, and the sender's message
+    /// is read back for draining.
+    #[test]
+    fn a_message_and_its_receive() {
+        let sent = DeviceCall::message(DType::F32, 5).words();
+        assert_eq!(
+            matches_sent(&sent, &DeviceCall::message(DType::F32, 5), Rank(0), Rank(1)),
+            Ok(())
+        );
+        let err = matches_sent(&sent, &DeviceCall::message(DType::F32, 4), Rank(0), Rank(1)).unwrap_err();
+        assert_eq!(
+            err,
+            "the device message disagrees with its receive: rank 0 sends 5 × float32, rank 1 receives 4 × float32"
+        );
+        let err = matches_sent(&sent, &DeviceCall::message(DType::I64, 5), Rank(0), Rank(1)).unwrap_err();
+        assert!(err.ends_with("rank 1 receives 5 × int64"), "{err}");
+        assert_eq!(sent_message(&sent), Some((DType::F32, 5)));
+        // Not a message's description: nothing to drain by.
+        assert_eq!(sent_message(&call("all_reduce", 5).words()), None);
+        assert_eq!(sent_message(&[1, 2, 3, 4, 5]), None);
+        let err = matches_sent(
+            &[1, 2, 3, 4, 5],
+            &DeviceCall::message(DType::F32, 5),
+            Rank(0),
+            Rank(1),
+        )
+        .unwrap_err();
+        assert!(err.contains("rank 0 sends something other than"), "{err}");
     }
 
     /// A row that is not a description (a member in another collective of

@@ -252,6 +252,84 @@ async fn a_checked_call_no_member_answers_ends_at_the_deadline_and_members_set_t
     m1.shutdown().await;
 }
 
+/// With `check_device_calls`, a device receive that disagrees with the
+/// message its peer sends fails at once with `Mismatch` naming both (the
+/// sender's message is drained into scratch memory, so the world goes on),
+/// and one that agrees is enqueued. (The fake NCCL never moves a message
+/// between two communicators, so neither the drain nor the agreed message
+/// completes here.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checked_device_receive_that_disagrees_with_its_message_fails_and_the_world_goes_on() {
+    let (_g, f) = fake::fake();
+    let (m0, store) = manager(&f).await;
+    let m1 = WorldManager::default();
+    m1.use_nccl_runtime(f.runtime().unwrap());
+    let cfg = |rank| {
+        let mut c = nccl_cfg("checked-p2p", rank, 2, &store);
+        c.check_device_calls = true;
+        // The fake never completes a message between two communicators:
+        // long enough that nothing here ends at the deadline.
+        c.op_timeout = Some(Duration::from_secs(30));
+        c
+    };
+    let (a, b) = tokio::join!(m0.join(cfg(0)), m1.join(cfg(1)));
+    let (a, b) = (a.unwrap(), b.unwrap());
+    let (na, nb) = (a.nccl().unwrap(), b.nccl().unwrap());
+    // Every buffer made before anything is enqueued: the fake's stream
+    // stays busy with the messages it never moves, and a copy would wait
+    // behind them.
+    let sends: Vec<_> = [5, 4]
+        .map(|n| na.upload(DType::F32, &f32_bytes(&ramp(n, 1.0))).unwrap())
+        .into();
+    let recvs: Vec<_> = [4, 4]
+        .map(|n| nb.upload(DType::F32, &vec![POISON; n * 4]).unwrap())
+        .into();
+    let (mut sends, mut recvs) = (sends.into_iter(), recvs.into_iter());
+    let mut exchange = || {
+        let (na, nb) = (na.clone(), nb.clone());
+        let (send_buf, mut recv_buf) = (sends.next().unwrap(), recvs.next().unwrap());
+        async move {
+            let send = tokio::task::spawn_blocking(move || {
+                let op = na.send(&send_buf, Rank(1)).map(drop);
+                // The fake never reads it: kept for the rest of the test.
+                std::mem::forget(send_buf);
+                op
+            });
+            let recv = tokio::task::spawn_blocking(move || {
+                let r = nb.recv(&mut recv_buf, Rank(0)).map(drop);
+                std::mem::forget(recv_buf);
+                r
+            });
+            (send.await.unwrap(), recv.await.unwrap())
+        }
+    };
+    let started = Instant::now();
+    let (sent, received) = exchange().await;
+    sent.unwrap();
+    match received {
+        Err(WorldError::Mismatch { world, detail }) => {
+            assert_eq!(world.as_str(), "checked-p2p");
+            assert_eq!(
+                detail,
+                "the device message disagrees with its receive: rank 0 sends 5 × float32, rank 1 receives 4 × float32"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!((a.state(), b.state()), (WorldState::Ready, WorldState::Ready));
+    // The next message agrees with its receive: it passes and is enqueued.
+    let (sent, received) = exchange().await;
+    sent.unwrap();
+    received.unwrap();
+    m0.shutdown().await;
+    m1.shutdown().await;
+}
+
 /// An operation that completes long after the runtime's eager polls (held
 /// here until released) is seen by the blocking poller, promptly; a wait
 /// dropped while its operation hangs stops polling and leaves the world

@@ -340,8 +340,17 @@ class AsyncWorld:
             self._in_a_row += 1
             return got
         posted = native.irecv_plain(lent, src, tag, True)
-        work = (_api._LentRecv(posted, tensor) if posted is not None
-                else self.sync.irecv(tensor, src, tag, _off_loop=True))
+        if posted is not None:
+            work: Work = _api._LentRecv(posted, tensor)
+        elif getattr(self.sync, "checks_device_calls", False):
+            # A device receive of a world that checks its device calls
+            # first waits, on the calling thread, for the sender's
+            # description of the message: started on the pool, so that the
+            # loop goes on (once started, a device receive cannot be
+            # withdrawn).
+            work = await _call(self.sync.irecv, tensor, src, tag, _off_loop=True)
+        else:
+            work = self.sync.irecv(tensor, src, tag, _off_loop=True)
         await self._finish(work, True)
         return work.source  # type: ignore[attr-defined]
 
