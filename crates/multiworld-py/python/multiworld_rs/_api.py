@@ -1105,12 +1105,13 @@ class WorldManager:
         ``device``: an NCCL world's CUDA device (an int, ``"cuda:N"`` or a
         ``torch.device``); by default torch's current device when torch is
         imported and has CUDA, else device 0.
-        ``check_device_calls``: an NCCL world compares every member's
-        description of each device collective over TCP before it reaches
-        NCCL, so that members that disagree (dtype, size, root, op) all raise
+        ``check_device_calls``: an NCCL world checks each device call
+        against the other members over TCP before it reaches NCCL (every
+        member's description of a collective; a message against its
+        receive), so that a disagreement (dtype, size, root, op) raises
         :class:`~multiworld_rs.errors.MismatchError` instead of hanging or
-        computing garbage; a small all-gather per call, so off by default
-        (point-to-point calls are not checked)."""
+        computing garbage; a small exchange per call, so off by default.
+        Every member must pass the same setting."""
         if not isinstance(name, str):
             raise TypeError(f"name must be a string, got {name!r}")
         if not isinstance(store, str):
