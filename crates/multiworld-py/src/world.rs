@@ -1294,9 +1294,10 @@ impl World {
         Ok(self.w()?.generation().0)
     }
 
-    /// Whether its device collectives first wait, on the calling thread,
-    /// for every member's description of the call (`check_device_calls` on
-    /// an NCCL world).
+    /// Whether its device calls are first checked against the other
+    /// members, waiting on the calling thread (`check_device_calls` on an
+    /// NCCL world): a collective for every member's description of it, a
+    /// receive for its sender's description of the message.
     #[getter]
     fn checks_device_calls(&self) -> PyResult<bool> {
         Ok(self.w()?.checks_device_calls())

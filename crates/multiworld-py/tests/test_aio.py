@@ -919,18 +919,24 @@ def test_loops_closed_with_a_send_still_going_are_freed_and_the_sends_still_arri
         m1.shutdown()
 
 
-def test_checked_device_collectives_start_off_the_event_loop():
-    """On a world that checks its device calls (``checks_device_calls``),
-    a collective's start waits for every member's description of the call,
-    and a device receive's for its sender's, so the asyncio API starts them
-    on its pool and the loop goes on; on any other world they start on the
-    loop, as before. A TCP world never checks, whatever
-    ``check_device_calls`` says."""
+def test_checked_device_calls_start_off_the_event_loop_in_call_order(monkeypatch):
+    """On an NCCL world that checks its device calls
+    (``checks_device_calls``), a device collective's start waits for every
+    member's description of the call, and a device receive's for its
+    sender's: the asyncio API starts them on a thread of their own, one per
+    kind (the collectives; the receives from one source), so the loop goes
+    on and they start in the order they were called. Host calls, and every
+    call of a world that does not check, start on the loop as before. A TCP
+    world never checks, whatever ``check_device_calls`` says. (No GPU here:
+    numpy arrays stand in for CUDA tensors.)"""
+    monkeypatch.setattr(aio, "_is_cuda", lambda t: isinstance(t, np.ndarray))
+    monkeypatch.setattr(aio, "_stream_of", lambda args: None)
     m = mw.WorldManager()
     store = m.serve_store("127.0.0.1:0")
     w = m.join(unique("one"), 0, 1, store, check_device_calls=True)
     assert w.checks_device_calls is False
     started_on = []
+    ended = []
 
     class Done:
         """A receive that has ended (from rank 0)."""
@@ -960,8 +966,11 @@ def test_checked_device_collectives_start_off_the_event_loop():
             started_on.append(threading.get_ident())
             return w.all_reduce(*args, **kw)
 
-        def irecv(self, *args, **kw):
+        def irecv(self, tensor, *args, **kw):
             started_on.append(threading.get_ident())
+            if tensor.size == 2:
+                time.sleep(0.05)  # the first waits for its sender
+            ended.append(tensor.size)
             return Done()
 
     class Unchecked(Checked):
@@ -970,14 +979,44 @@ def test_checked_device_collectives_start_off_the_event_loop():
     async def main():
         loop_thread = threading.get_ident()
         x = np.arange(4, dtype=np.float32)
-        await aio.AsyncWorld(Checked()).all_reduce(x)
-        await aio.AsyncWorld(Unchecked()).all_reduce(x)
-        assert await aio.AsyncWorld(Checked()).recv_into(x, 0) == 0
-        assert await aio.AsyncWorld(Unchecked()).recv_into(x, 0) == 0
-        return loop_thread, x
+        checked, unchecked = aio.AsyncWorld(Checked()), aio.AsyncWorld(Unchecked())
+        await checked.all_reduce(x)
+        await unchecked.all_reduce(x)
+        assert await checked.recv_into(x, 0) == 0
+        assert await unchecked.recv_into(x, 0) == 0
+        first = [t == loop_thread for t in started_on]
+        ended.clear()
+        await asyncio.gather(checked.recv_into(np.zeros(2, dtype=np.float32), 0),
+                             checked.recv_into(np.zeros(3, dtype=np.float32), 0))
+        return first, x
 
-    loop_thread, x = asyncio.run(main())
-    on_loop = [t == loop_thread for t in started_on]
-    assert on_loop == [False, True, False, True], (started_on, loop_thread)
+    on_loop, x = asyncio.run(main())
+    assert on_loop == [False, True, False, True], on_loop
+    assert ended == [2, 3], f"the receives from one source started out of order: {ended}"
     assert (x == np.arange(4, dtype=np.float32)).all()
+    m.shutdown()
+
+
+def test_checked_device_calls_start_on_the_loop_elsewhere(monkeypatch):
+    """The same proxies without the check, and host arrays on a checking
+    world: every start is on the loop's thread."""
+    monkeypatch.setattr(aio, "_is_cuda", lambda t: False)
+    m = mw.WorldManager()
+    store = m.serve_store("127.0.0.1:0")
+    w = m.join(unique("one"), 0, 1, store)
+    started_on = []
+
+    class Checked:
+        checks_device_calls = True
+
+        def all_reduce(self, *args, **kw):
+            started_on.append(threading.get_ident())
+            return w.all_reduce(*args, **kw)
+
+    async def main():
+        await aio.AsyncWorld(Checked()).all_reduce(np.arange(4, dtype=np.float32))
+        return threading.get_ident()
+
+    loop_thread = asyncio.run(main())
+    assert started_on == [loop_thread], (started_on, loop_thread)
     m.shutdown()

@@ -114,7 +114,9 @@ CUresult cuMemsetD8Async(unsigned long long dst, unsigned char v, size_t n, stru
 CUresult cuMemHostAlloc(void **p, size_t n, unsigned flags) {
   (void)flags;
   if (g_no_pinned) return 2; /* CUDA_ERROR_OUT_OF_MEMORY */
-  *p = malloc(n); __sync_fetch_and_add(&g_pinned, 1); return 0;
+  *p = malloc(n);
+  if (!*p) return 2; /* CUDA_ERROR_OUT_OF_MEMORY */
+  __sync_fetch_and_add(&g_pinned, 1); return 0;
 }
 CUresult cuMemFreeHost(void *p) { free(p); __sync_fetch_and_sub(&g_pinned, 1); return 0; }
 CUresult cuGetErrorString(CUresult r, const char **s) { (void)r; *s = "fake CUDA error"; return 0; }
@@ -130,7 +132,9 @@ CUresult cuMemPoolCreate(void **pool, const struct pool_props *p) {
 CUresult cuMemPoolDestroy(void *pool) { (void)pool; __sync_fetch_and_sub(&g_pools, 1); return 0; }
 CUresult cuMemAllocFromPoolAsync(unsigned long long *p, size_t n, void *pool, struct fake_stream *s) {
   if (!pool || !s || s->magic != STREAM_MAGIC || n == 0) return 1;
-  *p = (unsigned long long)(uintptr_t)malloc(n); __sync_fetch_and_add(&g_allocs, 1); return 0;
+  void *m = malloc(n);
+  if (!m) return 2; /* CUDA_ERROR_OUT_OF_MEMORY, as the real driver says */
+  *p = (unsigned long long)(uintptr_t)m; __sync_fetch_and_add(&g_allocs, 1); return 0;
 }
 CUresult cuMemFreeAsync(unsigned long long p, struct fake_stream *s) {
   (void)s; free((void *)(uintptr_t)p); __sync_fetch_and_sub(&g_allocs, 1); return 0;

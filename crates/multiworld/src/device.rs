@@ -21,7 +21,7 @@
 //!   tensors. The buffers come from a [`DeviceContext`](multiworld_nccl::DeviceContext)
 //!   or an NCCL world.
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use multiworld_nccl::{
@@ -100,6 +100,13 @@ pub(crate) struct DeviceSide {
     pub(crate) comm: NcclComm,
     /// Operations issued and not yet seen complete by the watchdog.
     pending: Mutex<Vec<Arc<OpHandle>>>,
+    /// Per peer, held by a checked send (`check_device_calls`) from its
+    /// enqueue to its announcement, and by a checked receive from reading
+    /// the announcement to its enqueue: messages and their descriptions
+    /// stay in one order however many threads send or receive. Two locks,
+    /// so that a thread receiving from a peer never holds up another
+    /// sending to it.
+    p2p: Vec<(Mutex<()>, Mutex<()>)>,
 }
 
 impl DeviceSide {
@@ -247,6 +254,7 @@ pub(crate) async fn join(
     Ok(DeviceSide {
         comm,
         pending: Mutex::new(Vec::new()),
+        p2p: (0..config.size).map(|_| Default::default()).collect(),
     })
 }
 
@@ -589,33 +597,42 @@ impl NcclWorld {
         })
     }
 
-    /// With `check_device_calls`, the sender's side of the point-to-point
-    /// check: its description of the message goes to `peer` over TCP, in
-    /// the order of its device sends, without waiting.
-    fn announce(&self, call: DeviceCall, peer: Rank) -> Result<(), WorldError> {
-        if !self.world.shared.config.check_device_calls {
-            return Ok(());
+    /// A send: enqueued, then, with `check_device_calls`, announced to
+    /// `peer` over TCP (without waiting), both under the peer's send lock,
+    /// so that descriptions go in the order of the messages. A send that
+    /// failed to enqueue announces nothing.
+    fn checked_send(&self, buf: &DeviceBuffer, peer: Rank) -> Result<DeviceOp, WorldError> {
+        let w = &self.world.shared;
+        if !w.config.check_device_calls {
+            return self.issue("device_send", |c| c.send(buf, peer.0 as usize));
         }
-        self.world.shared.check()?;
-        let words = self.words_tensor(call.words().to_vec())?;
-        // Its place in the order to `peer` is taken here; it is written in
-        // the background (a failure shows as the world's, on both sides).
+        let locks = self.peer_locks(peer)?;
+        let _order = locks.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let op = self.issue("device_send", |c| c.send(buf, peer.0 as usize))?;
+        let words = self.words_tensor(DeviceCall::message(buf.dtype(), buf.len()).words().to_vec())?;
+        // Written in the background; a failure to write it is the
+        // connection's, which breaks the world on both sides.
         drop(self.world.communicator().isend(peer, DEVICE_P2P_TAG, words));
-        Ok(())
+        Ok(op)
     }
 
-    /// With `check_device_calls`, the receiver's side: waits (on this
-    /// thread, at most the device deadline) for the description of the
-    /// message `peer` sends next on the device and compares it with
-    /// `call`. On a difference the sender's message is already on its way
-    /// through NCCL: it is received into a scratch buffer of its own size
-    /// (freed once it has arrived), so that the world goes on, and this
-    /// receive fails with `Mismatch` naming both, its buffer untouched.
-    fn expect(&self, call: DeviceCall, peer: Rank) -> Result<(), WorldError> {
-        if !self.world.shared.config.check_device_calls {
-            return Ok(());
-        }
+    /// A receive: with `check_device_calls`, under the peer's receive lock,
+    /// it waits (on this thread, at most the device deadline) for the
+    /// description of the message `peer` sent next and compares it with
+    /// this receive. On a difference, or if this receive then fails to
+    /// enqueue, the sender's message is already on its way through NCCL:
+    /// it is received into scratch device memory of its own size in this
+    /// receive's place (freed once it has arrived), so that the world goes
+    /// on, and this receive fails (`Mismatch` naming both, its buffer
+    /// untouched). If even that cannot be done, messages and descriptions
+    /// would be apart for good: the world breaks.
+    fn checked_recv(&self, buf: &mut DeviceBuffer, peer: Rank) -> Result<DeviceOp, WorldError> {
         let w = &self.world.shared;
+        if !w.config.check_device_calls {
+            return self.issue("device_recv", |c| c.recv(buf, peer.0 as usize));
+        }
+        let locks = self.peer_locks(peer)?;
+        let _order = locks.1.lock().unwrap_or_else(PoisonError::into_inner);
         w.check()?;
         let mut got = self.words_tensor(vec![0; WORDS])?;
         let comm = self.world.communicator();
@@ -623,35 +640,58 @@ impl NcclWorld {
         let sent = got
             .as_slice::<u64>()
             .map_err(|e| check_unusable(w, &e.to_string()))?;
-        let Err(detail) = device_calls::matches_sent(sent, &call, peer, w.rank) else {
-            return Ok(());
+        let mine = DeviceCall::message(buf.dtype(), buf.len());
+        let failure = match device_calls::matches_sent(sent, &mine, peer, w.rank) {
+            Ok(()) => match self.issue("device_recv", |c| c.recv(buf, peer.0 as usize)) {
+                Ok(op) => return Ok(op),
+                Err(e) if e.is_world_broken() => return Err(e),
+                Err(e) => e,
+            },
+            Err(detail) => WorldError::Mismatch {
+                world: w.name.clone(),
+                detail,
+            },
         };
-        let Some((dtype, len)) = device_calls::sent_message(sent) else {
-            // Not a description this version writes: the streams are apart.
-            w.break_with(BreakCause::Device { reason: detail });
+        if let Err(why) = self.drain(sent, peer) {
+            w.break_with(BreakCause::Device {
+                reason: format!(
+                    "a device message from rank {peer} could not be received after its receive failed                      ({failure}): {why}"
+                ),
+            });
             return Err(w.unusable());
-        };
-        // Drain the sender's message, in this receive's place in NCCL's order.
-        let mut scratch = self.alloc(dtype, len)?;
-        let op = self.issue("device_recv", |c| c.recv(&mut scratch, peer.0 as usize))?;
-        let drained = async move {
-            let mut op = op;
+        }
+        Err(failure)
+    }
+
+    /// Receives the message `peer` announced with `sent` into scratch
+    /// device memory of its size, freed once it has arrived (and kept
+    /// forever if that fails: a kernel may write it until the abort).
+    fn drain(&self, sent: &[u64], peer: Rank) -> Result<(), String> {
+        let (dtype, len) = device_calls::sent_message(sent)
+            .ok_or_else(|| "its description is not one of a message".to_string())?;
+        let mut scratch = self.alloc(dtype, len).map_err(|e| e.to_string())?;
+        let mut op = self
+            .issue("device_recv_drain", |c| c.recv(&mut scratch, peer.0 as usize))
+            .map_err(|e| e.to_string())?;
+        let handle = tokio::runtime::Handle::try_current().map_err(|e| e.to_string())?;
+        drop(handle.spawn(async move {
             match op.completed().await {
                 Ok(()) => drop(scratch),
-                // A kernel may still write it until the abort returns.
                 Err(_) => std::mem::forget(scratch),
             }
-        };
-        match tokio::runtime::Handle::try_current() {
-            Ok(h) => drop(h.spawn(drained)),
-            // `wait_for_check` needed the runtime: unreachable, and leaking
-            // the scratch is the safe side.
-            Err(_) => std::mem::forget(drained),
-        }
-        Err(WorldError::Mismatch {
-            world: w.name.clone(),
-            detail,
-        })
+        }));
+        Ok(())
+    }
+
+    /// The send and receive locks of `peer`.
+    fn peer_locks(&self, peer: Rank) -> Result<&(Mutex<()>, Mutex<()>), WorldError> {
+        self.dev
+            .p2p
+            .get(peer.index())
+            .ok_or_else(|| WorldError::InvalidArgument {
+                world: self.world.shared.name.clone(),
+                detail: format!("no rank {peer} in a world of {}", self.world.shared.size),
+            })
     }
 
     /// A tensor of description words.
@@ -856,18 +896,16 @@ impl NcclWorld {
     }
 
     /// Sends `buf` to `peer`. With `check_device_calls`, its description
-    /// goes to `peer` over TCP first (without waiting).
+    /// then goes to `peer` over TCP (without waiting).
     pub fn send(&self, buf: &DeviceBuffer, peer: Rank) -> Result<DeviceOp, WorldError> {
-        self.announce(DeviceCall::message(buf.dtype(), buf.len()), peer)?;
-        self.issue("device_send", |c| c.send(buf, peer.0 as usize))
+        self.checked_send(buf, peer)
     }
 
     /// Receives into `buf` from `peer`. With `check_device_calls`, it first
     /// waits for the sender's description of the message and fails with
     /// `Mismatch` (buffer untouched, world usable) if it differs.
     pub fn recv(&self, buf: &mut DeviceBuffer, peer: Rank) -> Result<DeviceOp, WorldError> {
-        self.expect(DeviceCall::message(buf.dtype(), buf.len()), peer)?;
-        self.issue("device_recv", |c| c.recv(buf, peer.0 as usize))
+        self.checked_recv(buf, peer)
     }
 
     /// All-to-all with equal slices.

@@ -986,9 +986,10 @@ impl World {
         self.shared.config.op_timeout
     }
 
-    /// Whether this world's device collectives wait for every member's
-    /// description of the call before they start
-    /// (`WorldConfig::check_device_calls` on an NCCL world).
+    /// Whether this world checks its device calls against the other
+    /// members before they reach NCCL (`WorldConfig::check_device_calls`
+    /// on an NCCL world): a collective waits for every member's description
+    /// of it, a receive for its sender's description of the message.
     pub fn checks_device_calls(&self) -> bool {
         self.shared.config.check_device_calls && self.shared.config.backend == crate::Backend::Nccl
     }

@@ -255,9 +255,10 @@ async fn a_checked_call_no_member_answers_ends_at_the_deadline_and_members_set_t
 /// With `check_device_calls`, a device receive that disagrees with the
 /// message its peer sends fails at once with `Mismatch` naming both (the
 /// sender's message is drained into scratch memory, so the world goes on),
-/// and one that agrees is enqueued. (The fake NCCL never moves a message
-/// between two communicators, so neither the drain nor the agreed message
-/// completes here.)
+/// and one that agrees is enqueued; a message too large to drain breaks
+/// the world. (The fake NCCL never moves a message between two
+/// communicators, so neither the drain nor the agreed message completes
+/// here.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_checked_device_receive_that_disagrees_with_its_message_fails_and_the_world_goes_on() {
     let (_g, f) = fake::fake();
@@ -326,6 +327,31 @@ async fn a_checked_device_receive_that_disagrees_with_its_message_fails_and_the_
     let (sent, received) = exchange().await;
     sent.unwrap();
     received.unwrap();
+
+    // A message the receiver cannot hold (announced by hand here: 2^50
+    // floats) cannot be drained either: the messages and their
+    // descriptions would be apart for good, so the world breaks.
+    let words: Vec<u64> = vec![0x4d57_4445_5600_0009, 3, 1 << 50, u64::MAX, 0];
+    a.communicator()
+        .send(Rank(1), multiworld_types::runtime_tag(1), &words[..])
+        .await
+        .unwrap();
+    let nb2 = nb.clone();
+    let r = tokio::task::spawn_blocking(move || {
+        let mut buf = nb2.alloc(DType::F32, 4).unwrap();
+        let r = nb2.recv(&mut buf, Rank(0)).map(drop);
+        std::mem::forget(buf);
+        r
+    })
+    .await
+    .unwrap();
+    match r {
+        Err(WorldError::Broken {
+            cause: BreakCause::Device { reason },
+            ..
+        }) => assert!(reason.contains("could not be received"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
     m0.shutdown().await;
     m1.shutdown().await;
 }

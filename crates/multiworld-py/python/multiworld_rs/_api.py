@@ -434,8 +434,10 @@ class World:
 
     @property
     def checks_device_calls(self) -> bool:
-        """Whether its device collectives first wait, on the calling thread,
-        for every member's description of the call and raise
+        """Whether its device calls are first checked against the other
+        members, waiting on the calling thread (a collective for every
+        member's description of it, a receive for its sender's description
+        of the message), and raise
         :class:`~multiworld_rs.errors.MismatchError` if they differ
         (``join(..., check_device_calls=True)`` on an NCCL world)."""
         return bool(self._w.checks_device_calls)

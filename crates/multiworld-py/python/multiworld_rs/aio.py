@@ -44,6 +44,7 @@ import numpy as np
 
 from . import _api, _native
 from ._api import ReduceOp, Work, World, WorldInfo, WorldManager, _lendable, _seconds
+from ._device import is_cuda as _is_cuda
 
 __all__ = ["AsyncWorldManager", "AsyncWorld", "AsyncGroup"]
 
@@ -220,6 +221,27 @@ async def _call(fn: Any, *args: Any, **kw: Any) -> Any:
     return await loop.run_in_executor(_POOL.get(), lambda: fn(*args, **kw))
 
 
+def _tensors_in(args: Any) -> Any:
+    """The tensors among call arguments (lists of them included)."""
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            yield from _tensors_in(a)
+        else:
+            yield a
+
+
+def _stream_of(args: Any) -> Any:
+    """Torch's current stream (on this thread) of the first CUDA tensor among
+    ``args``, or ``None``: a device call started on another thread must be
+    ordered behind the caller's stream, not that thread's."""
+    for t in _tensors_in(args):
+        if _is_cuda(t):
+            import torch  # type: ignore[import-not-found, import-untyped, unused-ignore]
+
+            return torch.cuda.current_stream(t.device)
+    return None
+
+
 class AsyncWorld:
     """The coroutine form of :class:`multiworld_rs.World`: the same methods,
     awaited. Collectives write their results in place, as in the
@@ -229,6 +251,8 @@ class AsyncWorld:
         self.sync = world
         """The synchronous world (same membership)."""
         self._in_a_row = 0
+        # One thread per kind of checked device call (see `_start_checked`).
+        self._starters: Dict[Any, _api._ProcessPool] = {}
 
     def __repr__(self) -> str:
         return f"Async{self.sync!r}"
@@ -342,13 +366,9 @@ class AsyncWorld:
         posted = native.irecv_plain(lent, src, tag, True)
         if posted is not None:
             work: Work = _api._LentRecv(posted, tensor)
-        elif getattr(self.sync, "checks_device_calls", False):
-            # A device receive of a world that checks its device calls
-            # first waits, on the calling thread, for the sender's
-            # description of the message: started on the pool, so that the
-            # loop goes on (once started, a device receive cannot be
-            # withdrawn).
-            work = await _call(self.sync.irecv, tensor, src, tag, _off_loop=True)
+        elif self._device_checked((tensor,)):
+            # Its start waits for the sender's description of the message.
+            work = await self._start_checked(("recv", src), self.sync.irecv, tensor, src, tag, _off_loop=True)
         else:
             work = self.sync.irecv(tensor, src, tag, _off_loop=True)
         await self._finish(work, True)
@@ -357,28 +377,55 @@ class AsyncWorld:
     # -- collectives (see the synchronous methods for the semantics) ---------
     async def _collective(self, start: Any, *args: Any) -> Any:
         """Starts a collective (``start(*args, async_op=True)``) and awaits
-        its end. On a world that checks its device calls
-        (``check_device_calls``), starting waits on the calling thread for
-        every member's description of the call: then it starts on the
-        housekeeping pool, so that the loop goes on meanwhile."""
-        if not getattr(self.sync, "checks_device_calls", False):
-            return await _wait(start(*args, async_op=True))
+        its end (see :meth:`_start_checked` for an NCCL world that checks
+        its device calls)."""
+        if self._device_checked(args):
+            work = await self._start_checked("collective", start, *args, async_op=True)
+        else:
+            work = start(*args, async_op=True)
+        return await _wait(work)
+
+    def _device_checked(self, tensors: Any) -> bool:
+        """Whether a call on ``tensors`` is a device call that this world
+        checks (``check_device_calls``): its start then waits for the other
+        members' descriptions."""
+        if isinstance(self, AsyncGroup) or not getattr(self.sync, "checks_device_calls", False):
+            return False
+        return any(_is_cuda(t) for t in _tensors_in(tensors))
+
+    async def _start_checked(self, key: Any, start: Any, *args: Any, **kw: Any) -> Work:
+        """Starts a checked device call: its start waits, on the calling
+        thread, for the other members' descriptions of the call, so it runs
+        on a thread of its own, one per ``key`` (the collectives, the
+        receives from one source), which keeps such starts in the order they
+        were called, as the loop's thread would; under the caller's torch
+        stream. Cancelled meanwhile, the call goes on (a device call cannot
+        be withdrawn once started) and is watched like a cancelled
+        collective."""
+        stream = _stream_of(args)
+
+        def run() -> Work:
+            if stream is None:
+                return start(*args, **kw)
+            import torch  # type: ignore[import-not-found, import-untyped, unused-ignore]
+
+            with torch.cuda.stream(stream):
+                return start(*args, **kw)
+
+        starter = self._starters.get(key)
+        if starter is None:
+            starter = self._starters[key] = _api._ProcessPool(1, "multiworld-checked")
         loop = asyncio.get_running_loop()
-        starting = loop.run_in_executor(_POOL.get(), lambda: start(*args, async_op=True))
+        starting = loop.run_in_executor(starter.get(), run)
         try:
-            work = await asyncio.shield(starting)
+            return await asyncio.shield(starting)
         except asyncio.CancelledError:
-            # Cancelled while the members compare their calls: the call goes
-            # on, and once started it is watched like any cancelled
-            # collective (the loop still ends it with wait(), which writes
-            # the result of one that copies into the caller's array).
             def watch(f: "asyncio.Future[Any]") -> None:
                 if not f.cancelled() and f.exception() is None and f.result() is not None:
                     _bridge(loop).watch(f.result(), loop)
 
             starting.add_done_callback(watch)
             raise
-        return await _wait(work)
 
     async def broadcast(self, tensor: Any, src: int) -> Any:
         """In-place broadcast from ``src``."""
