@@ -655,7 +655,7 @@ impl NcclWorld {
         if let Err(why) = self.drain(sent, peer) {
             w.break_with(BreakCause::Device {
                 reason: format!(
-                    "a device message from rank {peer} could not be received after its receive failed                      ({failure}): {why}"
+                    "a device message from rank {peer} could not be received after its receive failed ({failure}): {why}"
                 ),
             });
             return Err(w.unusable());
