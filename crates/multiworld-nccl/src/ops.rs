@@ -287,12 +287,26 @@ impl NcclComm {
         })
     }
 
-    /// Sends `buf` to `peer` (`ncclSend`); `peer` must post a matching
-    /// [`recv`](Self::recv).
-    pub fn send(&self, buf: &DeviceBuffer, peer: usize) -> Result<OpHandle, NcclError> {
+    /// The checks [`NcclComm::send`] and [`NcclComm::recv`] make before
+    /// anything is enqueued (the buffer is this communicator's, the peer a
+    /// rank, the dtype one NCCL carries), made alone: a caller that tells
+    /// the peer about a message before enqueueing it learns here whether
+    /// the enqueue would refuse its arguments.
+    pub fn check_p2p(&self, buf: &DeviceBuffer, peer: usize) -> Result<(), NcclError> {
+        self.p2p_args(buf, peer).map(drop)
+    }
+
+    fn p2p_args(&self, buf: &DeviceBuffer, peer: usize) -> Result<(c_int, NcclDataType, usize), NcclError> {
         self.check_owned("buf", buf)?;
         let peer = self.check_rank("peer", peer)?;
         let (t, n) = wire_type(buf.dtype(), buf.len(), self.version())?;
+        Ok((peer, t, n))
+    }
+
+    /// Sends `buf` to `peer` (`ncclSend`); `peer` must post a matching
+    /// [`recv`](Self::recv).
+    pub fn send(&self, buf: &DeviceBuffer, peer: usize) -> Result<OpHandle, NcclError> {
+        let (peer, t, n) = self.p2p_args(buf, peer)?;
         let p = buf.ptr();
         self.issue("send", "ncclSend", move |rt, comm, stream| {
             if n == 0 {
@@ -307,9 +321,7 @@ impl NcclComm {
 
     /// Receives into `buf` from `peer` (`ncclRecv`).
     pub fn recv(&self, buf: &mut DeviceBuffer, peer: usize) -> Result<OpHandle, NcclError> {
-        self.check_owned("buf", buf)?;
-        let peer = self.check_rank("peer", peer)?;
-        let (t, n) = wire_type(buf.dtype(), buf.len(), self.version())?;
+        let (peer, t, n) = self.p2p_args(buf, peer)?;
         let p = buf.ptr();
         self.issue("recv", "ncclRecv", move |rt, comm, stream| {
             if n == 0 {

@@ -597,23 +597,47 @@ impl NcclWorld {
         })
     }
 
-    /// A send: enqueued, then, with `check_device_calls`, announced to
-    /// `peer` over TCP (without waiting), both under the peer's send lock,
-    /// so that descriptions go in the order of the messages. A send that
-    /// failed to enqueue announces nothing.
+    /// A send: with `check_device_calls`, its arguments checked, then
+    /// announced to `peer` over TCP (without waiting), then enqueued, all
+    /// under the peer's send lock, so that descriptions go in the order of
+    /// the messages. Announced before the enqueue: NCCL may not finish
+    /// enqueueing a pair's first send until the receiver has posted its
+    /// receive (the pair connects then), and the receiver posts it once it
+    /// has read the announcement. A send refused for its arguments is
+    /// refused before its announcement; one whose enqueue fails after it
+    /// would leave a description without its message, so the world breaks.
     fn checked_send(&self, buf: &DeviceBuffer, peer: Rank) -> Result<DeviceOp, WorldError> {
         let w = &self.world.shared;
         if !w.config.check_device_calls {
             return self.issue("device_send", |c| c.send(buf, peer.0 as usize));
         }
         let locks = self.peer_locks(peer)?;
-        let _order = locks.0.lock().unwrap_or_else(PoisonError::into_inner);
-        let op = self.issue("device_send", |c| c.send(buf, peer.0 as usize))?;
-        let words = self.words_tensor(DeviceCall::message(buf.dtype(), buf.len()).words().to_vec())?;
-        // Written in the background; a failure to write it is the
-        // connection's, which breaks the world on both sides.
+        // Off the async worker: the lock may be held across a wait.
+        let _order = blocking(|| locks.0.lock().unwrap_or_else(PoisonError::into_inner));
+        w.check()?;
+        self.dev
+            .comm
+            .check_p2p(buf, peer.index())
+            .map_err(|e| w.fail_device(e))?;
+        self.announce(DeviceCall::message(buf.dtype(), buf.len()), peer)?;
+        match self.issue("device_send", |c| c.send(buf, peer.0 as usize)) {
+            Err(e) if !e.is_world_broken() => {
+                w.break_with(BreakCause::Device {
+                    reason: format!("a device send to rank {peer} failed after its announcement: {e}"),
+                });
+                Err(w.unusable())
+            }
+            r => r,
+        }
+    }
+
+    /// Sends the description `call` to `peer` (written in the background:
+    /// a failure to write it is the connection's, which breaks the world on
+    /// both sides).
+    fn announce(&self, call: DeviceCall, peer: Rank) -> Result<(), WorldError> {
+        let words = self.words_tensor(call.words().to_vec())?;
         drop(self.world.communicator().isend(peer, DEVICE_P2P_TAG, words));
-        Ok(op)
+        Ok(())
     }
 
     /// A receive: with `check_device_calls`, under the peer's receive lock,
@@ -624,15 +648,16 @@ impl NcclWorld {
     /// it is received into scratch device memory of its own size in this
     /// receive's place (freed once it has arrived), so that the world goes
     /// on, and this receive fails (`Mismatch` naming both, its buffer
-    /// untouched). If even that cannot be done, messages and descriptions
-    /// would be apart for good: the world breaks.
+    /// untouched; or the enqueue's own error). If even that cannot be done,
+    /// messages and descriptions would be apart for good: the world breaks.
     fn checked_recv(&self, buf: &mut DeviceBuffer, peer: Rank) -> Result<DeviceOp, WorldError> {
         let w = &self.world.shared;
         if !w.config.check_device_calls {
             return self.issue("device_recv", |c| c.recv(buf, peer.0 as usize));
         }
         let locks = self.peer_locks(peer)?;
-        let _order = locks.1.lock().unwrap_or_else(PoisonError::into_inner);
+        // Off the async worker: the lock is held across the wait below.
+        let _order = blocking(|| locks.1.lock().unwrap_or_else(PoisonError::into_inner));
         w.check()?;
         let mut got = self.words_tensor(vec![0; WORDS])?;
         let comm = self.world.communicator();

@@ -255,7 +255,8 @@ async fn a_checked_call_no_member_answers_ends_at_the_deadline_and_members_set_t
 /// With `check_device_calls`, a device receive that disagrees with the
 /// message its peer sends fails at once with `Mismatch` naming both (the
 /// sender's message is drained into scratch memory, so the world goes on),
-/// and one that agrees is enqueued; a message too large to drain breaks
+/// and one that agrees is enqueued; a send refused for its arguments is
+/// refused before its announcement; a message too large to drain breaks
 /// the world. (The fake NCCL never moves a message between two
 /// communicators, so neither the drain nor the agreed message completes
 /// here.)
@@ -279,12 +280,14 @@ async fn a_checked_device_receive_that_disagrees_with_its_message_fails_and_the_
     // Every buffer made before anything is enqueued: the fake's stream
     // stays busy with the messages it never moves, and a copy would wait
     // behind them.
-    let sends: Vec<_> = [5, 4]
+    let sends: Vec<_> = [5, 4, 4]
         .map(|n| na.upload(DType::F32, &f32_bytes(&ramp(n, 1.0))).unwrap())
         .into();
-    let recvs: Vec<_> = [4, 4]
+    let recvs: Vec<_> = [4, 4, 4]
         .map(|n| nb.upload(DType::F32, &vec![POISON; n * 4]).unwrap())
         .into();
+    // Memory of the other member's communicator: a send of it is refused.
+    let foreign = nb.upload(DType::F32, &f32_bytes(&ramp(7, 1.0))).unwrap();
     let (mut sends, mut recvs) = (sends.into_iter(), recvs.into_iter());
     let mut exchange = || {
         let (na, nb) = (na.clone(), nb.clone());
@@ -327,6 +330,24 @@ async fn a_checked_device_receive_that_disagrees_with_its_message_fails_and_the_
     let (sent, received) = exchange().await;
     sent.unwrap();
     received.unwrap();
+    // A send refused for its arguments (7 floats, in memory of the other
+    // member's communicator) is refused before its announcement: the next
+    // receive meets the next message.
+    let na2 = na.clone();
+    let failed = tokio::task::spawn_blocking(move || {
+        let r = na2.send(&foreign, Rank(1)).map(drop);
+        std::mem::forget(foreign);
+        r
+    })
+    .await
+    .unwrap();
+    assert!(
+        matches!(failed, Err(WorldError::InvalidArgument { .. })),
+        "{failed:?}"
+    );
+    let (sent, received) = exchange().await;
+    sent.unwrap();
+    received.unwrap();
 
     // A message the receiver cannot hold (announced by hand here: 2^50
     // floats) cannot be drained either: the messages and their
@@ -349,7 +370,12 @@ async fn a_checked_device_receive_that_disagrees_with_its_message_fails_and_the_
         Err(WorldError::Broken {
             cause: BreakCause::Device { reason },
             ..
-        }) => assert!(reason.contains("could not be received"), "{reason}"),
+        }) => assert!(
+            reason.contains("could not be received")
+                && reason.contains("rank 0 sends 1125899906842624 × float32")
+                && reason.contains("cuMemAllocFromPoolAsync failed with error 2"),
+            "{reason}"
+        ),
         other => panic!("{other:?}"),
     }
     m0.shutdown().await;
