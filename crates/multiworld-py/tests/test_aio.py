@@ -923,9 +923,9 @@ def test_checked_device_calls_start_off_the_event_loop_in_call_order(monkeypatch
     """On an NCCL world that checks its device calls
     (``checks_device_calls``), a device collective's start waits for every
     member's description of the call, and a device receive's for its
-    sender's: the asyncio API starts them on a thread of their own, one per
-    kind (the collectives; the receives from one source), so the loop goes
-    on and they start in the order they were called. Host calls, and every
+    sender's: the asyncio API starts them (and the world's device sends) on
+    a thread of the membership's own, so the loop goes on and they start in
+    the order they were called. Host calls, and every
     call of a world that does not check, start on the loop as before. A TCP
     world never checks, whatever ``check_device_calls`` says. (No GPU here:
     numpy arrays stand in for CUDA tensors.)"""
@@ -961,10 +961,16 @@ def test_checked_device_calls_start_off_the_event_loop_in_call_order(monkeypatch
     class Checked:
         checks_device_calls = True
         _w = Declines()
+        name, generation, rank = unique("proxy"), 1, 0
 
         def all_reduce(self, *args, **kw):
             started_on.append(threading.get_ident())
             return w.all_reduce(*args, **kw)
+
+        def isend(self, tensor, *args, **kw):
+            started_on.append(threading.get_ident())
+            ended.append(-tensor.size)
+            return Done()
 
         def irecv(self, tensor, *args, **kw):
             started_on.append(threading.get_ident())
@@ -986,13 +992,17 @@ def test_checked_device_calls_start_off_the_event_loop_in_call_order(monkeypatch
         assert await unchecked.recv_into(x, 0) == 0
         first = [t == loop_thread for t in started_on]
         ended.clear()
+        # A receive that waits for its sender, a send and a receive from
+        # another source, through another wrapper of the same membership:
+        # they start in call order.
         await asyncio.gather(checked.recv_into(np.zeros(2, dtype=np.float32), 0),
-                             checked.recv_into(np.zeros(3, dtype=np.float32), 0))
+                             aio.AsyncWorld(Checked()).send(np.zeros(5, dtype=np.float32), 0),
+                             checked.recv_into(np.zeros(3, dtype=np.float32), 1))
         return first, x
 
     on_loop, x = asyncio.run(main())
     assert on_loop == [False, True, False, True], on_loop
-    assert ended == [2, 3], f"the receives from one source started out of order: {ended}"
+    assert ended == [2, -5, 3], f"the device calls started out of order: {ended}"
     assert (x == np.arange(4, dtype=np.float32)).all()
     m.shutdown()
 

@@ -221,6 +221,15 @@ async def _call(fn: Any, *args: Any, **kw: Any) -> Any:
     return await loop.run_in_executor(_POOL.get(), lambda: fn(*args, **kw))
 
 
+#: The thread that starts the checked device calls of each membership
+#: (name, generation, rank), in call order (see
+#: :meth:`AsyncWorld._start_checked`): one idle thread per membership of an
+#: NCCL world checking its device calls that this process ever joined (a
+#: setting for development; they are kept for the process's life).
+_STARTERS: Dict[Tuple[str, int, int], "_api._ProcessPool"] = {}
+_STARTERS_LOCK = threading.Lock()
+
+
 def _tensors_in(args: Any) -> Any:
     """The tensors among call arguments (lists of them included)."""
     for a in args:
@@ -251,8 +260,6 @@ class AsyncWorld:
         self.sync = world
         """The synchronous world (same membership)."""
         self._in_a_row = 0
-        # One thread per kind of checked device call (see `_start_checked`).
-        self._starters: Dict[Any, _api._ProcessPool] = {}
 
     def __repr__(self) -> str:
         return f"Async{self.sync!r}"
@@ -309,7 +316,10 @@ class AsyncWorld:
             if native is not None:
                 work = Work(native)
         if work is None:
-            work = self.sync.isend(tensor, dst, tag)
+            if self._device_checked((tensor,)):
+                work = await self._start_checked(self.sync.isend, tensor, dst, tag)
+            else:
+                work = self.sync.isend(tensor, dst, tag)
         await self._finish(work)
 
     async def _finish(self, work: Work, withdraw_on_cancel: bool = False) -> Any:
@@ -368,7 +378,7 @@ class AsyncWorld:
             work: Work = _api._LentRecv(posted, tensor)
         elif self._device_checked((tensor,)):
             # Its start waits for the sender's description of the message.
-            work = await self._start_checked(("recv", src), self.sync.irecv, tensor, src, tag, _off_loop=True)
+            work = await self._start_checked(self.sync.irecv, tensor, src, tag, _off_loop=True)
         else:
             work = self.sync.irecv(tensor, src, tag, _off_loop=True)
         await self._finish(work, True)
@@ -380,7 +390,7 @@ class AsyncWorld:
         its end (see :meth:`_start_checked` for an NCCL world that checks
         its device calls)."""
         if self._device_checked(args):
-            work = await self._start_checked("collective", start, *args, async_op=True)
+            work = await self._start_checked(start, *args, async_op=True)
         else:
             work = start(*args, async_op=True)
         return await _wait(work)
@@ -393,15 +403,15 @@ class AsyncWorld:
             return False
         return any(_is_cuda(t) for t in _tensors_in(tensors))
 
-    async def _start_checked(self, key: Any, start: Any, *args: Any, **kw: Any) -> Work:
-        """Starts a checked device call: its start waits, on the calling
-        thread, for the other members' descriptions of the call, so it runs
-        on a thread of its own, one per ``key`` (the collectives, the
-        receives from one source), which keeps such starts in the order they
-        were called, as the loop's thread would; under the caller's torch
-        stream. Cancelled meanwhile, the call goes on (a device call cannot
-        be withdrawn once started) and is watched like a cancelled
-        collective."""
+    async def _start_checked(self, start: Any, *args: Any, **kw: Any) -> Work:
+        """Starts a checked device call: its start may wait, on the calling
+        thread, for the other members (a collective for their descriptions
+        of it, a receive for its sender's), so it runs on a thread of its
+        world's own (one per membership, whatever wrapper calls), which
+        keeps the world's device calls in the order they were called, as the
+        loop's thread would; under the caller's torch stream. Cancelled
+        meanwhile, the call goes on (a device call cannot be withdrawn once
+        started) and is watched like a cancelled collective."""
         stream = _stream_of(args)
 
         def run() -> Work:
@@ -412,9 +422,11 @@ class AsyncWorld:
             with torch.cuda.stream(stream):
                 return start(*args, **kw)
 
-        starter = self._starters.get(key)
-        if starter is None:
-            starter = self._starters[key] = _api._ProcessPool(1, "multiworld-checked")
+        key = (self.sync.name, self.sync.generation, self.sync.rank)
+        with _STARTERS_LOCK:
+            starter = _STARTERS.get(key)
+            if starter is None:
+                starter = _STARTERS[key] = _api._ProcessPool(1, "multiworld-checked")
         loop = asyncio.get_running_loop()
         starting = loop.run_in_executor(starter.get(), run)
         try:
