@@ -114,7 +114,24 @@ impl Nccl {
                 .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
             bufs.push(buf);
         }
-        let op = match py.detach(|| runtime::enter(|| issue(n, &mut bufs)))? {
+        // Ctrl-C stops a check that waits for the other members
+        // (`check_device_calls`); the enqueue itself is bounded.
+        let issued =
+            py.detach(|| runtime::enter(|| multiworld::interruptible(interrupted, || issue(n, &mut bufs))))?;
+        if let Some(signal) = PENDING_SIGNAL.with(|s| s.borrow_mut().take()) {
+            // A check that the hook interrupted stopped before anything was
+            // enqueued: the call failed, and the handler's exception is
+            // what it raises.
+            if issued.is_err() {
+                return Err(signal);
+            }
+            // Not reached (an interrupted check always fails its call); an
+            // enqueued operation keeps its tensors, and Python is asked to
+            // raise KeyboardInterrupt at its next check instead.
+            // SAFETY: callable from any thread, with or without the GIL.
+            unsafe { pyo3::ffi::PyErr_SetInterrupt() };
+        }
+        let op = match issued {
             Ok(op) => op,
             Err(e) => {
                 if may_have_been_enqueued(&e) {
@@ -192,6 +209,25 @@ impl Drop for InFlight {
             Err(_) => std::mem::forget((op, bufs, keep)),
         }
     }
+}
+
+thread_local! {
+    /// The exception a signal handler raised while a device call's check
+    /// waited on this thread ([`interrupted`]), to raise when it returns.
+    static PENDING_SIGNAL: std::cell::RefCell<Option<PyErr>> = const { std::cell::RefCell::new(None) };
+}
+
+/// The interruption hook of device calls (`multiworld::interruptible`):
+/// runs Python's signal handlers (on the main thread) and keeps the
+/// exception one raised.
+fn interrupted() -> bool {
+    Python::attach(|py| match py.check_signals() {
+        Ok(()) => false,
+        Err(e) => {
+            PENDING_SIGNAL.with(|s| *s.borrow_mut() = Some(e));
+            true
+        }
+    })
 }
 
 /// Whether an operation whose start failed with `e` may nevertheless be on

@@ -53,6 +53,33 @@ const ID_ERR: u8 = 1;
 /// messages (`check_device_calls`).
 const DEVICE_P2P_TAG: Tag = multiworld_types::runtime_tag(1);
 
+/// How often a check waiting on an interruptible caller's thread asks
+/// whether it was interrupted ([`interruptible`]).
+const INTERRUPT_SLICE: Duration = Duration::from_millis(50);
+
+thread_local! {
+    /// This thread's interruption hook, while it runs [`interruptible`].
+    static INTERRUPTED: std::cell::Cell<Option<fn() -> bool>> = const { std::cell::Cell::new(None) };
+}
+
+/// Runs `f` on this thread with `interrupted` as its interruption hook: a
+/// device call's check (`WorldConfig::check_device_calls`) that waits for
+/// the other members asks it every 50 ms and, when it says so, stops
+/// waiting and fails the call (`WorldError::Timeout`, op
+/// `"device_check (interrupted)"`). For a caller whose user can interrupt
+/// it (the Python package checks for Ctrl-C there). Nothing else of `f`
+/// is interrupted.
+pub fn interruptible<R>(interrupted: fn() -> bool, f: impl FnOnce() -> R) -> R {
+    struct Restore(Option<fn() -> bool>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            INTERRUPTED.with(|c| c.set(self.0));
+        }
+    }
+    let _restore = Restore(INTERRUPTED.with(|c| c.replace(Some(interrupted))));
+    f()
+}
+
 /// The error of a check that cannot run.
 fn check_unusable(w: &WorldShared, detail: &str) -> WorldError {
     WorldError::InvalidArgument {
@@ -743,16 +770,41 @@ impl NcclWorld {
             ));
         }
         let limit = w.config.op_timeout.unwrap_or(DEFAULT_DEVICE_OP_TIMEOUT);
-        // Off the async worker, as the enqueue itself is (see `blocking`):
-        // the TCP I/O runs on the runtime's other threads meanwhile.
-        match tokio::task::block_in_place(|| handle.block_on(tokio::time::timeout(limit, step))) {
-            Ok(r) => r.map_err(|e| self.world.collective_error(e)),
-            Err(_) => {
+        let deadline = Instant::now() + limit;
+        let interrupted = INTERRUPTED.with(std::cell::Cell::get);
+        let mut step = std::pin::pin!(step);
+        loop {
+            // In slices when the caller can be interrupted ([`interruptible`]).
+            let left = deadline.saturating_duration_since(Instant::now());
+            let slice = if interrupted.is_some() {
+                left.min(INTERRUPT_SLICE)
+            } else {
+                left
+            };
+            // Off the async worker, as the enqueue itself is (see
+            // `blocking`): the TCP I/O runs on the runtime's other threads
+            // meanwhile.
+            let r =
+                tokio::task::block_in_place(|| handle.block_on(tokio::time::timeout(slice, step.as_mut())));
+            if let Ok(r) = r {
+                return r.map_err(|e| self.world.collective_error(e));
+            }
+            if Instant::now() >= deadline {
                 w.break_with(BreakCause::OpDeadline {
                     op: "device_check".into(),
                     after: limit,
                 });
-                Err(w.unusable())
+                return Err(w.unusable());
+            }
+            if interrupted.is_some_and(|hook| hook()) {
+                // The step is dropped: a receive of a description is
+                // withdrawn (the description waits for the next), a
+                // gather ends as any collective dropped part-way does.
+                return Err(WorldError::Timeout {
+                    world: w.name.clone(),
+                    op: "device_check (interrupted)".into(),
+                    after: limit.saturating_sub(deadline.saturating_duration_since(Instant::now())),
+                });
             }
         }
     }

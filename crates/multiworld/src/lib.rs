@@ -91,7 +91,7 @@ pub use multiworld_nccl as nccl;
 
 pub use config::{Backend, ConfigError, DEFAULT_READ_AHEAD, WorldConfig};
 #[cfg(feature = "nccl")]
-pub use device::{DEFAULT_DEVICE_OP_TIMEOUT, DeviceOp, DeviceProbe, NcclWorld};
+pub use device::{DEFAULT_DEVICE_OP_TIMEOUT, DeviceOp, DeviceProbe, NcclWorld, interruptible};
 pub use error::{JoinFailure, WorldError};
 pub use events::WorldEvent;
 pub use lifecycle::{BreakCause, WorldState};

@@ -195,6 +195,66 @@ async fn disagreeing_device_collectives_fail_on_every_member_when_checked() {
     m1.shutdown().await;
 }
 
+/// A checked receive waiting for its sender's announcement stops when its
+/// caller's interruption hook says so (the Python package's Ctrl-C), within
+/// a slice, and leaves the world as it was: nothing was enqueued, and the
+/// next message meets its receive.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_interrupted_check_stops_within_a_slice_and_the_world_goes_on() {
+    static STOP: AtomicBool = AtomicBool::new(false);
+    let (_g, f) = fake::fake();
+    let (m0, store) = manager(&f).await;
+    let m1 = WorldManager::default();
+    m1.use_nccl_runtime(f.runtime().unwrap());
+    let cfg = |rank| {
+        let mut c = nccl_cfg("interrupted", rank, 2, &store);
+        c.check_device_calls = true;
+        c
+    };
+    let (a, b) = tokio::join!(m0.join(cfg(0)), m1.join(cfg(1)));
+    let (a, b) = (a.unwrap(), b.unwrap());
+    let (na, nb) = (a.nccl().unwrap(), b.nccl().unwrap());
+    let send_buf = na.upload(DType::F32, &f32_bytes(&ramp(4, 1.0))).unwrap();
+    let mut recv_buf = nb.upload(DType::F32, &vec![POISON; 16]).unwrap();
+    let waiting = tokio::task::spawn_blocking(move || {
+        let started = Instant::now();
+        let r = multiworld::interruptible(
+            || STOP.load(Ordering::Relaxed),
+            || nb.recv(&mut recv_buf, Rank(0)).map(drop),
+        );
+        (r, started.elapsed(), nb, recv_buf)
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let stopped_at = Instant::now();
+    STOP.store(true, Ordering::Relaxed);
+    let (r, took, nb, mut recv_buf) = waiting.await.unwrap();
+    let after_stop = stopped_at.elapsed();
+    match r {
+        Err(WorldError::Timeout { op, .. }) => assert_eq!(op, "device_check (interrupted)"),
+        other => panic!("{other:?}"),
+    }
+    assert!(took >= Duration::from_millis(250), "{took:?}");
+    assert!(after_stop < Duration::from_secs(2), "{after_stop:?}");
+    assert_eq!((a.state(), b.state()), (WorldState::Ready, WorldState::Ready));
+    // The next message meets its receive (the withdrawn wait consumed no
+    // announcement).
+    STOP.store(false, Ordering::Relaxed);
+    let send = tokio::task::spawn_blocking(move || {
+        let r = na.send(&send_buf, Rank(1)).map(drop);
+        std::mem::forget(send_buf);
+        r
+    });
+    let recv = tokio::task::spawn_blocking(move || {
+        let r = nb.recv(&mut recv_buf, Rank(0)).map(drop);
+        std::mem::forget(recv_buf);
+        r
+    });
+    send.await.unwrap().unwrap();
+    recv.await.unwrap().unwrap();
+    m0.shutdown().await;
+    m1.shutdown().await;
+}
+
 /// The check is bounded like the call it guards: a member that never makes
 /// the call breaks the world at the deadline instead of holding the caller.
 /// And members must set the check alike: a join whose setting differs from
