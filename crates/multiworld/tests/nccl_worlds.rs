@@ -215,7 +215,7 @@ async fn an_interrupted_check_stops_within_a_slice_and_the_world_goes_on() {
     let (a, b) = (a.unwrap(), b.unwrap());
     let (na, nb) = (a.nccl().unwrap(), b.nccl().unwrap());
     let send_buf = na.upload(DType::F32, &f32_bytes(&ramp(4, 1.0))).unwrap();
-    let mut recv_buf = nb.upload(DType::F32, &vec![POISON; 16]).unwrap();
+    let mut recv_buf = nb.upload(DType::F32, &[POISON; 16]).unwrap();
     let waiting = tokio::task::spawn_blocking(move || {
         let started = Instant::now();
         let r = multiworld::interruptible(
