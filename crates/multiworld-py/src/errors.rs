@@ -26,7 +26,7 @@
 //! a member that left in an orderly way while this one finishes fails the
 //! call with `TransportError` and breaks nothing.
 
-use multiworld::{CommError, WorldError, WorldName};
+use multiworld::{WorldError, WorldName};
 use pyo3::{
     IntoPyObjectExt,
     prelude::*,
@@ -148,13 +148,6 @@ pub fn join(py: Python<'_>, err: WorldError, timeout: std::time::Duration) -> Py
 
 fn fields(py: Python<'_>, world: &WorldName, detail: String) -> [(&'static str, Py<PyAny>); 2] {
     [("world", obj(py, world.as_str())), ("detail", obj(py, detail))]
-}
-
-/// A collective's (transport) error as the world's error: a world-fatal
-/// one breaks the world (if nothing broke it yet) and is `Broken` with the
-/// recorded cause, as for a send or a receive (`World::collective_error`).
-pub fn from_comm(w: &multiworld::World, err: CommError) -> WorldError {
-    w.collective_error(err)
 }
 
 /// The error of a forked child touching the runtime of its parent `pid`.

@@ -219,7 +219,7 @@ impl World {
         self.op_moving(py, usize::MAX, async move {
             match fut.await {
                 Ok(v) => Ok(v),
-                Err(e) => Err(errors::from_comm(w, e)),
+                Err(e) => Err(w.collective_error(e)),
             }
         })
     }
@@ -669,7 +669,7 @@ impl World {
                     drop(t);
                     Ok(Done::Unit)
                 }
-                Err(e) => Err(errors::from_comm(&w, e)),
+                Err(e) => Err(w.collective_error(e)),
             }
         };
         self.lent_work(op, released, false).map(Some)
@@ -696,7 +696,7 @@ async fn background<T>(
 ) -> Result<Done, WorldError> {
     match h.wait().await {
         Ok(v) => Ok(done(v)),
-        Err(e) => Err(errors::from_comm(&w, e)),
+        Err(e) => Err(w.collective_error(e)),
     }
 }
 

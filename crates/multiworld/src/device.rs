@@ -21,7 +21,7 @@
 //!   tensors. The buffers come from a [`DeviceContext`](multiworld_nccl::DeviceContext)
 //!   or an NCCL world.
 
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use multiworld_nccl::{
@@ -78,6 +78,13 @@ pub fn interruptible<R>(interrupted: fn() -> bool, f: impl FnOnce() -> R) -> R {
     }
     let _restore = Restore(INTERRUPTED.with(|c| c.replace(Some(interrupted))));
     f()
+}
+
+/// Which of a peer's two locks ([`DeviceSide`]'s `p2p`).
+#[derive(Clone, Copy)]
+enum Direction {
+    Send,
+    Recv,
 }
 
 /// The error of a check that cannot run.
@@ -624,7 +631,8 @@ impl NcclWorld {
         })
     }
 
-    /// A send: with `check_device_calls`, its arguments checked, then
+    /// Sends `buf` to `peer`. With `check_device_calls`, its arguments are
+    /// checked, then
     /// announced to `peer` over TCP (without waiting), then enqueued, all
     /// under the peer's send lock, so that descriptions go in the order of
     /// the messages. Announced before the enqueue: NCCL may not finish
@@ -633,15 +641,12 @@ impl NcclWorld {
     /// has read the announcement. A send refused for its arguments is
     /// refused before its announcement; one whose enqueue fails after it
     /// would leave a description without its message, so the world breaks.
-    fn checked_send(&self, buf: &DeviceBuffer, peer: Rank) -> Result<DeviceOp, WorldError> {
+    pub fn send(&self, buf: &DeviceBuffer, peer: Rank) -> Result<DeviceOp, WorldError> {
         let w = &self.world.shared;
         if !w.config.check_device_calls {
             return self.issue("device_send", |c| c.send(buf, peer.0 as usize));
         }
-        let locks = self.peer_locks(peer)?;
-        // Off the async worker: the lock may be held across a wait.
-        let _order = blocking(|| locks.0.lock().unwrap_or_else(PoisonError::into_inner));
-        w.check()?;
+        let _order = self.lock_peer(peer, Direction::Send)?;
         self.dev
             .comm
             .check_p2p(buf, peer.index())
@@ -667,7 +672,8 @@ impl NcclWorld {
         Ok(())
     }
 
-    /// A receive: with `check_device_calls`, under the peer's receive lock,
+    /// Receives into `buf` from `peer`. With `check_device_calls`, under the
+    /// peer's receive lock,
     /// it waits (on this thread, at most the device deadline) for the
     /// description of the message `peer` sent next and compares it with
     /// this receive. On a difference, or if this receive then fails to
@@ -677,15 +683,12 @@ impl NcclWorld {
     /// on, and this receive fails (`Mismatch` naming both, its buffer
     /// untouched; or the enqueue's own error). If even that cannot be done,
     /// messages and descriptions would be apart for good: the world breaks.
-    fn checked_recv(&self, buf: &mut DeviceBuffer, peer: Rank) -> Result<DeviceOp, WorldError> {
+    pub fn recv(&self, buf: &mut DeviceBuffer, peer: Rank) -> Result<DeviceOp, WorldError> {
         let w = &self.world.shared;
         if !w.config.check_device_calls {
             return self.issue("device_recv", |c| c.recv(buf, peer.0 as usize));
         }
-        let locks = self.peer_locks(peer)?;
-        // Off the async worker: the lock is held across the wait below.
-        let _order = blocking(|| locks.1.lock().unwrap_or_else(PoisonError::into_inner));
-        w.check()?;
+        let _order = self.lock_peer(peer, Direction::Recv)?;
         let mut got = self.words_tensor(vec![0; WORDS])?;
         let comm = self.world.communicator();
         self.wait_for_check(comm.recv(peer, DEVICE_P2P_TAG, &mut got))?;
@@ -735,15 +738,26 @@ impl NcclWorld {
         Ok(())
     }
 
-    /// The send and receive locks of `peer`.
-    fn peer_locks(&self, peer: Rank) -> Result<&(Mutex<()>, Mutex<()>), WorldError> {
-        self.dev
+    /// Takes `peer`'s send or receive lock (off the async worker: a
+    /// receive holds it across its wait for the announcement), then checks
+    /// that the world is usable.
+    fn lock_peer(&self, peer: Rank, direction: Direction) -> Result<MutexGuard<'_, ()>, WorldError> {
+        let w = &self.world.shared;
+        let locks = self
+            .dev
             .p2p
             .get(peer.index())
             .ok_or_else(|| WorldError::InvalidArgument {
-                world: self.world.shared.name.clone(),
-                detail: format!("no rank {peer} in a world of {}", self.world.shared.size),
-            })
+                world: w.name.clone(),
+                detail: format!("no rank {peer} in a world of {}", w.size),
+            })?;
+        let lock = match direction {
+            Direction::Send => &locks.0,
+            Direction::Recv => &locks.1,
+        };
+        let guard = blocking(|| lock.lock().unwrap_or_else(PoisonError::into_inner));
+        w.check()?;
+        Ok(guard)
     }
 
     /// A tensor of description words.
@@ -970,19 +984,6 @@ impl NcclWorld {
             op: Some(op),
         })?;
         self.issue("device_reduce_scatter", |c| c.reduce_scatter(send, recv, op))
-    }
-
-    /// Sends `buf` to `peer`. With `check_device_calls`, its description
-    /// then goes to `peer` over TCP (without waiting).
-    pub fn send(&self, buf: &DeviceBuffer, peer: Rank) -> Result<DeviceOp, WorldError> {
-        self.checked_send(buf, peer)
-    }
-
-    /// Receives into `buf` from `peer`. With `check_device_calls`, it first
-    /// waits for the sender's description of the message and fails with
-    /// `Mismatch` (buffer untouched, world usable) if it differs.
-    pub fn recv(&self, buf: &mut DeviceBuffer, peer: Rank) -> Result<DeviceOp, WorldError> {
-        self.checked_recv(buf, peer)
     }
 
     /// All-to-all with equal slices.
