@@ -48,7 +48,7 @@ use crate::mesh;
 use crate::rendezvous::Rendezvous;
 use multiworld_types::{DType, Tensor, TensorView, valid_bool_bytes};
 
-use crate::matching::{Matching, Posted, RecvDone, Route, StashData, Stashed};
+use crate::matching::{Matching, Posted, RecvDone, Route, StashData, Stashed, reopens};
 use crate::parking::{Frame, GivenBack, Held, Parking};
 use multiworld_types::{Generation, Identity, Rank, Source, Tag, WorldName};
 
@@ -1153,8 +1153,26 @@ impl Inner {
             return Some(Err(e));
         }
         let (from, st) = m.take_stash(src, tag)?;
+        let held = m.held(from);
         drop(m);
+        self.reopen(from, held, st.data.bytes().len());
         Some(self.consume(buf, from, tag, st))
+    }
+
+    /// After a receive took `taken` read-ahead bytes of `from`, `held` left:
+    /// wakes `from`'s reader if it holds back a frame for lack of room and
+    /// this take reopened enough of it ([`reopens`]).
+    fn reopen(&self, from: Rank, held: usize, taken: usize) {
+        let Some(peer) = self.peer(from) else {
+            return;
+        };
+        let parked = peer
+            .parking
+            .inspect(|h| h.frame.as_ref().filter(|f| f.into.is_none()).map(|f| f.len));
+        let (eager, budget) = (self.cfg.read_ahead_limit(), self.cfg.unexpected_budget);
+        if parked.is_some_and(|len| reopens(held, taken, len, eager, budget)) {
+            peer.wake.notify_one();
+        }
     }
 
     /// Fills `buf` with a message taken from the stash (the lock released),
@@ -1188,7 +1206,9 @@ impl Inner {
             return fail(buf, e);
         }
         if let Some((from, st)) = m.take_stash(src, tag) {
+            let held = m.held(from);
             drop(m);
+            self.reopen(from, held, st.data.bytes().len());
             let arrival = st.arrival;
             let result = self.consume(&mut buf, from, tag, st);
             return Posting::Done(RecvDone { buf, result, arrival });

@@ -25,6 +25,11 @@
 //!   arriving gives the message back, to be stashed for the next receive.
 //! - **Held bytes** per peer count what is buffered or being read ahead, and
 //!   are released when a receive takes it.
+//! - **Reopening** ([`reopens`]): a receive that takes a read-ahead message
+//!   wakes the peer's reader, if it holds back a frame for lack of room,
+//!   once the held bytes have fallen to half the room that frame needs, so
+//!   that it reads ahead again while the receiver takes what is there (once
+//!   per fall, not once per message).
 
 use std::collections::{HashMap, VecDeque};
 
@@ -32,6 +37,31 @@ use multiworld_types::{DType, Rank, Source, Tag, Tensor};
 use tokio::sync::oneshot;
 
 use crate::error::Result;
+
+/// Whether a receive that has just taken `taken` read-ahead bytes of a peer
+/// (released: `held` are left) must wake that peer's reader, which holds back
+/// a frame of `frame_len` bytes (no receive posted, no room to read it
+/// ahead): the held bytes have just fallen to half the room that frame needs
+/// (or to the room itself, if that is less), so the reader can read it and
+/// more ahead while the receiver takes what is there. Without it, a receiver
+/// that only takes what was read ahead (`Communicator::try_recv`) drains the
+/// stash and finds the reader still parked, and the next receive has to
+/// wait for it. Once per fall, not once per message: each wake-up costs a
+/// thread hand-off.
+pub(crate) fn reopens(
+    held: usize,
+    taken: usize,
+    frame_len: usize,
+    eager_limit: usize,
+    budget: usize,
+) -> bool {
+    let Some(room) = Matching::room(frame_len, eager_limit, budget) else {
+        return false;
+    };
+    let limit = room.saturating_add(frame_len);
+    let mark = (limit / 2).min(room);
+    held <= mark && held.saturating_add(taken) > mark
+}
 
 /// Early messages above this many bytes are read ahead only within
 /// [`READ_AHEAD_WINDOW`] (see the module docs).
@@ -375,9 +405,26 @@ impl Matching {
         // Someone waits for a message behind this one on this connection: read
         // this one ahead so that one is not blocked.
         let behind = self.posted_for.get(from.index()).copied().unwrap_or(0) > 0 || self.posted_any > 0;
-        let after = self.held(from).saturating_add(len);
-        let early = len <= eager_limit && (len <= WINDOWED_FROM || after <= READ_AHEAD_WINDOW);
-        after <= budget && (early || behind)
+        let held = self.held(from);
+        if behind {
+            return held.saturating_add(len) <= budget;
+        }
+        Self::room(len, eager_limit, budget).is_some_and(|room| held <= room)
+    }
+
+    /// The most bytes held for `from` under which a frame of `len` bytes
+    /// with no receive posted is read ahead (`None`: never, it waits for its
+    /// receive); see [`Matching::fits_ahead`].
+    fn room(len: usize, eager_limit: usize, budget: usize) -> Option<usize> {
+        if len > eager_limit {
+            return None;
+        }
+        let limit = if len <= WINDOWED_FROM {
+            budget
+        } else {
+            READ_AHEAD_WINDOW.min(budget)
+        };
+        limit.checked_sub(len)
     }
 
     /// Bytes held for early messages of `from`.
@@ -572,6 +619,38 @@ mod tests {
         // ...and once a receive took one, there is room again.
         m.release(Rank(1), msg + WINDOWED_FROM);
         assert!(matches!(route(&mut m, msg), Route::ReadAhead(_)));
+    }
+
+    #[test]
+    fn taking_read_ahead_messages_reopens_a_held_back_reader_once_per_fall() {
+        let (eager, budget, msg) = (256 << 10, 64 << 20, 64 << 10);
+        // A window full of 64 KiB messages, the next one held back: taking
+        // them one by one wakes the reader once, when half the window is
+        // left, and not at each take.
+        let mut m = Matching::new(2);
+        while !is_hold(&m.route(Rank(1), Tag(0), msg, eager, budget, false)) {
+            m.stash(Rank(1), Tag(0), DType::U8, bytes(msg, 1), true, None);
+        }
+        let mut wakes = Vec::new();
+        while let Some((_, st)) = m.take_stash(Source::Rank(Rank(1)), Tag(0)) {
+            if reopens(m.held(Rank(1)), st.data.bytes().len(), msg, eager, budget) {
+                wakes.push(m.held(Rank(1)));
+            }
+        }
+        assert_eq!(wakes, [READ_AHEAD_WINDOW / 2]);
+        // Woken then, the held-back frame fits, and so do half a window more.
+        assert!(!m.holds_back(Rank(1), Tag(0), msg, eager, budget));
+        // A frame that needs more than half the window: woken once it fits.
+        let big = 600 << 10;
+        let eager_big = 1 << 20;
+        assert!(!reopens(READ_AHEAD_WINDOW - big + 1, msg, big, eager_big, budget));
+        assert!(reopens(READ_AHEAD_WINDOW - big, msg, big, eager_big, budget));
+        // Small messages: half the budget.
+        assert!(reopens(budget / 2, 16, 16, eager, budget));
+        assert!(!reopens(budget / 2 - 16, 16, 16, eager, budget));
+        // Never for a frame that is never read ahead (it waits for its
+        // receive, whose posting wakes the reader).
+        assert!(!reopens(0, READ_AHEAD_WINDOW, eager + 1, eager, budget));
     }
 
     #[test]

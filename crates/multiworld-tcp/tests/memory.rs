@@ -9,7 +9,7 @@
 use std::time::Duration;
 
 use multiworld_tcp::{
-    Communicator, DType, Error, HealthEvent, MemoryWorld, Rank, Source, Tag, Tensor, WorldName,
+    CommConfig, Communicator, DType, Error, HealthEvent, MemoryWorld, Rank, Source, Tag, Tensor, WorldName,
 };
 use multiworld_testkit::memory::{memory_mesh, memory_mesh_with};
 use multiworld_testkit::*;
@@ -256,4 +256,49 @@ fn a_memory_world_needs_a_runtime() {
     let w = WorldName::new("mem-rt").unwrap();
     let e = Communicator::memory_world(&MemoryWorld::new(w, 2)).unwrap_err();
     assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+}
+
+/// A receiver that only takes what was read ahead (`try_recv`, as an event
+/// loop's receive does before it posts one) keeps a stream longer than the
+/// read-ahead window coming: when it has taken half the window, the reader,
+/// which holds the next frame back for lack of room, is woken to read on.
+/// The clock is paused and the receiver never lets the runtime idle, so the
+/// reader's own 10 ms check on a held-back frame never fires: without that
+/// wake-up, the stream stops at the window (16 messages of 64 KiB).
+#[tokio::test(start_paused = true)]
+async fn a_receiver_taking_only_read_ahead_messages_keeps_a_long_stream_coming() {
+    const MSG: usize = 64 << 10;
+    const N: usize = 48;
+    let mut c = memory_mesh_with("reopen", 2, |mut cfg: CommConfig| {
+        cfg.eager_limit = 256 << 10;
+        cfg
+    });
+    let b = c.pop().unwrap();
+    let a = c.pop().unwrap();
+    let sender = tokio::spawn(async move {
+        for i in 0..N {
+            let t = patterned(DType::U8, MSG, i as u8);
+            a.send(Rank(1), Tag(1), &t).await.unwrap();
+        }
+        a
+    });
+    let mut buf = Tensor::zeros(DType::U8, [MSG]).unwrap();
+    let (mut got, mut empty_turns) = (0, 0u32);
+    while got < N && empty_turns < 100_000 {
+        match b.try_recv(Rank(0), Tag(1), &mut buf) {
+            Some(r) => {
+                assert_eq!(r.unwrap(), Rank(0));
+                let want = patterned(DType::U8, MSG, got as u8);
+                assert_eq!(buf.as_bytes(), want.as_bytes(), "message {got}");
+                got += 1;
+                empty_turns = 0;
+            }
+            None => {
+                empty_turns += 1;
+                tokio::task::yield_now().await;
+            }
+        }
+    }
+    assert_eq!(got, N, "the stream stopped: the reader was left holding back");
+    let _a = sender.await.unwrap();
 }
