@@ -76,6 +76,17 @@ mod _native {
         crate::runtime::loop_copy_max()
     }
 
+    /// `runtime::loop_leaves_held`, set first to `on` unless `None`;
+    /// returns the setting in effect.
+    #[pyfunction]
+    #[pyo3(signature = (on=None))]
+    fn loop_leaves_held(on: Option<bool>) -> bool {
+        if let Some(on) = on {
+            crate::runtime::set_loop_leaves_held(on);
+        }
+        crate::runtime::loop_leaves_held()
+    }
+
     /// Adds what only the `nccl` build has: `Nccl` and `nccl_world`.
     #[pymodule_init]
     fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {

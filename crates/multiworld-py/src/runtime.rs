@@ -11,8 +11,9 @@
 //! means for each operation). Before it parks, a call may poll its operation
 //! for a short while ([`set_spin`], off by default), which saves the wake-up
 //! of a parked thread when the result is close. How much an asyncio receive
-//! copies on the event loop's thread is [`loop_copy_max`]. Rust tasks never
-//! call into Python.
+//! copies on the event loop's thread is [`loop_copy_max`], and whether it
+//! reads a small held-back message itself is [`loop_leaves_held`]. Rust
+//! tasks never call into Python.
 //!
 //! The runtime remembers the pid that created it. A child made by `fork()`
 //! inherits the memory of the runtime but none of its threads, so any use of
@@ -169,12 +170,53 @@ fn loop_copy_setting() -> &'static AtomicUsize {
     static MAX: OnceLock<AtomicUsize> = OnceLock::new();
     MAX.get_or_init(|| {
         AtomicUsize::new(bytes_from_env("MULTIWORLD_PY_LOOP_COPY_MAX").unwrap_or_else(|| {
-            match std::thread::available_parallelism().map(std::num::NonZeroUsize::get) {
-                Ok(cpus) if cpus > 2 => 256 << 10,
-                _ => usize::MAX,
+            if more_than_two_cpus() {
+                256 << 10
+            } else {
+                usize::MAX
             }
         }))
     })
+}
+
+/// Whether an asyncio receive posted on the event loop's thread leaves a
+/// message small enough to be read ahead, which its connection's reader
+/// holds back for the moment, to that reader (woken to read it) rather
+/// than reading it from the socket in the call ([`set_loop_leaves_held`],
+/// or `MULTIWORLD_PY_LOOP_LEAVES_HELD=0|1` in the environment). By default
+/// on a machine with more than two CPUs, where the loop's one thread is
+/// what a leader runs short of; not on one with two or fewer, where what
+/// counts is the CPU a message costs in all, and the reader's wake-up and
+/// hand-off back to the loop cost more than the read: on 2 cores, reading
+/// in the call took an asyncio leader of 64 KiB messages from 31–34 to
+/// 25–30 µs of CPU per message over all processes, and its rate up by
+/// 8–25 % (docs/benchmarks.md).
+pub fn loop_leaves_held() -> bool {
+    loop_leaves_setting().load(Ordering::Relaxed)
+}
+
+/// Sets [`loop_leaves_held`] for every asyncio receive of the process
+/// posted from now on.
+pub fn set_loop_leaves_held(on: bool) {
+    loop_leaves_setting().store(on, Ordering::Relaxed);
+}
+
+fn loop_leaves_setting() -> &'static AtomicBool {
+    static ON: OnceLock<AtomicBool> = OnceLock::new();
+    ON.get_or_init(|| {
+        let from_env = std::env::var("MULTIWORLD_PY_LOOP_LEAVES_HELD").ok();
+        AtomicBool::new(match from_env.as_deref().map(str::trim) {
+            Some("1") => true,
+            Some("0") => false,
+            _ => more_than_two_cpus(),
+        })
+    })
+}
+
+/// Whether this machine has more than two CPUs (the defaults that trade
+/// the event loop's time against the CPU a message costs in all).
+fn more_than_two_cpus() -> bool {
+    std::thread::available_parallelism().is_ok_and(|n| n.get() > 2)
 }
 
 /// A byte count from the environment variable `name` (`None` if unset or

@@ -368,14 +368,18 @@ async fn receive_in_task(
 }
 
 /// Posts a receive on `w` (`World::irecv`), without the GIL for a large one.
-/// `from_loop` (an asyncio receive, posted on the event loop's thread): a
+/// `from_loop` (an asyncio receive, posted on the event loop's thread), when
+/// `runtime::loop_leaves_held` (by default with more than two CPUs): a
 /// message small enough to be read ahead that its connection's reader holds
 /// back for the moment is left to the reader (`World::irecv_leaving_small`),
 /// not read from the socket here. The loop serves every world alone, and
 /// reading such a message from the socket cost it 40–60 µs against 5 µs for
-/// copying one read ahead: an asyncio leader of 64 KiB messages from four
-/// workers on 2 cores spent most of its time there once it began, since each
-/// read in the call left the next frame held back too.
+/// copying one read ahead (fifteenth session; an asyncio leader of 64 KiB
+/// messages from four workers spent most of its time there once it began,
+/// since each read in the call left the next frame held back too). With two
+/// CPUs or fewer the read is made here: there the reader's wake-up and its
+/// hand-off back to the loop cost the machine more than the read saves the
+/// loop.
 fn post_receive(
     py: Python<'_>,
     w: &multiworld::World,
@@ -389,7 +393,7 @@ fn post_receive(
     let large = t.nbytes() > runtime::held_poll_max();
     let post = move || {
         runtime::enter(move || {
-            if from_loop {
+            if from_loop && runtime::loop_leaves_held() {
                 w.irecv_leaving_small(src.map(Rank), Tag(tag), t)
             } else {
                 w.irecv(src.map(Rank), Tag(tag), t)

@@ -83,8 +83,26 @@ def loop_copy_max(nbytes: Optional[int] = None) -> int:
     return int(_native.loop_copy_max(nbytes))
 
 
+def loop_leaves_held(on: Optional[bool] = None) -> bool:
+    """Whether an asyncio receive (:mod:`multiworld_rs.aio`) that finds the
+    message it wants held back by its connection's reader (small enough to
+    be read ahead, at most the world's ``read_ahead``, but not read yet)
+    leaves it to that reader, which it wakes, rather than reading it from
+    the socket on the event loop's thread; returns the setting in effect
+    and, given ``on``, sets it first. On by default on a machine with more
+    than two CPUs, where the loop's one thread is what a leader runs short
+    of; off on one with two or fewer, where the wake-up and the hand-off
+    back to the loop cost the machine more than the read saves the loop.
+    ``MULTIWORLD_PY_LOOP_LEAVES_HELD=0`` or ``1`` in the environment sets
+    it too. Either way every message arrives, in order. A ``TypeError`` for
+    anything but a bool or ``None``."""
+    if on is not None and not isinstance(on, bool):
+        raise TypeError(f"on must be a bool, got {on!r}")
+    return bool(_native.loop_leaves_held(on))
+
+
 __all__ = [
-    "wait_spin", "loop_copy_max", "zeros", "empty", "ALIGNMENT", "DEFAULT_READ_AHEAD", "WorldManager", "World", "Group", "Work", "Event", "EventStream", "WorldInfo", "ReduceOp", "DTYPES", "NCCL_BUILT",
+    "wait_spin", "loop_copy_max", "loop_leaves_held", "zeros", "empty", "ALIGNMENT", "DEFAULT_READ_AHEAD", "WorldManager", "World", "Group", "Work", "Event", "EventStream", "WorldInfo", "ReduceOp", "DTYPES", "NCCL_BUILT",
     "errors", "MultiworldError", "BrokenWorldError", "WorldTimeoutError", "MismatchError",
     "InvalidArgumentError", "ConfigError", "NotJoinedError", "AlreadyJoinedError", "JoinError",
     "JoinTimeoutError", "TransportError", "DeviceError", "ShutDownError", "ForkedProcessError",

@@ -11,7 +11,7 @@ from typing import Any, List, Optional, Sequence, Tuple, final
 import numpy as np
 
 __all__ = ["Event", "EventStream", "Manager", "Notifier", "Work", "World", "nccl_built", "spin",
-           "loop_copy_max", "Nccl", "nccl_world"]
+           "loop_copy_max", "loop_leaves_held", "Nccl", "nccl_world"]
 
 _Input = Tuple[np.ndarray, str, Sequence[int]]
 _Output = Tuple[str, Sequence[int]]
@@ -172,6 +172,7 @@ class Manager:
 def nccl_built() -> bool: ...
 def spin(seconds: Optional[float] = None) -> float: ...
 def loop_copy_max(nbytes: Optional[int] = None) -> int: ...
+def loop_leaves_held(on: Optional[bool] = None) -> bool: ...
 
 # Only in a build with the nccl feature:
 _Mem = Tuple[int, str, int]  # (data_ptr, dtype name, element count) of a CUDA tensor
