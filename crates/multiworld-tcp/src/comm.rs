@@ -1163,13 +1163,18 @@ impl Inner {
     /// wakes `from`'s reader if it holds back a frame for lack of room and
     /// this take reopened enough of it ([`reopens`]).
     fn reopen(&self, from: Rank, held: usize, taken: usize) {
+        let budget = self.cfg.unexpected_budget;
+        // The mark is never above half the budget.
+        if held > budget / 2 {
+            return;
+        }
         let Some(peer) = self.peer(from) else {
             return;
         };
         let parked = peer
             .parking
             .inspect(|h| h.frame.as_ref().filter(|f| f.into.is_none()).map(|f| f.len));
-        let (eager, budget) = (self.cfg.read_ahead_limit(), self.cfg.unexpected_budget);
+        let eager = self.cfg.read_ahead_limit();
         if parked.is_some_and(|len| reopens(held, taken, len, eager, budget)) {
             peer.wake.notify_one();
         }
@@ -1292,6 +1297,8 @@ impl Inner {
         let eager = self.cfg.read_ahead_limit();
         let budget = self.cfg.unexpected_budget;
         let mut left = READ_IN_CALL_MAX;
+        // The frame left held back for lack of room, if the call stops at one.
+        let mut held_back = None;
         let wake = loop {
             // At a frame boundary: the reader waits for what comes next.
             let Some(f) = held.frame.take() else {
@@ -1310,6 +1317,9 @@ impl Inner {
             };
             let Some(mut p) = taken else {
                 let hold = self.lock().holds_back(peer.rank, f.tag, f.len, eager, budget);
+                if hold {
+                    held_back = Some((f.tag, f.len));
+                }
                 held.frame = Some(f);
                 break !hold;
             };
@@ -1326,7 +1336,13 @@ impl Inner {
             self.next_frame_here(&mut held, &peer.counters);
         };
         match peer.parking.give_back(held) {
-            GivenBack::Parked { wanted } => wake || wanted,
+            // A receive that took read-ahead messages while the link was lent
+            // found it not parked, so its reopening woke no one: look again.
+            GivenBack::Parked { wanted } => {
+                wake || wanted
+                    || held_back
+                        .is_some_and(|(tag, len)| !self.lock().holds_back(peer.rank, tag, len, eager, budget))
+            }
             GivenBack::Ended(mut left) => {
                 // The reader ended meanwhile: close as it would have.
                 if !self.graceful() {
@@ -1746,6 +1762,13 @@ impl Inner {
                     }
                 }
             });
+            // A receive that took read-ahead messages between the routing
+            // above and the parking found the link not parked yet, so its
+            // reopening (`Inner::reopen`) woke no one: look again now that
+            // it is (`woken` keeps the permit).
+            if parked && !self.lock().holds_back(from, frame.tag, frame.len, eager, budget) {
+                peer.wake.notify_one();
+            }
             let mut polled = woken_or_polled(woken).await;
             // A timer's wake-up while nothing changed (the same frame parked,
             // the peer still there, still no receive or room for it) leaves

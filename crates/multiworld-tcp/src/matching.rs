@@ -27,9 +27,10 @@
 //!   are released when a receive takes it.
 //! - **Reopening** ([`reopens`]): a receive that takes a read-ahead message
 //!   wakes the peer's reader, if it holds back a frame for lack of room,
-//!   once the held bytes have fallen to half the room that frame needs, so
-//!   that it reads ahead again while the receiver takes what is there (once
-//!   per fall, not once per message).
+//!   once the held bytes have fallen to half the limit that holds that frame
+//!   back (at most to the room it needs), so that it reads ahead again
+//!   while the receiver takes what is there (once per fall, not once per
+//!   message).
 
 use std::collections::{HashMap, VecDeque};
 
@@ -41,13 +42,18 @@ use crate::error::Result;
 /// Whether a receive that has just taken `taken` read-ahead bytes of a peer
 /// (released: `held` are left) must wake that peer's reader, which holds back
 /// a frame of `frame_len` bytes (no receive posted, no room to read it
-/// ahead): the held bytes have just fallen to half the room that frame needs
-/// (or to the room itself, if that is less), so the reader can read it and
-/// more ahead while the receiver takes what is there. Without it, a receiver
-/// that only takes what was read ahead (`Communicator::try_recv`) drains the
-/// stash and finds the reader still parked, and the next receive has to
-/// wait for it. Once per fall, not once per message: each wake-up costs a
-/// thread hand-off.
+/// ahead): the held bytes have just fallen to half the limit that holds such
+/// a frame back (the read-ahead window, 1 MiB or `budget` if less, above
+/// [`WINDOWED_FROM`]; `budget` at or below it), or to the room the frame
+/// needs if that is less, so the reader can read it and more ahead while
+/// the receiver takes what is there. Without it, a receiver that only takes
+/// what was read ahead (`Communicator::try_recv`) drains the stash and finds
+/// the reader still parked, and the next receive has to wait for it. Once
+/// per fall, not once per message: each wake-up costs a thread hand-off.
+/// The rule is that of a frame with no receive posted behind it on the
+/// connection; one held back although a receive waits behind it (over the
+/// budget) is woken the same way, at the same mark, or by its own 10 ms
+/// look.
 pub(crate) fn reopens(
     held: usize,
     taken: usize,
@@ -634,12 +640,12 @@ mod tests {
         let mut wakes = Vec::new();
         while let Some((_, st)) = m.take_stash(Source::Rank(Rank(1)), Tag(0)) {
             if reopens(m.held(Rank(1)), st.data.bytes().len(), msg, eager, budget) {
-                wakes.push(m.held(Rank(1)));
+                // Woken then, the held-back frame fits.
+                let fits = !m.holds_back(Rank(1), Tag(0), msg, eager, budget);
+                wakes.push((m.held(Rank(1)), fits));
             }
         }
-        assert_eq!(wakes, [READ_AHEAD_WINDOW / 2]);
-        // Woken then, the held-back frame fits, and so do half a window more.
-        assert!(!m.holds_back(Rank(1), Tag(0), msg, eager, budget));
+        assert_eq!(wakes, [(READ_AHEAD_WINDOW / 2, true)]);
         // A frame that needs more than half the window: woken once it fits.
         let big = 600 << 10;
         let eager_big = 1 << 20;
