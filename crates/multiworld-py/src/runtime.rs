@@ -188,9 +188,10 @@ fn loop_copy_setting() -> &'static AtomicUsize {
 /// what a leader runs short of; not on one with two or fewer, where what
 /// counts is the CPU a message costs in all, and the reader's wake-up and
 /// hand-off back to the loop cost more than the read: on 2 cores, reading
-/// in the call took an asyncio leader of 64 KiB messages from 31–34 to
-/// 25–30 µs of CPU per message over all processes, and its rate up by
-/// 8–25 % (docs/benchmarks.md).
+/// in the call took an asyncio leader of 64 KiB messages from 32–35 to
+/// 29–33 µs of CPU per message over all processes, and its rate up by
+/// 5–7 % in the medians (docs/benchmarks.md, "Reading held-back messages
+/// in the call on two cores").
 pub fn loop_leaves_held() -> bool {
     loop_leaves_setting().load(Ordering::Relaxed)
 }

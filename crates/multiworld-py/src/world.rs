@@ -1865,8 +1865,8 @@ impl World {
     /// array larger than `runtime::loop_copy_max` is received by a task, so
     /// the copy of a message already here runs on a thread of the runtime,
     /// not on the event loop's; a smaller one small enough to be read ahead
-    /// is left to its connection's reader if held back (see
-    /// [`post_receive`]).
+    /// is left to its connection's reader if held back, when
+    /// `runtime::loop_leaves_held` (see [`post_receive`]).
     #[pyo3(signature = (obj, src, tag, off_loop = false))]
     fn irecv_plain(
         &self,

@@ -544,18 +544,26 @@ def test_a_small_message_held_back_is_read_in_the_call_or_left_to_the_reader(mod
     off (the default with two CPUs or fewer). With it on, the asyncio
     receive leaves it to the reader, which it wakes, so that the event
     loop's thread never spends a socket read on a message the reader would
-    read: the runtime's count of messages read in the call tells which.
-    Every message arrives intact and in order either way."""
-    # Rounds: a read in the call needs the held-back message in one of them
-    # (the reader has about 0.15 s to fill its window each time).
+    read: the runtime's count of messages read in the call tells which (in
+    that mode, blocking rounds after the asyncio ones show, in the same
+    run, that the situation arose). Every message arrives intact and in
+    order either way."""
+    # Rounds of each kind: a read in the call needs the held-back message in
+    # one of them (the reader has about 0.15 s to fill its window each time).
     rounds, size, window = 4, 16 << 10, 16  # float32: 64 KiB messages
+    if mode == "blocking":
+        kinds = ["blocking"] * rounds
+    elif mode.endswith("call"):
+        kinds = ["asyncio"] * rounds
+    else:
+        kinds = ["asyncio"] * rounds + ["blocking"] * rounds
 
-    async def run() -> float:
+    async def run() -> "list[float]":
         a, b, w0, w1 = await pair()
-        go = [threading.Event() for _ in range(rounds)]
+        go = [threading.Event() for _ in kinds]
 
         def send_all():
-            for r in range(rounds):
+            for r in range(len(kinds)):
                 go[r].wait(10)
                 for i in range(window):
                     w1.sync.send(np.full(size, r * window + i, np.float32), 0, 6)
@@ -564,31 +572,31 @@ def test_a_small_message_held_back_is_read_in_the_call_or_left_to_the_reader(mod
         t = threading.Thread(target=send_all, daemon=True)
         t.start()
         out = np.zeros(size, np.float32)
-        for r in range(rounds):
+        counts = []
+        for r, kind in enumerate(kinds):
             go[r].set()
             # The window fills and the message on tag 7 is held back.
             await asyncio.sleep(0.15)
             for i in [-1, *range(window)]:
                 tag, k = (7, -r) if i < 0 else (6, r * window + i)
-                if mode == "blocking":
+                if kind == "blocking":
                     assert w0.sync.recv_into(out, 1, tag) == 1
                 else:
                     assert await w0.recv_into(out, 1, tag) == 1
                 assert out[0] == k and out[-1] == k and (out == k).all(), (k, out[0])
+            counts.append(_read_in_call(a))
         t.join(10)
-        count = _read_in_call(a)
         await asyncio.gather(w0.finish(10), w1.finish(10))
         await a.shutdown()
         await b.shutdown()
-        return count
+        return counts
 
     with loop_copy_max(2**64 - 1), loop_leaves_held(mode.endswith("reader")):
-        count = asyncio.run(asyncio.wait_for(run(), 60))
-    print(mode, "read in the call:", count)
+        counts = asyncio.run(asyncio.wait_for(run(), 60))
+    print(mode, "read in the call after each round:", counts)
     if mode.endswith("reader"):
-        assert count == 0, count
-    else:
-        assert count >= 1, "no receive found its message held back"
+        assert counts[rounds - 1] == 0, counts
+    assert counts[-1] >= 1, f"no receive found its message held back: {counts}"
 
 
 def test_loop_leaves_held_is_a_setting_of_the_process():
