@@ -34,11 +34,15 @@ from multiworld_rs.aio import AsyncWorld
 
 def machine_cpu() -> Optional[Tuple[float, float]]:
     """Seconds of busy and idle CPU, all CPUs together, since boot
-    (`/proc/stat`); `None` where there is no such file."""
+    (`/proc/stat`: user to softirq; a VM's steal time is left out, and
+    with `--perf` perf's own CPU counts as busy); `None` where there is no
+    such file."""
     try:
         with open("/proc/stat") as f:
             fields = [int(x) for x in f.readline().split()[1:8]]
     except (OSError, ValueError):
+        return None
+    if len(fields) < 7:
         return None
     tick = os.sysconf("SC_CLK_TCK")
     idle = fields[3] + fields[4]  # idle, iowait
