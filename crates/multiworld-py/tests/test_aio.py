@@ -1064,3 +1064,54 @@ def test_checked_device_calls_start_on_the_loop_elsewhere(monkeypatch):
     loop_thread = asyncio.run(main())
     assert started_on == [loop_thread], (started_on, loop_thread)
     m.shutdown()
+
+
+def test_a_membership_lets_its_checked_call_thread_go_when_its_world_is_left(monkeypatch):
+    """The thread that starts a checking world's device calls (one per
+    membership) is let go when the asyncio manager leaves that world: its
+    entry goes and the thread ends. A membership still joined keeps its
+    own. (No GPU here: numpy arrays stand in for CUDA tensors, and proxies
+    that check stand in for NCCL worlds.)"""
+    monkeypatch.setattr(aio, "_is_cuda", lambda t: isinstance(t, np.ndarray))
+    monkeypatch.setattr(aio, "_stream_of", lambda args: None)
+
+    def starters() -> "set[threading.Thread]":
+        return {t for t in threading.enumerate() if t.name.startswith("multiworld-checked")}
+
+    async def main():
+        am = aio.AsyncWorldManager()
+        store = await am.serve_store()
+        names = [unique("left"), unique("kept")]
+        worlds = [await am.join(n, 0, 1, store) for n in names]
+
+        def checking(w: "aio.AsyncWorld"):
+            class Checked:
+                checks_device_calls = True
+                name, generation, rank = w.name, w.generation, w.rank
+
+                @property
+                def state(self):
+                    return w.state
+
+                def all_reduce(self, *args, **kw):
+                    return w.sync.all_reduce(*args, **kw)
+
+            return aio.AsyncWorld(Checked())
+
+        before = starters()
+        for w in worlds:
+            await checking(w).all_reduce(np.arange(4, dtype=np.float32))
+        keys = [(w.name, w.generation, w.rank) for w in worlds]
+        assert all(k in aio._STARTERS for k in keys)
+        threads = starters() - before
+        assert len(threads) == 2, threads
+        await am.leave(names[0])
+        assert keys[0] not in aio._STARTERS and keys[1] in aio._STARTERS
+        deadline = time.monotonic() + 10
+        while len(starters() - before) > 1 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert len(starters() - before) == 1, starters() - before
+        await am.shutdown()
+        assert keys[1] not in aio._STARTERS
+
+    asyncio.run(main())

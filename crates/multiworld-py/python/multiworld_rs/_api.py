@@ -126,6 +126,13 @@ class _ProcessPool:
             self._pid = os.getpid()
         return self._pool
 
+    def shutdown(self) -> None:
+        """Lets this process's threads go once the calls handed to them have
+        run (without waiting for that); a later :meth:`get` makes new ones."""
+        pool, self._pool = self._pool, None
+        if pool is not None and self._pid == os.getpid():
+            pool.shutdown(wait=False)
+
 
 #: The threads that wait for events for :meth:`EventStream.anext`.
 _EVENTS_POOL = _ProcessPool(8, "multiworld-events")

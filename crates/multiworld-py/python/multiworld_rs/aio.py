@@ -223,11 +223,24 @@ async def _call(fn: Any, *args: Any, **kw: Any) -> Any:
 
 #: The thread that starts the checked device calls of each membership
 #: (name, generation, rank), in call order (see
-#: :meth:`AsyncWorld._start_checked`): one idle thread per membership of an
-#: NCCL world checking its device calls that this process ever joined (a
-#: setting for development; they are kept for the process's life).
-_STARTERS: Dict[Tuple[str, int, int], "_api._ProcessPool"] = {}
+#: :meth:`AsyncWorld._start_checked`), with the membership's world: one
+#: thread per membership of an NCCL world checking its device calls, let go
+#: once its world is removed (:func:`_let_starters_go`).
+_STARTERS: Dict[Tuple[str, int, int], Tuple["_api._ProcessPool", Any]] = {}
 _STARTERS_LOCK = threading.Lock()
+
+
+def _let_starters_go() -> None:
+    """Lets the starter threads of memberships whose world was removed (left,
+    shut down) go: calls already handed to one still run (and fail as calls
+    on a removed world do), then its thread ends. Run when an
+    :class:`AsyncWorldManager` leaves a world or shuts down, and whenever a
+    membership gets its starter."""
+    with _STARTERS_LOCK:
+        for key, (pool, world) in list(_STARTERS.items()):
+            if getattr(world, "state", "ready") == "removed":
+                del _STARTERS[key]
+                pool.shutdown()
 
 
 def _tensors_in(args: Any) -> Any:
@@ -424,9 +437,12 @@ class AsyncWorld:
 
         key = (self.sync.name, self.sync.generation, self.sync.rank)
         with _STARTERS_LOCK:
-            starter = _STARTERS.get(key)
-            if starter is None:
-                starter = _STARTERS[key] = _api._ProcessPool(1, "multiworld-checked")
+            entry = _STARTERS.get(key)
+        if entry is None:
+            _let_starters_go()
+            with _STARTERS_LOCK:
+                entry = _STARTERS.setdefault(key, (_api._ProcessPool(1, "multiworld-checked"), self.sync))
+        starter = entry[0]
         loop = asyncio.get_running_loop()
         starting = loop.run_in_executor(starter.get(), run)
         try:
@@ -594,11 +610,17 @@ class AsyncWorldManager:
 
     async def leave(self, name: str) -> None:
         """Leaves a world at once."""
-        await _call(self.sync.leave, name)
+        try:
+            await _call(self.sync.leave, name)
+        finally:
+            _let_starters_go()
 
     async def shutdown(self) -> None:
         """Leaves every world and stops the hosted stores."""
-        await _call(self.sync.shutdown)
+        try:
+            await _call(self.sync.shutdown)
+        finally:
+            _let_starters_go()
 
     def events(self, timeout: Optional[float] = None) -> "_api.EventStream":
         """The manager's events, to iterate with ``async for`` (or ``for``);
