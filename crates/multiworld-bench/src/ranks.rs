@@ -24,7 +24,8 @@
 //!   process per world; every worker streams to the leader at once (total
 //!   messages per second and bandwidth);
 //! - `all-reduce`: `procs` processes all-reduce a float32 tensor of `size`
-//!   bytes (median time per call; also `ms_min`, `first_ms`, the first,
+//!   bytes (median time per call, after as many untimed calls:
+//!   [`Load::all_reduce_warmup`]; also `ms_min`, `first_ms`, the first,
 //!   untimed call, which sets up the group's shared memory if it uses it,
 //!   and `shared_memory`, the group's segment after the calls);
 //! - `broadcast`, `reduce`, `all-gather`, `reduce-scatter`, `all-to-all`,
@@ -199,7 +200,8 @@ pub struct Load {
     #[arg(long, default_value_t = 50)]
     pub max_iters: usize,
     /// ... and at least this many; between the two, as many as move
-    /// `--bytes` (plus two untimed warm-up calls).
+    /// `--bytes` (plus untimed warm-up calls: two for the other
+    /// collectives, as many again for `all-reduce`).
     #[arg(long, default_value_t = 5)]
     pub min_iters: usize,
 }
@@ -228,6 +230,16 @@ impl Load {
 
     fn warmup(&self, count: usize) -> usize {
         (count / 20).clamp(2, 200)
+    }
+
+    /// Untimed all-reduce calls before the `iters` timed ones (the Python
+    /// package's benchmark makes as many): as many, at least two. The first
+    /// calls after the processes start can run slower for a while: on the
+    /// 2-core VM, in some runs the first ~200 all-reduces of 1 MiB over two
+    /// processes took 80–110 µs each against 42 µs after, and a measurement
+    /// of 400 calls (about 20 ms) then took its median there.
+    pub fn all_reduce_warmup(iters: usize) -> usize {
+        iters.max(2)
     }
 }
 
@@ -835,16 +847,17 @@ async fn segment_state(g: &multiworld::Group) -> &'static str {
 
 async fn all_reduce(m: &WorldManager, a: &RankArgs, addr: &str) -> Result<Option<Value>> {
     let iters = a.load.iters(a.size);
+    let warm = Load::all_reduce_warmup(iters);
     let w = join(m, a, "all-reduce", a.rank, a.n, addr).await?;
     let g = group(&w, a).await?;
     let mut t = ones(a.size)?;
     let (mut times, mut first) = (Vec::with_capacity(iters), 0.0);
-    for i in 0..2 + iters {
+    for i in 0..warm + iters {
         let t0 = Instant::now();
         g.all_reduce(&mut t, ReduceOp::Sum).await.map_err(err)?;
         if i == 0 {
             first = t0.elapsed().as_secs_f64();
-        } else if i >= 2 {
+        } else if i >= warm {
             times.push(t0.elapsed().as_secs_f64());
         }
     }

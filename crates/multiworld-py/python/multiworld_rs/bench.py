@@ -20,7 +20,8 @@ Scenarios (every rank a process of its own, started with ``subprocess``):
   leader runs one thread per world (``threads``) or one asyncio task per
   world through :mod:`multiworld_rs.aio` (``asyncio``) (total GB/s);
 - ``all_reduce``: a float32 tensor summed over 2 or 4 processes (median ms
-  per call; 1 GiB in all, between 5 and 400 calls).
+  per call; 1 GiB in all, between 5 and 400 calls, after as many untimed
+  ones: see :meth:`Load.all_reduce_warmup`).
 
 The Rust binary is found through ``--rust-bin``, then ``$MULTIWORLD_BENCH_BIN``,
 then ``$CARGO_TARGET_DIR/release/mw-rank-bench`` and the repository's
@@ -81,6 +82,16 @@ class Load:
     @staticmethod
     def warmup(count: int) -> int:
         return min(max(count // 20, 2), 200)
+
+    @staticmethod
+    def all_reduce_warmup(iters: int) -> int:
+        """Untimed all-reduce calls before the ``iters`` timed ones (the
+        Rust binary makes as many): as many, at least two. The first calls
+        after the processes start can run slower for a while: on the 2-core
+        VM, in some runs the first ~200 all-reduces of 1 MiB over two
+        processes took 80–110 µs each against 42 µs after, and a measurement
+        of 400 calls (about 20 ms) then took its median there."""
+        return max(iters, 2)
 
     def flags(self) -> List[str]:
         return ["--bytes", str(self.bytes), "--min-messages", str(self.min_messages),
@@ -273,13 +284,14 @@ def _rank_all_reduce(m: Any, a: argparse.Namespace, addr: str, load: Load) -> Op
     import numpy as np
 
     iters = load.iters(a.size)
+    warm = Load.all_reduce_warmup(iters)
     w = m.join("all-reduce", a.rank, a.n, addr)
     t = _ones(a.size // 4)
     times = []
-    for i in range(2 + iters):
+    for i in range(warm + iters):
         t0 = time.perf_counter()
         w.all_reduce(t)
-        if i >= 2:
+        if i >= warm:
             times.append(time.perf_counter() - t0)
     w.finish(_FINISH)
     if a.rank != 0:
