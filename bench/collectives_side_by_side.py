@@ -5,7 +5,8 @@ on this machine in the same minutes.
 For each process count, gloo runs every collective and size in one process
 group, then multiworld runs each (one set of processes per measurement);
 with `--repeats` above 1 the two alternate. Both time back-to-back calls on
-rank 0 (two untimed calls first) and report the median time per call, with
+rank 0 (two untimed calls first; for all_reduce as many as the timed ones)
+and report the median time per call, with
 the same tensors (float32, `size` bytes per rank):
 
 - broadcast, reduce (sum, to rank 0), all_reduce (sum): one tensor of `size`;
@@ -66,6 +67,12 @@ def iters(size: int) -> int:
     return min(max(BYTES // size, 5), 50)
 
 
+def warmup(name: str, size: int) -> int:
+    """Untimed calls before the timed ones: the Rust ranks' rule, two, and
+    for all_reduce as many as the timed ones (`Load::all_reduce_warmup`)."""
+    return max(iters(size), 2) if name == "all_reduce" else 2
+
+
 def gloo_call(name: str, rank: int, n: int, size: int):
     """A zero-argument callable doing one `name` call, tensors allocated once."""
     elems = max(1, size // 4)
@@ -104,8 +111,8 @@ def gloo_rank(rank: int, n: int, port: int, sizes, out, names=COLLECTIVES) -> No
         for name in names:
             call = gloo_call(name, rank, n, size)
             try:
-                call()
-                call()
+                for _ in range(warmup(name, size)):
+                    call()
             except (RuntimeError, NotImplementedError, ValueError) as e:
                 # Unsupported by gloo: every rank raises the same, at once.
                 if rank == 0:

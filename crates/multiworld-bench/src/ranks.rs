@@ -872,7 +872,7 @@ async fn all_reduce(m: &WorldManager, a: &RankArgs, addr: &str) -> Result<Option
 }
 
 /// One of the other collectives (see [`Scenario`] for what `size` means
-/// for each), timed like `all-reduce`: two untimed calls, then `iters`.
+/// for each): two untimed calls, then `iters` timed ones.
 async fn collective(m: &WorldManager, a: &RankArgs, addr: &str) -> Result<Option<Value>> {
     let iters = a.load.iters(a.size);
     let n = a.n as usize;

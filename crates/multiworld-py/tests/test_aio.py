@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import threading
 import time
 
@@ -1070,7 +1071,8 @@ def test_a_membership_lets_its_checked_call_thread_go_when_its_world_is_left(mon
     """The thread that starts a checking world's device calls (one per
     membership) is let go when the asyncio manager leaves that world: its
     entry goes and the thread ends. A membership still joined keeps its
-    own. (No GPU here: numpy arrays stand in for CUDA tensors, and proxies
+    own while its world object lives, and loses it at the next sweep once
+    none does. (No GPU here: numpy arrays stand in for CUDA tensors, and proxies
     that check stand in for NCCL worlds.)"""
     monkeypatch.setattr(aio, "_is_cuda", lambda t: isinstance(t, np.ndarray))
     monkeypatch.setattr(aio, "_stream_of", lambda args: None)
@@ -1099,8 +1101,9 @@ def test_a_membership_lets_its_checked_call_thread_go_when_its_world_is_left(mon
             return aio.AsyncWorld(Checked())
 
         before = starters()
-        for w in worlds:
-            await checking(w).all_reduce(np.arange(4, dtype=np.float32))
+        wrappers = [checking(w) for w in worlds]
+        for i in range(len(wrappers)):
+            await wrappers[i].all_reduce(np.arange(4, dtype=np.float32))
         keys = [(w.name, w.generation, w.rank) for w in worlds]
         assert all(k in aio._STARTERS for k in keys)
         threads = starters() - before
@@ -1111,7 +1114,12 @@ def test_a_membership_lets_its_checked_call_thread_go_when_its_world_is_left(mon
         while len(starters() - before) > 1 and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         assert len(starters() - before) == 1, starters() - before
-        await am.shutdown()
+        # A membership whose world objects are all gone has nothing queued:
+        # the next sweep lets its thread go too.
+        wrappers.clear()
+        gc.collect()
+        aio._let_starters_go()
         assert keys[1] not in aio._STARTERS
+        await am.shutdown()
 
     asyncio.run(main())

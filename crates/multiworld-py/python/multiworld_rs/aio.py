@@ -223,22 +223,25 @@ async def _call(fn: Any, *args: Any, **kw: Any) -> Any:
 
 #: The thread that starts the checked device calls of each membership
 #: (name, generation, rank), in call order (see
-#: :meth:`AsyncWorld._start_checked`), with the membership's world: one
-#: thread per membership of an NCCL world checking its device calls, let go
-#: once its world is removed (:func:`_let_starters_go`).
-_STARTERS: Dict[Tuple[str, int, int], Tuple["_api._ProcessPool", Any]] = {}
+#: :meth:`AsyncWorld._start_checked`), with a weak reference to the
+#: membership's world: one thread per membership of an NCCL world checking
+#: its device calls, let go once its world is removed or no longer
+#: referenced (:func:`_let_starters_go`).
+_STARTERS: Dict[Tuple[str, int, int], Tuple["_api._ProcessPool", "weakref.ref[Any]"]] = {}
 _STARTERS_LOCK = threading.Lock()
 
 
 def _let_starters_go() -> None:
     """Lets the starter threads of memberships whose world was removed (left,
-    shut down) go: calls already handed to one still run (and fail as calls
-    on a removed world do), then its thread ends. Run when an
+    shut down) or is no longer referenced go: calls already handed to one
+    still run (and fail as calls on a removed world do; a queued call holds
+    its world), then its thread ends. Run when an
     :class:`AsyncWorldManager` leaves a world or shuts down, and whenever a
     membership gets its starter."""
     with _STARTERS_LOCK:
-        for key, (pool, world) in list(_STARTERS.items()):
-            if getattr(world, "state", "ready") == "removed":
+        for key, (pool, ref) in list(_STARTERS.items()):
+            world = ref()
+            if world is None or getattr(world, "state", "ready") == "removed":
                 del _STARTERS[key]
                 pool.shutdown()
 
@@ -442,14 +445,20 @@ class AsyncWorld:
 
         key = (self.sync.name, self.sync.generation, self.sync.rank)
         with _STARTERS_LOCK:
-            entry = _STARTERS.get(key)
-        if entry is None:
+            known = key in _STARTERS
+        if not known:
             _let_starters_go()
-            with _STARTERS_LOCK:
-                entry = _STARTERS.setdefault(key, (_api._ProcessPool(1, "multiworld-checked"), self.sync))
-        starter = entry[0]
         loop = asyncio.get_running_loop()
-        starting = loop.run_in_executor(starter.get(), run)
+        # Found and handed the call under the lock, so that no sweep on
+        # another thread shuts the starter down in between.
+        with _STARTERS_LOCK:
+            entry = _STARTERS.get(key)
+            if entry is None or entry[1]() is not self.sync:
+                # The world object of the latest call: the calls queued
+                # before it end first, so while it lives none is lost.
+                pool = _api._ProcessPool(1, "multiworld-checked") if entry is None else entry[0]
+                entry = _STARTERS[key] = (pool, weakref.ref(self.sync))
+            starting = loop.run_in_executor(entry[0].get(), run)
         try:
             return await asyncio.shield(starting)
         except asyncio.CancelledError:
