@@ -239,11 +239,16 @@ def _let_starters_go() -> None:
     :class:`AsyncWorldManager` leaves a world or shuts down, and whenever a
     membership gets its starter."""
     with _STARTERS_LOCK:
-        for key, (pool, ref) in list(_STARTERS.items()):
-            world = ref()
-            if world is None or getattr(world, "state", "ready") == "removed":
-                del _STARTERS[key]
-                pool.shutdown()
+        _sweep_starters()
+
+
+def _sweep_starters() -> None:
+    """:func:`_let_starters_go`'s work, under ``_STARTERS_LOCK``."""
+    for key, (pool, ref) in list(_STARTERS.items()):
+        world = ref()
+        if world is None or getattr(world, "state", "ready") == "removed":
+            del _STARTERS[key]
+            pool.shutdown()
 
 
 def _tensors_in(args: Any) -> Any:
@@ -444,15 +449,13 @@ class AsyncWorld:
                 return start(*args, **kw)
 
         key = (self.sync.name, self.sync.generation, self.sync.rank)
-        with _STARTERS_LOCK:
-            known = key in _STARTERS
-        if not known:
-            _let_starters_go()
         loop = asyncio.get_running_loop()
         # Found and handed the call under the lock, so that no sweep on
         # another thread shuts the starter down in between.
         with _STARTERS_LOCK:
             entry = _STARTERS.get(key)
+            if entry is None:
+                _sweep_starters()
             if entry is None or entry[1]() is not self.sync:
                 # The world object of the latest call: the calls queued
                 # before it end first, so while it lives none is lost.
